@@ -1,0 +1,1 @@
+//! Runnable example programs: `cargo run --example <name>` from the workspace root.

@@ -1,0 +1,1 @@
+//! The `#[idempotent]` attribute. Use it through `idem_runtime::idempotent`.

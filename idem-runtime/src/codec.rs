@@ -1,0 +1,147 @@
+//! How results are recorded: one tag byte, then `serde_json`.
+//!
+//! The tag tells a recorded value (`v`) from a recorded error (`e`, only with an
+//! [`ErrorPolicy`] that caches errors), so the presence of a record, never its content, says
+//! that the operation completed: `()`, `0`, `false`, `None` and `[]` replay like any value.
+
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::Error;
+
+const VALUE: u8 = b'v';
+const ERROR: u8 = b'e';
+
+/// What a record decodes to: the recorded `Ok` value, or a recorded error.
+pub(crate) type Replayed<T, E> = Result<T, E>;
+
+fn encode<V: Serialize + ?Sized>(tag: u8, value: &V) -> Result<Bytes, Error> {
+    let mut buf = Vec::with_capacity(128);
+    buf.push(tag);
+    serde_json::to_writer(&mut buf, value).map_err(|e| Error::codec(EncodeError(e)))?;
+    Ok(buf.into())
+}
+
+pub(crate) fn encode_value<T: Serialize>(value: &T) -> Result<Bytes, Error> {
+    encode(VALUE, value)
+}
+
+pub(crate) fn decode<T, E, P>(record: &[u8], policy: &P) -> Result<Replayed<T, E>, Error>
+where
+    T: DeserializeOwned,
+    P: ErrorPolicy<E> + ?Sized,
+{
+    match record.split_first() {
+        Some((&VALUE, json)) => serde_json::from_slice(json)
+            .map(Ok)
+            .map_err(|e| Error::codec(DecodeError(e))),
+        Some((&ERROR, json)) => policy.decode(json).map(Err),
+        _ => Err(Error::codec("the record is not in the idem format")),
+    }
+}
+
+/// The result could not be encoded as JSON.
+#[derive(Debug, thiserror::Error)]
+#[error("encoding the result failed: {0}")]
+struct EncodeError(#[source] serde_json::Error);
+
+/// The record could not be decoded as the caller's type.
+#[derive(Debug, thiserror::Error)]
+#[error("the recorded result does not decode as this call's type: {0}")]
+struct DecodeError(#[source] serde_json::Error);
+
+/// What happens to an `Err` returned by the body.
+///
+/// [`ReleaseErrors`] (the default) releases the key so that a retry runs the body again;
+/// [`CacheErrors`] records the errors its predicate accepts and replays them like values.
+pub trait ErrorPolicy<E> {
+    /// Encodes `err` for recording when it is final, or returns `None` to release the key.
+    fn encode(&self, err: &E) -> Option<Result<Bytes, Error>>;
+
+    /// Decodes a recorded error (its JSON, without the tag byte).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Codec`] when the bytes do not decode as `E`, or this policy never records
+    /// errors.
+    fn decode(&self, json: &[u8]) -> Result<E, Error>;
+}
+
+/// Every `Err` releases the key; see [`ErrorPolicy`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ReleaseErrors;
+
+impl<E> ErrorPolicy<E> for ReleaseErrors {
+    fn encode(&self, _: &E) -> Option<Result<Bytes, Error>> {
+        None
+    }
+
+    fn decode(&self, _: &[u8]) -> Result<E, Error> {
+        Err(Error::codec(
+            "the record holds an error, but this call does not cache errors (`cache_err`)",
+        ))
+    }
+}
+
+/// Errors accepted by the predicate are final: recorded and replayed; see [`ErrorPolicy`].
+#[derive(Clone, Copy, Debug)]
+pub struct CacheErrors<F>(pub F);
+
+impl<E, F> ErrorPolicy<E> for CacheErrors<F>
+where
+    E: Serialize + DeserializeOwned,
+    F: Fn(&E) -> bool,
+{
+    fn encode(&self, err: &E) -> Option<Result<Bytes, Error>> {
+        (self.0)(err).then(|| encode(ERROR, err))
+    }
+
+    fn decode(&self, json: &[u8]) -> Result<E, Error> {
+        serde_json::from_slice(json).map_err(|e| Error::codec(DecodeError(e)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unit_and_falsy_values_have_non_empty_records() {
+        for record in [
+            encode_value(&()).unwrap(),
+            encode_value(&0).unwrap(),
+            encode_value(&false).unwrap(),
+            encode_value(&None::<u8>).unwrap(),
+            encode_value(&Vec::<u8>::new()).unwrap(),
+        ] {
+            assert!(record.len() > 1, "{record:?}");
+        }
+        let back: Replayed<(), ()> = decode(&encode_value(&()).unwrap(), &ReleaseErrors).unwrap();
+        assert_eq!(back, Ok(()));
+    }
+
+    #[test]
+    fn errors_round_trip_only_with_a_caching_policy() {
+        let policy = CacheErrors(|e: &String| e.starts_with("declined"));
+        assert!(policy.encode(&"timeout".to_string()).is_none());
+        let record = policy
+            .encode(&"declined: card".to_string())
+            .unwrap()
+            .unwrap();
+        let back: Replayed<u32, String> = decode(&record, &policy).unwrap();
+        assert_eq!(back, Err("declined: card".to_string()));
+
+        let err = decode::<u32, String, _>(&record, &ReleaseErrors).unwrap_err();
+        assert!(matches!(err, Error::Codec(_)), "{err}");
+    }
+
+    #[test]
+    fn a_record_of_another_type_is_a_codec_error() {
+        let record = encode_value(&"text").unwrap();
+        let err = decode::<u64, (), _>(&record, &ReleaseErrors).unwrap_err();
+        assert!(matches!(err, Error::Codec(_)));
+        let err = decode::<u64, (), _>(b"", &ReleaseErrors).unwrap_err();
+        assert!(matches!(err, Error::Codec(_)));
+    }
+}

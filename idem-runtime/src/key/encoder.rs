@@ -1,0 +1,375 @@
+//! The canonical encoding of key values, as a `serde::Serializer` that writes into a hasher.
+//!
+//! The table of tags is in the parent module's documentation; every tag below refers to it.
+
+use std::fmt;
+
+use serde::ser::{self, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::Error;
+
+/// Encodes `value` into `hasher`.
+pub(super) fn encode<V: Serialize + ?Sized>(hasher: &mut Sha256, value: &V) -> Result<(), Error> {
+    value
+        .serialize(Encoder { out: hasher })
+        .map_err(|e| Error::Key(Box::new(e)))
+}
+
+/// Writes a length-prefixed string (tag `s`).
+pub(super) fn write_str(out: &mut Sha256, s: &str) {
+    write_bytes(out, b's', s.as_bytes());
+}
+
+fn write_bytes(out: &mut Sha256, tag: u8, bytes: &[u8]) {
+    out.update([tag]);
+    out.update((bytes.len() as u64).to_le_bytes());
+    out.update(bytes);
+}
+
+fn write_int(out: &mut Sha256, v: i128) {
+    let tag = if v < 0 { b'I' } else { b'U' };
+    out.update([tag]);
+    out.update(v.to_le_bytes());
+}
+
+/// Why a key value could not be encoded.
+#[derive(Debug)]
+pub(crate) struct KeyError(String);
+
+impl fmt::Display for KeyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for KeyError {}
+
+impl ser::Error for KeyError {
+    fn custom<T: fmt::Display>(msg: T) -> Self {
+        Self(msg.to_string())
+    }
+}
+
+struct Encoder<'h> {
+    out: &'h mut Sha256,
+}
+
+impl Encoder<'_> {
+    fn reborrow(&mut self) -> Encoder<'_> {
+        Encoder { out: self.out }
+    }
+
+    fn tag(&mut self, tag: u8) {
+        self.out.update([tag]);
+    }
+
+    fn variant(&mut self, tag: u8, name: &str) {
+        self.tag(tag);
+        write_str(self.out, name);
+    }
+}
+
+type Result<T = (), E = KeyError> = std::result::Result<T, E>;
+
+impl<'h> ser::Serializer for Encoder<'h> {
+    type Ok = ();
+    type Error = KeyError;
+    type SerializeSeq = Self;
+    type SerializeTuple = Self;
+    type SerializeTupleStruct = Self;
+    type SerializeTupleVariant = Self;
+    type SerializeMap = MapEncoder<'h>;
+    type SerializeStruct = Self;
+    type SerializeStructVariant = Self;
+
+    fn serialize_bool(mut self, v: bool) -> Result {
+        self.tag(b'B');
+        self.tag(u8::from(v));
+        Ok(())
+    }
+
+    fn serialize_i8(self, v: i8) -> Result {
+        self.serialize_i128(v.into())
+    }
+
+    fn serialize_i16(self, v: i16) -> Result {
+        self.serialize_i128(v.into())
+    }
+
+    fn serialize_i32(self, v: i32) -> Result {
+        self.serialize_i128(v.into())
+    }
+
+    fn serialize_i64(self, v: i64) -> Result {
+        self.serialize_i128(v.into())
+    }
+
+    fn serialize_i128(self, v: i128) -> Result {
+        write_int(self.out, v);
+        Ok(())
+    }
+
+    fn serialize_u8(self, v: u8) -> Result {
+        self.serialize_i128(v.into())
+    }
+
+    fn serialize_u16(self, v: u16) -> Result {
+        self.serialize_i128(v.into())
+    }
+
+    fn serialize_u32(self, v: u32) -> Result {
+        self.serialize_i128(v.into())
+    }
+
+    fn serialize_u64(self, v: u64) -> Result {
+        self.serialize_i128(v.into())
+    }
+
+    fn serialize_u128(mut self, v: u128) -> Result {
+        // Values above i128::MAX keep the `U` tag: their top bit makes them distinct from
+        // every non-negative i128, which never has it.
+        self.tag(b'U');
+        self.out.update(v.to_le_bytes());
+        Ok(())
+    }
+
+    fn serialize_f32(self, v: f32) -> Result {
+        self.serialize_f64(v.into())
+    }
+
+    fn serialize_f64(mut self, v: f64) -> Result {
+        if v.is_nan() {
+            return Err(KeyError(
+                "NaN has no stable encoding; use a finite float or an integer".into(),
+            ));
+        }
+        // -0.0 == 0.0, so they must give the same key.
+        let v = if v == 0.0 { 0.0 } else { v };
+        self.tag(b'F');
+        self.out.update(v.to_bits().to_le_bytes());
+        Ok(())
+    }
+
+    fn serialize_char(self, v: char) -> Result {
+        self.serialize_str(v.encode_utf8(&mut [0; 4]))
+    }
+
+    fn serialize_str(self, v: &str) -> Result {
+        write_str(self.out, v);
+        Ok(())
+    }
+
+    fn serialize_bytes(self, v: &[u8]) -> Result {
+        write_bytes(self.out, b'b', v);
+        Ok(())
+    }
+
+    fn serialize_none(mut self) -> Result {
+        self.tag(b'N');
+        Ok(())
+    }
+
+    fn serialize_some<T: Serialize + ?Sized>(mut self, value: &T) -> Result {
+        self.tag(b'S');
+        value.serialize(self)
+    }
+
+    fn serialize_unit(mut self) -> Result {
+        self.tag(b'0');
+        Ok(())
+    }
+
+    fn serialize_unit_struct(self, _name: &'static str) -> Result {
+        self.serialize_unit()
+    }
+
+    fn serialize_unit_variant(mut self, _: &'static str, _: u32, variant: &'static str) -> Result {
+        self.variant(b'V', variant);
+        Ok(())
+    }
+
+    fn serialize_newtype_struct<T: Serialize + ?Sized>(self, _: &'static str, value: &T) -> Result {
+        value.serialize(self)
+    }
+
+    fn serialize_newtype_variant<T: Serialize + ?Sized>(
+        mut self,
+        _: &'static str,
+        _: u32,
+        variant: &'static str,
+        value: &T,
+    ) -> Result {
+        self.variant(b'W', variant);
+        value.serialize(self)
+    }
+
+    fn serialize_seq(mut self, _len: Option<usize>) -> Result<Self> {
+        self.tag(b'[');
+        Ok(self)
+    }
+
+    fn serialize_tuple(self, len: usize) -> Result<Self> {
+        self.serialize_seq(Some(len))
+    }
+
+    fn serialize_tuple_struct(self, _: &'static str, len: usize) -> Result<Self> {
+        self.serialize_seq(Some(len))
+    }
+
+    fn serialize_tuple_variant(
+        mut self,
+        _: &'static str,
+        _: u32,
+        variant: &'static str,
+        _len: usize,
+    ) -> Result<Self> {
+        self.variant(b'T', variant);
+        self.tag(b'[');
+        Ok(self)
+    }
+
+    fn serialize_map(self, len: Option<usize>) -> Result<MapEncoder<'h>> {
+        Ok(MapEncoder {
+            out: self.out,
+            entries: Vec::with_capacity(len.unwrap_or(0)),
+            current: None,
+        })
+    }
+
+    fn serialize_struct(mut self, _: &'static str, _len: usize) -> Result<Self> {
+        self.tag(b'{');
+        Ok(self)
+    }
+
+    fn serialize_struct_variant(
+        mut self,
+        _: &'static str,
+        _: u32,
+        variant: &'static str,
+        _len: usize,
+    ) -> Result<Self> {
+        self.variant(b'R', variant);
+        self.tag(b'{');
+        Ok(self)
+    }
+}
+
+impl ser::SerializeSeq for Encoder<'_> {
+    type Ok = ();
+    type Error = KeyError;
+
+    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result {
+        value.serialize(self.reborrow())
+    }
+
+    fn end(mut self) -> Result {
+        self.tag(b']');
+        Ok(())
+    }
+}
+
+impl ser::SerializeTuple for Encoder<'_> {
+    type Ok = ();
+    type Error = KeyError;
+
+    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result {
+        ser::SerializeSeq::serialize_element(self, value)
+    }
+
+    fn end(self) -> Result {
+        ser::SerializeSeq::end(self)
+    }
+}
+
+impl ser::SerializeTupleStruct for Encoder<'_> {
+    type Ok = ();
+    type Error = KeyError;
+
+    fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Result {
+        ser::SerializeSeq::serialize_element(self, value)
+    }
+
+    fn end(self) -> Result {
+        ser::SerializeSeq::end(self)
+    }
+}
+
+impl ser::SerializeTupleVariant for Encoder<'_> {
+    type Ok = ();
+    type Error = KeyError;
+
+    fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Result {
+        ser::SerializeSeq::serialize_element(self, value)
+    }
+
+    fn end(self) -> Result {
+        ser::SerializeSeq::end(self)
+    }
+}
+
+impl ser::SerializeStruct for Encoder<'_> {
+    type Ok = ();
+    type Error = KeyError;
+
+    fn serialize_field<T: Serialize + ?Sized>(&mut self, name: &'static str, value: &T) -> Result {
+        write_str(self.out, name);
+        value.serialize(self.reborrow())
+    }
+
+    fn end(mut self) -> Result {
+        self.tag(b'}');
+        Ok(())
+    }
+}
+
+impl ser::SerializeStructVariant for Encoder<'_> {
+    type Ok = ();
+    type Error = KeyError;
+
+    fn serialize_field<T: Serialize + ?Sized>(&mut self, name: &'static str, value: &T) -> Result {
+        ser::SerializeStruct::serialize_field(self, name, value)
+    }
+
+    fn end(self) -> Result {
+        ser::SerializeStruct::end(self)
+    }
+}
+
+/// Encodes a map independently of its iteration order: each entry is hashed on its own, and
+/// the entry digests are written sorted. The only place the encoder allocates.
+pub(crate) struct MapEncoder<'h> {
+    out: &'h mut Sha256,
+    entries: Vec<[u8; 32]>,
+    current: Option<Sha256>,
+}
+
+impl ser::SerializeMap for MapEncoder<'_> {
+    type Ok = ();
+    type Error = KeyError;
+
+    fn serialize_key<T: Serialize + ?Sized>(&mut self, key: &T) -> Result {
+        let entry = self.current.insert(Sha256::new());
+        key.serialize(Encoder { out: entry })
+    }
+
+    fn serialize_value<T: Serialize + ?Sized>(&mut self, value: &T) -> Result {
+        let mut entry = self
+            .current
+            .take()
+            .ok_or_else(|| KeyError("map value serialized before its key".into()))?;
+        value.serialize(Encoder { out: &mut entry })?;
+        self.entries.push(entry.finalize().into());
+        Ok(())
+    }
+
+    fn end(mut self) -> Result {
+        self.entries.sort_unstable();
+        self.out.update([b'M']);
+        self.out.update((self.entries.len() as u64).to_le_bytes());
+        for entry in &self.entries {
+            self.out.update(entry);
+        }
+        Ok(())
+    }
+}

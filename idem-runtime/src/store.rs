@@ -1,0 +1,200 @@
+//! The storage contract behind every idempotent call, and its backends.
+//!
+//! A record per [`Key`] moves through three states:
+//!
+//! ```text
+//!            claim                      complete(token)
+//!  absent ──────────▶ in progress ─────────────────────▶ completed ──(ttl)──▶ absent
+//!     ▲                 │  │ lease runs out: the next claim takes it over
+//!     └─ release(token) ┘  └──────────────▶ in progress (new, larger token)
+//! ```
+//!
+//! Third-party backends implement [`Store`]; the `testkit` feature's conformance suite checks
+//! that an implementation keeps this contract.
+
+#[cfg(feature = "memory")]
+pub mod memory;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use crate::{Error, Fingerprint, Flights, Key};
+
+/// A fencing token: strictly larger for every successful claim of the same key, so that a
+/// holder whose lease ran out can be told apart from the one that took the key over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Token(u64);
+
+impl Token {
+    /// Wraps a raw token, for store implementations.
+    pub const fn new(raw: u64) -> Self {
+        Self(raw)
+    }
+
+    /// The raw value.
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+}
+
+/// What [`Store::claim`] found or did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Claim {
+    /// The key was absent, expired, or its lease had run out: the caller now holds it with
+    /// this token and must run the operation, then [`complete`](Store::complete) or
+    /// [`release`](Store::release).
+    Acquired {
+        /// The token to present to `complete`, `release` and `renew`.
+        token: Token,
+    },
+    /// Another holder's claim is live; nothing was changed.
+    InProgress {
+        /// The fingerprint the holder claimed with.
+        fingerprint: Option<Fingerprint>,
+    },
+    /// The operation completed before and its record has not expired; nothing was changed.
+    Completed {
+        /// The recorded result, as passed to [`complete`](Store::complete).
+        value: Bytes,
+        /// The fingerprint the record was claimed with.
+        fingerprint: Option<Fingerprint>,
+    },
+}
+
+/// Where claims and recorded results live.
+///
+/// Implementations are cheap handles (`Clone`, an `Arc` inside) shared across tasks; the
+/// trait is object safe, so `Arc<dyn Store>` is a store too.
+///
+/// # Contract
+///
+/// Every method is **one atomic step** on the record of one key (one round trip on a network
+/// store). Expiry is judged by the store's own clock, never by comparing clocks of clients.
+/// `complete`, `release` and `renew` are compare-and-set on the [`Token`]: they act only while
+/// the record is in progress, live, and holds exactly that token, and otherwise return
+/// `Ok(false)` and change nothing. Different keys never block each other.
+#[async_trait]
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an idempotency store",
+    note = "use `MemoryStore`, a store of a backend feature (`RedisStore`, `PostgresStore`), `Arc<dyn Store>`, or implement `idem_runtime::Store`"
+)]
+pub trait Store: Send + Sync + 'static {
+    /// Takes `key` for the caller, or reports what is there, in one atomic step.
+    ///
+    /// If the record is absent, completed but past its TTL, or in progress with a lease that
+    /// ran out, it becomes in progress with `fingerprint`, a lease of `lease` and a new token
+    /// larger than any earlier token of this key: [`Claim::Acquired`]. Otherwise nothing
+    /// changes and the live record is returned.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot be reached or fails; the caller must then not
+    /// run the operation.
+    async fn claim(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Claim, Error>;
+
+    /// Records `value` as the result of the claim `token`, replayed for `ttl`.
+    ///
+    /// Returns `Ok(false)`, changing nothing, when the record is no longer in progress under
+    /// `token` (released, expired, or taken over).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot be reached or fails; the record is then
+    /// unchanged and stays in progress until its lease runs out.
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, Error>;
+
+    /// Deletes the in-progress record of claim `token`, so that the next claim runs.
+    ///
+    /// Returns `Ok(false)`, changing nothing, when the record is not in progress under `token`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot be reached or fails; the record then stays until
+    /// its lease runs out.
+    async fn release(&self, key: &Key, token: Token) -> Result<bool, Error>;
+
+    /// Extends the lease of claim `token` to `lease` from now (a heartbeat).
+    ///
+    /// Returns `Ok(false)`, changing nothing, when the record is not in progress under `token`:
+    /// the lease was lost and the holder's result will not be recorded.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot be reached or fails.
+    async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error>;
+
+    /// Deletes the record of `key` whatever its state (an administrative reset). Returns
+    /// whether there was one. A holder of a removed claim can no longer complete it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot be reached or fails.
+    async fn remove(&self, key: &Key) -> Result<bool, Error>;
+
+    /// The registry through which calls in this process share the outcome of a running call
+    /// on this store instead of asking the store again. Every handle to the same storage
+    /// must return the same registry. `None` (the default) turns in-process coalescing off:
+    /// duplicates then poll the store.
+    fn flights(&self) -> Option<&Flights> {
+        None
+    }
+}
+
+macro_rules! forward_store {
+    ($($ty:ty),*) => {$(
+        #[async_trait]
+        impl<S: Store + ?Sized> Store for $ty {
+            async fn claim(
+                &self,
+                key: &Key,
+                fingerprint: Option<&Fingerprint>,
+                lease: Duration,
+            ) -> Result<Claim, Error> {
+                (**self).claim(key, fingerprint, lease).await
+            }
+
+            async fn complete(
+                &self,
+                key: &Key,
+                token: Token,
+                value: Bytes,
+                ttl: Duration,
+            ) -> Result<bool, Error> {
+                (**self).complete(key, token, value, ttl).await
+            }
+
+            async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
+                (**self).release(key, token).await
+            }
+
+            async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
+                (**self).renew(key, token, lease).await
+            }
+
+            async fn remove(&self, key: &Key) -> Result<bool, Error> {
+                (**self).remove(key).await
+            }
+
+            fn flights(&self) -> Option<&Flights> {
+                (**self).flights()
+            }
+        }
+    )*};
+}
+
+forward_store!(Arc<S>, Box<S>);

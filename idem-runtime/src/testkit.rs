@@ -1,0 +1,348 @@
+//! The store conformance suite (feature `testkit`).
+//!
+//! One suite checks every backend against the [`Store`] contract: atomic claims, fencing
+//! tokens that grow, compare-and-set completion, release and renewal, expiry of leases and
+//! results by the store's clock, and administrative removal. The author of a third-party
+//! backend runs it on theirs:
+//!
+//! ```no_run
+//! # async fn my_store() -> idem_runtime::MemoryStore { idem_runtime::MemoryStore::new() }
+//! #[tokio::test]
+//! async fn my_store_keeps_the_contract() {
+//!     idem_runtime::testkit::conformance(&my_store().await).await;
+//! }
+//! ```
+//!
+//! The suite uses real time (leases and TTLs of a few hundred milliseconds), since a network
+//! store judges expiry by its own clock; it takes about two seconds. Its keys live in a
+//! namespace of their own for each run, so it can run against a shared server. A broken
+//! promise panics with a message naming the check, like any failed assertion.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+
+use crate::{Claim, Fingerprint, Key, Store, Token};
+
+/// A short lease: long enough for a slow server's round trips, short enough to wait out.
+const LEASE: Duration = Duration::from_millis(400);
+
+/// Runs every check against `store`. Panics on the first broken promise.
+pub async fn conformance<S: Store + Clone>(store: &S) {
+    let keys = Keys::new();
+    claim_takes_an_absent_key(store, &keys).await;
+    complete_records_and_replays(store, &keys).await;
+    stale_tokens_change_nothing(store, &keys).await;
+    release_frees_the_key_with_a_larger_token(store, &keys).await;
+    lapsed_lease_is_taken_over_and_fences_the_old_holder(store, &keys).await;
+    renew_extends_the_lease(store, &keys).await;
+    results_expire_after_their_ttl(store, &keys).await;
+    remove_deletes_any_record(store, &keys).await;
+    records_keep_arbitrary_bytes(store, &keys).await;
+    concurrent_claims_have_one_winner(store, &keys).await;
+    keys_are_independent(store, &keys).await;
+}
+
+/// Unique keys for one run of the suite.
+struct Keys {
+    run: u128,
+    next: AtomicU64,
+}
+
+impl Keys {
+    fn new() -> Self {
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        Self {
+            run: nanos ^ u128::from(std::process::id()) << 64,
+            next: AtomicU64::new(0),
+        }
+    }
+
+    fn fresh(&self) -> Key {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        Key::derive("idem.testkit", &(self.run, n)).expect("integers always encode")
+    }
+}
+
+fn fingerprint(n: u32) -> Fingerprint {
+    Fingerprint::of(&n).expect("integers always encode")
+}
+
+async fn acquire<S: Store>(store: &S, key: &Key, fp: Option<&Fingerprint>) -> Token {
+    match store.claim(key, fp, LEASE).await {
+        Ok(Claim::Acquired { token }) => token,
+        other => panic!("claim of a free key must acquire it, got {other:?}"),
+    }
+}
+
+async fn claim<S: Store>(store: &S, key: &Key, fp: Option<&Fingerprint>) -> Claim {
+    store
+        .claim(key, fp, LEASE)
+        .await
+        .unwrap_or_else(|e| panic!("claim failed: {e}"))
+}
+
+async fn claim_takes_an_absent_key<S: Store>(store: &S, keys: &Keys) {
+    let key = keys.fresh();
+    let fp = fingerprint(1);
+    acquire(store, &key, Some(&fp)).await;
+    assert_eq!(
+        claim(store, &key, Some(&fingerprint(2))).await,
+        Claim::InProgress {
+            fingerprint: Some(fp)
+        },
+        "a second claim must see the first in progress, with the first claim's fingerprint"
+    );
+}
+
+async fn complete_records_and_replays<S: Store>(store: &S, keys: &Keys) {
+    let key = keys.fresh();
+    let fp = fingerprint(7);
+    let token = acquire(store, &key, Some(&fp)).await;
+    let value = Bytes::from_static(b"v\"receipt\"");
+    assert!(
+        store
+            .complete(&key, token, value.clone(), Duration::from_secs(60))
+            .await
+            .unwrap(),
+        "the holder's complete must apply"
+    );
+    let expected = Claim::Completed {
+        value,
+        fingerprint: Some(fp),
+    };
+    assert_eq!(
+        claim(store, &key, None).await,
+        expected,
+        "a completed record replays"
+    );
+    assert_eq!(
+        claim(store, &key, None).await,
+        expected,
+        "replays do not change the record"
+    );
+    assert!(
+        !store.release(&key, token).await.unwrap(),
+        "release after complete must be refused"
+    );
+    assert_eq!(
+        claim(store, &key, None).await,
+        expected,
+        "a refused release changes nothing"
+    );
+}
+
+async fn stale_tokens_change_nothing<S: Store>(store: &S, keys: &Keys) {
+    let key = keys.fresh();
+    let token = acquire(store, &key, None).await;
+    let wrong = Token::new(token.get().wrapping_add(1_000_000));
+    let ttl = Duration::from_secs(60);
+    assert!(!store
+        .complete(&key, wrong, Bytes::from_static(b"x"), ttl)
+        .await
+        .unwrap());
+    assert!(!store.release(&key, wrong).await.unwrap());
+    assert!(!store.renew(&key, wrong, LEASE).await.unwrap());
+    assert_eq!(
+        claim(store, &key, None).await,
+        Claim::InProgress { fingerprint: None },
+        "operations with another token must leave the claim as it was"
+    );
+    let absent = keys.fresh();
+    assert!(!store
+        .complete(&absent, token, Bytes::from_static(b"x"), ttl)
+        .await
+        .unwrap());
+    assert!(!store.release(&absent, token).await.unwrap());
+    assert!(!store.renew(&absent, token, LEASE).await.unwrap());
+}
+
+async fn release_frees_the_key_with_a_larger_token<S: Store>(store: &S, keys: &Keys) {
+    let key = keys.fresh();
+    let first = acquire(store, &key, None).await;
+    assert!(
+        store.release(&key, first).await.unwrap(),
+        "the holder's release must apply"
+    );
+    assert!(
+        !store.release(&key, first).await.unwrap(),
+        "a second release must be refused"
+    );
+    let second = acquire(store, &key, None).await;
+    assert!(
+        second > first,
+        "tokens must grow: {second:?} after {first:?}"
+    );
+}
+
+async fn lapsed_lease_is_taken_over_and_fences_the_old_holder<S: Store>(store: &S, keys: &Keys) {
+    let key = keys.fresh();
+    let stale = acquire(store, &key, None).await;
+    tokio::time::sleep(LEASE + LEASE / 2).await;
+    let owner = acquire(store, &key, Some(&fingerprint(2))).await;
+    assert!(owner > stale, "a takeover must get a larger token");
+
+    let ttl = Duration::from_secs(60);
+    assert!(
+        !store.renew(&key, stale, LEASE).await.unwrap(),
+        "stale renew"
+    );
+    assert!(
+        !store
+            .complete(&key, stale, Bytes::from_static(b"stale"), ttl)
+            .await
+            .unwrap(),
+        "stale complete"
+    );
+    assert!(!store.release(&key, stale).await.unwrap(), "stale release");
+    assert!(store
+        .complete(&key, owner, Bytes::from_static(b"owner"), ttl)
+        .await
+        .unwrap());
+    assert_eq!(
+        claim(store, &key, None).await,
+        Claim::Completed {
+            value: Bytes::from_static(b"owner"),
+            fingerprint: Some(fingerprint(2)),
+        },
+        "the new owner's record must survive the stale holder"
+    );
+}
+
+async fn renew_extends_the_lease<S: Store>(store: &S, keys: &Keys) {
+    let key = keys.fresh();
+    let token = acquire(store, &key, None).await;
+    tokio::time::sleep(LEASE / 2).await;
+    assert!(
+        store.renew(&key, token, LEASE * 3).await.unwrap(),
+        "the holder's renew must apply"
+    );
+    tokio::time::sleep(LEASE).await; // past the original lease, inside the renewed one
+    assert_eq!(
+        claim(store, &key, None).await,
+        Claim::InProgress { fingerprint: None },
+        "a renewed claim must outlive its first lease"
+    );
+    assert!(store.release(&key, token).await.unwrap());
+}
+
+async fn results_expire_after_their_ttl<S: Store>(store: &S, keys: &Keys) {
+    let key = keys.fresh();
+    let token = acquire(store, &key, None).await;
+    let ttl = Duration::from_millis(300);
+    assert!(store
+        .complete(&key, token, Bytes::from_static(b"v1"), ttl)
+        .await
+        .unwrap());
+    assert!(matches!(
+        claim(store, &key, None).await,
+        Claim::Completed { .. }
+    ));
+    tokio::time::sleep(ttl * 2).await;
+    let next = acquire(store, &key, None).await;
+    assert!(
+        next > token,
+        "a claim after the TTL must acquire with a larger token"
+    );
+}
+
+async fn remove_deletes_any_record<S: Store>(store: &S, keys: &Keys) {
+    let key = keys.fresh();
+    assert!(
+        !store.remove(&key).await.unwrap(),
+        "removing nothing reports false"
+    );
+
+    let token = acquire(store, &key, None).await;
+    assert!(store.remove(&key).await.unwrap(), "remove deletes a claim");
+    assert!(
+        !store
+            .complete(
+                &key,
+                token,
+                Bytes::from_static(b"x"),
+                Duration::from_secs(60)
+            )
+            .await
+            .unwrap(),
+        "the holder of a removed claim cannot complete it"
+    );
+
+    let token = acquire(store, &key, None).await;
+    assert!(store
+        .complete(
+            &key,
+            token,
+            Bytes::from_static(b"x"),
+            Duration::from_secs(60)
+        )
+        .await
+        .unwrap());
+    assert!(store.remove(&key).await.unwrap(), "remove deletes a result");
+    acquire(store, &key, None).await;
+}
+
+async fn records_keep_arbitrary_bytes<S: Store>(store: &S, keys: &Keys) {
+    let key = keys.fresh();
+    let token = acquire(store, &key, None).await;
+    let value: Bytes = (0..=255_u8)
+        .chain([0, 0, b'\n', b'"'])
+        .collect::<Vec<_>>()
+        .into();
+    assert!(store
+        .complete(&key, token, value.clone(), Duration::from_secs(60))
+        .await
+        .unwrap());
+    assert_eq!(
+        claim(store, &key, None).await,
+        Claim::Completed {
+            value,
+            fingerprint: None
+        },
+        "values are opaque bytes and must come back unchanged"
+    );
+}
+
+async fn concurrent_claims_have_one_winner<S: Store + Clone>(store: &S, keys: &Keys) {
+    let key = keys.fresh();
+    let claims: Vec<_> = (0..64)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { store.claim(&key, None, LEASE).await })
+        })
+        .collect();
+    let mut acquired = 0;
+    for claim in claims {
+        match claim
+            .await
+            .expect("claim task panicked")
+            .expect("claim failed")
+        {
+            Claim::Acquired { .. } => acquired += 1,
+            Claim::InProgress { .. } => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(
+        acquired, 1,
+        "exactly one of 64 concurrent claims must acquire the key"
+    );
+}
+
+async fn keys_are_independent<S: Store>(store: &S, keys: &Keys) {
+    let (a, b) = (keys.fresh(), keys.fresh());
+    let ta = acquire(store, &a, None).await;
+    acquire(store, &b, None).await;
+    assert!(store
+        .complete(&a, ta, Bytes::from_static(b"a"), Duration::from_secs(60))
+        .await
+        .unwrap());
+    assert_eq!(
+        claim(store, &b, None).await,
+        Claim::InProgress { fingerprint: None },
+        "completing one key must not touch another"
+    );
+}

@@ -1,0 +1,170 @@
+//! Panics and cancellation: a call that does not finish never leaves its key stuck.
+
+use std::time::Duration;
+
+use idem_runtime::{Error, MemoryStore, Operation, Outcome};
+use idem_tests::Runs;
+use tokio::time::Instant;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_body_releases_the_key_and_the_panic_reaches_the_caller() {
+    let store = MemoryStore::new();
+    let op = Operation::new("cancel.panic");
+    let key = op.key(&1).unwrap();
+    let call = {
+        let (op, store) = (op.clone(), store.clone());
+        tokio::spawn(async move {
+            op.run(&store, &key, None, async {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                if true {
+                    panic!("card reader on fire");
+                }
+                Ok::<u32, Error>(0)
+            })
+            .await
+        })
+    };
+    let joined = call.await.unwrap_err();
+    assert!(joined.is_panic());
+    let message = joined.into_panic();
+    assert_eq!(message.downcast_ref::<&str>(), Some(&"card reader on fire"));
+
+    let started = Instant::now();
+    let next = op
+        .run(&store, &key, None, async { Ok::<_, Error>(2_u32) })
+        .await
+        .unwrap();
+    assert_eq!(next, Outcome::Executed(2));
+    assert!(started.elapsed() < Duration::from_millis(50));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aborted_call_releases_its_key_at_once() {
+    let store = MemoryStore::new();
+    let op = Operation::new("cancel.release");
+    let key = op.key(&1).unwrap();
+    let runs = Runs::default();
+    let call = {
+        let (op, store, runs) = (op.clone(), store.clone(), runs.clone());
+        tokio::spawn(async move {
+            op.run(&store, &key, None, async move {
+                runs.hit();
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                Ok::<_, Error>(1_u32)
+            })
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    call.abort();
+    assert!(call.await.unwrap_err().is_cancelled());
+
+    let started = Instant::now();
+    let next = op
+        .run(&store, &key, None, async { Ok::<_, Error>(2_u32) })
+        .await
+        .unwrap();
+    assert_eq!(
+        next,
+        Outcome::Executed(2),
+        "the aborted call's body never finished"
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(50),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert_eq!(runs.count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_call_wakes_its_waiters_and_one_of_them_runs() {
+    let store = MemoryStore::new();
+    let op = Operation::new("cancel.waiters");
+    let key = op.key(&1).unwrap();
+    let first = {
+        let (op, store) = (op.clone(), store.clone());
+        tokio::spawn(async move {
+            op.run(&store, &key, None, async {
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                Ok::<_, Error>(1_u32)
+            })
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let waiter = {
+        let (op, store) = (op.clone(), store.clone());
+        tokio::spawn(async move {
+            op.run(&store, &key, None, async { Ok::<_, Error>(2_u32) })
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    first.abort();
+    let out = tokio::time::timeout(Duration::from_millis(200), waiter)
+        .await
+        .expect("waiter woke")
+        .unwrap();
+    assert_eq!(out.unwrap(), Outcome::Executed(2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_run_to_completion_an_aborted_call_finishes_in_the_background_and_is_recorded() {
+    let store = MemoryStore::new();
+    let op = Operation::new("cancel.complete");
+    let key = op.key(&1).unwrap();
+    let runs = Runs::default();
+    let (finished_tx, finished) = tokio::sync::oneshot::channel();
+    let call = {
+        let (op, store, runs) = (op.clone(), store.clone(), runs.clone());
+        tokio::spawn(async move {
+            op.run_to_completion(&store, &key, None, async move {
+                runs.hit();
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let _ = finished_tx.send(());
+                Ok::<_, Error>(7_u32)
+            })
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    call.abort();
+    assert!(call.await.unwrap_err().is_cancelled());
+
+    finished
+        .await
+        .expect("the body ran to the end after its caller was dropped");
+    let next = op
+        .run(&store, &key, None, async { Ok::<_, Error>(8_u32) })
+        .await
+        .unwrap();
+    assert_eq!(next, Outcome::Replayed(7));
+    assert_eq!(runs.count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_run_to_completion_a_panic_still_reaches_the_caller_and_releases() {
+    let store = MemoryStore::new();
+    let op = Operation::new("cancel.complete_panic");
+    let key = op.key(&1).unwrap();
+    let call = {
+        let (op, store) = (op.clone(), store.clone());
+        tokio::spawn(async move {
+            op.run_to_completion(&store, &key, None, async {
+                if true {
+                    panic!("boom");
+                }
+                Ok::<u32, Error>(0)
+            })
+            .await
+        })
+    };
+    assert!(call.await.unwrap_err().is_panic());
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let next = op
+        .run(&store, &key, None, async { Ok::<_, Error>(2_u32) })
+        .await
+        .unwrap();
+    assert_eq!(next, Outcome::Executed(2));
+}

@@ -1,0 +1,200 @@
+//! Concurrency: duplicates never run the body twice; different keys never wait for each other.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_runtime::{Error, InFlight, MemoryStore, Operation, Outcome};
+use idem_tests::{Counting, Runs};
+use tokio::time::Instant;
+
+const CALLERS: usize = 1000;
+const BODY: Duration = Duration::from_millis(20);
+
+async fn one_key_many_callers(in_flight: InFlight) -> (Runs, Vec<Result<Outcome<u64>, Error>>) {
+    let store = MemoryStore::new();
+    let op = Arc::new(Operation::new("concurrency.one_key").in_flight(in_flight));
+    let key = op.key(&"hot-key").unwrap();
+    let runs = Runs::default();
+    let barrier = Arc::new(tokio::sync::Barrier::new(CALLERS));
+    let calls: Vec<_> = (0..CALLERS)
+        .map(|i| {
+            let (op, store, runs, barrier) =
+                (op.clone(), store.clone(), runs.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                op.run(&store, &key, None, async move {
+                    runs.hit();
+                    tokio::time::sleep(BODY).await;
+                    Ok::<_, Error>(i as u64 + 1_000_000)
+                })
+                .await
+            })
+        })
+        .collect();
+    let mut results = Vec::with_capacity(CALLERS);
+    for call in calls {
+        results.push(call.await.expect("caller panicked"));
+    }
+    (runs, results)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_waiting_duplicates_run_the_body_once_and_share_its_value() {
+    let (runs, results) = one_key_many_callers(InFlight::Wait).await;
+    assert_eq!(runs.count(), 1);
+    let values: Vec<u64> = results
+        .into_iter()
+        .map(|r| r.unwrap().into_inner())
+        .collect();
+    assert!(
+        values.iter().all(|v| *v == values[0]),
+        "all callers get the one value"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_rejecting_duplicates_run_the_body_once_and_999_are_told_in_progress() {
+    let (runs, results) = one_key_many_callers(InFlight::Reject).await;
+    assert_eq!(runs.count(), 1);
+    let executed = results
+        .iter()
+        .filter(|r| matches!(r, Ok(Outcome::Executed(_))))
+        .count();
+    let rejected = results
+        .iter()
+        .filter(|r| matches!(r, Err(Error::InProgress)))
+        .count();
+    assert_eq!((executed, rejected), (1, CALLERS - 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_distinct_keys_run_in_parallel() {
+    let store = MemoryStore::new();
+    let op = Arc::new(Operation::new("concurrency.many_keys"));
+    let runs = Runs::default();
+    let started = Instant::now();
+    let calls: Vec<_> = (0..CALLERS)
+        .map(|i| {
+            let (op, store, runs) = (op.clone(), store.clone(), runs.clone());
+            tokio::spawn(async move {
+                let key = op.key(&i).unwrap();
+                op.run(&store, &key, None, async move {
+                    runs.hit();
+                    tokio::time::sleep(BODY).await;
+                    Ok::<_, Error>(i)
+                })
+                .await
+            })
+        })
+        .collect();
+    for (i, call) in calls.into_iter().enumerate() {
+        assert_eq!(call.await.unwrap().unwrap(), Outcome::Executed(i));
+    }
+    let elapsed = started.elapsed();
+    assert_eq!(runs.count(), CALLERS);
+    // Serialised, 1000 bodies of 20 ms take 20 s; in parallel, one body's time plus overhead.
+    println!("1000 distinct keys with a 20 ms body each: {elapsed:?}");
+    assert!(
+        elapsed < Duration::from_secs(1),
+        "took {elapsed:?}: keys wait for each other"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_that_outlast_their_wait_timeout_get_in_progress() {
+    let store = MemoryStore::new();
+    let op = Operation::new("concurrency.timeout").wait_timeout(Duration::from_millis(50));
+    let key = op.key(&1).unwrap();
+    let slow = {
+        let (op, store) = (op.clone(), store.clone());
+        tokio::spawn(async move {
+            op.run(&store, &key, None, async {
+                tokio::time::sleep(Duration::from_millis(400)).await;
+                Ok::<_, Error>(1)
+            })
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let started = Instant::now();
+    let err = op
+        .run(&store, &key, None, async { Ok::<_, Error>(2) })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::InProgress));
+    assert!(started.elapsed() < Duration::from_millis(300));
+    assert_eq!(slow.await.unwrap().unwrap(), Outcome::Executed(1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_on_a_call_that_fails_claim_again_and_one_of_them_runs() {
+    let store = MemoryStore::new();
+    let op = Arc::new(Operation::new("concurrency.retry_after_err"));
+    let key = op.key(&1).unwrap();
+    let runs = Runs::default();
+    let calls: Vec<_> = (0..50)
+        .map(|_| {
+            let (op, store, runs) = (op.clone(), store.clone(), runs.clone());
+            tokio::spawn(async move {
+                op.run(&store, &key, None, async move {
+                    let n = runs.hit();
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    if n == 0 {
+                        Err(Error::store("first attempt fails"))
+                    } else {
+                        Ok(n)
+                    }
+                })
+                .await
+            })
+        })
+        .collect();
+    let mut oks = Vec::new();
+    for call in calls {
+        if let Ok(out) = call.await.unwrap() {
+            oks.push(out.into_inner());
+        }
+    }
+    assert_eq!(runs.count(), 2, "the failed run, then exactly one retry");
+    assert_eq!(oks.len(), 49);
+    assert!(oks.iter().all(|v| *v == 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_in_one_process_wait_without_store_traffic() {
+    let store = Counting::new(MemoryStore::new());
+    let op = Arc::new(Operation::new("concurrency.coalesce"));
+    let key = op.key(&1).unwrap();
+    let (started_tx, started) = tokio::sync::oneshot::channel();
+    let leader = {
+        let (op, store) = (op.clone(), store.clone());
+        tokio::spawn(async move {
+            op.run(&store, &key, None, async move {
+                let _ = started_tx.send(());
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                Ok::<_, Error>(42)
+            })
+            .await
+        })
+    };
+    started.await.unwrap();
+    assert_eq!(store.claims(), 1);
+    let waiters: Vec<_> = (0..100)
+        .map(|_| {
+            let (op, store) = (op.clone(), store.clone());
+            tokio::spawn(async move {
+                op.run(&store, &key, None, async { Ok::<_, Error>(0) })
+                    .await
+            })
+        })
+        .collect();
+    for waiter in waiters {
+        assert_eq!(waiter.await.unwrap().unwrap(), Outcome::Replayed(42));
+    }
+    assert_eq!(leader.await.unwrap().unwrap(), Outcome::Executed(42));
+    assert_eq!(
+        store.claims(),
+        1,
+        "100 waiters shared the running call without claiming"
+    );
+}

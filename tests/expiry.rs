@@ -1,0 +1,153 @@
+//! Expiry: results live for their TTL; a claim whose holder stops renewing is taken over
+//! after its lease with a larger token, and the stale holder can no longer write.
+
+use std::time::Duration;
+
+use idem_runtime::store::Claim;
+use idem_runtime::{Bytes, Error, MemoryStore, Operation, Outcome, Store};
+use idem_tests::{Frozen, Runs};
+
+#[tokio::test(start_paused = true)]
+async fn after_the_ttl_the_body_runs_again() {
+    let store = MemoryStore::new();
+    let op = Operation::new("expiry.ttl").ttl(Duration::from_secs(3600));
+    let key = op.key(&1).unwrap();
+    let runs = Runs::default();
+    let call = || {
+        let r = runs.clone();
+        async move { Ok::<_, Error>(r.hit()) }
+    };
+    assert_eq!(
+        op.run(&store, &key, None, call()).await.unwrap(),
+        Outcome::Executed(0)
+    );
+    tokio::time::advance(Duration::from_secs(3599)).await;
+    assert_eq!(
+        op.run(&store, &key, None, call()).await.unwrap(),
+        Outcome::Replayed(0)
+    );
+    tokio::time::advance(Duration::from_secs(2)).await;
+    assert_eq!(
+        op.run(&store, &key, None, call()).await.unwrap(),
+        Outcome::Executed(1)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_long_body_keeps_its_claim_by_renewing_it() {
+    let store = MemoryStore::new();
+    let op = Operation::new("expiry.renew")
+        .lease(Duration::from_secs(3))
+        .in_flight(idem_runtime::InFlight::Reject);
+    let key = op.key(&1).unwrap();
+    let long = {
+        let (op, store) = (op.clone(), store.clone());
+        tokio::spawn(async move {
+            op.run(&store, &key, None, async {
+                tokio::time::sleep(Duration::from_secs(20)).await;
+                Ok::<_, Error>(1)
+            })
+            .await
+        })
+    };
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let err = op
+            .run(&store, &key, None, async { Ok::<_, Error>(2) })
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::InProgress),
+            "a renewed claim is not taken over"
+        );
+    }
+    assert_eq!(long.await.unwrap().unwrap(), Outcome::Executed(1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lapsed_claim_is_taken_over_and_the_stale_holder_is_fenced() {
+    let store = MemoryStore::new();
+    let lease = Duration::from_secs(1);
+    let op = Operation::new("expiry.zombie").lease(lease);
+    let key = op.key(&1).unwrap();
+
+    // A holder that stops renewing (a process paused past its lease).
+    let Claim::Acquired { token: stale } = store.claim(&key, None, lease).await.unwrap() else {
+        panic!("the key was free");
+    };
+    let err = op
+        .clone()
+        .in_flight(idem_runtime::InFlight::Reject)
+        .run(&store, &key, None, async { Ok::<_, Error>(0) })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::InProgress),
+        "before the lease ends the key is held"
+    );
+
+    tokio::time::advance(lease + Duration::from_millis(1)).await;
+    let out = op
+        .run(&store, &key, None, async { Ok::<_, Error>(2) })
+        .await
+        .unwrap();
+    assert_eq!(
+        out,
+        Outcome::Executed(2),
+        "after the lease another call takes over"
+    );
+
+    let ttl = Duration::from_secs(60);
+    assert!(!store
+        .complete(&key, stale, Bytes::from_static(b"v1"), ttl)
+        .await
+        .unwrap());
+    assert!(!store.release(&key, stale).await.unwrap());
+    assert!(!store.renew(&key, stale, lease).await.unwrap());
+    let replay = op
+        .run(&store, &key, None, async { Ok::<_, Error>(3) })
+        .await
+        .unwrap();
+    assert_eq!(replay, Outcome::Replayed(2), "the newer record survives");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_that_lost_its_lease_mid_body_cannot_overwrite_the_new_owner() {
+    let store = MemoryStore::new();
+    let lease = Duration::from_millis(100);
+    let op = Operation::new("expiry.zombie_engine").lease(lease);
+    let key = op.key(&1).unwrap();
+
+    // The first "process" never renews, and its body outlives the lease.
+    let zombie = {
+        let (op, store) = (op.clone(), Frozen(store.clone()));
+        tokio::spawn(async move {
+            op.run(&store, &key, None, async {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                Ok::<_, Error>(String::from("zombie"))
+            })
+            .await
+        })
+    };
+    tokio::time::sleep(lease + Duration::from_millis(50)).await;
+    let owner = op
+        .run(&Frozen(store.clone()), &key, None, async {
+            Ok::<_, Error>(String::from("owner"))
+        })
+        .await
+        .unwrap();
+    assert_eq!(owner, Outcome::Executed(String::from("owner")));
+
+    // The zombie's body did run, so its caller gets its value, but the store keeps the owner's.
+    assert_eq!(
+        zombie.await.unwrap().unwrap(),
+        Outcome::Executed(String::from("zombie"))
+    );
+    let replay = op
+        .run(&store, &key, None, async {
+            Ok::<_, Error>(String::from("third"))
+        })
+        .await
+        .unwrap();
+    assert_eq!(replay, Outcome::Replayed(String::from("owner")));
+}

@@ -1,0 +1,381 @@
+//! Replay: a completed call's `Ok` value is returned to every later call with its key, the
+//! body not run; errors release unless the policy records them; fingerprints are checked.
+
+use std::time::Duration;
+
+use idem_runtime::{Error, Fingerprint, MemoryStore, Operation, Outcome};
+use idem_tests::{Down, Runs};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Receipt {
+    id: String,
+    cents: u64,
+}
+
+#[tokio::test]
+async fn second_call_replays_the_first_result() {
+    let store = MemoryStore::new();
+    let op = Operation::new("replay.basic");
+    let key = op.key(&("order-1", 100_u64)).unwrap();
+    let runs = Runs::default();
+
+    let body = |n: u64| {
+        let runs = runs.clone();
+        async move {
+            runs.hit();
+            Ok::<_, Error>(Receipt {
+                id: format!("r{n}"),
+                cents: 100,
+            })
+        }
+    };
+    let first = op.run(&store, &key, None, body(1)).await.unwrap();
+    let second = op.run(&store, &key, None, body(2)).await.unwrap();
+    assert_eq!(
+        first,
+        Outcome::Executed(Receipt {
+            id: "r1".into(),
+            cents: 100
+        })
+    );
+    assert_eq!(
+        second,
+        Outcome::Replayed(Receipt {
+            id: "r1".into(),
+            cents: 100
+        })
+    );
+    assert_eq!(runs.count(), 1);
+
+    let other = op.key(&("order-2", 100_u64)).unwrap();
+    assert!(!op
+        .run(&store, &other, None, body(3))
+        .await
+        .unwrap()
+        .is_replayed());
+    assert_eq!(runs.count(), 2);
+}
+
+async fn replays<T>(value: T)
+where
+    T: Serialize + serde::de::DeserializeOwned + Clone + PartialEq + std::fmt::Debug + Send,
+{
+    let store = MemoryStore::new();
+    let op = Operation::new("replay.falsy");
+    let key = op.key(std::any::type_name::<T>()).unwrap();
+    let runs = Runs::default();
+    for _ in 0..3 {
+        let (runs, returned) = (runs.clone(), value.clone());
+        let out = op
+            .run(&store, &key, None, async move {
+                runs.hit();
+                Ok::<_, Error>(returned)
+            })
+            .await
+            .unwrap();
+        assert_eq!(out.into_inner(), value);
+    }
+    assert_eq!(runs.count(), 1, "{} was re-run", std::any::type_name::<T>());
+}
+
+#[tokio::test]
+async fn falsy_and_empty_results_are_replayed_not_rerun() {
+    replays(()).await;
+    replays(0_u64).await;
+    replays(false).await;
+    replays(None::<String>).await;
+    replays(Vec::<u8>::new()).await;
+    replays(String::new()).await;
+}
+
+#[tokio::test]
+async fn an_error_releases_the_key_and_the_retry_runs() {
+    let store = MemoryStore::new();
+    let op = Operation::new("replay.err");
+    let key = op.key(&1).unwrap();
+    let runs = Runs::default();
+
+    let r = runs.clone();
+    let err = op
+        .run(&store, &key, None, async move {
+            r.hit();
+            Err::<u32, _>(Error::store("gateway timeout"))
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Store(_)));
+
+    let r = runs.clone();
+    let ok = op
+        .run(&store, &key, None, async move {
+            r.hit();
+            Ok::<_, Error>(5_u32)
+        })
+        .await
+        .unwrap();
+    assert_eq!(ok, Outcome::Executed(5));
+    assert_eq!(runs.count(), 2);
+}
+
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+enum PayError {
+    Declined(String),
+    GatewayDown,
+    Idem(String),
+}
+
+impl From<Error> for PayError {
+    fn from(e: Error) -> Self {
+        Self::Idem(e.to_string())
+    }
+}
+
+#[tokio::test]
+async fn errors_accepted_by_the_predicate_are_recorded_and_replayed() {
+    let store = MemoryStore::new();
+    let op = Operation::new("replay.cache_err")
+        .cache_errors(|e: &PayError| matches!(e, PayError::Declined(_)));
+    let runs = Runs::default();
+    let call = |key, result: Result<u32, PayError>| {
+        let (runs, op, store) = (runs.clone(), op.clone(), store.clone());
+        async move {
+            let key = op.key(&key).unwrap();
+            op.run(&store, &key, None, async move {
+                runs.hit();
+                result
+            })
+            .await
+        }
+    };
+
+    // A final error is recorded: the retry replays it without running.
+    assert_eq!(
+        call("a", Err(PayError::Declined("insufficient funds".into()))).await,
+        Err(PayError::Declined("insufficient funds".into()))
+    );
+    assert_eq!(
+        call("a", Ok(1)).await,
+        Err(PayError::Declined("insufficient funds".into()))
+    );
+    assert_eq!(runs.count(), 1);
+
+    // Another error still releases.
+    assert_eq!(
+        call("b", Err(PayError::GatewayDown)).await,
+        Err(PayError::GatewayDown)
+    );
+    assert_eq!(call("b", Ok(2)).await, Ok(Outcome::Executed(2)));
+    assert_eq!(runs.count(), 3);
+}
+
+#[tokio::test]
+async fn a_recorded_error_read_by_a_call_that_does_not_cache_errors_is_a_codec_error() {
+    let store = MemoryStore::new();
+    let caching = Operation::new("replay.err_kind").cache_errors(|_: &PayError| true);
+    let plain = Operation::new("replay.err_kind");
+    let key = plain.key(&1).unwrap();
+    let _ = caching
+        .run(&store, &key, None, async {
+            Err::<u32, _>(PayError::GatewayDown)
+        })
+        .await;
+    let runs = Runs::default();
+    let r = runs.clone();
+    let err = plain
+        .run(&store, &key, None, async move {
+            r.hit();
+            Ok::<u32, Error>(1)
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Codec(_)), "{err}");
+    assert_eq!(runs.count(), 0);
+}
+
+#[tokio::test]
+async fn a_record_that_does_not_decode_is_a_codec_error_and_the_body_does_not_run() {
+    let store = MemoryStore::new();
+    let op = Operation::new("replay.codec");
+    let key = op.key(&"k").unwrap();
+    let first = op
+        .run(&store, &key, None, async {
+            Ok::<_, Error>("text".to_string())
+        })
+        .await;
+    assert_eq!(first.unwrap(), Outcome::Executed("text".to_string()));
+
+    let runs = Runs::default();
+    let r = runs.clone();
+    let err = op
+        .run(&store, &key, None, async move {
+            r.hit();
+            Ok::<u64, Error>(1)
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Codec(_)), "{err}");
+    assert!(err.to_string().contains("does not decode"), "{err}");
+    assert_eq!(runs.count(), 0);
+}
+
+#[tokio::test]
+async fn a_result_that_cannot_be_encoded_is_a_codec_error_and_releases() {
+    use std::collections::HashMap;
+    // JSON map keys must be strings: a map keyed by tuples cannot be encoded.
+    let store = MemoryStore::new();
+    let op = Operation::new("replay.encode");
+    let key = op.key(&1).unwrap();
+    let bad: HashMap<(u8, u8), u8> = [((1, 2), 3)].into();
+    let err = op
+        .run(&store, &key, None, async move { Ok::<_, Error>(bad) })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Codec(_)), "{err}");
+    let again = op
+        .run(&store, &key, None, async {
+            Ok::<_, Error>(HashMap::<(u8, u8), u8>::new())
+        })
+        .await
+        .unwrap();
+    assert!(!again.is_replayed(), "the key was released");
+}
+
+#[tokio::test]
+async fn a_different_fingerprint_is_refused_after_completion() {
+    let store = MemoryStore::new();
+    let op = Operation::new("replay.fp");
+    let key = op.key(&"order-9").unwrap();
+    let fp_a = Fingerprint::of(&("card-1", 500_u32)).unwrap();
+    let fp_b = Fingerprint::of(&("card-1", 900_u32)).unwrap();
+    let first = op
+        .run(&store, &key, Some(&fp_a), async { Ok::<_, Error>(1_u8) })
+        .await;
+    assert_eq!(first.unwrap(), Outcome::Executed(1));
+
+    let runs = Runs::default();
+    let r = runs.clone();
+    let err = op
+        .run(&store, &key, Some(&fp_b), async move {
+            r.hit();
+            Ok::<_, Error>(2_u8)
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::PayloadMismatch), "{err}");
+    let err = op
+        .run(&store, &key, None, async { Ok::<_, Error>(2_u8) })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::PayloadMismatch),
+        "a missing fingerprint does not match either"
+    );
+    assert_eq!(runs.count(), 0);
+    let same = op
+        .run(&store, &key, Some(&fp_a), async { Ok::<_, Error>(3_u8) })
+        .await
+        .unwrap();
+    assert_eq!(same, Outcome::Replayed(1));
+}
+
+#[tokio::test]
+async fn a_different_fingerprint_is_refused_while_in_progress() {
+    let store = MemoryStore::new();
+    for reject in [false, true] {
+        let mut op = Operation::new("replay.fp_in_progress");
+        if reject {
+            op = op.in_flight(idem_runtime::InFlight::Reject);
+        }
+        let key = op.key(&reject).unwrap();
+        let fp_a = Fingerprint::of(&1).unwrap();
+        let fp_b = Fingerprint::of(&2).unwrap();
+        let (release, hold) = tokio::sync::oneshot::channel::<()>();
+        let first = {
+            let (op, store) = (op.clone(), store.clone());
+            tokio::spawn(async move {
+                op.run(&store, &key, Some(&fp_a), async move {
+                    let _ = hold.await;
+                    Ok::<_, Error>(1_u8)
+                })
+                .await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let runs = Runs::default();
+        let r = runs.clone();
+        let err = op
+            .run(&store, &key, Some(&fp_b), async move {
+                r.hit();
+                Ok::<_, Error>(2_u8)
+            })
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::PayloadMismatch),
+            "reject={reject}: {err}"
+        );
+        assert_eq!(runs.count(), 0);
+        release.send(()).unwrap();
+        assert_eq!(first.await.unwrap().unwrap(), Outcome::Executed(1));
+    }
+}
+
+#[tokio::test]
+async fn a_key_that_cannot_be_encoded_is_a_key_error() {
+    let op = Operation::new("replay.key");
+    assert!(matches!(op.key(&f64::NAN), Err(Error::Key(_))));
+}
+
+#[tokio::test]
+async fn a_store_that_is_down_fails_closed() {
+    let op = Operation::new("replay.down");
+    let key = op.key(&1).unwrap();
+    let runs = Runs::default();
+    let r = runs.clone();
+    let err = op
+        .run(&Down, &key, None, async move {
+            r.hit();
+            Ok::<_, Error>(1)
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Store(_)), "{err}");
+    assert_eq!(runs.count(), 0, "the body must not run without a claim");
+}
+
+#[tokio::test]
+async fn namespaces_separate_operations() {
+    let store = MemoryStore::new();
+    let a = Operation::new("ns.a");
+    let b = Operation::new("ns.b");
+    let ka = a.key(&1).unwrap();
+    let kb = b.key(&1).unwrap();
+    let first = a.run(&store, &ka, None, async { Ok::<_, Error>(1) }).await;
+    assert_eq!(first.unwrap(), Outcome::Executed(1));
+    let out = b
+        .run(&store, &kb, None, async { Ok::<_, Error>(2) })
+        .await
+        .unwrap();
+    assert_eq!(out, Outcome::Executed(2));
+}
+
+#[tokio::test]
+async fn the_default_store_is_shared_and_set_only_once() {
+    let store = idem_runtime::default_store();
+    let op = Operation::new("replay.default");
+    let key = op.key(&1).unwrap();
+    let first = op.run(store, &key, None, async { Ok::<_, Error>(1) }).await;
+    assert_eq!(first.unwrap(), Outcome::Executed(1));
+    let again = op
+        .run(idem_runtime::default_store(), &key, None, async {
+            Ok::<_, Error>(2)
+        })
+        .await
+        .unwrap();
+    assert_eq!(again, Outcome::Replayed(1));
+    assert!(
+        idem_runtime::set_default_store(MemoryStore::new()).is_err(),
+        "already used"
+    );
+}
