@@ -25,6 +25,7 @@
 //! ```
 //!
 //! The pieces:
+//! - [`idempotent`]: the attribute, sugar over [`Operation`].
 //! - [`Key`] and [`Fingerprint`]: deterministic sha256 digests of `Serialize` values.
 //! - [`Store`]: where claims and results live; [`MemoryStore`] is the embedded default.
 //! - [`Operation`]: runs a future at most once per key, with its policies.
@@ -36,6 +37,9 @@
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
+#[doc(hidden)]
+#[path = "private.rs"]
+pub mod __private;
 mod codec;
 mod default_store;
 mod engine;
@@ -60,3 +64,47 @@ pub use crate::store::{Claim, Store, Token};
 pub use async_trait::async_trait;
 /// Re-exported: record values are [`Bytes`].
 pub use bytes::Bytes;
+
+/// Makes an `async fn` idempotent: the first call with a key runs the body and records its
+/// `Ok` value; every later call with that key, within the TTL, returns the recorded value
+/// without running the body, in this process or, with a shared store, in any process.
+///
+/// ```
+/// use idem_runtime::idempotent;
+/// # #[derive(serde::Serialize, serde::Deserialize)] struct Receipt { id: u64 }
+/// # #[derive(Debug)] enum PayError { Idem(idem_runtime::Error) }
+/// # impl From<idem_runtime::Error> for PayError { fn from(e: idem_runtime::Error) -> Self { Self::Idem(e) } }
+/// # struct Order { id: u64, customer_id: u64, cents: u64 }
+///
+/// #[idempotent(key = (order.id, order.customer_id), ttl = "24h")]
+/// async fn charge(order: &Order) -> Result<Receipt, PayError> {
+///     Ok(Receipt { id: order.id })
+/// }
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), PayError> {
+/// # let order = Order { id: 1, customer_id: 2, cents: 3 };
+/// # charge(&order).await?;
+/// # Ok(())
+/// # }
+/// ```
+///
+/// | argument | meaning | default |
+/// |---|---|---|
+/// | `key = <expr>` | **required.** Identifies one logical operation: an expression over the parameters whose type is `serde::Serialize` (a tuple for several). Evaluated once, by reference, before the body runs. | — |
+/// | `store = <expr>` | where claims and results live: `self.store`, `&*STORE`, `app.idem()`: any [`Store`] + `Clone`, or a reference to one. | [`default_store()`] |
+/// | `ttl = "24h"` or a `Duration` | how long a completed result is replayed. Literals: `ms`, `s`, `m`, `h`, `d`, combinable (`"1h30m"`), checked at compile time. | `"24h"` |
+/// | `lease = "30s"` or a `Duration` | how long a claim lives without renewal; renewed while the body runs. | `"30s"` |
+/// | `namespace = "billing.charge.v1"` | the stable name of the operation, part of every key. **Required on methods.** | `module_path!()::fn_name` |
+/// | `fingerprint = <expr>` | the request payload: same key with another fingerprint is [`Error::PayloadMismatch`]. | none |
+/// | `in_flight = "wait"` / `"reject"` | a concurrent duplicate waits and shares the outcome, or fails with [`Error::InProgress`]. | `"wait"` |
+/// | `cache_err = <path>` | a `fn(&E) -> bool`: errors it accepts are recorded and replayed (`E: Serialize + Deserialize`). | every `Err` releases |
+/// | `on_cancel = "release"` / `"complete"` | when the caller drops the future: release the key, or finish the body in the background (`'static` arguments only). | `"release"` |
+/// | `crate = "path"` | the path to `idem_runtime`, for crates that re-export it. | `::idem_runtime` |
+///
+/// The function must be an `async fn` returning `Result<T, E>` with
+/// `T: Serialize + DeserializeOwned + Send` and `E: From<idem_runtime::Error>`. Its
+/// attributes, docs, visibility, generics and `where` clauses are kept; the body runs as
+/// written (`?` and `return` included) inside the call that [`Operation::run`] makes.
+#[cfg(feature = "macros")]
+#[doc(inline)]
+pub use idem_macros::idempotent;

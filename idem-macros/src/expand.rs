@@ -1,0 +1,169 @@
+//! Generating the idempotent function: a thin call into `idem_runtime::__private`.
+
+use proc_macro2::{Delimiter, Group, Ident, Span, TokenStream};
+use quote::{quote, quote_spanned};
+use syn::ext::IdentExt;
+use syn::spanned::Spanned;
+use syn::{ItemFn, ReturnType};
+
+use crate::attr::{Args, Duration, InFlight, OnCancel};
+use crate::item;
+
+/// The whole attribute: parse, check, generate. On any error, the user's function is emitted
+/// unchanged beside the errors, so that IDEs keep working and no follow-on errors appear.
+pub(crate) fn idempotent(attr: TokenStream, input: TokenStream) -> TokenStream {
+    let function: ItemFn = match syn::parse2(input.clone()) {
+        Ok(function) => function,
+        Err(_) => {
+            let error = syn::Error::new(
+                Span::call_site(),
+                "`#[idempotent]` applies to an `async fn` with a body, e.g. `#[idempotent(key = order.id)] async fn charge(order: &Order) -> Result<Receipt, PayError> { … }`",
+            );
+            return with_errors(error, input);
+        }
+    };
+    let mut args: Args = match syn::parse2(attr) {
+        Ok(args) => args,
+        Err(error) => return with_errors(error, input),
+    };
+
+    let mut errors = args.errors.take();
+    let mut report = |error: syn::Error| match &mut errors {
+        Some(all) => all.combine(error),
+        None => errors = Some(error),
+    };
+    if args.key.is_none() {
+        report(syn::Error::new(
+            Span::call_site(),
+            "missing `key` argument, e.g. `#[idempotent(key = order.id)]` or `#[idempotent(key = (order.id, order.customer_id))]`",
+        ));
+    }
+    if let Err(error) = item::check(&function, &args) {
+        report(error);
+    }
+    match errors {
+        Some(errors) => with_errors(errors, input),
+        None => generate(args, function),
+    }
+}
+
+fn with_errors(errors: syn::Error, input: TokenStream) -> TokenStream {
+    let errors = errors.into_compile_error();
+    quote!(#errors #input)
+}
+
+fn generate(args: Args, function: ItemFn) -> TokenStream {
+    let ItemFn {
+        attrs,
+        vis,
+        sig,
+        block,
+    } = function;
+    let ReturnType::Type(_, output) = &sig.output else {
+        return with_errors(
+            syn::Error::new(
+                sig.span(),
+                "`#[idempotent]` functions must return `Result<T, E>`",
+            ),
+            quote!(#(#attrs)* #vis #sig #block),
+        );
+    };
+    let krate = match &args.krate {
+        Some(path) => quote!(#path),
+        None => quote!(::idem_runtime),
+    };
+    let private = quote!(#krate::__private);
+    let local = |name: &str| Ident::new(name, Span::mixed_site());
+    let (op, key, fingerprint, store) = (
+        local("__idem_op"),
+        local("__idem_key"),
+        local("__idem_fingerprint"),
+        local("__idem_store"),
+    );
+
+    let namespace = match &args.namespace {
+        Some(namespace) => quote!(#namespace),
+        None => {
+            let name = sig.ident.unraw().to_string();
+            quote!(::core::concat!(::core::module_path!(), "::", #name))
+        }
+    };
+    let ttl = args.ttl.as_ref().map(|ttl| {
+        let ttl = duration(ttl);
+        quote!(.ttl(#ttl))
+    });
+    let lease = args.lease.as_ref().map(|lease| {
+        let lease = duration(lease);
+        quote!(.lease(#lease))
+    });
+    let in_flight = (args.in_flight == Some(InFlight::Reject))
+        .then(|| quote!(.in_flight(#private::InFlight::Reject)));
+    let cache_err = args.cache_err.as_ref().map(|is_final| {
+        let check = respan(quote!(#private::cache_err), is_final.span());
+        let check = quote_spanned!(is_final.span()=> #check(#is_final));
+        quote!(.cache_errors(#check))
+    });
+
+    let key_value = args
+        .key
+        .as_ref()
+        .map(|value| quote_spanned!(value.span()=> #op.key(&(#value))));
+    let fingerprint_value = match &args.fingerprint {
+        Some(value) => {
+            let value = quote_spanned!(value.span()=> #private::fingerprint(&(#value)));
+            quote!(::core::option::Option::Some(#value))
+        }
+        None => quote!(::core::option::Option::None),
+    };
+    let (store_value, store_arg) = match &args.store {
+        Some(value) => (
+            quote_spanned!(value.span()=> {
+                use #private::StoreArg as _;
+                #private::owned_store((#value).__idem_store())
+            }),
+            quote!(&#store),
+        ),
+        None => (quote!(#private::default_store()), quote!(#store)),
+    };
+    let run = match args.on_cancel {
+        Some(OnCancel::Complete) => quote!(#private::run_to_completion),
+        _ => quote!(#private::run),
+    };
+    // The whole call is spanned at the return type: a type error about `T` or `E` points there.
+    let run = respan(run, output.span());
+    let call = quote_spanned! {output.span()=>
+        #run::<_, _, #output, _>(&#op, #store_arg, #key, #fingerprint, async move #block).await
+    };
+
+    let statements = quote! {
+        let #op = #private::Operation::new(#namespace) #ttl #lease #in_flight #cache_err;
+        let #key = #key_value;
+        let #fingerprint = #fingerprint_value;
+        let #store = #store_value;
+        #call
+    };
+    // The new body keeps the span of the user's braces: the item stays the user's own, so
+    // lints such as `dead_code` judge it as written.
+    let mut body = Group::new(Delimiter::Brace, statements);
+    body.set_span(block.brace_token.span.join());
+    quote!(#(#attrs)* #vis #sig #body)
+}
+
+/// Sets `span` on every token of a path.
+fn respan(path: TokenStream, span: Span) -> TokenStream {
+    path.into_iter()
+        .map(|mut token| {
+            token.set_span(span);
+            token
+        })
+        .collect()
+}
+
+fn duration(duration: &Duration) -> TokenStream {
+    match duration {
+        Duration::Millis(ms, span) => {
+            quote_spanned!(*span=> ::core::time::Duration::from_millis(#ms))
+        }
+        Duration::Expr(expr) => quote!(#expr),
+    }
+}

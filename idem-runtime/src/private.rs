@@ -1,0 +1,129 @@
+//! What `#[idempotent]` expands to. Not a public API: no stability promise.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::{Error, Fingerprint, Key, Store};
+pub use crate::{ErrorPolicy, InFlight, Operation};
+
+/// The store of a function without a `store` argument.
+pub fn default_store() -> &'static Arc<dyn Store> {
+    crate::default_store()
+}
+
+/// Takes a `store = <expr>` value by reference through method auto-ref: `MemoryStore`,
+/// `&MemoryStore` and `Arc<dyn Store>` values all become `&S`.
+pub trait StoreArg {
+    #[doc(hidden)]
+    fn __idem_store(&self) -> &Self {
+        self
+    }
+}
+
+impl<T: ?Sized> StoreArg for T {}
+
+/// An owned handle to the store, so that the body may still move or mutably borrow what the
+/// store expression borrowed (`self`). Stores are cheap handles: this is an `Arc` clone.
+pub fn owned_store<S: Store + Clone>(store: &S) -> S {
+    store.clone()
+}
+
+/// The shape every `#[idempotent]` function returns: `Result<T, E>`, or an alias of it.
+#[diagnostic::on_unimplemented(
+    message = "`#[idempotent]` functions must return `Result<T, E>`, not `{Self}`",
+    label = "this must be a `Result`",
+    note = "the `Ok` value is recorded and replayed; an `Err` releases the key, e.g. `-> Result<Receipt, PayError>`"
+)]
+pub trait IdemResult: Sized {
+    /// The recorded value type.
+    type Ok;
+    /// The error type.
+    type Err;
+    /// Into a `Result`.
+    fn into_result(self) -> Result<Self::Ok, Self::Err>;
+    /// From a `Result`.
+    fn from_result(result: Result<Self::Ok, Self::Err>) -> Self;
+}
+
+impl<T, E> IdemResult for Result<T, E> {
+    type Ok = T;
+    type Err = E;
+
+    fn into_result(self) -> Self {
+        self
+    }
+
+    fn from_result(result: Self) -> Self {
+        result
+    }
+}
+
+/// Checks a `cache_err` predicate where it is written: its error type must be serializable.
+pub fn cache_err<E>(is_final: fn(&E) -> bool) -> fn(&E) -> bool
+where
+    E: Serialize + DeserializeOwned,
+{
+    is_final
+}
+
+/// The fingerprint of a `fingerprint = <expr>` value.
+pub fn fingerprint<V: Serialize + ?Sized>(payload: &V) -> Result<Fingerprint, Error> {
+    Fingerprint::of(payload)
+}
+
+/// `Operation::run`, after the key and fingerprint were derived (before the body borrowed
+/// its arguments), returning the bare value. Generic over the function's return type, so that
+/// a return type that is not a `Result` fails one bound, with its own message.
+pub async fn run<P, S, R, F>(
+    operation: &Operation<P>,
+    store: &S,
+    key: Result<Key, Error>,
+    fingerprint: Option<Result<Fingerprint, Error>>,
+    body: F,
+) -> R
+where
+    R: IdemResult,
+    R::Ok: Serialize + DeserializeOwned,
+    R::Err: From<Error>,
+    P: ErrorPolicy<R::Err>,
+    S: Store + Clone,
+    F: Future<Output = R>,
+{
+    let run = async {
+        let fingerprint = fingerprint.transpose()?;
+        let body = async { body.await.into_result() };
+        operation
+            .run(store, &key?, fingerprint.as_ref(), body)
+            .await
+    };
+    R::from_result(run.await.map(crate::Outcome::into_inner))
+}
+
+/// `Operation::run_to_completion`, as [`run`].
+pub async fn run_to_completion<P, S, R, F>(
+    operation: &Operation<P>,
+    store: &S,
+    key: Result<Key, Error>,
+    fingerprint: Option<Result<Fingerprint, Error>>,
+    body: F,
+) -> R
+where
+    R: IdemResult,
+    R::Ok: Serialize + DeserializeOwned + Send + 'static,
+    R::Err: From<Error> + Send + 'static,
+    P: ErrorPolicy<R::Err> + Clone + Send + Sync + 'static,
+    S: Store + Clone,
+    F: Future<Output = R> + Send + 'static,
+{
+    let run = async {
+        let fingerprint = fingerprint.transpose()?;
+        let body = async { body.await.into_result() };
+        operation
+            .run_to_completion(store, &key?, fingerprint.as_ref(), body)
+            .await
+    };
+    R::from_result(run.await.map(crate::Outcome::into_inner))
+}

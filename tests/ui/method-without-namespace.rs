@@ -1,0 +1,20 @@
+use idem_runtime::idempotent;
+
+#[derive(Debug)]
+pub struct PayError;
+
+impl From<idem_runtime::Error> for PayError {
+    fn from(_: idem_runtime::Error) -> Self {
+        PayError
+    }
+}
+
+pub struct Payments;
+
+impl Payments {
+    #[idempotent(key = id)]
+    async fn charge(&self, id: u64) -> Result<u64, PayError> {
+        Ok(id)
+    }
+}
+fn main() {}
