@@ -154,3 +154,8 @@ impl<S: Store + Clone> Store for Counting<S> {
         self.inner.flights()
     }
 }
+
+/// The README's Rust examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

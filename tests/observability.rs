@@ -1,0 +1,105 @@
+//! Tracing: every call reports its outcome in a span carrying the namespace and a short key
+//! digest, and the raw key value never reaches a span or an event.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use idem_runtime::{Error, Fingerprint, InFlight, MemoryStore, Operation};
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing::{Event, Metadata, Subscriber};
+
+/// Records every span and event as a line of `name=value` fields.
+#[derive(Clone, Default)]
+struct Capture {
+    lines: Arc<Mutex<Vec<String>>>,
+    ids: Arc<AtomicU64>,
+}
+
+struct Line(String);
+
+impl Visit for Line {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.0.push_str(&format!("{}={:?} ", field.name(), value));
+    }
+}
+
+impl Subscriber for Capture {
+    fn enabled(&self, _: &Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, span: &Attributes<'_>) -> Id {
+        let mut line = Line(format!("span {} ", span.metadata().name()));
+        span.record(&mut line);
+        self.lines.lock().unwrap().push(line.0);
+        Id::from_u64(self.ids.fetch_add(1, Ordering::Relaxed) + 1)
+    }
+    fn record(&self, _: &Id, _: &Record<'_>) {}
+    fn record_follows_from(&self, _: &Id, _: &Id) {}
+    fn event(&self, event: &Event<'_>) {
+        let mut line = Line(format!("event {} ", event.metadata().level()));
+        event.record(&mut line);
+        self.lines.lock().unwrap().push(line.0);
+    }
+    fn enter(&self, _: &Id) {}
+    fn exit(&self, _: &Id) {}
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn outcomes_are_traced_without_the_raw_key() {
+    let capture = Capture::default();
+    let _guard = tracing::subscriber::set_default(capture.clone());
+
+    let store = MemoryStore::new();
+    let op = Operation::new("observability.charge");
+    let secret = "secret-order-77";
+    let key = op.key(&secret).unwrap();
+    let fp = Fingerprint::of(&1).unwrap();
+    let first = op.run(&store, &key, Some(&fp), async { Ok::<_, Error>(1) });
+    assert!(!first.await.unwrap().is_replayed());
+    let again = op.run(&store, &key, Some(&fp), async { Ok::<_, Error>(2) });
+    assert!(again.await.unwrap().is_replayed());
+    let other = Fingerprint::of(&2).unwrap();
+    let _ = op
+        .run(&store, &key, Some(&other), async { Ok::<_, Error>(3) })
+        .await;
+
+    let busy = op.key(&"busy").unwrap();
+    let reject = op.clone().in_flight(InFlight::Reject);
+    let (hold, release) = tokio::sync::oneshot::channel::<()>();
+    let first = op.run(&store, &busy, None, async move {
+        let _ = release.await;
+        Ok::<_, Error>(0)
+    });
+    let second = async {
+        tokio::task::yield_now().await;
+        let rejected = reject
+            .run(&store, &busy, None, async { Ok::<_, Error>(1) })
+            .await;
+        let _ = hold.send(());
+        rejected
+    };
+    let (_, rejected) = tokio::join!(first, second);
+    assert!(matches!(rejected, Err(Error::InProgress)));
+
+    let lines = capture.lines.lock().unwrap().clone();
+    let text = lines.join("\n");
+    for outcome in ["executed", "replayed", "mismatch", "rejected"] {
+        assert!(
+            text.contains(&format!("outcome={outcome:?}")),
+            "no {outcome} in:\n{text}"
+        );
+    }
+    let short = key.short().to_string();
+    assert!(
+        lines.iter().any(|l| l.starts_with("span idempotent")
+            && l.contains("namespace=observability.charge")
+            && l.contains(&short)),
+        "no span with the namespace and the short key in:\n{text}"
+    );
+    assert!(!text.contains(secret), "the raw key leaked:\n{text}");
+    assert!(
+        !text.contains(&key.to_hex()),
+        "the full digest is not logged either"
+    );
+}
