@@ -159,3 +159,100 @@ impl<S: Store + Clone> Store for Counting<S> {
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+
+/// Whether a missing server fails the test (`IDEM_REQUIRE_SERVICES=1`, as in CI) instead of
+/// skipping it.
+pub fn services_required() -> bool {
+    std::env::var("IDEM_REQUIRE_SERVICES").is_ok_and(|v| v == "1")
+}
+
+/// Reports a server that is not there: one clear `skipped:` line, or a failure in CI.
+pub fn unavailable<T>(what: &str, detail: impl std::fmt::Display) -> Option<T> {
+    assert!(
+        !services_required(),
+        "{what} is required (IDEM_REQUIRE_SERVICES=1) but unavailable: {detail}"
+    );
+    println!(
+        "skipped: {what} is unavailable ({detail}); set IDEM_REQUIRE_SERVICES=1 to fail instead"
+    );
+    None
+}
+
+/// The Redis server of `IDEM_REDIS_URL` (default `redis://127.0.0.1:6379`).
+pub fn redis_url() -> String {
+    std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// A store on the Redis server of [`redis_url`], or `None` (skipped) when it is unreachable.
+pub async fn redis_store() -> Option<idem_runtime::RedisStore> {
+    let url = redis_url();
+    match idem_runtime::RedisStore::connect(&url).await {
+        Ok(store) => Some(store),
+        Err(e) => unavailable(&format!("redis at {url}"), e),
+    }
+}
+
+/// A `redis-server` of the test's own on a free loopback port, stopped when dropped: for
+/// tests that read its counters or kill it.
+pub struct PrivateRedis {
+    child: std::process::Child,
+    /// Its URL.
+    pub url: String,
+    /// Its port.
+    pub port: u16,
+}
+
+impl PrivateRedis {
+    /// Starts one, or `None` (skipped) when `redis-server` cannot run here.
+    pub fn start() -> Option<Self> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .ok()?
+            .local_addr()
+            .ok()?
+            .port();
+        let child = std::process::Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(std::process::Stdio::null())
+            .spawn();
+        let child = match child {
+            Ok(child) => child,
+            Err(e) => return unavailable("redis-server (to start a private server)", e),
+        };
+        let server = Self {
+            child,
+            url: format!("redis://127.0.0.1:{port}"),
+            port,
+        };
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return Some(server);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        unavailable(
+            "a private redis-server",
+            "it did not start listening within 2 s",
+        )
+    }
+
+    /// Kills the server at once.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

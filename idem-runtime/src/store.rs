@@ -14,6 +14,8 @@
 
 #[cfg(feature = "memory")]
 pub mod memory;
+#[cfg(feature = "redis")]
+pub mod redis;
 
 use std::sync::Arc;
 use std::time::Duration;
