@@ -256,3 +256,163 @@ impl Drop for PrivateRedis {
         self.kill();
     }
 }
+
+/// The PostgreSQL database of `IDEM_POSTGRES_URL` (default
+/// `postgres://postgres@127.0.0.1:5432/test`).
+pub fn postgres_url() -> String {
+    std::env::var("IDEM_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+/// A migrated store on the database of [`postgres_url`], or `None` (skipped) when it is
+/// unreachable.
+pub async fn postgres_store() -> Option<idem_runtime::PostgresStore> {
+    let url = postgres_url();
+    let store = match idem_runtime::PostgresStore::connect(&url).await {
+        Ok(store) => store,
+        Err(e) => return unavailable(&format!("postgresql at {url}"), e),
+    };
+    store.migrate().await.expect("migrate");
+    Some(store)
+}
+
+/// A PostgreSQL server of the test's own (initdb in a temporary folder, a free loopback port,
+/// `pg_stat_statements` preloaded), stopped and deleted when dropped: for tests that count
+/// its statements or restart it.
+pub struct PrivatePostgres {
+    bin: std::path::PathBuf,
+    dir: std::path::PathBuf,
+    port: u16,
+    /// Its URL.
+    pub url: String,
+}
+
+impl PrivatePostgres {
+    /// Starts one, or `None` (skipped) when PostgreSQL's server programs are not here.
+    pub fn start() -> Option<Self> {
+        let bin = match std::process::Command::new("pg_config")
+            .arg("--bindir")
+            .output()
+        {
+            Ok(out) if out.status.success() => {
+                std::path::PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+            }
+            other => {
+                return unavailable(
+                    "pg_config (to start a private postgresql)",
+                    format!("{other:?}"),
+                )
+            }
+        };
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .ok()?
+            .local_addr()
+            .ok()?
+            .port();
+        let dir = std::env::temp_dir().join(format!("idem-pg-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).ok()?;
+        let server = Self {
+            bin,
+            url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
+            dir,
+            port,
+        };
+        if as_root() {
+            run("chown", &["postgres:postgres", server.dir.to_str()?]).ok()?;
+        }
+        let data = server.dir.join("data");
+        let initdb = server.bin.join("initdb");
+        if let Err(e) = server.postgres(
+            &initdb,
+            &[
+                "-D",
+                data.to_str()?,
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "--no-sync",
+            ],
+        ) {
+            return unavailable("initdb (to start a private postgresql)", e);
+        }
+        if let Err(e) = server.ctl("start") {
+            return unavailable("a private postgresql", e);
+        }
+        Some(server)
+    }
+
+    /// Restarts the server (a fast shutdown, then a start): what a deploy or a crash does.
+    pub fn restart(&self) {
+        self.ctl("restart").expect("restart the private postgresql");
+    }
+
+    fn ctl(&self, action: &str) -> Result<(), String> {
+        let data = self.dir.join("data");
+        let options = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c shared_preload_libraries=pg_stat_statements -c fsync=off",
+            self.port,
+            self.dir.display()
+        );
+        let log = self.dir.join("log");
+        let ctl = self.bin.join("pg_ctl");
+        self.postgres(
+            &ctl,
+            &[
+                "-D",
+                &data.display().to_string(),
+                "-l",
+                &log.display().to_string(),
+                "-o",
+                &options,
+                "-m",
+                "fast",
+                "-w",
+                action,
+            ],
+        )
+    }
+
+    /// Runs a server program as `postgres` (it refuses to run as root).
+    fn postgres(&self, program: &std::path::Path, args: &[&str]) -> Result<(), String> {
+        let program = program.display().to_string();
+        if as_root() {
+            let mut all = vec!["-u", "postgres", "--", program.as_str()];
+            all.extend_from_slice(args);
+            run("runuser", &all)
+        } else {
+            run(&program, args)
+        }
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        let data = self.dir.join("data").display().to_string();
+        let ctl = self.bin.join("pg_ctl");
+        let _ = self.postgres(&ctl, &["-D", &data, "-m", "immediate", "-w", "stop"]);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn as_root() -> bool {
+    std::process::Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).trim() == "0")
+}
+
+fn run(program: &str, args: &[&str]) -> Result<(), String> {
+    let out = std::process::Command::new(program)
+        .args(args)
+        .output()
+        .map_err(|e| format!("{program}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{program} {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}

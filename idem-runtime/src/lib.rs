@@ -58,6 +58,8 @@ pub use crate::flights::Flights;
 pub use crate::key::{Fingerprint, Key, FORMAT_VERSION};
 #[cfg(feature = "memory")]
 pub use crate::store::memory::{MemoryStore, MemoryStoreBuilder};
+#[cfg(feature = "postgres")]
+pub use crate::store::postgres::PostgresStore;
 #[cfg(feature = "redis")]
 pub use crate::store::redis::RedisStore;
 pub use crate::store::{Claim, Store, Token};

@@ -14,6 +14,8 @@
 
 #[cfg(feature = "memory")]
 pub mod memory;
+#[cfg(feature = "postgres")]
+pub mod postgres;
 #[cfg(feature = "redis")]
 pub mod redis;
 

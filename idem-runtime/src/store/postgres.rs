@@ -1,0 +1,459 @@
+//! The durable store: one table in PostgreSQL, with `sqlx`.
+//!
+//! # Schema
+//!
+//! [`PostgresStore::migrate`] creates, if absent (`idem_records` is the default name):
+//!
+//! ```sql
+//! CREATE TABLE idem_records (
+//!     key         bytea       PRIMARY KEY,          -- sha256 of (version, namespace, key value)
+//!     token       bigint      NOT NULL,             -- fencing token, from idem_records_token
+//!     completed   boolean     NOT NULL,             -- false: in progress; true: completed
+//!     fingerprint bytea,                            -- 32 bytes, or NULL
+//!     value       bytea,                            -- the recorded result, once completed
+//!     expires_at  timestamptz NOT NULL              -- lease end, or result expiry
+//! );
+//! CREATE INDEX idem_records_expires_at ON idem_records (expires_at);
+//! CREATE SEQUENCE idem_records_token;
+//! ```
+//!
+//! Every operation is one statement; expiry is judged by the database's `now()`. A claim is
+//! an `INSERT … ON CONFLICT … DO UPDATE … WHERE expires_at <= now() RETURNING`, with the live
+//! row returned by the same statement when the key is taken. Tokens come from the sequence, so
+//! they grow across rows and restarts. Completed, released and expired rows are deleted by
+//! [`purge_expired`](PostgresStore::purge_expired) or the task of
+//! [`purge_every`](PostgresStore::purge_every); until then an expired row is treated as absent.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
+use sqlx::Row;
+
+use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
+
+/// The default table name.
+pub const DEFAULT_TABLE: &str = "idem_records";
+
+/// How long `connect` waits for a pooled connection before an operation fails with
+/// [`Error::Store`].
+pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// A store in a PostgreSQL table, shared by every process that uses the same database, and
+/// kept across restarts.
+///
+/// Cloning is cheap; clones share the pool and the in-process registry of running calls.
+///
+/// ```no_run
+/// use idem_runtime::PostgresStore;
+///
+/// # async fn example() -> Result<(), idem_runtime::Error> {
+/// let store = PostgresStore::connect("postgres://app@127.0.0.1/app").await?;
+/// store.migrate().await?; // creates the table if it is absent
+/// let _purger = store.purge_every(std::time::Duration::from_secs(600));
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+    sql: Arc<Statements>,
+    flights: Arc<Flights>,
+}
+
+/// The statements of one table, written once.
+struct Statements {
+    table: String,
+    migrate: [String; 3],
+    claim: String,
+    complete: String,
+    release: String,
+    renew: String,
+    remove: String,
+    purge: String,
+}
+
+impl Statements {
+    /// The statements of `table` (`name` or `schema.name`), after checking the name.
+    fn new(table: &str) -> Result<Self, Error> {
+        Ok(match table.split_once('.') {
+            Some((schema, name)) => Self::of(Some(validate(schema)?), validate(name)?),
+            None => Self::of(None, validate(table)?),
+        })
+    }
+
+    /// The statements of a checked table name.
+    fn of(schema: Option<&str>, name: &str) -> Self {
+        let table = match schema {
+            Some(schema) => format!("{schema}.{name}"),
+            None => name.to_string(),
+        };
+        let qualify = |object: &str| match schema {
+            Some(schema) => format!("\"{schema}\".\"{object}\""),
+            None => format!("\"{object}\""),
+        };
+        let t = qualify(name);
+        let sequence = qualify(&format!("{name}_token"));
+        let index = format!("\"{name}_expires_at\"");
+        Self {
+            table,
+            migrate: [
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {t} (\
+                        key bytea PRIMARY KEY, \
+                        token bigint NOT NULL, \
+                        completed boolean NOT NULL, \
+                        fingerprint bytea, \
+                        value bytea, \
+                        expires_at timestamptz NOT NULL)"
+                ),
+                format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (expires_at)"),
+                format!("CREATE SEQUENCE IF NOT EXISTS {sequence}"),
+            ],
+            // The live row comes back from the INSERT when this claim took it, or from the
+            // SELECT when it is held or completed. A row inserted by a concurrent claim after
+            // this statement's snapshot is in neither: `claim` then asks once more.
+            claim: format!(
+                "WITH claimed AS (\
+                    INSERT INTO {t} AS r (key, token, completed, fingerprint, value, expires_at) \
+                    VALUES ($1, nextval('{sequence}'), false, $2, NULL, now() + $3 * interval '1 millisecond') \
+                    ON CONFLICT (key) DO UPDATE SET \
+                        token = EXCLUDED.token, completed = false, fingerprint = EXCLUDED.fingerprint, \
+                        value = NULL, expires_at = EXCLUDED.expires_at \
+                    WHERE r.expires_at <= now() \
+                    RETURNING true AS acquired, r.token, r.completed, r.fingerprint, r.value) \
+                 SELECT acquired, token, completed, fingerprint, value FROM claimed \
+                 UNION ALL \
+                 SELECT false, token, completed, fingerprint, value FROM {t} \
+                 WHERE key = $1 AND expires_at > now() AND NOT EXISTS (SELECT 1 FROM claimed)"
+            ),
+            complete: format!(
+                "UPDATE {t} SET completed = true, value = $3, expires_at = now() + $4 * interval '1 millisecond' \
+                 WHERE key = $1 AND token = $2 AND NOT completed AND expires_at > now()"
+            ),
+            release: format!(
+                "DELETE FROM {t} WHERE key = $1 AND token = $2 AND NOT completed AND expires_at > now()"
+            ),
+            renew: format!(
+                "UPDATE {t} SET expires_at = now() + $3 * interval '1 millisecond' \
+                 WHERE key = $1 AND token = $2 AND NOT completed AND expires_at > now()"
+            ),
+            remove: format!(
+                "WITH removed AS (DELETE FROM {t} WHERE key = $1 RETURNING expires_at > now() AS live) \
+                 SELECT coalesce(bool_or(live), false) FROM removed"
+            ),
+            purge: format!("DELETE FROM {t} WHERE expires_at <= now()"),
+        }
+    }
+}
+
+/// A table or schema name: a plain identifier, so that it can never inject SQL.
+fn validate(identifier: &str) -> Result<&str, Error> {
+    let mut chars = identifier.chars();
+    let valid = identifier.len() <= 50
+        && chars
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if valid {
+        Ok(identifier)
+    } else {
+        Err(Error::store(format!(
+            "invalid table name {identifier:?}: use letters, digits and `_` (at most 50, not starting with a digit), optionally `schema.table`"
+        )))
+    }
+}
+
+fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis())
+        .unwrap_or(i64::MAX)
+        .max(1)
+}
+
+fn token(token: Token) -> Result<i64, Error> {
+    i64::try_from(token.get())
+        .map_err(|_| Error::store("a fencing token out of PostgreSQL's bigint range"))
+}
+
+fn fingerprint(raw: Option<Vec<u8>>) -> Result<Option<Fingerprint>, Error> {
+    raw.map(|raw| {
+        let raw: [u8; 32] = raw.try_into().map_err(|raw: Vec<u8>| {
+            Error::store(format!(
+                "a stored fingerprint has {} bytes, not 32",
+                raw.len()
+            ))
+        })?;
+        Ok(Fingerprint::from_bytes(raw))
+    })
+    .transpose()
+}
+
+fn parse_claim(row: &PgRow) -> Result<Claim, Error> {
+    let acquired: bool = row.try_get(0).map_err(Error::store)?;
+    let raw_token: i64 = row.try_get(1).map_err(Error::store)?;
+    let completed: bool = row.try_get(2).map_err(Error::store)?;
+    let fp = fingerprint(row.try_get(3).map_err(Error::store)?)?;
+    Ok(if acquired {
+        let token =
+            u64::try_from(raw_token).map_err(|_| Error::store("a negative fencing token"))?;
+        Claim::Acquired {
+            token: Token::new(token),
+        }
+    } else if completed {
+        let value: Option<Vec<u8>> = row.try_get(4).map_err(Error::store)?;
+        Claim::Completed {
+            value: Bytes::from(value.unwrap_or_default()),
+            fingerprint: fp,
+        }
+    } else {
+        Claim::InProgress { fingerprint: fp }
+    })
+}
+
+impl PostgresStore {
+    /// Connects a pool to `url` (`postgres://user[:password]@host[:port]/database`), using the
+    /// table [`DEFAULT_TABLE`]. Call [`migrate`](Self::migrate) before the first use.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the URL is invalid or the database cannot be reached within
+    /// [`DEFAULT_ACQUIRE_TIMEOUT`].
+    pub async fn connect(url: &str) -> Result<Self, Error> {
+        let pool = PgPoolOptions::new()
+            .max_connections(16)
+            .acquire_timeout(DEFAULT_ACQUIRE_TIMEOUT)
+            .connect(url)
+            .await
+            .map_err(Error::store)?;
+        Ok(Self::from_pool(pool))
+    }
+
+    /// Uses an existing pool; its acquire timeout bounds how long an operation waits when the
+    /// database is unreachable.
+    pub fn from_pool(pool: PgPool) -> Self {
+        Self {
+            pool,
+            sql: Arc::new(Statements::of(None, DEFAULT_TABLE)),
+            flights: Arc::default(),
+        }
+    }
+
+    /// Uses the table `table` (`name` or `schema.name`) instead of [`DEFAULT_TABLE`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the name is not a plain identifier: names are checked, never
+    /// quoted into SQL as they come.
+    pub fn with_table(mut self, table: &str) -> Result<Self, Error> {
+        self.sql = Arc::new(Statements::new(table)?);
+        Ok(self)
+    }
+
+    /// The table this store uses.
+    pub fn table(&self) -> &str {
+        &self.sql.table
+    }
+
+    /// Creates the table, its index and its token sequence if they are absent. Safe to run
+    /// from several processes at once: a transaction-scoped advisory lock serialises them.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the database fails or refuses (for example without the right to
+    /// create tables).
+    pub async fn migrate(&self) -> Result<(), Error> {
+        let mut tx = self.pool.begin().await.map_err(Error::store)?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+            .bind(format!("idem.migrate.{}", self.sql.table))
+            .execute(&mut *tx)
+            .await
+            .map_err(Error::store)?;
+        for statement in &self.sql.migrate {
+            sqlx::query(statement)
+                .execute(&mut *tx)
+                .await
+                .map_err(Error::store)?;
+        }
+        tx.commit().await.map_err(Error::store)
+    }
+
+    /// Deletes every expired row (lapsed claims, results past their TTL). Returns how many.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the database fails.
+    pub async fn purge_expired(&self) -> Result<u64, Error> {
+        let done = sqlx::query(&self.sql.purge)
+            .execute(&self.pool)
+            .await
+            .map_err(Error::store)?;
+        Ok(done.rows_affected())
+    }
+
+    /// Runs [`purge_expired`](Self::purge_expired) every `interval` on the current tokio
+    /// runtime, until the returned guard is dropped. A failed purge is logged and retried at
+    /// the next interval.
+    pub fn purge_every(&self, interval: Duration) -> Purger {
+        let store = self.clone();
+        let task = tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(interval);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticks.tick().await;
+                match store.purge_expired().await {
+                    Ok(purged) => {
+                        tracing::debug!(purged, table = store.table(), "purged expired records")
+                    }
+                    Err(err) => {
+                        tracing::warn!(error = %err, table = store.table(), "purging expired records failed")
+                    }
+                }
+            }
+        });
+        Purger(task)
+    }
+
+    async fn fenced(
+        &self,
+        statement: &str,
+        key: &Key,
+        token: Token,
+        millis: Option<i64>,
+        value: Option<&[u8]>,
+    ) -> Result<bool, Error> {
+        let mut query = sqlx::query(statement)
+            .bind(&key.as_bytes()[..])
+            .bind(self::token(token)?);
+        if let Some(value) = value {
+            query = query.bind(value);
+        }
+        if let Some(millis) = millis {
+            query = query.bind(millis);
+        }
+        let done = query.execute(&self.pool).await.map_err(Error::store)?;
+        Ok(done.rows_affected() == 1)
+    }
+}
+
+/// Stops the purge task of [`PostgresStore::purge_every`] when dropped.
+#[derive(Debug)]
+#[must_use = "the purge task stops when this guard is dropped"]
+pub struct Purger(tokio::task::JoinHandle<()>);
+
+impl Drop for Purger {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("table", &self.sql.table)
+            .field("pool_size", &self.pool.size())
+            .finish()
+    }
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn claim(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Claim, Error> {
+        // A second attempt only when a concurrent claim inserted the row after this
+        // statement's snapshot: the next statement sees it.
+        for _ in 0..3 {
+            let row = sqlx::query(&self.sql.claim)
+                .bind(&key.as_bytes()[..])
+                .bind(fingerprint.map(|f| &f.as_bytes()[..]))
+                .bind(millis(lease))
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(Error::store)?;
+            if let Some(row) = row {
+                return parse_claim(&row);
+            }
+        }
+        Err(Error::store(
+            "the claim found neither a free key nor its holder three times",
+        ))
+    }
+
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        self.fenced(
+            &self.sql.complete,
+            key,
+            token,
+            Some(millis(ttl)),
+            Some(&value),
+        )
+        .await
+    }
+
+    async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
+        self.fenced(&self.sql.release, key, token, None, None).await
+    }
+
+    async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
+        self.fenced(&self.sql.renew, key, token, Some(millis(lease)), None)
+            .await
+    }
+
+    async fn remove(&self, key: &Key) -> Result<bool, Error> {
+        sqlx::query_scalar(&self.sql.remove)
+            .bind(&key.as_bytes()[..])
+            .fetch_one(&self.pool)
+            .await
+            .map_err(Error::store)
+    }
+
+    fn flights(&self) -> Option<&Flights> {
+        Some(&self.flights)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_names_are_identifiers_only() {
+        assert!(Statements::new("idem_records").is_ok());
+        assert!(Statements::new("billing.idem_v2").is_ok());
+        for bad in [
+            "",
+            "1table",
+            "idem records",
+            "t\"; DROP TABLE x; --",
+            "a.b.c",
+            "a-b",
+            &"x".repeat(51),
+        ] {
+            assert!(Statements::new(bad).is_err(), "{bad:?} was accepted");
+        }
+    }
+
+    #[test]
+    fn the_default_table_name_is_valid() {
+        assert!(validate(DEFAULT_TABLE).is_ok());
+    }
+
+    #[test]
+    fn statements_quote_the_checked_name() {
+        let sql = Statements::new("billing.idem").unwrap();
+        assert!(sql.claim.contains("\"billing\".\"idem\""));
+        assert!(sql.claim.contains("nextval('\"billing\".\"idem_token\"')"));
+    }
+}

@@ -1,0 +1,359 @@
+//! `PostgresStore` against the real PostgreSQL server: the store contract, cross-process
+//! exclusivity, crashes, zombies, an unreachable database, table names.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_runtime::{testkit, Error, InFlight, Operation, Outcome, PostgresStore};
+use idem_tests::{postgres_store, postgres_url, Frozen, Runs};
+use sqlx::postgres::PgPoolOptions;
+use tokio::time::Instant;
+
+fn namespace(test: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("pg-test.{test}.{nanos}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_store_keeps_the_store_contract() {
+    let Some(store) = postgres_store().await else {
+        return;
+    };
+    testkit::conformance(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_on_its_own_table_keeps_the_store_contract() {
+    let Some(default) = postgres_store().await else {
+        return;
+    };
+    let store = default.with_table("public.idem_records_custom").unwrap();
+    store.migrate().await.unwrap();
+    store.migrate().await.unwrap(); // idempotent
+    testkit::conformance(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_from_many_processes_at_once_all_succeed() {
+    let Some(store) = postgres_store().await else {
+        return;
+    };
+    let table = format!("idem_concurrent_migrate_{}", std::process::id());
+    let store = store.with_table(&table).unwrap();
+    let migrations: Vec<_> = (0..8)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move { store.migrate().await })
+        })
+        .collect();
+    for migration in migrations {
+        migration.await.unwrap().unwrap();
+    }
+    testkit::conformance(&store).await;
+    let pool = PgPoolOptions::new().connect(&postgres_url()).await.unwrap();
+    sqlx::query(&format!("DROP TABLE \"{table}\""))
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query(&format!("DROP SEQUENCE \"{table}_token\""))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn table_names_that_are_not_identifiers_are_refused() {
+    let Some(store) = postgres_store().await else {
+        return;
+    };
+    for bad in [
+        "x; DROP TABLE idem_records",
+        "idem records",
+        "\"quoted\"",
+        "",
+    ] {
+        let err = store.clone().with_table(bad).unwrap_err();
+        assert!(matches!(err, Error::Store(_)), "{bad:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_pools_with_200_callers_each_run_the_body_once() {
+    let Some(first) = postgres_store().await else {
+        return;
+    };
+    let Some(second) = postgres_store().await else {
+        return;
+    };
+    let op = Arc::new(Operation::new(namespace("two_pools")));
+    let key = op.key(&"order-1").unwrap();
+    let runs = Runs::default();
+    let mut calls = Vec::new();
+    for store in [first, second] {
+        for i in 0..200_u32 {
+            let (op, store, runs) = (op.clone(), store.clone(), runs.clone());
+            calls.push(tokio::spawn(async move {
+                op.run(&store, &key, None, async move {
+                    runs.hit();
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    Ok::<_, Error>(format!("receipt-{i}"))
+                })
+                .await
+            }));
+        }
+    }
+    let mut values = Vec::new();
+    for call in calls {
+        values.push(call.await.unwrap().unwrap().into_inner());
+    }
+    assert_eq!(runs.count(), 1, "one body for 400 callers on two pools");
+    assert!(
+        values.iter().all(|v| *v == values[0]),
+        "all 400 got the same value"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_first_claims_from_other_processes_have_one_winner() {
+    // Without in-process coalescing every call reaches the database, so claims truly race.
+    let Some(store) = postgres_store().await else {
+        return;
+    };
+    let op = Arc::new(Operation::new(namespace("race")).in_flight(InFlight::Reject));
+    for round in 0..20 {
+        let key = op.key(&round).unwrap();
+        let runs = Runs::default();
+        let calls: Vec<_> = (0..8)
+            .map(|_| {
+                let (op, store, runs) = (op.clone(), Frozen(store.clone()), runs.clone());
+                tokio::spawn(async move {
+                    op.run(&store, &key, None, async move {
+                        runs.hit();
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        Ok::<_, Error>(())
+                    })
+                    .await
+                })
+            })
+            .collect();
+        for call in calls {
+            match call.await.unwrap() {
+                Ok(_) | Err(Error::InProgress) => {}
+                Err(other) => panic!("round {round}: {other}"),
+            }
+        }
+        assert_eq!(runs.count(), 1, "round {round}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_that_lost_its_lease_cannot_overwrite_the_new_owner() {
+    let Some(store) = postgres_store().await else {
+        return;
+    };
+    let lease = Duration::from_millis(200);
+    let op = Operation::new(namespace("zombie")).lease(lease);
+    let key = op.key(&1).unwrap();
+    let zombie = {
+        let (op, store) = (op.clone(), Frozen(store.clone()));
+        tokio::spawn(async move {
+            op.run(&store, &key, None, async {
+                tokio::time::sleep(Duration::from_millis(600)).await;
+                Ok::<_, Error>("zombie".to_string())
+            })
+            .await
+        })
+    };
+    tokio::time::sleep(lease + Duration::from_millis(100)).await;
+    let other_process = Frozen(store.clone());
+    let owner = op.run(&other_process, &key, None, async {
+        Ok::<_, Error>("owner".to_string())
+    });
+    assert_eq!(owner.await.unwrap(), Outcome::Executed("owner".to_string()));
+    assert_eq!(
+        zombie.await.unwrap().unwrap(),
+        Outcome::Executed("zombie".to_string())
+    );
+    let replay = op.run(&store, &key, None, async {
+        Ok::<_, Error>("third".to_string())
+    });
+    assert_eq!(
+        replay.await.unwrap(),
+        Outcome::Replayed("owner".to_string())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_database_is_a_store_error_within_the_acquire_timeout() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("postgres://postgres@127.0.0.1:{port}/test");
+
+    let started = Instant::now();
+    let err = PostgresStore::connect(&url).await.unwrap_err();
+    assert!(matches!(err, Error::Store(_)), "{err}");
+    assert!(
+        started.elapsed()
+            < idem_runtime::store::postgres::DEFAULT_ACQUIRE_TIMEOUT + Duration::from_secs(1)
+    );
+
+    let timeout = Duration::from_millis(500);
+    let pool = PgPoolOptions::new()
+        .acquire_timeout(timeout)
+        .connect_lazy(&url)
+        .unwrap();
+    let store = PostgresStore::from_pool(pool);
+    let op = Operation::new(namespace("unreachable"));
+    let key = op.key(&1).unwrap();
+    let runs = Runs::default();
+    let r = runs.clone();
+    let started = Instant::now();
+    let err = op
+        .run(&store, &key, None, async move {
+            r.hit();
+            Ok::<_, Error>(1)
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Store(_)), "{err}");
+    assert!(
+        started.elapsed() < timeout * 4,
+        "took {:?}",
+        started.elapsed()
+    );
+    assert_eq!(runs.count(), 0, "the body must not run without a claim");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_deletes_expired_rows_only() {
+    let Some(store) = postgres_store().await else {
+        return;
+    };
+    let store = store.with_table("idem_records_purge").unwrap();
+    store.migrate().await.unwrap();
+    let op = Operation::new(namespace("purge")).ttl(Duration::from_millis(100));
+    let short = op.key(&"short").unwrap();
+    let long = op.key(&"long").unwrap();
+    let _ = op
+        .run(&store, &short, None, async { Ok::<_, Error>(1) })
+        .await
+        .unwrap();
+    let _ = op
+        .clone()
+        .ttl(Duration::from_secs(3600))
+        .run(&store, &long, None, async { Ok::<_, Error>(2) })
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(store.purge_expired().await.unwrap() >= 1);
+    assert_eq!(store.purge_expired().await.unwrap(), 0);
+    let replay = op
+        .run(&store, &long, None, async { Ok::<_, Error>(3) })
+        .await
+        .unwrap();
+    assert_eq!(
+        replay,
+        Outcome::Replayed(2),
+        "a live result survives the purge"
+    );
+
+    // The background task purges too.
+    let _ = op
+        .run(&store, &op.key(&"short-2").unwrap(), None, async {
+            Ok::<_, Error>(1)
+        })
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let purger = store.purge_every(Duration::from_millis(50));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        store.purge_expired().await.unwrap(),
+        0,
+        "the task already purged"
+    );
+    drop(purger);
+}
+
+const CRASH_KEY: &str = "IDEM_PG_CRASH_NAMESPACE";
+
+/// The child of the crash test: claims a key with a 1 s lease, says so, and hangs until killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run by crash_of_a_holder_frees_its_key_after_the_lease, in a child process"]
+async fn crash_child() {
+    let namespace = std::env::var(CRASH_KEY).expect("run by the crash test");
+    let store = PostgresStore::connect(&postgres_url()).await.unwrap();
+    let op = Operation::new(namespace).lease(Duration::from_secs(1));
+    let key = op.key(&"crash").unwrap();
+    let _ = op
+        .run(&store, &key, None, async {
+            println!("claimed");
+            std::future::pending::<()>().await;
+            Ok::<_, Error>(0_u32)
+        })
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_of_a_holder_frees_its_key_after_the_lease() {
+    let Some(store) = postgres_store().await else {
+        return;
+    };
+    let namespace = namespace("crash");
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "crash_child", "--nocapture"])
+        .env(CRASH_KEY, &namespace)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let claimed = tokio::task::spawn_blocking(move || {
+        BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .any(|line| line.contains("claimed"))
+    });
+    assert!(
+        tokio::time::timeout(Duration::from_secs(20), claimed)
+            .await
+            .unwrap()
+            .unwrap(),
+        "the child claimed the key"
+    );
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let killed = Instant::now();
+
+    let op = Operation::new(namespace).lease(Duration::from_secs(1));
+    let key = op.key(&"crash").unwrap();
+    let err = op
+        .clone()
+        .in_flight(InFlight::Reject)
+        .run(&store, &key, None, async { Ok::<_, Error>(1_u32) })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::InProgress),
+        "before the lease ends: {err}"
+    );
+    assert!(killed.elapsed() < Duration::from_millis(500));
+
+    let out = op
+        .run(&store, &key, None, async { Ok::<_, Error>(2_u32) })
+        .await
+        .unwrap();
+    assert_eq!(out, Outcome::Executed(2));
+    assert!(
+        killed.elapsed() <= Duration::from_millis(1500),
+        "took {:?}",
+        killed.elapsed()
+    );
+}
