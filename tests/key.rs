@@ -106,111 +106,111 @@ mod erased {
 const GOLDEN: &[(&str, &str)] = &[
     (
         "u64 1",
-        "5cfea619cb9c59016f2a09bff7d05feba66c5eab326985f61e1af2e14d26bc78",
+        "4f742a96c86e65f3a5478c1ea386dffbebfe52f31221f076cdbd6a58860772bc",
     ),
     (
         "u8 0",
-        "50338fc287df41d10c5be6ea9bffb9822e3e1e1289193e39a5b75fe0ae03c3b5",
+        "cde01e2bcfa37d0826d9eb2c2bf9d1ee3af9375cbbdfa1b65488707ac6474a07",
     ),
     (
         "i64 -1",
-        "2ec20446b2f45522728f2bcfae17531294682f662a3358a42bedbd648a91f2be",
+        "b0644fd5d0e486580cd4b579aadf4e82bf8eee1e15633b67f690262cfd46f076",
     ),
     (
         "u128 max",
-        "565212fedc393426ec8d963f138a077c0b491e3823ffe355527bfc298b99e9b3",
+        "2a3e36875d0d2f3ea9f0ffa4d007519d990d466dadf7fb8b4fc8e8ff8da80562",
     ),
     (
         "i128 min",
-        "40032f0cd491a5f2c15e7f900adb7e08400fddf46f0cbdd97f5bb38a92f2d77e",
+        "544dc99f1e15b707cb070a2f205b7bf8627ee37019ba98f9d0c4d274e4b44953",
     ),
     (
         "empty str",
-        "e8a887d5632be6c180d4fa44742c1950b70a06446c55def307373da95131cfbc",
+        "259d3f9f38dac490fc6cbdbbb91b93dde97bcf43a4c4d5be1db3871ba2d2bb35",
     ),
     (
         "str",
-        "e19ddec8ed55843be914f3f07c99661dc6e550761e9386803fc6e4e9870d191b",
+        "928677ceb07b0c27be8841ba0007eaad5e36f78a4772258ca077efc816444101",
     ),
     (
         "tuple ab,c",
-        "2ae45bcb68f7faa2ed4c3f27c3e2ed5542b142c717bc07858ba06fc6ee8137f9",
+        "49b5f1749a33f0806cb2160b209c8dd2a3ebe95ed07b7f6673fddbcbf46de21f",
     ),
     (
         "tuple a,bc",
-        "512202cbe4b2be4a75764c81d48239aebd153421a7ea63c0d143dfed305208bc",
+        "bfc9f84fbe289966b48cceac979401deaae2168d234abd1d0d8cbe6b64d5aa89",
     ),
     (
         "unit",
-        "b69453da961abfdff63417f97847371ef616eb9d95fd5be6686f1126fb6c21dd",
+        "5272b8fbf0dadf787321603640f1e74e228142de56964924553dae393d7e63e3",
     ),
     (
         "true",
-        "5f9390aab48a1fd1bceec206e73880ead776184dead1bf62c74411941e0d14c9",
+        "a88d9d909af6d4935937548bc3fd66bf55be4b8246f84b3e6b1bd93c79246df1",
     ),
     (
         "false",
-        "d85f1c6a951b63d4b01dce72d7aba06a182e2c355cd8bcab9e9311466f7ea5a5",
+        "c4e1c8bfb2939172245c7491b8a20e15bbf9ab9f1e4eb58c332fb4656084c1d3",
     ),
     (
         "none",
-        "24c2dbb68011070978b39e00921b1cf0242ae8f28016e9ac278edab5cfce4a91",
+        "5b1c3eb44d1ec27fde6dadb5855fca6c4877e81597311da14b99bbdcb930bc0f",
     ),
     (
         "some 0",
-        "f0850ffbb9b898898e2e1b64c0b48d4a8bac3471db8258578ae024f77788d323",
+        "4a8a5f5368660ef247c958683b1917d21304ac7235e70bd124dd254aa1f5bd84",
     ),
     (
         "f64 1.5",
-        "1ce1d206dc84da6e6a598396bca14601b21a0e45fe949de6170bb624b0093300",
+        "6bb513ea60fd5024cb476f0fcbe2fd9bb27d7c3b6ac3a933512bc8d3740a5468",
     ),
     (
         "f64 0",
-        "5bf2cf6b6b9a1aeb9254e481d1e06faee1a264a11c632b0bae329b76f525ffa6",
+        "a394b6886bc6c131f5a796fc25b061735685631d8b8390250335e46a409a3a16",
     ),
     (
         "vec",
-        "51e3a78d65928016728446f8cf0d5c649914b5a6948efa9655a59bc55ea70dd4",
+        "a5ad4456ca98566f96b7271e8bd3c8eaee918ebda8e37285f14819870e54d1eb",
     ),
     (
         "struct",
-        "97c6a4d6cd4dc07716252b32f41f0a91db5cccd3448acf6eccdc64db1ab07ba2",
+        "26e357772dcf6f552ecfbb5fb460e775b0ec5bc0b6d2c2944dad812ca16b44ed",
     ),
     (
         "map",
-        "2b73ca4cbe9a8b322184714891580f0f5ae5da8d389b3781b991a53208d43cf9",
+        "595e2e46d149fa459655edd1ba4c34b3fb7619b039d6cb29f93ae94389864917",
     ),
     (
         "unit variant",
-        "507a4f3f0a874ca9d986b02aab06e5bd14b9821730ce865b0cdfca6de14d74ae",
+        "1af877c797835714751a5b669491837ba44fb2b31568e84ff186c1e5a6945fd7",
     ),
     (
         "newtype variant",
-        "91cdc5448a8076077199c1db15ae025a59c098ba3838b0c911907a5c8b191b16",
+        "ee3e51d5dc90c295f8c9d4712ca6389bd2c6ddbdb2dbbc901db1c5cbe94bf45b",
     ),
     (
         "struct variant",
-        "0f0bf5b9be3931f0672b623801f7576b1bb3e7de909767d870738b3342a95703",
+        "a26ceb056bed24306645920ef2515c1e431d944b25b72dae278fd25f834d3a77",
     ),
     (
         "tuple variant",
-        "b3122f40ecdcc3ccea47e12cd321acd001a6928faa3c590e7fbc8ed5073736bf",
+        "74c238c0599e546b19afe2a73619ae183d9c41ec4766e355b2ba95d11ae0e97c",
     ),
     (
         "bytes",
-        "7bc9ef64ce2c7440e40164a1a026ac208927bef94772a5a7dd7954bdd511b4ad",
+        "c31e739719497ec8756cf38c66dd206ccf6c4ebde9d4807388879eaa187e6990",
     ),
     (
         "char",
-        "0ff81bc9c672d191eab8d77f9fa7d0acb52c1389d916b25ee64ba3c4dc54659f",
+        "be6e483bcc83c463422b263680e8d381973905175107da3685022ae1675b4b16",
     ),
     (
         "charge",
-        "7fcabbd8800ab7649d51a202f0c3d98ba2c2b12d1f0b6be9a9627a085dd9337d",
+        "d26fa06718521f0dc51a5a93646bc22804ba4b225c3cd683c6ec58572252c65c",
     ),
     (
         "unicode namespace",
-        "badf3d38f97d5e03194de35eccbf5c0efd413436bf7f6405cd104ee81d6be1f7",
+        "76ade12984850b32f4def9e7a2e600a6cbc9c102559438ea83aa8e60598a5d0b",
     ),
 ];
 
@@ -238,7 +238,7 @@ fn golden_fingerprint_is_stable() {
     let fp = Fingerprint::of(&("4242", 1999_u32)).unwrap();
     assert_eq!(
         hex(&Key::from_bytes(*fp.as_bytes())),
-        "736128f4907334e59309652d2bcbaf54a736fb966811387041847d8fdba6baac"
+        "840bd423af06f4c790aab5c45d1d3ec7dbf66cfc56b23425f6912a63e1c6109c"
     );
 }
 
@@ -251,16 +251,30 @@ fn by_hand(parts: &[&[u8]]) -> Key {
     Key::from_bytes(h.finalize().into())
 }
 
+/// Unsigned LEB128, written out independently of the runtime's.
+fn leb128(mut n: u128) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let byte = (n % 128) as u8;
+        n /= 128;
+        if n == 0 {
+            out.push(byte);
+            return out;
+        }
+        out.push(byte + 128);
+    }
+}
+
 fn str_enc(s: &str) -> Vec<u8> {
     let mut v = vec![b's'];
-    v.extend((s.len() as u64).to_le_bytes());
+    v.extend(leb128(s.len() as u128));
     v.extend(s.as_bytes());
     v
 }
 
 fn uint(n: u128) -> Vec<u8> {
     let mut v = vec![b'U'];
-    v.extend(n.to_le_bytes());
+    v.extend(leb128(n));
     v
 }
 
@@ -283,7 +297,7 @@ fn encoding_matches_its_documentation() {
         ])
     );
     let mut neg = vec![b'I'];
-    neg.extend((-3_i128).to_le_bytes());
+    neg.extend(leb128(2)); // -(-3 + 1)
     assert_eq!(
         Key::derive("ns", &Some(-3_i32)).unwrap(),
         by_hand(&[header, &str_enc("ns"), b"S", &neg])
@@ -307,6 +321,17 @@ fn encoding_matches_its_documentation() {
             &str_enc("c"),
             b"}"
         ])
+    );
+    // Multi-byte LEB128: 300 = 0b10_0101100 -> [0xAC, 0x02]; a long string's length too.
+    assert_eq!(leb128(300), vec![0xAC, 0x02]);
+    assert_eq!(
+        Key::derive("ns", &300_u16).unwrap(),
+        by_hand(&[header, &str_enc("ns"), b"U\xAC\x02"])
+    );
+    let long = "x".repeat(200);
+    assert_eq!(
+        Key::derive("ns", &long).unwrap(),
+        by_hand(&[header, &str_enc("ns"), &str_enc(&long)])
     );
     let fp_header: &[u8] = &[b'P', 1];
     assert_eq!(

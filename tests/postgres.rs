@@ -357,3 +357,43 @@ async fn crash_of_a_holder_frees_its_key_after_the_lease() {
         killed.elapsed()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_neither_writes_nor_locks_the_row() {
+    let Some(store) = postgres_store().await else {
+        return;
+    };
+    let pool = PgPoolOptions::new().connect(&postgres_url()).await.unwrap();
+    let op = Operation::new(namespace("read_only_replay"));
+    let key = op.key(&1).unwrap();
+    let first = op
+        .run(&store, &key, None, async { Ok::<_, Error>(1) })
+        .await
+        .unwrap();
+    assert_eq!(first, Outcome::Executed(1));
+
+    // A row lock (even ON CONFLICT DO UPDATE ... WHERE false) or an update sets xmax or xmin.
+    let versions = || async {
+        sqlx::query_as::<_, (String, String)>(
+            "SELECT xmin::text, xmax::text FROM idem_records WHERE key = $1",
+        )
+        .bind(&key.as_bytes()[..])
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    let before = versions().await;
+    assert_eq!(before.1, "0");
+    for _ in 0..3 {
+        let replay = op
+            .run(&store, &key, None, async { Ok::<_, Error>(2) })
+            .await
+            .unwrap();
+        assert_eq!(replay, Outcome::Replayed(1));
+    }
+    assert_eq!(
+        versions().await,
+        before,
+        "replays changed or locked the row"
+    );
+}

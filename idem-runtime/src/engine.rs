@@ -286,12 +286,17 @@ impl<P> Operation<P> {
         key: &Key,
         fingerprint: Option<&Fingerprint>,
     ) -> Result<Settled, Error> {
-        let deadline = Instant::now() + self.wait_timeout.unwrap_or(self.lease);
+        // The clock is read only once a call has to wait: replays and first calls never do.
+        let mut deadline = None;
+        let wait_until = |deadline: &mut Option<Instant>| {
+            *deadline
+                .get_or_insert_with(|| Instant::now() + self.wait_timeout.unwrap_or(self.lease))
+        };
         let mut polls = 0_u32;
         loop {
             if let Some(flight) = store.flights().and_then(|flights| flights.get(key)) {
                 self.found_in_progress(flight.fingerprint(), fingerprint)?;
-                match flight.wait(deadline).await {
+                match flight.wait(wait_until(&mut deadline)).await {
                     Some(Landing::Completed(record)) => {
                         tracing::debug!(
                             outcome = "waited",
@@ -317,6 +322,7 @@ impl<P> Operation<P> {
                     fingerprint: holder,
                 } => {
                     self.found_in_progress(holder.as_ref(), fingerprint)?;
+                    let deadline = wait_until(&mut deadline);
                     let now = Instant::now();
                     if now >= deadline {
                         return Err(timed_out());

@@ -8,21 +8,24 @@
 //! # The encoding (format version 1)
 //!
 //! Every value starts with a one-byte tag and is self-delimiting, so the concatenation of
-//! several values is unambiguous (`("ab", "c")` and `("a", "bc")` differ):
+//! several values is unambiguous (`("ab", "c")` and `("a", "bc")` differ). Numbers and
+//! lengths are unsigned LEB128 (7 bits a byte, the high bit on all bytes but the last), so a
+//! typical key fits one sha256 block. The whole is prefixed with `K` and [`FORMAT_VERSION`]
+//! (a fingerprint: `P` and the version), and a key's namespace follows as a string.
 //!
 //! | value | bytes |
 //! |---|---|
-//! | unsigned integer, or signed ≥ 0 | `U` + 16 bytes little-endian |
-//! | negative integer | `I` + 16 bytes little-endian two's complement |
-//! | float (`f32` widened to `f64`; `-0.0` as `0.0`; NaN is an error) | `F` + 8 bytes of bits |
+//! | unsigned integer, or signed ≥ 0 | `U` + LEB128 of the value |
+//! | negative integer `v` | `I` + LEB128 of `-(v + 1)` |
+//! | float (`f32` widened to `f64`; `-0.0` as `0.0`; NaN is an error) | `F` + 8 bytes of bits, little-endian |
 //! | `bool` | `B` + `0`/`1` |
-//! | string, `char` | `s` + u64 length + UTF-8 |
-//! | bytes | `b` + u64 length + bytes |
+//! | string, `char` | `s` + LEB128 length + UTF-8 |
+//! | bytes | `b` + LEB128 length + bytes |
 //! | `()`, unit struct | `0` |
 //! | `None` / `Some(v)` | `N` / `S` + v |
 //! | sequence, tuple, tuple struct | `[` + items + `]` |
 //! | struct | `{` + (name, value)… + `}` |
-//! | map | `M` + u64 count + sorted sha256 of each encoded (key, value) entry |
+//! | map | `M` + LEB128 count + the sorted sha256 of each encoded (key, value) entry |
 //! | enum variant | `V` / `W` / `T` / `R` (unit, newtype, tuple, struct) + name + content |
 //!
 //! Integers are encoded by value, not by type, so widening `order.id` from `u32` to `u64`
@@ -34,7 +37,6 @@ mod encoder;
 use std::fmt;
 
 use serde::Serialize;
-use sha2::{Digest, Sha256};
 
 use crate::Error;
 
@@ -64,11 +66,11 @@ impl Key {
     /// [`Error::Key`] when `value` cannot be encoded deterministically: a NaN float, or a
     /// `Serialize` implementation that reports an error.
     pub fn derive<V: Serialize + ?Sized>(namespace: &str, value: &V) -> Result<Self, Error> {
-        let mut hasher = Sha256::new();
-        hasher.update([b'K', FORMAT_VERSION]);
-        encoder::write_str(&mut hasher, namespace);
-        encoder::encode(&mut hasher, value)?;
-        Ok(Self(hasher.finalize().into()))
+        let mut sink = encoder::Sink::new();
+        sink.write(&[b'K', FORMAT_VERSION]);
+        encoder::write_str(&mut sink, namespace);
+        encoder::encode(&mut sink, value)?;
+        Ok(Self(sink.finish()))
     }
 
     /// Wraps 32 raw bytes, for stores that read keys back.
@@ -125,10 +127,10 @@ impl Fingerprint {
     ///
     /// [`Error::Key`] when `payload` cannot be encoded deterministically.
     pub fn of<V: Serialize + ?Sized>(payload: &V) -> Result<Self, Error> {
-        let mut hasher = Sha256::new();
-        hasher.update([b'P', FORMAT_VERSION]);
-        encoder::encode(&mut hasher, payload)?;
-        Ok(Self(hasher.finalize().into()))
+        let mut sink = encoder::Sink::new();
+        sink.write(&[b'P', FORMAT_VERSION]);
+        encoder::encode(&mut sink, payload)?;
+        Ok(Self(sink.finish()))
     }
 
     /// Wraps 32 raw bytes, for stores that read fingerprints back.

@@ -9,28 +9,89 @@ use sha2::{Digest, Sha256};
 
 use crate::Error;
 
-/// Encodes `value` into `hasher`.
-pub(super) fn encode<V: Serialize + ?Sized>(hasher: &mut Sha256, value: &V) -> Result<(), Error> {
+/// Gathers the encoding in a small buffer on the stack and hashes it in large pieces: a
+/// typical key is hashed with one call to the hasher, not one per field.
+pub(super) struct Sink {
+    hasher: Sha256,
+    buffer: [u8; 128],
+    len: usize,
+}
+
+impl Sink {
+    pub(super) fn new() -> Self {
+        Self {
+            hasher: Sha256::new(),
+            buffer: [0; 128],
+            len: 0,
+        }
+    }
+
+    pub(super) fn write(&mut self, bytes: &[u8]) {
+        if self.len + bytes.len() > self.buffer.len() {
+            self.flush();
+            if bytes.len() > self.buffer.len() {
+                self.hasher.update(bytes);
+                return;
+            }
+        }
+        self.buffer[self.len..self.len + bytes.len()].copy_from_slice(bytes);
+        self.len += bytes.len();
+    }
+
+    fn byte(&mut self, byte: u8) {
+        self.write(&[byte]);
+    }
+
+    /// An unsigned LEB128 number: 7 bits a byte, the high bit set on all but the last.
+    fn leb128(&mut self, mut n: u128) {
+        loop {
+            let low = (n & 0x7f) as u8;
+            n >>= 7;
+            if n == 0 {
+                return self.byte(low);
+            }
+            self.byte(low | 0x80);
+        }
+    }
+
+    fn flush(&mut self) {
+        self.hasher.update(&self.buffer[..self.len]);
+        self.len = 0;
+    }
+
+    pub(super) fn finish(mut self) -> [u8; 32] {
+        self.flush();
+        self.hasher.finalize().into()
+    }
+}
+
+/// Encodes `value` into `sink`.
+pub(super) fn encode<V: Serialize + ?Sized>(sink: &mut Sink, value: &V) -> Result<(), Error> {
     value
-        .serialize(Encoder { out: hasher })
+        .serialize(Encoder { out: sink })
         .map_err(|e| Error::Key(Box::new(e)))
 }
 
 /// Writes a length-prefixed string (tag `s`).
-pub(super) fn write_str(out: &mut Sha256, s: &str) {
+pub(super) fn write_str(out: &mut Sink, s: &str) {
     write_bytes(out, b's', s.as_bytes());
 }
 
-fn write_bytes(out: &mut Sha256, tag: u8, bytes: &[u8]) {
-    out.update([tag]);
-    out.update((bytes.len() as u64).to_le_bytes());
-    out.update(bytes);
+fn write_bytes(out: &mut Sink, tag: u8, bytes: &[u8]) {
+    out.byte(tag);
+    out.leb128(bytes.len() as u128);
+    out.write(bytes);
 }
 
-fn write_int(out: &mut Sha256, v: i128) {
-    let tag = if v < 0 { b'I' } else { b'U' };
-    out.update([tag]);
-    out.update(v.to_le_bytes());
+/// `U` + LEB128 of a non-negative integer; `I` + LEB128 of `-(v + 1)` for a negative one.
+fn write_int(out: &mut Sink, v: i128) {
+    if v < 0 {
+        out.byte(b'I');
+        out.leb128(!v as u128);
+    } else {
+        out.byte(b'U');
+        out.leb128(v as u128);
+    }
 }
 
 /// Why a key value could not be encoded.
@@ -52,7 +113,7 @@ impl ser::Error for KeyError {
 }
 
 struct Encoder<'h> {
-    out: &'h mut Sha256,
+    out: &'h mut Sink,
 }
 
 impl Encoder<'_> {
@@ -61,7 +122,7 @@ impl Encoder<'_> {
     }
 
     fn tag(&mut self, tag: u8) {
-        self.out.update([tag]);
+        self.out.byte(tag);
     }
 
     fn variant(&mut self, tag: u8, name: &str) {
@@ -127,10 +188,9 @@ impl<'h> ser::Serializer for Encoder<'h> {
     }
 
     fn serialize_u128(mut self, v: u128) -> Result {
-        // Values above i128::MAX keep the `U` tag: their top bit makes them distinct from
-        // every non-negative i128, which never has it.
+        // The same form as every other non-negative integer, for values above i128::MAX too.
         self.tag(b'U');
-        self.out.update(v.to_le_bytes());
+        self.out.leb128(v);
         Ok(())
     }
 
@@ -147,7 +207,7 @@ impl<'h> ser::Serializer for Encoder<'h> {
         // -0.0 == 0.0, so they must give the same key.
         let v = if v == 0.0 { 0.0 } else { v };
         self.tag(b'F');
-        self.out.update(v.to_bits().to_le_bytes());
+        self.out.write(&v.to_bits().to_le_bytes());
         Ok(())
     }
 
@@ -339,9 +399,9 @@ impl ser::SerializeStructVariant for Encoder<'_> {
 /// Encodes a map independently of its iteration order: each entry is hashed on its own, and
 /// the entry digests are written sorted. The only place the encoder allocates.
 pub(crate) struct MapEncoder<'h> {
-    out: &'h mut Sha256,
+    out: &'h mut Sink,
     entries: Vec<[u8; 32]>,
-    current: Option<Sha256>,
+    current: Option<Sink>,
 }
 
 impl ser::SerializeMap for MapEncoder<'_> {
@@ -349,7 +409,7 @@ impl ser::SerializeMap for MapEncoder<'_> {
     type Error = KeyError;
 
     fn serialize_key<T: Serialize + ?Sized>(&mut self, key: &T) -> Result {
-        let entry = self.current.insert(Sha256::new());
+        let entry = self.current.insert(Sink::new());
         key.serialize(Encoder { out: entry })
     }
 
@@ -359,16 +419,16 @@ impl ser::SerializeMap for MapEncoder<'_> {
             .take()
             .ok_or_else(|| KeyError("map value serialized before its key".into()))?;
         value.serialize(Encoder { out: &mut entry })?;
-        self.entries.push(entry.finalize().into());
+        self.entries.push(entry.finish());
         Ok(())
     }
 
     fn end(mut self) -> Result {
         self.entries.sort_unstable();
-        self.out.update([b'M']);
-        self.out.update((self.entries.len() as u64).to_le_bytes());
+        self.out.byte(b'M');
+        self.out.leb128(self.entries.len() as u128);
         for entry in &self.entries {
-            self.out.update(entry);
+            self.out.write(entry);
         }
         Ok(())
     }

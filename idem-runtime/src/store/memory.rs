@@ -1,14 +1,14 @@
 //! The embedded in-memory store, on `moka`.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use moka::future::Cache;
-use moka::ops::compute::{CompResult, Op};
+use moka::sync::Cache;
 use moka::Expiry;
 use tokio::time::Instant;
 
@@ -42,8 +42,8 @@ pub struct MemoryStore {
 }
 
 struct Inner {
-    /// In-progress claims: unbounded, expiring after their lease.
-    claims: Cache<Key, ClaimRecord>,
+    /// In-progress claims, by shard of the key: never evicted, only swept once lapsed.
+    claims: [Mutex<Claims>; SHARDS],
     /// Completed results: bounded, expiring after their TTL.
     results: Cache<Key, ResultRecord>,
     /// The last token handed out; one counter for all keys makes every key's tokens grow.
@@ -52,11 +52,36 @@ struct Inner {
     flights: Flights,
 }
 
-#[derive(Clone)]
+const SHARDS: usize = 64;
+
+/// The claims of one shard. Lapsed claims are swept whenever the shard has doubled since
+/// the last sweep, which keeps the cost of sweeping constant per claim.
+#[derive(Default)]
+struct Claims {
+    live: HashMap<Key, ClaimRecord>,
+    sweep_at: usize,
+}
+
+impl Claims {
+    fn insert(&mut self, key: Key, claim: ClaimRecord, now: Instant) {
+        self.live.insert(key, claim);
+        if self.live.len() >= self.sweep_at {
+            self.live.retain(|_, claim| claim.until > now);
+            self.sweep_at = (self.live.len() * 2).max(64);
+        }
+    }
+
+    /// The live claim of `key` held with `token`.
+    fn held(&mut self, key: &Key, token: Token, now: Instant) -> Option<&mut ClaimRecord> {
+        self.live
+            .get_mut(key)
+            .filter(|claim| claim.token == token && claim.until > now)
+    }
+}
+
 struct ClaimRecord {
     token: Token,
     fingerprint: Option<Fingerprint>,
-    lease: Duration,
     until: Instant,
 }
 
@@ -77,39 +102,28 @@ impl ResultRecord {
     }
 }
 
-/// How long moka keeps a record: the record's own lifetime. Liveness itself is judged by
-/// `until` against `tokio::time`, so moka's eviction only reclaims memory.
+/// How long moka keeps a result: its TTL. Liveness itself is judged by `until` against
+/// `tokio::time`, so moka's expiry only reclaims memory.
 struct Lifetime;
 
-trait Lived {
-    fn lifetime(&self) -> Duration;
-}
-
-impl Lived for ClaimRecord {
-    fn lifetime(&self) -> Duration {
-        self.lease
-    }
-}
-
-impl Lived for ResultRecord {
-    fn lifetime(&self) -> Duration {
-        self.ttl
-    }
-}
-
-impl<V: Lived> Expiry<Key, V> for Lifetime {
-    fn expire_after_create(&self, _: &Key, value: &V, _: std::time::Instant) -> Option<Duration> {
-        Some(value.lifetime())
+impl Expiry<Key, ResultRecord> for Lifetime {
+    fn expire_after_create(
+        &self,
+        _: &Key,
+        value: &ResultRecord,
+        _: std::time::Instant,
+    ) -> Option<Duration> {
+        Some(value.ttl)
     }
 
     fn expire_after_update(
         &self,
         _: &Key,
-        value: &V,
+        value: &ResultRecord,
         _: std::time::Instant,
         _: Option<Duration>,
     ) -> Option<Duration> {
-        Some(value.lifetime())
+        Some(value.ttl)
     }
 }
 
@@ -126,34 +140,21 @@ impl MemoryStore {
         }
     }
 
-    /// The live result of `key`, without taking any lock: completed records never change, so
-    /// reading one outside the claim step is safe.
-    async fn live_result(&self, key: &Key, now: Instant) -> Option<ResultRecord> {
+    /// The live result of `key`. Completed records never change, so reading one outside
+    /// the key's lock is safe.
+    fn live_result(&self, key: &Key, now: Instant) -> Option<ResultRecord> {
         self.inner
             .results
             .get(key)
-            .await
             .filter(|record| record.until > now)
     }
 
-    /// Runs `f` on the live claim of `key` under moka's per-key lock.
-    async fn with_claim(
-        &self,
-        key: &Key,
-        f: impl FnOnce(ClaimRecord) -> Op<ClaimRecord> + Send,
-    ) -> CompResult<Key, ClaimRecord> {
-        let now = Instant::now();
-        self.inner
-            .claims
-            .entry(*key)
-            .and_compute_with(|current| {
-                let op = match current.map(|entry| entry.into_value()) {
-                    Some(claim) if claim.until > now => f(claim),
-                    _ => Op::Nop,
-                };
-                std::future::ready(op)
-            })
-            .await
+    /// The claims of `key`'s shard, locked. Every step that moves a key between the claims
+    /// and the results holds it, so each is atomic.
+    fn claims(&self, key: &Key) -> MutexGuard<'_, Claims> {
+        // The key is a sha256 digest already: any byte of it is uniformly distributed.
+        let shard = &self.inner.claims[usize::from(key.as_bytes()[1]) % SHARDS];
+        shard.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -168,7 +169,6 @@ impl fmt::Debug for MemoryStore {
         f.debug_struct("MemoryStore")
             .field("capacity", &self.inner.capacity)
             .field("results", &self.inner.results.entry_count())
-            .field("claims", &self.inner.claims.entry_count())
             .finish()
     }
 }
@@ -192,7 +192,7 @@ impl MemoryStoreBuilder {
     pub fn build(self) -> MemoryStore {
         MemoryStore {
             inner: Arc::new(Inner {
-                claims: Cache::builder().expire_after(Lifetime).build(),
+                claims: std::array::from_fn(|_| Mutex::default()),
                 results: Cache::builder()
                     .max_capacity(self.capacity)
                     .expire_after(Lifetime)
@@ -214,45 +214,29 @@ impl Store for MemoryStore {
         lease: Duration,
     ) -> Result<Claim, Error> {
         let now = Instant::now();
-        // Fast path for replays: no per-key lock.
-        if let Some(done) = self.live_result(key, now).await {
+        // Fast path for replays: no lock.
+        if let Some(done) = self.live_result(key, now) {
             return Ok(done.into_claim());
         }
-
-        let mut outcome = None;
-        let slot = &mut outcome;
-        self.inner
-            .claims
-            .entry(*key)
-            .and_compute_with(|current| async move {
-                // Under the key's lock. `complete` moves a claim to the results under the
-                // same lock, so a result that landed since the fast path is seen here.
-                if let Some(done) = self.live_result(key, now).await {
-                    *slot = Some(done.into_claim());
-                    return Op::Nop;
-                }
-                match current.map(|entry| entry.into_value()) {
-                    Some(claim) if claim.until > now => {
-                        *slot = Some(Claim::InProgress {
-                            fingerprint: claim.fingerprint,
-                        });
-                        Op::Nop
-                    }
-                    _ => {
-                        let token =
-                            Token::new(self.inner.tokens.fetch_add(1, Ordering::Relaxed) + 1);
-                        *slot = Some(Claim::Acquired { token });
-                        Op::Put(ClaimRecord {
-                            token,
-                            fingerprint: fingerprint.copied(),
-                            lease,
-                            until: now + lease,
-                        })
-                    }
-                }
-            })
-            .await;
-        outcome.ok_or_else(|| Error::store("memory store: the claim step did not run"))
+        let mut claims = self.claims(key);
+        // Under the lock: `complete` moves a claim to the results under the same lock, so a
+        // result that landed since the fast path is seen here.
+        if let Some(done) = self.live_result(key, now) {
+            return Ok(done.into_claim());
+        }
+        if let Some(claim) = claims.live.get(key).filter(|claim| claim.until > now) {
+            return Ok(Claim::InProgress {
+                fingerprint: claim.fingerprint,
+            });
+        }
+        let token = Token::new(self.inner.tokens.fetch_add(1, Ordering::Relaxed) + 1);
+        let claim = ClaimRecord {
+            token,
+            fingerprint: fingerprint.copied(),
+            until: now + lease,
+        };
+        claims.insert(*key, claim, now);
+        Ok(Claim::Acquired { token })
     }
 
     async fn complete(
@@ -263,65 +247,50 @@ impl Store for MemoryStore {
         ttl: Duration,
     ) -> Result<bool, Error> {
         let now = Instant::now();
-        let inner = &self.inner;
-        let result = inner
-            .claims
-            .entry(*key)
-            .and_compute_with(|current| async move {
-                match current.map(|entry| entry.into_value()) {
-                    Some(claim) if claim.until > now && claim.token == token => {
-                        // Insert the result before the claim goes, both under the key's
-                        // lock: no claim can slip in between.
-                        let record = ResultRecord {
-                            value,
-                            fingerprint: claim.fingerprint,
-                            ttl,
-                            until: now + ttl,
-                        };
-                        inner.results.insert(*key, record).await;
-                        Op::Remove
-                    }
-                    _ => Op::Nop,
-                }
-            })
-            .await;
-        Ok(matches!(result, CompResult::Removed(_)))
+        let mut claims = self.claims(key);
+        let Some(claim) = claims.held(key, token, now) else {
+            return Ok(false);
+        };
+        let record = ResultRecord {
+            value,
+            fingerprint: claim.fingerprint,
+            ttl,
+            until: now + ttl,
+        };
+        // The result is visible before the claim goes, and both under the key's lock.
+        self.inner.results.insert(*key, record);
+        claims.live.remove(key);
+        Ok(true)
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
-        let result = self
-            .with_claim(key, |claim| {
-                if claim.token == token {
-                    Op::Remove
-                } else {
-                    Op::Nop
-                }
-            })
-            .await;
-        Ok(matches!(result, CompResult::Removed(_)))
+        let now = Instant::now();
+        let mut claims = self.claims(key);
+        if claims.held(key, token, now).is_none() {
+            return Ok(false);
+        }
+        claims.live.remove(key);
+        Ok(true)
     }
 
     async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
         let now = Instant::now();
-        let result = self
-            .with_claim(key, |claim| {
-                if claim.token == token {
-                    Op::Put(ClaimRecord {
-                        lease,
-                        until: now + lease,
-                        ..claim
-                    })
-                } else {
-                    Op::Nop
-                }
-            })
-            .await;
-        Ok(matches!(result, CompResult::ReplacedWith(_)))
+        let mut claims = self.claims(key);
+        Ok(claims
+            .held(key, token, now)
+            .map(|claim| claim.until = now + lease)
+            .is_some())
     }
 
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
-        let claim = self.inner.claims.remove(key).await;
-        let result = self.inner.results.remove(key).await;
+        let now = Instant::now();
+        let mut claims = self.claims(key);
+        let claim = claims.live.remove(key).filter(|claim| claim.until > now);
+        let result = self
+            .inner
+            .results
+            .remove(key)
+            .filter(|record| record.until > now);
         Ok(claim.is_some() || result.is_some())
     }
 

@@ -18,8 +18,9 @@
 //! ```
 //!
 //! Every operation is one statement; expiry is judged by the database's `now()`. A claim is
-//! an `INSERT … ON CONFLICT … DO UPDATE … WHERE expires_at <= now() RETURNING`, with the live
-//! row returned by the same statement when the key is taken. Tokens come from the sequence, so
+//! one statement that returns the live row if there is one (a replay writes nothing), and
+//! otherwise takes the key with `INSERT … ON CONFLICT … DO UPDATE … WHERE expires_at <= now()
+//! RETURNING`. Tokens come from the sequence, so
 //! they grow across rows and restarts. Completed, released and expired rows are deleted by
 //! [`purge_expired`](PostgresStore::purge_expired) or the task of
 //! [`purge_every`](PostgresStore::purge_every); until then an expired row is treated as absent.
@@ -113,22 +114,26 @@ impl Statements {
                 format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (expires_at)"),
                 format!("CREATE SEQUENCE IF NOT EXISTS {sequence}"),
             ],
-            // The live row comes back from the INSERT when this claim took it, or from the
-            // SELECT when it is held or completed. A row inserted by a concurrent claim after
-            // this statement's snapshot is in neither: `claim` then asks once more.
+            // A live row is read first: a replay or a held key writes nothing. Otherwise the
+            // INSERT takes the key (absent, or its row expired). A row inserted by a
+            // concurrent claim after this statement's snapshot is in neither branch: `claim`
+            // then asks once more.
             claim: format!(
-                "WITH claimed AS (\
+                "WITH live AS (\
+                    SELECT token, completed, fingerprint, value FROM {t} \
+                    WHERE key = $1 AND expires_at > now()), \
+                 claimed AS (\
                     INSERT INTO {t} AS r (key, token, completed, fingerprint, value, expires_at) \
-                    VALUES ($1, nextval('{sequence}'), false, $2, NULL, now() + $3 * interval '1 millisecond') \
+                    SELECT $1, nextval('{sequence}'), false, $2, NULL, now() + $3 * interval '1 millisecond' \
+                    WHERE NOT EXISTS (SELECT 1 FROM live) \
                     ON CONFLICT (key) DO UPDATE SET \
                         token = EXCLUDED.token, completed = false, fingerprint = EXCLUDED.fingerprint, \
                         value = NULL, expires_at = EXCLUDED.expires_at \
                     WHERE r.expires_at <= now() \
-                    RETURNING true AS acquired, r.token, r.completed, r.fingerprint, r.value) \
-                 SELECT acquired, token, completed, fingerprint, value FROM claimed \
+                    RETURNING r.token, r.completed, r.fingerprint, r.value) \
+                 SELECT true, token, completed, fingerprint, value FROM claimed \
                  UNION ALL \
-                 SELECT false, token, completed, fingerprint, value FROM {t} \
-                 WHERE key = $1 AND expires_at > now() AND NOT EXISTS (SELECT 1 FROM claimed)"
+                 SELECT false, token, completed, fingerprint, value FROM live"
             ),
             complete: format!(
                 "UPDATE {t} SET completed = true, value = $3, expires_at = now() + $4 * interval '1 millisecond' \

@@ -12,6 +12,7 @@
 //! | `f` | the fingerprint (32 bytes), empty when none |
 //! | `v` | the recorded value, when completed |
 //!
+//! An absent or released record never holds a value, so a claim need not clear `v`.
 //! The hash's own expiry (`PEXPIRE`, judged by the server's clock) is the lease while in
 //! progress and the TTL once completed. A released record keeps its token until its lease
 //! lapses, so that the next claim's token is larger. Tokens are the server's `TIME` in
@@ -59,7 +60,6 @@ if previous and previous >= token then
 end
 token = string.format('%.0f', token)
 redis.call('HSET', KEYS[1], 's', 'p', 't', token, 'f', ARGV[1])
-redis.call('HDEL', KEYS[1], 'v')
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return {'a', token}
 ",

@@ -1,0 +1,77 @@
+//! Key derivation does not touch the heap for keys without maps: a counting allocator,
+//! scoped to the test's own thread, proves it.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::collections::BTreeMap;
+
+use idem_runtime::{Fingerprint, Key};
+
+struct Counting;
+
+thread_local! {
+    static ALLOCATIONS: Cell<usize> = const { Cell::new(0) };
+}
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.with(|n| n.set(n.get() + 1));
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// Heap allocations made by `f` on this thread.
+fn allocations<T>(f: impl FnOnce() -> T) -> (usize, T) {
+    let before = ALLOCATIONS.with(Cell::get);
+    let out = f();
+    (ALLOCATIONS.with(Cell::get) - before, out)
+}
+
+#[derive(serde::Serialize)]
+struct Order<'a> {
+    id: u64,
+    customer: &'a str,
+    lines: (u32, u32),
+    note: Option<&'a str>,
+}
+
+#[test]
+fn the_counter_sees_allocations() {
+    let (n, v) = allocations(|| Vec::<u8>::with_capacity(16));
+    assert_eq!(n, 1);
+    drop(v);
+}
+
+#[test]
+fn deriving_a_key_without_maps_allocates_nothing() {
+    let customer = String::from("cus_7");
+    let (n, key) =
+        allocations(|| Key::derive("billing.charge.v1", &(42_u64, customer.as_str(), 3_u32)));
+    assert!(key.is_ok());
+    assert_eq!(n, 0, "the P9 key (u64, &str, u32) allocated");
+
+    let order = Order {
+        id: 1,
+        customer: &customer,
+        lines: (2, 3),
+        note: Some("gift"),
+    };
+    let (n, _) = allocations(|| Key::derive("billing.charge.v1", &order));
+    assert_eq!(n, 0, "a struct key allocated");
+    let (n, _) = allocations(|| Fingerprint::of(&order));
+    assert_eq!(n, 0, "a fingerprint allocated");
+}
+
+#[test]
+fn maps_are_the_one_place_that_allocates() {
+    let map: BTreeMap<&str, u32> = [("a", 1), ("b", 2)].into();
+    let (n, _) = allocations(|| Key::derive("ns", &map));
+    assert!(n > 0, "sorting map entries needs a buffer");
+}
