@@ -308,7 +308,11 @@ impl<P> Operation<P> {
                     None => return Err(timed_out()),
                 }
             }
-            match store.claim(key, fingerprint, self.lease).await? {
+            let claim = match store.peek(key) {
+                Some(completed @ Claim::Completed { .. }) => completed,
+                _ => store.claim(key, fingerprint, self.lease).await?,
+            };
+            match claim {
                 Claim::Acquired { token } => return Ok(Settled::Run(token)),
                 Claim::Completed {
                     value,

@@ -4,12 +4,13 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use bytes::Bytes;
-use tokio::sync::watch;
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use crate::key::KeyHasher;
 use crate::{Fingerprint, Key};
 
 const SHARDS: usize = 16;
@@ -20,7 +21,7 @@ const SHARDS: usize = 16;
 /// store gets coalescing by holding one `Flights::default()` beside its connection and
 /// returning it. It is otherwise opaque: the engine alone registers and lands flights.
 pub struct Flights {
-    shards: [Mutex<HashMap<Key, Arc<Flight>>>; SHARDS],
+    shards: [Mutex<HashMap<Key, Arc<Flight>, KeyHasher>>; SHARDS],
     /// Number of registered flights, so that the common case (nothing running) costs one
     /// atomic load instead of a lock.
     active: AtomicUsize,
@@ -56,7 +57,8 @@ pub(crate) enum Landing {
 #[derive(Debug)]
 pub(crate) struct Flight {
     fingerprint: Option<Fingerprint>,
-    landing: watch::Sender<Option<Landing>>,
+    landing: OnceLock<Landing>,
+    landed: Notify,
 }
 
 impl Flight {
@@ -66,19 +68,20 @@ impl Flight {
 
     /// Waits until the flight lands, or `deadline` passes (`None`).
     pub(crate) async fn wait(&self, deadline: Instant) -> Option<Landing> {
-        let mut rx = self.landing.subscribe();
-        let landed = tokio::time::timeout_at(deadline, rx.wait_for(Option::is_some)).await;
-        match landed {
-            Ok(Ok(landing)) => landing.clone(),
-            // The sender is gone without a landing: treat it as released.
-            Ok(Err(_)) => Some(Landing::Released),
-            Err(_elapsed) => None,
+        let notified = self.landed.notified();
+        let mut notified = std::pin::pin!(notified);
+        // Registered before the check, so a landing between the two still wakes this waiter.
+        notified.as_mut().enable();
+        if let Some(landing) = self.landing.get() {
+            return Some(landing.clone());
         }
+        tokio::time::timeout_at(deadline, notified).await.ok()?;
+        self.landing.get().cloned()
     }
 }
 
 impl Flights {
-    fn shard(&self, key: &Key) -> &Mutex<HashMap<Key, Arc<Flight>>> {
+    fn shard(&self, key: &Key) -> &Mutex<HashMap<Key, Arc<Flight>, KeyHasher>> {
         // The key is a sha256 digest already: any byte of it is uniformly distributed.
         &self.shards[usize::from(key.as_bytes()[0]) % SHARDS]
     }
@@ -97,10 +100,10 @@ impl Flights {
 
     /// Registers the call that just claimed `key`.
     pub(crate) fn start(&self, key: Key, fingerprint: Option<Fingerprint>) -> Arc<Flight> {
-        let (landing, _) = watch::channel(None);
         let flight = Arc::new(Flight {
             fingerprint,
-            landing,
+            landing: OnceLock::new(),
+            landed: Notify::new(),
         });
         let mut shard = self
             .shard(&key)
@@ -126,6 +129,8 @@ impl Flights {
                 self.active.fetch_sub(1, Ordering::AcqRel);
             }
         }
-        flight.landing.send_replace(Some(landing));
+        // A flight lands once; a second landing (there is none) would change nothing.
+        let _ = flight.landing.set(landing);
+        flight.landed.notify_waiters();
     }
 }

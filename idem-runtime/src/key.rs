@@ -150,6 +150,36 @@ impl fmt::Debug for Fingerprint {
     }
 }
 
+/// Hashes a [`Key`] for in-memory maps by taking 8 of its bytes: a key is a sha256 digest
+/// already, so its bytes are uniformly distributed and hashing them again is wasted work.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct KeyHasher(u64);
+
+impl std::hash::Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // `Key` hashes as one write of its 32 bytes (after the length, which is constant).
+        for chunk in bytes.chunks(8) {
+            let mut word = [0_u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.0 = self.0.rotate_left(5) ^ u64::from_le_bytes(word);
+        }
+    }
+
+    fn write_usize(&mut self, _length: usize) {}
+}
+
+impl std::hash::BuildHasher for KeyHasher {
+    type Hasher = Self;
+
+    fn build_hasher(&self) -> Self {
+        Self(0)
+    }
+}
+
 struct Short<'a>(&'a [u8]);
 
 impl fmt::Display for Short<'_> {

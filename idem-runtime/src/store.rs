@@ -150,6 +150,15 @@ pub trait Store: Send + Sync + 'static {
     /// [`Error::Store`] when the store cannot be reached or fails.
     async fn remove(&self, key: &Key) -> Result<bool, Error>;
 
+    /// A synchronous look at the record of `key`, for stores that hold their records in
+    /// this process and can answer without I/O: `Some(Claim::Completed { .. })` for a live
+    /// completed record lets a replay skip [`claim`](Store::claim). Any other answer, and
+    /// `None` (the default), mean "ask `claim`". It must never return `Acquired`.
+    fn peek(&self, key: &Key) -> Option<Claim> {
+        let _ = key;
+        None
+    }
+
     /// The registry through which calls in this process share the outcome of a running call
     /// on this store instead of asking the store again. Every handle to the same storage
     /// must return the same registry. `None` (the default) turns in-process coalescing off:
@@ -192,6 +201,10 @@ macro_rules! forward_store {
 
             async fn remove(&self, key: &Key) -> Result<bool, Error> {
                 (**self).remove(key).await
+            }
+
+            fn peek(&self, key: &Key) -> Option<Claim> {
+                (**self).peek(key)
             }
 
             fn flights(&self) -> Option<&Flights> {

@@ -39,7 +39,11 @@ impl Sink {
     }
 
     fn byte(&mut self, byte: u8) {
-        self.write(&[byte]);
+        if self.len == self.buffer.len() {
+            self.flush();
+        }
+        self.buffer[self.len] = byte;
+        self.len += 1;
     }
 
     /// An unsigned LEB128 number: 7 bits a byte, the high bit set on all but the last.

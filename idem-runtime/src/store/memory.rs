@@ -12,6 +12,7 @@ use moka::sync::Cache;
 use moka::Expiry;
 use tokio::time::Instant;
 
+use crate::key::KeyHasher;
 use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
 /// The default number of completed results a [`MemoryStore`] keeps.
@@ -25,7 +26,10 @@ pub const DEFAULT_CAPACITY: u64 = 100_000;
 /// Claims in progress are never evicted. Completed results are kept for their TTL or until
 /// the store holds [`capacity`](MemoryStoreBuilder::capacity) of them, whichever comes first;
 /// past capacity the least useful results are evicted early, and a call with an evicted key
-/// runs again. Expiry follows `tokio::time`, so `tokio::time::pause` drives it in tests.
+/// runs again.
+///
+/// Leases follow `tokio::time`, so `tokio::time::pause` drives their expiry in tests. Result
+/// TTLs follow the cache's own clock (real time): a replay then reads no clock at all.
 ///
 /// Cloning is cheap and every clone shares the same records.
 ///
@@ -45,7 +49,7 @@ struct Inner {
     /// In-progress claims, by shard of the key: never evicted, only swept once lapsed.
     claims: [Mutex<Claims>; SHARDS],
     /// Completed results: bounded, expiring after their TTL.
-    results: Cache<Key, ResultRecord>,
+    results: Cache<Key, ResultRecord, KeyHasher>,
     /// The last token handed out; one counter for all keys makes every key's tokens grow.
     tokens: AtomicU64,
     capacity: u64,
@@ -58,7 +62,7 @@ const SHARDS: usize = 64;
 /// the last sweep, which keeps the cost of sweeping constant per claim.
 #[derive(Default)]
 struct Claims {
-    live: HashMap<Key, ClaimRecord>,
+    live: HashMap<Key, ClaimRecord, KeyHasher>,
     sweep_at: usize,
 }
 
@@ -90,7 +94,6 @@ struct ResultRecord {
     value: Bytes,
     fingerprint: Option<Fingerprint>,
     ttl: Duration,
-    until: Instant,
 }
 
 impl ResultRecord {
@@ -102,8 +105,8 @@ impl ResultRecord {
     }
 }
 
-/// How long moka keeps a result: its TTL. Liveness itself is judged by `until` against
-/// `tokio::time`, so moka's expiry only reclaims memory.
+/// How long moka keeps a result: its TTL. Moka never returns an expired entry, so this is
+/// also what judges a result live.
 struct Lifetime;
 
 impl Expiry<Key, ResultRecord> for Lifetime {
@@ -142,11 +145,8 @@ impl MemoryStore {
 
     /// The live result of `key`. Completed records never change, so reading one outside
     /// the key's lock is safe.
-    fn live_result(&self, key: &Key, now: Instant) -> Option<ResultRecord> {
-        self.inner
-            .results
-            .get(key)
-            .filter(|record| record.until > now)
+    fn live_result(&self, key: &Key) -> Option<ResultRecord> {
+        self.inner.results.get(key)
     }
 
     /// The claims of `key`'s shard, locked. Every step that moves a key between the claims
@@ -196,7 +196,7 @@ impl MemoryStoreBuilder {
                 results: Cache::builder()
                     .max_capacity(self.capacity)
                     .expire_after(Lifetime)
-                    .build(),
+                    .build_with_hasher(KeyHasher::default()),
                 tokens: AtomicU64::new(0),
                 capacity: self.capacity,
                 flights: Flights::default(),
@@ -213,16 +213,18 @@ impl Store for MemoryStore {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
     ) -> Result<Claim, Error> {
-        let now = Instant::now();
-        // Fast path for replays: no lock.
-        if let Some(done) = self.live_result(key, now) {
+        // Fast path for replays: no lock, no clock.
+        if let Some(done) = self.live_result(key) {
             return Ok(done.into_claim());
         }
+        let now = Instant::now();
         let mut claims = self.claims(key);
         // Under the lock: `complete` moves a claim to the results under the same lock, so a
         // result that landed since the fast path is seen here.
-        if let Some(done) = self.live_result(key, now) {
-            return Ok(done.into_claim());
+        if self.inner.results.contains_key(key) {
+            if let Some(done) = self.live_result(key) {
+                return Ok(done.into_claim());
+            }
         }
         if let Some(claim) = claims.live.get(key).filter(|claim| claim.until > now) {
             return Ok(Claim::InProgress {
@@ -255,7 +257,6 @@ impl Store for MemoryStore {
             value,
             fingerprint: claim.fingerprint,
             ttl,
-            until: now + ttl,
         };
         // The result is visible before the claim goes, and both under the key's lock.
         self.inner.results.insert(*key, record);
@@ -286,12 +287,12 @@ impl Store for MemoryStore {
         let now = Instant::now();
         let mut claims = self.claims(key);
         let claim = claims.live.remove(key).filter(|claim| claim.until > now);
-        let result = self
-            .inner
-            .results
-            .remove(key)
-            .filter(|record| record.until > now);
+        let result = self.inner.results.remove(key);
         Ok(claim.is_some() || result.is_some())
+    }
+
+    fn peek(&self, key: &Key) -> Option<Claim> {
+        self.live_result(key).map(ResultRecord::into_claim)
     }
 
     fn flights(&self) -> Option<&Flights> {
