@@ -416,3 +416,163 @@ fn run(program: &str, args: &[&str]) -> Result<(), String> {
         ))
     }
 }
+
+/// Scenarios across processes that every shared backend must pass, generic over the store:
+/// the backend suites (`redis.rs`, `postgres.rs`) run the same code.
+pub mod scenarios {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use idem_runtime::{Error, InFlight, Operation, Outcome, Store};
+    use tokio::time::Instant;
+
+    use crate::{Frozen, Runs};
+
+    /// A namespace of its own for each run, so that runs never see each other's records.
+    pub fn namespace(test: &str) -> String {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        format!("scenario.{test}.{nanos}")
+    }
+
+    /// Two stores on separate connections (two processes, in effect), 200 concurrent callers
+    /// each on one key: the body runs once and all 400 get its value.
+    pub async fn two_stores_200_callers_each<S: Store + Clone>(first: S, second: S) {
+        let op = Arc::new(Operation::new(namespace("two_stores")));
+        let key = op.key(&"order-1").unwrap();
+        let runs = Runs::default();
+        let mut calls = Vec::new();
+        for store in [first, second] {
+            for i in 0..200_u32 {
+                let (op, store, runs) = (op.clone(), store.clone(), runs.clone());
+                calls.push(tokio::spawn(async move {
+                    op.run(&store, &key, None, async move {
+                        runs.hit();
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        Ok::<_, Error>(format!("receipt-{i}"))
+                    })
+                    .await
+                }));
+            }
+        }
+        let mut values = Vec::new();
+        for call in calls {
+            values.push(call.await.unwrap().unwrap().into_inner());
+        }
+        assert_eq!(runs.count(), 1, "one body for 400 callers on two stores");
+        assert_eq!(values.len(), 400);
+        assert!(
+            values.iter().all(|v| *v == values[0]),
+            "all 400 got the same value"
+        );
+    }
+
+    /// A holder that stopped renewing (paused past its lease) is taken over; its own
+    /// completion is refused and the new owner's result stands.
+    pub async fn zombie_cannot_overwrite_the_new_owner<S: Store + Clone>(store: S) {
+        let lease = Duration::from_millis(200);
+        let op = Operation::new(namespace("zombie")).lease(lease);
+        let key = op.key(&1).unwrap();
+        let zombie = {
+            let (op, store) = (op.clone(), Frozen(store.clone()));
+            tokio::spawn(async move {
+                op.run(&store, &key, None, async {
+                    tokio::time::sleep(Duration::from_millis(600)).await;
+                    Ok::<_, Error>("zombie".to_string())
+                })
+                .await
+            })
+        };
+        tokio::time::sleep(lease + Duration::from_millis(100)).await;
+        let other_process = Frozen(store.clone());
+        let owner = op.run(&other_process, &key, None, async {
+            Ok::<_, Error>("owner".to_string())
+        });
+        assert_eq!(owner.await.unwrap(), Outcome::Executed("owner".to_string()));
+        // The zombie's body did run, so its caller gets its value; the store keeps the owner's.
+        assert_eq!(
+            zombie.await.unwrap().unwrap(),
+            Outcome::Executed("zombie".to_string())
+        );
+        let replay = op.run(&store, &key, None, async {
+            Ok::<_, Error>("third".to_string())
+        });
+        assert_eq!(
+            replay.await.unwrap(),
+            Outcome::Replayed("owner".to_string())
+        );
+    }
+
+    /// The environment variable that hands the crash test's namespace to its child.
+    pub const CRASH_NAMESPACE: &str = "IDEM_CRASH_NAMESPACE";
+    const CRASH_LEASE: Duration = Duration::from_secs(1);
+
+    /// The child of [`crash_frees_the_key_after_the_lease`]: claims the key with a 1 s lease,
+    /// prints `claimed`, and hangs until it is killed.
+    pub async fn crash_child<S: Store + Clone>(store: S) {
+        let namespace = std::env::var(CRASH_NAMESPACE).expect("run by the crash test");
+        let op = Operation::new(namespace).lease(CRASH_LEASE);
+        let key = op.key(&"crash").unwrap();
+        let _ = op
+            .run(&store, &key, None, async {
+                println!("claimed");
+                std::future::pending::<()>().await;
+                Ok::<_, Error>(0_u32)
+            })
+            .await;
+    }
+
+    /// Runs the test `child` of this test binary as a process that claims a key, kills it with
+    /// SIGKILL, and checks that another process is refused before the lease ends and runs the
+    /// body after it.
+    pub async fn crash_frees_the_key_after_the_lease<S: Store + Clone>(store: S, child: &str) {
+        let namespace = namespace("crash");
+        let mut process = Command::new(std::env::current_exe().unwrap())
+            .args(["--ignored", "--exact", child, "--nocapture"])
+            .env(CRASH_NAMESPACE, &namespace)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = process.stdout.take().unwrap();
+        let claimed = tokio::task::spawn_blocking(move || {
+            BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+                .any(|line| line.contains("claimed"))
+        });
+        let claimed = tokio::time::timeout(Duration::from_secs(20), claimed).await;
+        assert!(claimed.unwrap().unwrap(), "the child claimed the key");
+        process.kill().unwrap(); // SIGKILL: no destructor, no release
+        process.wait().unwrap();
+        let killed = Instant::now();
+
+        let op = Operation::new(namespace).lease(CRASH_LEASE);
+        let key = op.key(&"crash").unwrap();
+        let err = op
+            .clone()
+            .in_flight(InFlight::Reject)
+            .run(&store, &key, None, async { Ok::<_, Error>(1_u32) })
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::InProgress),
+            "before the lease ends: {err}"
+        );
+        assert!(killed.elapsed() < Duration::from_millis(500));
+
+        // A waiting call polls until the lease runs out, then claims and runs.
+        let out = op
+            .run(&store, &key, None, async { Ok::<_, Error>(2_u32) })
+            .await
+            .unwrap();
+        assert_eq!(out, Outcome::Executed(2));
+        assert!(
+            killed.elapsed() <= CRASH_LEASE + Duration::from_millis(500),
+            "took {:?}",
+            killed.elapsed()
+        );
+    }
+}

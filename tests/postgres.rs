@@ -1,23 +1,14 @@
 //! `PostgresStore` against the real PostgreSQL server: the store contract, cross-process
 //! exclusivity, crashes, zombies, an unreachable database, table names.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
 use idem_runtime::{testkit, Error, InFlight, Operation, Outcome, PostgresStore};
+use idem_tests::scenarios::{self, namespace};
 use idem_tests::{postgres_store, postgres_url, Frozen, Runs};
 use sqlx::postgres::PgPoolOptions;
 use tokio::time::Instant;
-
-fn namespace(test: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!("pg-test.{test}.{nanos}")
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_store_keeps_the_store_contract() {
@@ -90,32 +81,7 @@ async fn two_pools_with_200_callers_each_run_the_body_once() {
     let Some(second) = postgres_store().await else {
         return;
     };
-    let op = Arc::new(Operation::new(namespace("two_pools")));
-    let key = op.key(&"order-1").unwrap();
-    let runs = Runs::default();
-    let mut calls = Vec::new();
-    for store in [first, second] {
-        for i in 0..200_u32 {
-            let (op, store, runs) = (op.clone(), store.clone(), runs.clone());
-            calls.push(tokio::spawn(async move {
-                op.run(&store, &key, None, async move {
-                    runs.hit();
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    Ok::<_, Error>(format!("receipt-{i}"))
-                })
-                .await
-            }));
-        }
-    }
-    let mut values = Vec::new();
-    for call in calls {
-        values.push(call.await.unwrap().unwrap().into_inner());
-    }
-    assert_eq!(runs.count(), 1, "one body for 400 callers on two pools");
-    assert!(
-        values.iter().all(|v| *v == values[0]),
-        "all 400 got the same value"
-    );
+    scenarios::two_stores_200_callers_each(first, second).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -156,36 +122,7 @@ async fn a_holder_that_lost_its_lease_cannot_overwrite_the_new_owner() {
     let Some(store) = postgres_store().await else {
         return;
     };
-    let lease = Duration::from_millis(200);
-    let op = Operation::new(namespace("zombie")).lease(lease);
-    let key = op.key(&1).unwrap();
-    let zombie = {
-        let (op, store) = (op.clone(), Frozen(store.clone()));
-        tokio::spawn(async move {
-            op.run(&store, &key, None, async {
-                tokio::time::sleep(Duration::from_millis(600)).await;
-                Ok::<_, Error>("zombie".to_string())
-            })
-            .await
-        })
-    };
-    tokio::time::sleep(lease + Duration::from_millis(100)).await;
-    let other_process = Frozen(store.clone());
-    let owner = op.run(&other_process, &key, None, async {
-        Ok::<_, Error>("owner".to_string())
-    });
-    assert_eq!(owner.await.unwrap(), Outcome::Executed("owner".to_string()));
-    assert_eq!(
-        zombie.await.unwrap().unwrap(),
-        Outcome::Executed("zombie".to_string())
-    );
-    let replay = op.run(&store, &key, None, async {
-        Ok::<_, Error>("third".to_string())
-    });
-    assert_eq!(
-        replay.await.unwrap(),
-        Outcome::Replayed("owner".to_string())
-    );
+    scenarios::zombie_cannot_overwrite_the_new_owner(store).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -283,23 +220,12 @@ async fn purge_deletes_expired_rows_only() {
     drop(purger);
 }
 
-const CRASH_KEY: &str = "IDEM_PG_CRASH_NAMESPACE";
-
-/// The child of the crash test: claims a key with a 1 s lease, says so, and hangs until killed.
+/// The child of the crash test, in its own process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "run by crash_of_a_holder_frees_its_key_after_the_lease, in a child process"]
 async fn crash_child() {
-    let namespace = std::env::var(CRASH_KEY).expect("run by the crash test");
     let store = PostgresStore::connect(&postgres_url()).await.unwrap();
-    let op = Operation::new(namespace).lease(Duration::from_secs(1));
-    let key = op.key(&"crash").unwrap();
-    let _ = op
-        .run(&store, &key, None, async {
-            println!("claimed");
-            std::future::pending::<()>().await;
-            Ok::<_, Error>(0_u32)
-        })
-        .await;
+    scenarios::crash_child(store).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -307,55 +233,7 @@ async fn crash_of_a_holder_frees_its_key_after_the_lease() {
     let Some(store) = postgres_store().await else {
         return;
     };
-    let namespace = namespace("crash");
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "crash_child", "--nocapture"])
-        .env(CRASH_KEY, &namespace)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let claimed = tokio::task::spawn_blocking(move || {
-        BufReader::new(stdout)
-            .lines()
-            .map_while(Result::ok)
-            .any(|line| line.contains("claimed"))
-    });
-    assert!(
-        tokio::time::timeout(Duration::from_secs(20), claimed)
-            .await
-            .unwrap()
-            .unwrap(),
-        "the child claimed the key"
-    );
-    child.kill().unwrap(); // SIGKILL
-    child.wait().unwrap();
-    let killed = Instant::now();
-
-    let op = Operation::new(namespace).lease(Duration::from_secs(1));
-    let key = op.key(&"crash").unwrap();
-    let err = op
-        .clone()
-        .in_flight(InFlight::Reject)
-        .run(&store, &key, None, async { Ok::<_, Error>(1_u32) })
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(err, Error::InProgress),
-        "before the lease ends: {err}"
-    );
-    assert!(killed.elapsed() < Duration::from_millis(500));
-
-    let out = op
-        .run(&store, &key, None, async { Ok::<_, Error>(2_u32) })
-        .await
-        .unwrap();
-    assert_eq!(out, Outcome::Executed(2));
-    assert!(
-        killed.elapsed() <= Duration::from_millis(1500),
-        "took {:?}",
-        killed.elapsed()
-    );
+    scenarios::crash_frees_the_key_after_the_lease(store, "crash_child").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -224,7 +224,9 @@ impl<P> Operation<P> {
                 Settled::Replay(record) => self.replay(&record),
                 Settled::Run(token) => {
                     let held = Held::new(store.clone(), *key, fingerprint.copied(), token);
-                    self.execute(held, body).await
+                    // Boxed: the execution's state (guard, heartbeat, timers) would otherwise
+                    // be part of every call's future, and be copied with it on every replay.
+                    Box::pin(self.execute(held, body)).await
                 }
             }
         }
@@ -296,7 +298,9 @@ impl<P> Operation<P> {
         loop {
             if let Some(flight) = store.flights().and_then(|flights| flights.get(key)) {
                 self.found_in_progress(flight.fingerprint(), fingerprint)?;
-                match flight.wait(wait_until(&mut deadline)).await {
+                // Waiting is the slow path: boxed, so that its timers are not part of the
+                // state of every call.
+                match Box::pin(flight.wait(wait_until(&mut deadline))).await {
                     Some(Landing::Completed(record)) => {
                         tracing::debug!(
                             outcome = "waited",
@@ -331,7 +335,7 @@ impl<P> Operation<P> {
                     if now >= deadline {
                         return Err(timed_out());
                     }
-                    tokio::time::sleep_until(deadline.min(now + backoff(polls))).await;
+                    Box::pin(tokio::time::sleep_until(deadline.min(now + backoff(polls)))).await;
                     polls += 1;
                 }
             }

@@ -92,14 +92,13 @@ where
     S: Store + Clone,
     F: Future<Output = R>,
 {
-    let run = async {
-        let fingerprint = fingerprint.transpose()?;
-        let body = async { body.await.into_result() };
-        operation
-            .run(store, &key?, fingerprint.as_ref(), body)
-            .await
+    let (key, fingerprint) = match (key, fingerprint.transpose()) {
+        (Ok(key), Ok(fingerprint)) => (key, fingerprint),
+        (Err(err), _) | (_, Err(err)) => return R::from_result(Err(err.into())),
     };
-    R::from_result(run.await.map(crate::Outcome::into_inner))
+    let body = async { body.await.into_result() };
+    let outcome = operation.run(store, &key, fingerprint.as_ref(), body).await;
+    R::from_result(outcome.map(crate::Outcome::into_inner))
 }
 
 /// `Operation::run_to_completion`, as [`run`].
@@ -118,12 +117,13 @@ where
     S: Store + Clone,
     F: Future<Output = R> + Send + 'static,
 {
-    let run = async {
-        let fingerprint = fingerprint.transpose()?;
-        let body = async { body.await.into_result() };
-        operation
-            .run_to_completion(store, &key?, fingerprint.as_ref(), body)
-            .await
+    let (key, fingerprint) = match (key, fingerprint.transpose()) {
+        (Ok(key), Ok(fingerprint)) => (key, fingerprint),
+        (Err(err), _) | (_, Err(err)) => return R::from_result(Err(err.into())),
     };
-    R::from_result(run.await.map(crate::Outcome::into_inner))
+    let body = async { body.await.into_result() };
+    let outcome = operation
+        .run_to_completion(store, &key, fingerprint.as_ref(), body)
+        .await;
+    R::from_result(outcome.map(crate::Outcome::into_inner))
 }
