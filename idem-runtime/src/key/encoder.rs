@@ -47,7 +47,23 @@ impl Sink {
     }
 
     /// An unsigned LEB128 number: 7 bits a byte, the high bit set on all but the last.
-    fn leb128(&mut self, mut n: u128) {
+    fn leb128(&mut self, n: u128) {
+        match u64::try_from(n) {
+            Ok(small) => self.leb128_u64(small),
+            Err(_) => self.leb128_u128(n),
+        }
+    }
+
+    /// The common case, in 64-bit arithmetic.
+    fn leb128_u64(&mut self, mut n: u64) {
+        while n >= 0x80 {
+            self.byte((n as u8) | 0x80);
+            n >>= 7;
+        }
+        self.byte(n as u8);
+    }
+
+    fn leb128_u128(&mut self, mut n: u128) {
         loop {
             let low = (n & 0x7f) as u8;
             n >>= 7;
