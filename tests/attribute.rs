@@ -365,6 +365,18 @@ async fn uses_question_mark(store: &MemoryStore, id: &str) -> Result<u64, AppErr
     Ok(parsed)
 }
 
+#[idempotent(key = id, store = store)]
+async fn with_inner_attribute(store: &MemoryStore, id: u8) -> Result<u8, AppError> {
+    #![allow(unused_variables)]
+    let unused = 1;
+    Ok(id)
+}
+
+#[tokio::test]
+async fn inner_attributes_stay_inside_the_function() {
+    assert_eq!(with_inner_attribute(&store(), 3).await, Ok(3));
+}
+
 #[tokio::test]
 async fn question_mark_and_early_return_work_in_the_body() {
     let store = store();

@@ -4,7 +4,7 @@ use proc_macro2::{Delimiter, Group, Ident, Span, TokenStream};
 use quote::{quote, quote_spanned};
 use syn::ext::IdentExt;
 use syn::spanned::Spanned;
-use syn::{ItemFn, ReturnType};
+use syn::{AttrStyle, ItemFn, ReturnType};
 
 use crate::attr::{Args, Duration, InFlight, OnCancel};
 use crate::item;
@@ -58,14 +58,20 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
         vis,
         sig,
         block,
+        ..
     } = function;
+    // Outer attributes stay on the function; inner ones (`#![allow(..)]` at the top of the
+    // body) open the new body, so that they still apply to all of it.
+    let (outer, inner): (Vec<_>, Vec<_>) = attrs
+        .iter()
+        .partition(|attr| matches!(attr.style, AttrStyle::Outer));
     let ReturnType::Type(_, output) = &sig.output else {
         return with_errors(
             syn::Error::new(
                 sig.span(),
                 "`#[idempotent]` functions must return `Result<T, E>`",
             ),
-            quote!(#(#attrs)* #vis #sig #block),
+            quote!(#(#outer)* #vis #sig { #(#inner)* #block }),
         );
     };
     let krate = match &args.krate {
@@ -136,6 +142,7 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
     };
 
     let statements = quote! {
+        #(#inner)*
         let #op = #private::Operation::new(#namespace) #ttl #lease #in_flight #cache_err;
         let #key = #key_value;
         let #fingerprint = #fingerprint_value;
@@ -146,7 +153,7 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
     // lints such as `dead_code` judge it as written.
     let mut body = Group::new(Delimiter::Brace, statements);
     body.set_span(block.brace_token.span.join());
-    quote!(#(#attrs)* #vis #sig #body)
+    quote!(#(#outer)* #vis #sig #body)
 }
 
 /// Sets `span` on every token of a path.

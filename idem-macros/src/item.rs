@@ -4,7 +4,7 @@ use std::collections::BTreeSet;
 
 use syn::spanned::Spanned;
 use syn::visit::Visit;
-use syn::{Expr, FnArg, ItemFn, Pat, ReturnType, Type};
+use syn::{Expr, FnArg, ItemFn, Pat, ReceiverKind, ReturnType, Type};
 
 use crate::attr::{Args, OnCancel};
 
@@ -181,7 +181,7 @@ fn borrowed_inputs(item: &ItemFn) -> Vec<syn::Error> {
         .inputs
         .iter()
         .filter_map(|input| match input {
-            FnArg::Receiver(receiver) if receiver.reference.is_some() => Some(syn::Error::new(
+            FnArg::Receiver(receiver) if borrowed_receiver(receiver) => Some(syn::Error::new(
                 receiver.self_token.span,
                 message("`self` is a reference"),
             )),
@@ -193,6 +193,15 @@ fn borrowed_inputs(item: &ItemFn) -> Vec<syn::Error> {
             _ => None,
         })
         .collect()
+}
+
+/// `&self`, `&mut self`, or a typed receiver that borrows (`self: &Self`).
+fn borrowed_receiver(receiver: &syn::Receiver) -> bool {
+    match &receiver.kind {
+        ReceiverKind::Reference(..) => true,
+        ReceiverKind::Typed(_, ty) => borrows(ty),
+        _ => false,
+    }
 }
 
 fn borrows(ty: &Type) -> bool {

@@ -217,8 +217,6 @@ impl<P> Operation<P> {
         P: ErrorPolicy<E>,
         F: Future<Output = Result<T, E>>,
     {
-        let span =
-            tracing::debug_span!("idempotent", namespace = %self.namespace, key = %key.short());
         async {
             match self.settle(store, key, fingerprint).await? {
                 Settled::Replay(record) => self.replay(&record),
@@ -230,7 +228,7 @@ impl<P> Operation<P> {
                 }
             }
         }
-        .instrument(span)
+        .instrument(self.span(key))
         .await
     }
 
@@ -256,8 +254,6 @@ impl<P> Operation<P> {
         P: ErrorPolicy<E> + Clone + Send + Sync + 'static,
         F: Future<Output = Result<T, E>> + Send + 'static,
     {
-        let span =
-            tracing::debug_span!("idempotent", namespace = %self.namespace, key = %key.short());
         async {
             let token = match self.settle(store, key, fingerprint).await? {
                 Settled::Replay(record) => return self.replay(&record),
@@ -277,8 +273,13 @@ impl<P> Operation<P> {
                 },
             }
         }
-        .instrument(span)
+        .instrument(self.span(key))
         .await
+    }
+
+    /// The span of one call: the namespace and a short digest of the key, never its value.
+    fn span(&self, key: &Key) -> tracing::Span {
+        tracing::debug_span!("idempotent", namespace = %self.namespace, key = %key.short())
     }
 
     /// Claims the key, or waits until there is a result to replay or a claim to take.

@@ -74,6 +74,14 @@ pub fn fingerprint<V: Serialize + ?Sized>(payload: &V) -> Result<Fingerprint, Er
     Fingerprint::of(payload)
 }
 
+/// The key and fingerprint, or the first error deriving them.
+fn derived(
+    key: Result<Key, Error>,
+    fingerprint: Option<Result<Fingerprint, Error>>,
+) -> Result<(Key, Option<Fingerprint>), Error> {
+    Ok((key?, fingerprint.transpose()?))
+}
+
 /// `Operation::run`, after the key and fingerprint were derived (before the body borrowed
 /// its arguments), returning the bare value. Generic over the function's return type, so that
 /// a return type that is not a `Result` fails one bound, with its own message.
@@ -92,9 +100,9 @@ where
     S: Store + Clone,
     F: Future<Output = R>,
 {
-    let (key, fingerprint) = match (key, fingerprint.transpose()) {
-        (Ok(key), Ok(fingerprint)) => (key, fingerprint),
-        (Err(err), _) | (_, Err(err)) => return R::from_result(Err(err.into())),
+    let (key, fingerprint) = match derived(key, fingerprint) {
+        Ok(derived) => derived,
+        Err(err) => return R::from_result(Err(err.into())),
     };
     let body = async { body.await.into_result() };
     let outcome = operation.run(store, &key, fingerprint.as_ref(), body).await;
@@ -117,9 +125,9 @@ where
     S: Store + Clone,
     F: Future<Output = R> + Send + 'static,
 {
-    let (key, fingerprint) = match (key, fingerprint.transpose()) {
-        (Ok(key), Ok(fingerprint)) => (key, fingerprint),
-        (Err(err), _) | (_, Err(err)) => return R::from_result(Err(err.into())),
+    let (key, fingerprint) = match derived(key, fingerprint) {
+        Ok(derived) => derived,
+        Err(err) => return R::from_result(Err(err.into())),
     };
     let body = async { body.await.into_result() };
     let outcome = operation
