@@ -198,3 +198,35 @@ async fn duplicates_in_one_process_wait_without_store_traffic() {
         "100 waiters shared the running call without claiming"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_default_a_waiter_waits_at_most_one_lease() {
+    let store = MemoryStore::new();
+    let lease = Duration::from_millis(150);
+    let op = Operation::new("concurrency.default_wait").lease(lease);
+    let key = op.key(&1).unwrap();
+    let long = {
+        let (op, store) = (op.clone(), store.clone());
+        tokio::spawn(async move {
+            // Renewed, so the claim outlives many leases.
+            op.run(&store, &key, None, async {
+                tokio::time::sleep(Duration::from_millis(800)).await;
+                Ok::<_, Error>(1)
+            })
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let started = Instant::now();
+    let err = op
+        .run(&store, &key, None, async { Ok::<_, Error>(2) })
+        .await
+        .unwrap_err();
+    let waited = started.elapsed();
+    assert!(matches!(err, Error::InProgress));
+    assert!(
+        waited >= lease && waited < lease * 3,
+        "waited {waited:?} for a lease of {lease:?}"
+    );
+    assert_eq!(long.await.unwrap().unwrap(), Outcome::Executed(1));
+}

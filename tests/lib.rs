@@ -210,6 +210,11 @@ impl PrivateRedis {
             .local_addr()
             .ok()?
             .port();
+        Self::start_on(port)
+    }
+
+    /// Starts one on `port` (a server that comes back after [`kill`](Self::kill)).
+    pub fn start_on(port: u16) -> Option<Self> {
         let child = std::process::Command::new("redis-server")
             .args([
                 "--port",
@@ -574,5 +579,41 @@ pub mod scenarios {
             "took {:?}",
             killed.elapsed()
         );
+    }
+}
+
+/// Forwards to a store, but every `complete` fails: the store went away after the claim.
+#[derive(Clone, Debug)]
+pub struct CompleteFails<S>(pub S);
+
+#[async_trait]
+impl<S: Store + Clone> Store for CompleteFails<S> {
+    async fn claim(
+        &self,
+        key: &Key,
+        fp: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Claim, Error> {
+        self.0.claim(key, fp, lease).await
+    }
+
+    async fn complete(&self, _: &Key, _: Token, _: Bytes, _: Duration) -> Result<bool, Error> {
+        Err(Error::store("connection reset"))
+    }
+
+    async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
+        self.0.release(key, token).await
+    }
+
+    async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
+        self.0.renew(key, token, lease).await
+    }
+
+    async fn remove(&self, key: &Key) -> Result<bool, Error> {
+        self.0.remove(key).await
+    }
+
+    fn flights(&self) -> Option<&Flights> {
+        self.0.flights()
     }
 }

@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use idem_runtime::{Error, Fingerprint, InFlight, MemoryStore, Operation};
+use idem_runtime::{Error, Fingerprint, InFlight, MemoryStore, Operation, Outcome};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Metadata, Subscriber};
@@ -101,5 +101,41 @@ async fn outcomes_are_traced_without_the_raw_key() {
     assert!(
         !text.contains(&key.to_hex()),
         "the full digest is not logged either"
+    );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_lost_lease_is_reported_as_a_warning() {
+    let capture = Capture::default();
+    let _guard = tracing::subscriber::set_default(capture.clone());
+
+    let store = MemoryStore::new();
+    let lease = std::time::Duration::from_millis(50);
+    let op = Operation::new("observability.zombie").lease(lease);
+    let key = op.key(&1).unwrap();
+    // A holder that never renews (a process paused past its lease) is taken over.
+    let zombie_store = idem_tests::Frozen(store.clone());
+    let zombie = op.run(&zombie_store, &key, None, async {
+        tokio::time::sleep(lease * 4).await;
+        Ok::<_, Error>(1)
+    });
+    let owner = async {
+        tokio::time::sleep(lease * 2).await;
+        op.run(&idem_tests::Frozen(store.clone()), &key, None, async {
+            Ok::<_, Error>(2)
+        })
+        .await
+    };
+    let (zombie, owner) = tokio::join!(zombie, owner);
+    assert_eq!(owner.unwrap(), Outcome::Executed(2));
+    assert_eq!(zombie.unwrap(), Outcome::Executed(1));
+
+    let lines = capture.lines.lock().unwrap().clone();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("event WARN") && l.contains("outcome=\"lease lost\"")),
+        "no warning for the lost lease in:\n{}",
+        lines.join("\n")
     );
 }

@@ -101,6 +101,24 @@ async fn a_server_stopped_mid_test_gives_store_errors_and_never_runs_the_body() 
         );
     }
     assert_eq!(runs.count(), 1, "no body ran without a claim");
+
+    // The server comes back on the same port: the connection manager reconnects on its own.
+    let Some(_back) = PrivateRedis::start_on(server.port) else {
+        return;
+    };
+    let mut recovered = call(5).await;
+    for _ in 0..50 {
+        if recovered.is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        recovered = call(5).await;
+    }
+    assert_eq!(
+        recovered.unwrap(),
+        Outcome::Executed(5),
+        "no recovery within 5 s"
+    );
 }
 
 /// The child of the crash test, in its own process.

@@ -379,3 +379,38 @@ async fn the_default_store_is_shared_and_set_only_once() {
         "already used"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_recording_fails_the_caller_and_its_waiters_still_get_the_value() {
+    let store = idem_tests::CompleteFails(MemoryStore::new());
+    let op = Operation::new("replay.complete_fails").lease(Duration::from_millis(200));
+    let key = op.key(&1).unwrap();
+    let runs = Runs::default();
+    let call = |n: u32| {
+        let (op, store, runs) = (op.clone(), store.clone(), runs.clone());
+        async move {
+            op.run(&store, &key, None, async move {
+                runs.hit();
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                Ok::<_, Error>(n)
+            })
+            .await
+        }
+    };
+    let first = tokio::spawn(call(1));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let waiter = tokio::spawn(call(2));
+    // The body ran: its caller gets the value (an error would invite a retry that runs it
+    // again), and the waiter shares it.
+    assert_eq!(first.await.unwrap().unwrap(), Outcome::Executed(1));
+    assert_eq!(waiter.await.unwrap().unwrap(), Outcome::Replayed(1));
+    assert_eq!(runs.count(), 1);
+    // Nothing was recorded, so the claim stays until its lease lapses, then the key is free.
+    let busy = op.clone().in_flight(idem_runtime::InFlight::Reject);
+    let held = busy
+        .run(&store, &key, None, async { Ok::<_, Error>(3) })
+        .await;
+    assert!(matches!(held, Err(Error::InProgress)), "{held:?}");
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert_eq!(call(4).await.unwrap(), Outcome::Executed(4));
+}

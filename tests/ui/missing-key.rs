@@ -13,4 +13,7 @@ impl From<idem_runtime::Error> for PayError {
 async fn charge(id: u64) -> Result<u64, PayError> {
     Ok(id)
 }
-fn main() {}
+// The function is still emitted beside the error: calling it causes no second error.
+fn main() {
+    let _ = charge(1);
+}

@@ -1,4 +1,8 @@
-//! The distributed store, on Redis or Valkey (standalone or cluster), with `redis`.
+//! The distributed store, on Redis (standalone or cluster), with `redis`.
+//!
+//! The scripts use only `HMGET`, `HGET`, `HSET` with several fields, `PEXPIRE`, `TIME` and
+//! `DEL`, all in Redis since 4.0 and kept by Valkey. The tests run against Redis 7.0; Valkey is
+//! expected to work but is not tested here.
 //!
 //! # Layout
 //!
@@ -119,8 +123,7 @@ return 0
     )
 });
 
-/// A store shared by every process that connects to the same Redis (or Valkey) server or
-/// cluster.
+/// A store shared by every process that connects to the same Redis server or cluster.
 ///
 /// Cloning is cheap; clones share the connection and the in-process registry of running
 /// calls.
