@@ -152,3 +152,52 @@ async fn a_holder_that_lost_its_lease_mid_body_cannot_overwrite_the_new_owner() 
         .unwrap();
     assert_eq!(replay, Outcome::Replayed(String::from("owner")));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_waiters_of_a_holder_that_lost_its_lease_get_the_new_owners_result() {
+    let store = MemoryStore::new();
+    let lease = Duration::from_millis(100);
+    let op = Operation::new("expiry.zombie_waiters").lease(lease);
+    let key = op.key(&1).unwrap();
+    let paused = idem_tests::Paused(store.clone());
+
+    let holder = {
+        let (op, paused) = (op.clone(), paused.clone());
+        tokio::spawn(async move {
+            op.run(&paused, &key, None, async {
+                tokio::time::sleep(Duration::from_millis(400)).await;
+                Ok::<_, Error>("zombie".to_string())
+            })
+            .await
+        })
+    };
+    tokio::time::sleep(lease + Duration::from_millis(50)).await;
+    // Another process takes the lapsed key over and records its result.
+    let other_process = Frozen(store.clone());
+    let owner = op.run(&other_process, &key, None, async {
+        Ok::<_, Error>("owner".to_string())
+    });
+    assert_eq!(owner.await.unwrap(), Outcome::Executed("owner".to_string()));
+    // A call in the holder's process waits on the holder, as local duplicates do.
+    let waiter = {
+        let (op, paused) = (
+            op.clone().wait_timeout(Duration::from_secs(2)),
+            paused.clone(),
+        );
+        tokio::spawn(async move {
+            op.run(&paused, &key, None, async {
+                Ok::<_, Error>("waiter".to_string())
+            })
+            .await
+        })
+    };
+    assert_eq!(
+        holder.await.unwrap().unwrap(),
+        Outcome::Executed("zombie".to_string())
+    );
+    assert_eq!(
+        waiter.await.unwrap().unwrap(),
+        Outcome::Replayed("owner".to_string()),
+        "the waiter sees the store's one result, not the zombie's"
+    );
+}

@@ -617,3 +617,46 @@ impl<S: Store + Clone> Store for CompleteFails<S> {
         self.0.flights()
     }
 }
+
+/// Forwards to a store but never renews, and shares its in-process registry: a holder in
+/// this process that was paused past its lease, whose local waiters wait on it.
+#[derive(Clone, Debug)]
+pub struct Paused<S>(pub S);
+
+#[async_trait]
+impl<S: Store + Clone> Store for Paused<S> {
+    async fn claim(
+        &self,
+        key: &Key,
+        fp: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Claim, Error> {
+        self.0.claim(key, fp, lease).await
+    }
+
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        self.0.complete(key, token, value, ttl).await
+    }
+
+    async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
+        self.0.release(key, token).await
+    }
+
+    async fn renew(&self, _: &Key, _: Token, _: Duration) -> Result<bool, Error> {
+        Ok(true)
+    }
+
+    async fn remove(&self, key: &Key) -> Result<bool, Error> {
+        self.0.remove(key).await
+    }
+
+    fn flights(&self) -> Option<&Flights> {
+        self.0.flights()
+    }
+}

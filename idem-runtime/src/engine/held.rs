@@ -75,25 +75,33 @@ impl<S: Store + Clone> Held<S> {
     /// The guard stays armed until the store answers: if this future is dropped mid-way, the
     /// guard's release is refused by the token check should the completion have landed.
     pub(super) async fn complete(mut self, record: Bytes, ttl: Duration) {
-        match self
+        let landing = match self
             .store
             .complete(&self.key, self.token, record.clone(), ttl)
             .await
         {
-            Ok(true) => {}
-            Ok(false) => tracing::warn!(
-                outcome = "lease lost",
-                token = self.token.get(),
-                "the claim was taken over before completion; the result was not recorded"
-            ),
-            Err(err) => tracing::warn!(
-                error = %err,
-                "recording the result failed; the key is freed when its lease runs out"
-            ),
-        }
-        // Waiters of this call share its result whether or not the store took it: the body
-        // ran once, and this is what it returned.
-        self.land(Landing::Completed(record));
+            Ok(true) => Landing::Completed(record),
+            Ok(false) => {
+                tracing::warn!(
+                    outcome = "lease lost",
+                    token = self.token.get(),
+                    "the claim was taken over before completion; the result was not recorded"
+                );
+                // Another holder owns the key now: the waiters ask the store, which has the
+                // one result every later call will see.
+                Landing::Released
+            }
+            Err(err) => {
+                tracing::warn!(
+                    error = %err,
+                    "recording the result failed; the key is freed when its lease runs out"
+                );
+                // The body ran once and this is what it returned; asking the store again
+                // would only wait for the lease.
+                Landing::Completed(record)
+            }
+        };
+        self.land(landing);
         self.armed = false;
     }
 
