@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_runtime::{Error, InFlight, MemoryStore, Operation, Outcome};
-use idem_tests::{Counting, Runs};
+use idem_tests::{Probe, Runs};
 use tokio::time::Instant;
 
 const CALLERS: usize = 1000;
@@ -100,16 +100,17 @@ async fn a_thousand_distinct_keys_run_in_parallel() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn waiters_that_outlast_their_wait_timeout_get_in_progress() {
+/// Runs a holder whose body takes 800 ms, then a second call on its key; returns how long the
+/// second call waited before it gave up with `InProgress`.
+async fn waiter_gives_up_after(op: Operation) -> Duration {
     let store = MemoryStore::new();
-    let op = Operation::new("concurrency.timeout").wait_timeout(Duration::from_millis(50));
     let key = op.key(&1).unwrap();
-    let slow = {
+    let holder = {
         let (op, store) = (op.clone(), store.clone());
         tokio::spawn(async move {
+            // Renewed while it runs, so the claim outlives many leases.
             op.run(&store, &key, None, async {
-                tokio::time::sleep(Duration::from_millis(400)).await;
+                tokio::time::sleep(Duration::from_millis(800)).await;
                 Ok::<_, Error>(1)
             })
             .await
@@ -121,9 +122,17 @@ async fn waiters_that_outlast_their_wait_timeout_get_in_progress() {
         .run(&store, &key, None, async { Ok::<_, Error>(2) })
         .await
         .unwrap_err();
-    assert!(matches!(err, Error::InProgress));
-    assert!(started.elapsed() < Duration::from_millis(300));
-    assert_eq!(slow.await.unwrap().unwrap(), Outcome::Executed(1));
+    let waited = started.elapsed();
+    assert!(matches!(err, Error::InProgress), "{err}");
+    assert_eq!(holder.await.unwrap().unwrap(), Outcome::Executed(1));
+    waited
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_that_outlast_their_wait_timeout_get_in_progress() {
+    let op = Operation::new("concurrency.timeout").wait_timeout(Duration::from_millis(50));
+    let waited = waiter_gives_up_after(op).await;
+    assert!(waited < Duration::from_millis(300), "waited {waited:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -162,7 +171,7 @@ async fn waiters_on_a_call_that_fails_claim_again_and_one_of_them_runs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicates_in_one_process_wait_without_store_traffic() {
-    let store = Counting::new(MemoryStore::new());
+    let store = Probe::new(MemoryStore::new());
     let op = Arc::new(Operation::new("concurrency.coalesce"));
     let key = op.key(&1).unwrap();
     let (started_tx, started) = tokio::sync::oneshot::channel();
@@ -201,32 +210,11 @@ async fn duplicates_in_one_process_wait_without_store_traffic() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn by_default_a_waiter_waits_at_most_one_lease() {
-    let store = MemoryStore::new();
     let lease = Duration::from_millis(150);
-    let op = Operation::new("concurrency.default_wait").lease(lease);
-    let key = op.key(&1).unwrap();
-    let long = {
-        let (op, store) = (op.clone(), store.clone());
-        tokio::spawn(async move {
-            // Renewed, so the claim outlives many leases.
-            op.run(&store, &key, None, async {
-                tokio::time::sleep(Duration::from_millis(800)).await;
-                Ok::<_, Error>(1)
-            })
-            .await
-        })
-    };
-    tokio::time::sleep(Duration::from_millis(20)).await;
-    let started = Instant::now();
-    let err = op
-        .run(&store, &key, None, async { Ok::<_, Error>(2) })
-        .await
-        .unwrap_err();
-    let waited = started.elapsed();
-    assert!(matches!(err, Error::InProgress));
+    let waited =
+        waiter_gives_up_after(Operation::new("concurrency.default_wait").lease(lease)).await;
     assert!(
         waited >= lease && waited < lease * 3,
         "waited {waited:?} for a lease of {lease:?}"
     );
-    assert_eq!(long.await.unwrap().unwrap(), Outcome::Executed(1));
 }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use idem_runtime::store::Claim;
 use idem_runtime::{Bytes, Error, MemoryStore, Operation, Outcome, Store};
-use idem_tests::{Frozen, Runs};
+use idem_tests::{Probe, Runs};
 
 #[tokio::test]
 async fn after_the_ttl_the_body_runs_again() {
@@ -121,7 +121,7 @@ async fn a_holder_that_lost_its_lease_mid_body_cannot_overwrite_the_new_owner() 
 
     // The first "process" never renews, and its body outlives the lease.
     let zombie = {
-        let (op, store) = (op.clone(), Frozen(store.clone()));
+        let (op, store) = (op.clone(), Probe::frozen(store.clone()));
         tokio::spawn(async move {
             op.run(&store, &key, None, async {
                 tokio::time::sleep(Duration::from_millis(300)).await;
@@ -132,7 +132,7 @@ async fn a_holder_that_lost_its_lease_mid_body_cannot_overwrite_the_new_owner() 
     };
     tokio::time::sleep(lease + Duration::from_millis(50)).await;
     let owner = op
-        .run(&Frozen(store.clone()), &key, None, async {
+        .run(&Probe::frozen(store.clone()), &key, None, async {
             Ok::<_, Error>(String::from("owner"))
         })
         .await
@@ -159,7 +159,7 @@ async fn local_waiters_of_a_holder_that_lost_its_lease_get_the_new_owners_result
     let lease = Duration::from_millis(100);
     let op = Operation::new("expiry.zombie_waiters").lease(lease);
     let key = op.key(&1).unwrap();
-    let paused = idem_tests::Paused(store.clone());
+    let paused = Probe::paused(store.clone());
 
     let holder = {
         let (op, paused) = (op.clone(), paused.clone());
@@ -173,7 +173,7 @@ async fn local_waiters_of_a_holder_that_lost_its_lease_get_the_new_owners_result
     };
     tokio::time::sleep(lease + Duration::from_millis(50)).await;
     // Another process takes the lapsed key over and records its result.
-    let other_process = Frozen(store.clone());
+    let other_process = Probe::frozen(store.clone());
     let owner = op.run(&other_process, &key, None, async {
         Ok::<_, Error>("owner".to_string())
     });

@@ -23,20 +23,74 @@ impl Runs {
     }
 }
 
-/// Forwards to a store but never renews and never coalesces: a holder that behaves like a
-/// process paused past its lease, and calls that behave like other processes.
+/// Forwards to a store, with the faults a test injects and the claims it counts. One type
+/// for every scenario; the constructors name them.
 #[derive(Clone, Debug)]
-pub struct Frozen<S>(pub S);
+pub struct Probe<S> {
+    inner: S,
+    /// `false`: pretends to renew without renewing, as a holder paused past its lease.
+    renews: bool,
+    /// `false`: no in-process registry, so calls behave like other processes.
+    coalesces: bool,
+    /// `false`: every `complete` fails, as a store that went away after the claim.
+    records: bool,
+    claims: Runs,
+}
+
+impl<S> Probe<S> {
+    /// Forwards everything; counts claims.
+    pub fn new(inner: S) -> Self {
+        Self {
+            inner,
+            renews: true,
+            coalesces: true,
+            records: true,
+            claims: Runs::default(),
+        }
+    }
+
+    /// Another process paused past its lease: never renews, shares no registry.
+    pub fn frozen(inner: S) -> Self {
+        Self {
+            renews: false,
+            coalesces: false,
+            ..Self::new(inner)
+        }
+    }
+
+    /// A holder in this process paused past its lease: never renews; its local waiters wait
+    /// on it.
+    pub fn paused(inner: S) -> Self {
+        Self {
+            renews: false,
+            ..Self::new(inner)
+        }
+    }
+
+    /// A store that went away after the claim: every `complete` fails.
+    pub fn complete_fails(inner: S) -> Self {
+        Self {
+            records: false,
+            ..Self::new(inner)
+        }
+    }
+
+    /// How many claims reached the store.
+    pub fn claims(&self) -> usize {
+        self.claims.count()
+    }
+}
 
 #[async_trait]
-impl<S: Store + Clone> Store for Frozen<S> {
+impl<S: Store + Clone> Store for Probe<S> {
     async fn claim(
         &self,
         key: &Key,
         fp: Option<&Fingerprint>,
         lease: Duration,
     ) -> Result<Claim, Error> {
-        self.0.claim(key, fp, lease).await
+        self.claims.hit();
+        self.inner.claim(key, fp, lease).await
     }
 
     async fn complete(
@@ -46,23 +100,33 @@ impl<S: Store + Clone> Store for Frozen<S> {
         value: Bytes,
         ttl: Duration,
     ) -> Result<bool, Error> {
-        self.0.complete(key, token, value, ttl).await
+        if !self.records {
+            return Err(Error::store("connection reset"));
+        }
+        self.inner.complete(key, token, value, ttl).await
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
-        self.0.release(key, token).await
+        self.inner.release(key, token).await
     }
 
-    async fn renew(&self, _: &Key, _: Token, _: Duration) -> Result<bool, Error> {
-        Ok(true) // pretends to renew, so the holder does not notice it lost the lease
+    async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
+        if !self.renews {
+            return Ok(true); // so the holder does not notice it lost the lease
+        }
+        self.inner.renew(key, token, lease).await
     }
 
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
-        self.0.remove(key).await
+        self.inner.remove(key).await
     }
 
     fn flights(&self) -> Option<&Flights> {
-        None
+        if self.coalesces {
+            self.inner.flights()
+        } else {
+            None
+        }
     }
 }
 
@@ -92,73 +156,6 @@ impl Store for Down {
         Err(Error::store("connection refused"))
     }
 }
-
-/// Forwards to a store and counts its claims: the store traffic of the calls.
-#[derive(Clone, Debug)]
-pub struct Counting<S> {
-    /// The wrapped store.
-    pub inner: S,
-    claims: Runs,
-}
-
-impl<S> Counting<S> {
-    /// Wraps `inner`.
-    pub fn new(inner: S) -> Self {
-        Self {
-            inner,
-            claims: Runs::default(),
-        }
-    }
-
-    /// How many claims reached the store.
-    pub fn claims(&self) -> usize {
-        self.claims.count()
-    }
-}
-
-#[async_trait]
-impl<S: Store + Clone> Store for Counting<S> {
-    async fn claim(
-        &self,
-        key: &Key,
-        fp: Option<&Fingerprint>,
-        lease: Duration,
-    ) -> Result<Claim, Error> {
-        self.claims.hit();
-        self.inner.claim(key, fp, lease).await
-    }
-
-    async fn complete(
-        &self,
-        key: &Key,
-        token: Token,
-        value: Bytes,
-        ttl: Duration,
-    ) -> Result<bool, Error> {
-        self.inner.complete(key, token, value, ttl).await
-    }
-
-    async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
-        self.inner.release(key, token).await
-    }
-
-    async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
-        self.inner.renew(key, token, lease).await
-    }
-
-    async fn remove(&self, key: &Key) -> Result<bool, Error> {
-        self.inner.remove(key).await
-    }
-
-    fn flights(&self) -> Option<&Flights> {
-        self.inner.flights()
-    }
-}
-
-/// The README's Rust examples, compiled and run as doctests.
-#[cfg(doctest)]
-#[doc = include_str!("../README.md")]
-pub struct ReadmeDoctests;
 
 /// Whether a missing server fails the test (`IDEM_REQUIRE_SERVICES=1`, as in CI) instead of
 /// skipping it.
@@ -433,7 +430,7 @@ pub mod scenarios {
     use idem_runtime::{Error, InFlight, Operation, Outcome, Store};
     use tokio::time::Instant;
 
-    use crate::{Frozen, Runs};
+    use crate::{Probe, Runs};
 
     /// A namespace of its own for each run, so that runs never see each other's records.
     pub fn namespace(test: &str) -> String {
@@ -482,7 +479,7 @@ pub mod scenarios {
         let op = Operation::new(namespace("zombie")).lease(lease);
         let key = op.key(&1).unwrap();
         let zombie = {
-            let (op, store) = (op.clone(), Frozen(store.clone()));
+            let (op, store) = (op.clone(), Probe::frozen(store.clone()));
             tokio::spawn(async move {
                 op.run(&store, &key, None, async {
                     tokio::time::sleep(Duration::from_millis(600)).await;
@@ -492,7 +489,7 @@ pub mod scenarios {
             })
         };
         tokio::time::sleep(lease + Duration::from_millis(100)).await;
-        let other_process = Frozen(store.clone());
+        let other_process = Probe::frozen(store.clone());
         let owner = op.run(&other_process, &key, None, async {
             Ok::<_, Error>("owner".to_string())
         });
@@ -579,84 +576,5 @@ pub mod scenarios {
             "took {:?}",
             killed.elapsed()
         );
-    }
-}
-
-/// Forwards to a store, but every `complete` fails: the store went away after the claim.
-#[derive(Clone, Debug)]
-pub struct CompleteFails<S>(pub S);
-
-#[async_trait]
-impl<S: Store + Clone> Store for CompleteFails<S> {
-    async fn claim(
-        &self,
-        key: &Key,
-        fp: Option<&Fingerprint>,
-        lease: Duration,
-    ) -> Result<Claim, Error> {
-        self.0.claim(key, fp, lease).await
-    }
-
-    async fn complete(&self, _: &Key, _: Token, _: Bytes, _: Duration) -> Result<bool, Error> {
-        Err(Error::store("connection reset"))
-    }
-
-    async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
-        self.0.release(key, token).await
-    }
-
-    async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
-        self.0.renew(key, token, lease).await
-    }
-
-    async fn remove(&self, key: &Key) -> Result<bool, Error> {
-        self.0.remove(key).await
-    }
-
-    fn flights(&self) -> Option<&Flights> {
-        self.0.flights()
-    }
-}
-
-/// Forwards to a store but never renews, and shares its in-process registry: a holder in
-/// this process that was paused past its lease, whose local waiters wait on it.
-#[derive(Clone, Debug)]
-pub struct Paused<S>(pub S);
-
-#[async_trait]
-impl<S: Store + Clone> Store for Paused<S> {
-    async fn claim(
-        &self,
-        key: &Key,
-        fp: Option<&Fingerprint>,
-        lease: Duration,
-    ) -> Result<Claim, Error> {
-        self.0.claim(key, fp, lease).await
-    }
-
-    async fn complete(
-        &self,
-        key: &Key,
-        token: Token,
-        value: Bytes,
-        ttl: Duration,
-    ) -> Result<bool, Error> {
-        self.0.complete(key, token, value, ttl).await
-    }
-
-    async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
-        self.0.release(key, token).await
-    }
-
-    async fn renew(&self, _: &Key, _: Token, _: Duration) -> Result<bool, Error> {
-        Ok(true)
-    }
-
-    async fn remove(&self, key: &Key) -> Result<bool, Error> {
-        self.0.remove(key).await
-    }
-
-    fn flights(&self) -> Option<&Flights> {
-        self.0.flights()
     }
 }

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use idem_runtime::{Error, Fingerprint, InFlight, MemoryStore, Operation, Outcome};
+use idem_tests::Probe;
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Metadata, Subscriber};
@@ -114,14 +115,14 @@ async fn a_lost_lease_is_reported_as_a_warning() {
     let op = Operation::new("observability.zombie").lease(lease);
     let key = op.key(&1).unwrap();
     // A holder that never renews (a process paused past its lease) is taken over.
-    let zombie_store = idem_tests::Frozen(store.clone());
+    let zombie_store = Probe::frozen(store.clone());
     let zombie = op.run(&zombie_store, &key, None, async {
         tokio::time::sleep(lease * 4).await;
         Ok::<_, Error>(1)
     });
     let owner = async {
         tokio::time::sleep(lease * 2).await;
-        op.run(&idem_tests::Frozen(store.clone()), &key, None, async {
+        op.run(&Probe::frozen(store.clone()), &key, None, async {
             Ok::<_, Error>(2)
         })
         .await

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use idem_runtime::{testkit, Error, InFlight, Operation, Outcome, PostgresStore};
 use idem_tests::scenarios::{self, namespace};
-use idem_tests::{postgres_store, postgres_url, Frozen, Runs};
+use idem_tests::{postgres_store, postgres_url, Probe, Runs};
 use sqlx::postgres::PgPoolOptions;
 use tokio::time::Instant;
 
@@ -96,7 +96,7 @@ async fn concurrent_first_claims_from_other_processes_have_one_winner() {
         let runs = Runs::default();
         let calls: Vec<_> = (0..8)
             .map(|_| {
-                let (op, store, runs) = (op.clone(), Frozen(store.clone()), runs.clone());
+                let (op, store, runs) = (op.clone(), Probe::frozen(store.clone()), runs.clone());
                 tokio::spawn(async move {
                     op.run(&store, &key, None, async move {
                         runs.hit();

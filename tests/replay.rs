@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use idem_runtime::{Error, Fingerprint, MemoryStore, Operation, Outcome};
+use idem_tests::Probe;
 use idem_tests::{Down, Runs};
 use serde::{Deserialize, Serialize};
 
@@ -382,7 +383,7 @@ async fn the_default_store_is_shared_and_set_only_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn when_recording_fails_the_caller_and_its_waiters_still_get_the_value() {
-    let store = idem_tests::CompleteFails(MemoryStore::new());
+    let store = Probe::complete_fails(MemoryStore::new());
     let op = Operation::new("replay.complete_fails").lease(Duration::from_millis(200));
     let key = op.key(&1).unwrap();
     let runs = Runs::default();
