@@ -91,6 +91,12 @@ async fn outcomes_are_traced_without_the_raw_key() {
             "no {outcome} in:\n{text}"
         );
     }
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("outcome=\"executed\"") && l.contains("elapsed_ms=")),
+        "an execution reports its duration:\n{text}"
+    );
     let short = key.short().to_string();
     assert!(
         lines.iter().any(|l| l.starts_with("span idempotent")

@@ -217,7 +217,21 @@ async fn purge_deletes_expired_rows_only() {
         0,
         "the task already purged"
     );
+
+    // Dropping the guard stops the task: a row that expires afterwards stays until purged.
     drop(purger);
+    let _ = op
+        .run(&store, &op.key(&"short-3").unwrap(), None, async {
+            Ok::<_, Error>(1)
+        })
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert_eq!(
+        store.purge_expired().await.unwrap(),
+        1,
+        "the dropped task kept purging"
+    );
 }
 
 /// The child of the crash test, in its own process.

@@ -174,3 +174,76 @@ fn duration(duration: &Duration) -> TokenStream {
         Duration::Expr(expr) => quote!(#expr),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn expand(attr: &str, item: &str) -> String {
+        idempotent(attr.parse().unwrap(), item.parse().unwrap()).to_string()
+    }
+
+    #[test]
+    fn generated_code_cannot_panic_and_adds_only_the_function() {
+        let out = expand(
+            r#"key = (order.id, order.customer), fingerprint = order.cents, store = self.store,
+               namespace = "billing.charge.v1", cache_err = is_final, ttl = "1h", in_flight = "reject""#,
+            "pub async fn charge(&self, order: &Order) -> Result<Receipt, PayError> { Ok(self.go(order).await?) }",
+        );
+        for forbidden in [
+            "unwrap",
+            "expect",
+            "panic",
+            "unreachable",
+            "todo",
+            "static",
+            "const ",
+        ] {
+            assert!(
+                !out.contains(forbidden),
+                "`{forbidden}` in the expansion: {out}"
+            );
+        }
+        let file: syn::File = syn::parse_str(&out).expect("the expansion parses as items");
+        assert_eq!(file.items.len(), 1, "one item, the function itself: {out}");
+        let generated: Vec<&str> = out
+            .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .filter(|word| word.starts_with("__idem"))
+            .collect();
+        let known = [
+            "__idem_op",
+            "__idem_key",
+            "__idem_fingerprint",
+            "__idem_store",
+            "__idem_owned",
+        ];
+        assert!(!generated.is_empty());
+        assert!(
+            generated.iter().all(|name| known.contains(name)),
+            "{generated:?}"
+        );
+    }
+
+    #[test]
+    fn every_path_is_absolute() {
+        // The user's code names none of the prelude's items, so every one in the output was
+        // written by the expansion, and must be reached through a path (`::core::…`).
+        let out = expand("key = id", "async fn f(id: u64) -> Res { settle(id) }");
+        let tokens: Vec<&str> = out.split_whitespace().collect();
+        for (i, token) in tokens.iter().enumerate() {
+            if [
+                "Ok", "Err", "Some", "None", "Box", "From", "Result", "Option", "Into",
+            ]
+            .contains(token)
+            {
+                assert_eq!(
+                    tokens[i - 1],
+                    "::",
+                    "bare `{token}` in the expansion: {out}"
+                );
+            }
+        }
+        assert!(out.contains(":: idem_runtime :: __private"), "{out}");
+        assert!(out.contains(":: core :: option :: Option :: None"), "{out}");
+    }
+}

@@ -299,3 +299,38 @@ impl Store for MemoryStore {
         Some(&self.inner.flights)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claim(until: Instant) -> ClaimRecord {
+        ClaimRecord {
+            token: Token::new(1),
+            fingerprint: None,
+            until,
+        }
+    }
+
+    #[test]
+    fn lapsed_claims_are_swept_when_a_shard_doubles() {
+        let start = Instant::now();
+        let mut claims = Claims::default();
+        for i in 0..63_u32 {
+            let key = Key::derive("sweep", &i).unwrap();
+            claims.insert(key, claim(start + Duration::from_millis(1)), start);
+        }
+        assert_eq!(claims.live.len(), 63, "nothing has lapsed yet");
+
+        // Later, with all of them lapsed, the insert that reaches the sweep mark sweeps.
+        let later = start + Duration::from_secs(1);
+        let live = Key::derive("sweep", &"live").unwrap();
+        claims.insert(live, claim(later + Duration::from_secs(30)), later);
+        assert_eq!(claims.live.len(), 1, "lapsed claims stayed");
+        assert!(claims.live.contains_key(&live));
+        assert_eq!(
+            claims.sweep_at, 64,
+            "the next sweep waits for the shard to grow again"
+        );
+    }
+}
