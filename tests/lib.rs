@@ -202,16 +202,16 @@ pub struct PrivateRedis {
 impl PrivateRedis {
     /// Starts one, or `None` (skipped) when `redis-server` cannot run here.
     pub fn start() -> Option<Self> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .ok()?
-            .local_addr()
-            .ok()?
-            .port();
-        Self::start_on(port)
+        Self::start_on(free_port()?)
     }
 
     /// Starts one on `port` (a server that comes back after [`kill`](Self::kill)).
     pub fn start_on(port: u16) -> Option<Self> {
+        Self::start_with(port, &[])
+    }
+
+    /// Starts one on `port` with extra `redis-server` arguments.
+    fn start_with(port: u16, extra: &[&str]) -> Option<Self> {
         let child = std::process::Command::new("redis-server")
             .args([
                 "--port",
@@ -223,6 +223,7 @@ impl PrivateRedis {
                 "--appendonly",
                 "no",
             ])
+            .args(extra)
             .stdout(std::process::Stdio::null())
             .spawn();
         let child = match child {
@@ -234,7 +235,7 @@ impl PrivateRedis {
             url: format!("redis://127.0.0.1:{port}"),
             port,
         };
-        for _ in 0..100 {
+        for _ in 0..250 {
             if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
                 return Some(server);
             }
@@ -242,7 +243,7 @@ impl PrivateRedis {
         }
         unavailable(
             "a private redis-server",
-            "it did not start listening within 2 s",
+            "it did not start listening within 5 s",
         )
     }
 
@@ -257,6 +258,100 @@ impl Drop for PrivateRedis {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// A 3-master Redis Cluster of the test's own, on free loopback ports, stopped and deleted
+/// when dropped: `cargo test` needs no cluster started by hand.
+pub struct PrivateRedisCluster {
+    nodes: Vec<PrivateRedis>,
+    dir: std::path::PathBuf,
+}
+
+impl PrivateRedisCluster {
+    /// Starts the masters, joins them with `redis-cli --cluster create`, and waits until the
+    /// cluster answers `cluster_state:ok`; or `None` (skipped) when that cannot be done here.
+    pub fn start() -> Option<Self> {
+        let dir = std::env::temp_dir().join(format!(
+            "idem-redis-cluster-{}-{}",
+            std::process::id(),
+            free_port()?
+        ));
+        std::fs::create_dir_all(&dir).ok()?;
+        let mut cluster = Self {
+            nodes: Vec::new(),
+            dir,
+        };
+        for _ in 0..3 {
+            // A node also listens on its port + 10000, the cluster bus: both must be free.
+            let port = (0..50).find_map(|_| {
+                let port = free_port()?;
+                (port < 55_000 && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok())
+                    .then_some(port)
+            })?;
+            let config = cluster.dir.join(format!("nodes-{port}.conf"));
+            let node = PrivateRedis::start_with(
+                port,
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    config.to_str()?,
+                    "--cluster-node-timeout",
+                    "2000",
+                    "--dir",
+                    cluster.dir.to_str()?,
+                ],
+            )?;
+            cluster.nodes.push(node);
+        }
+        let mut create = std::process::Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        for node in &cluster.nodes {
+            create.arg(format!("127.0.0.1:{}", node.port));
+        }
+        create.args(["--cluster-replicas", "0", "--cluster-yes"]);
+        match create.output() {
+            Ok(out) if out.status.success() => {}
+            other => return unavailable("redis-cli --cluster create", format!("{other:?}")),
+        }
+        // Joining is asynchronous: wait (bounded) until every slot is served.
+        for _ in 0..500 {
+            let info = std::process::Command::new("redis-cli")
+                .args(["-p", &cluster.nodes[0].port.to_string(), "cluster", "info"])
+                .output()
+                .ok()?;
+            if String::from_utf8_lossy(&info.stdout).contains("cluster_state:ok") {
+                return Some(cluster);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        unavailable(
+            "a private redis cluster",
+            "it did not reach cluster_state:ok within 10 s",
+        )
+    }
+
+    /// The URLs of its masters.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(|node| node.url.clone()).collect()
+    }
+}
+
+impl Drop for PrivateRedisCluster {
+    fn drop(&mut self) {
+        self.nodes.clear();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn free_port() -> Option<u16> {
+    Some(
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .ok()?
+            .local_addr()
+            .ok()?
+            .port(),
+    )
 }
 
 /// The PostgreSQL database of `IDEM_POSTGRES_URL` (default

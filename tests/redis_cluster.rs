@@ -1,42 +1,49 @@
-//! `RedisStore` on a real 3-master Redis Cluster (started by `scripts/redis-cluster.sh`, which
-//! `.ci/run` runs): the store contract holds, and keys spread over the masters.
+//! `RedisStore` on a real 3-master Redis Cluster, which each test starts on free loopback
+//! ports (or the one `IDEM_REDIS_CLUSTER_URLS` names): the store contract holds, and keys
+//! spread over the masters.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use idem_runtime::{testkit, Error, Operation, RedisStore};
-use idem_tests::{unavailable, Runs};
+use idem_tests::{unavailable, PrivateRedisCluster, Runs};
 
-fn nodes() -> Vec<String> {
-    std::env::var("IDEM_REDIS_CLUSTER_URLS")
-        .unwrap_or_else(|_| {
-            "redis://127.0.0.1:7301,redis://127.0.0.1:7302,redis://127.0.0.1:7303".into()
-        })
-        .split(',')
-        .map(str::to_string)
-        .collect()
+/// A cluster's masters, and the private cluster to keep alive while they are used.
+fn nodes() -> Option<(Vec<String>, Option<PrivateRedisCluster>)> {
+    match std::env::var("IDEM_REDIS_CLUSTER_URLS") {
+        Ok(urls) => Some((urls.split(',').map(str::to_string).collect(), None)),
+        Err(_) => {
+            let cluster = PrivateRedisCluster::start()?;
+            Some((cluster.urls(), Some(cluster)))
+        }
+    }
 }
 
-async fn cluster() -> Option<RedisStore> {
-    let nodes = nodes();
+async fn cluster(nodes: &[String]) -> Option<RedisStore> {
     match RedisStore::connect_cluster(nodes.iter().map(String::as_str)).await {
         Ok(store) => Some(store),
-        Err(e) => unavailable(
-            &format!("the redis cluster at {nodes:?} (scripts/redis-cluster.sh start)"),
-            e,
-        ),
+        Err(e) => unavailable(&format!("the redis cluster at {nodes:?}"), e),
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_store_keeps_the_store_contract() {
-    let Some(store) = cluster().await else { return };
+    let Some((nodes, _cluster)) = nodes() else {
+        return;
+    };
+    let Some(store) = cluster(&nodes).await else {
+        return;
+    };
     testkit::conformance(&store).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn records_spread_over_every_master_and_each_runs_once() {
-    let Some(store) = cluster().await else { return };
+    let Some((nodes, _cluster)) = nodes() else {
+        return;
+    };
+    let Some(store) = cluster(&nodes).await else {
+        return;
+    };
     let op = Arc::new(Operation::new(format!(
         "cluster.spread.{:?}",
         std::time::SystemTime::now()
@@ -52,7 +59,7 @@ async fn records_spread_over_every_master_and_each_runs_once() {
                     let key = op.key(&i).unwrap();
                     op.run(&store, &key, None, async move {
                         runs.hit();
-                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        tokio::task::yield_now().await;
                         Ok::<_, Error>(i)
                     })
                     .await
@@ -65,7 +72,7 @@ async fn records_spread_over_every_master_and_each_runs_once() {
     }
     assert_eq!(runs.count(), 60, "one run per key");
 
-    for node in nodes() {
+    for node in &nodes {
         let mut connection = redis::Client::open(node.as_str())
             .unwrap()
             .get_multiplexed_async_connection()

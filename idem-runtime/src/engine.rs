@@ -1,5 +1,6 @@
 //! Running a future idempotently: claim, run once, record, replay.
 
+pub(crate) mod attempt;
 mod held;
 
 use std::borrow::Cow;
@@ -16,7 +17,7 @@ use tracing::Instrument;
 use self::held::Held;
 use crate::codec::{self, ErrorPolicy, ReleaseErrors};
 use crate::flights::Landing;
-use crate::{CacheErrors, Claim, Error, Fingerprint, Key, Store, Token};
+use crate::{background, limits, CacheErrors, Claim, Error, Fingerprint, Key, Store, Token};
 
 /// How long a completed result is replayed unless told otherwise: 24 hours.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
@@ -221,7 +222,8 @@ impl<P> Operation<P> {
             match self.settle(store, key, fingerprint).await? {
                 Settled::Replay(record) => self.replay(&record),
                 Settled::Run(token) => {
-                    let held = Held::new(store.clone(), *key, fingerprint.copied(), token);
+                    let held =
+                        Held::new(store.clone(), *key, fingerprint.copied(), token, self.lease);
                     // Boxed: the execution's state (guard, heartbeat, timers) would otherwise
                     // be part of every call's future, and be copied with it on every replay.
                     Box::pin(self.execute(held, body)).await
@@ -261,10 +263,13 @@ impl<P> Operation<P> {
             };
             // Between the claim and the spawn there is no await point: once claimed, the
             // guard lives in the task and releases the key if the task never runs.
-            let held = Held::new(store.clone(), *key, fingerprint.copied(), token);
+            let held = Held::new(store.clone(), *key, fingerprint.copied(), token, self.lease);
             let operation = self.clone();
-            let task =
-                tokio::spawn(async move { operation.execute(held, body).await }.in_current_span());
+            let runtime = tokio::runtime::Handle::current();
+            let task = background::spawn(
+                &runtime,
+                async move { operation.execute(held, body).await }.in_current_span(),
+            );
             match task.await {
                 Ok(result) => result,
                 Err(join) => match join.try_into_panic() {
@@ -289,6 +294,7 @@ impl<P> Operation<P> {
         key: &Key,
         fingerprint: Option<&Fingerprint>,
     ) -> Result<Settled, Error> {
+        limits::check(self.ttl, self.lease, self.wait_timeout)?;
         // The clock is read only once a call has to wait: replays and first calls never do.
         let mut deadline = None;
         let wait_until = |deadline: &mut Option<Instant>| {
@@ -297,20 +303,26 @@ impl<P> Operation<P> {
         };
         let mut polls = 0_u32;
         loop {
-            if let Some(flight) = store.flights().and_then(|flights| flights.get(key)) {
-                self.found_in_progress(flight.fingerprint(), fingerprint)?;
+            let flight = store.flights().and_then(|flights| flights.get(key));
+            // A flight whose holder stopped renewing is not waited for: the store decides.
+            if let Some(flight) = flight.filter(|f| f.expires() > Instant::now()) {
+                self.found_in_progress(store, key, flight.fingerprint(), fingerprint)?;
+                let deadline = wait_until(&mut deadline);
                 // Waiting is the slow path: boxed, so that its timers are not part of the
                 // state of every call.
-                match Box::pin(flight.wait(wait_until(&mut deadline))).await {
-                    Some(Landing::Completed(record)) => {
+                let wait = tokio::time::timeout_at(deadline.min(flight.expires()), flight.wait());
+                match Box::pin(wait).await {
+                    Ok(Landing::Completed(record)) => {
                         tracing::debug!(
                             outcome = "waited",
                             "replayed the result of a concurrent call"
                         );
                         return Ok(Settled::Replay(record));
                     }
-                    Some(Landing::Released) => continue,
-                    None => return Err(timed_out()),
+                    Ok(Landing::Released) => continue,
+                    Err(_) if Instant::now() >= deadline => return Err(timed_out()),
+                    // The holder's lease was renewed meanwhile, or it lapsed: look again.
+                    Err(_) => continue,
                 }
             }
             let claim = match store.peek(key) {
@@ -330,7 +342,7 @@ impl<P> Operation<P> {
                 Claim::InProgress {
                     fingerprint: holder,
                 } => {
-                    self.found_in_progress(holder.as_ref(), fingerprint)?;
+                    self.found_in_progress(store, key, holder.as_ref(), fingerprint)?;
                     let deadline = wait_until(&mut deadline);
                     let now = Instant::now();
                     if now >= deadline {
@@ -343,13 +355,23 @@ impl<P> Operation<P> {
         }
     }
 
-    /// The checks on a record found in progress: the fingerprint first, then the policy.
-    fn found_in_progress(
+    /// The checks on a record found in progress: the fingerprint first, then whether the
+    /// holder is this call's own enclosing call, then the policy.
+    fn found_in_progress<S: Store>(
         &self,
+        store: &S,
+        key: &Key,
         holder: Option<&Fingerprint>,
         ours: Option<&Fingerprint>,
     ) -> Result<(), Error> {
         check_fingerprint(holder, ours)?;
+        if attempt::held_by_caller(store, key) {
+            tracing::warn!(
+                outcome = "rejected",
+                "the key is held by this call's own enclosing call; waiting would never end"
+            );
+            return Err(Error::InProgress);
+        }
         if self.in_flight == InFlight::Reject {
             tracing::debug!(outcome = "rejected");
             return Err(Error::InProgress);
@@ -379,7 +401,7 @@ impl<P> Operation<P> {
         F: Future<Output = Result<T, E>>,
     {
         let started = Instant::now();
-        let result = held.renewing(self.lease, body).await;
+        let result = held.run(body).await;
         let elapsed_ms = started.elapsed().as_millis() as u64;
         match result {
             Ok(value) => match codec::encode_value(&value) {

@@ -8,15 +8,18 @@ pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 /// Why an idempotent call did not produce a value of its own.
 ///
 /// Every variant says whether the body ran. The body is never run by a call that returns
-/// [`Error::InProgress`], [`Error::PayloadMismatch`], [`Error::Store`] or [`Error::Key`];
+/// [`Error::InProgress`], [`Error::PayloadMismatch`], [`Error::Store`], [`Error::Key`] or
+/// [`Error::Config`];
 /// [`Error::Codec`] says in its message which side (encode or decode) failed.
 ///
 /// The HTTP analogue in each doc line is what a service usually answers with.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// Another call holds the key: `in_flight = "reject"` was chosen, or a waiting call gave
-    /// up after its wait timeout. The body did not run. Retry later (HTTP 409).
+    /// Another call holds the key: `in_flight = "reject"` was chosen, a waiting call gave up
+    /// after its wait timeout, or the holder is this call's own enclosing call (a body that
+    /// calls its own operation with its own key), which would otherwise wait for itself.
+    /// The body did not run. Retry later (HTTP 409).
     #[error("another call with this idempotency key is in progress")]
     InProgress,
 
@@ -40,6 +43,12 @@ pub enum Error {
     /// NaN float). The body did not run (HTTP 400).
     #[error("the idempotency key could not be encoded: {0}")]
     Key(#[source] BoxError),
+
+    /// The operation is configured outside the runtime's limits: a lease shorter than
+    /// [`MIN_LEASE`](crate::MIN_LEASE), or a duration longer than
+    /// [`MAX_DURATION`](crate::MAX_DURATION). The body did not run. Fix the code (HTTP 500).
+    #[error("invalid idempotency configuration: {0}")]
+    Config(#[source] BoxError),
 }
 
 impl Error {
@@ -62,6 +71,10 @@ impl Error {
     /// ```
     pub fn codec(source: impl Into<BoxError>) -> Self {
         Self::Codec(source.into())
+    }
+
+    pub(crate) fn config(source: impl Into<BoxError>) -> Self {
+        Self::Config(source.into())
     }
 }
 

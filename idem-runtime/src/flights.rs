@@ -1,17 +1,39 @@
 //! In-process coalescing: calls that find a key in progress in this process wait for the
 //! running call's outcome instead of asking the store again.
+//!
+//! The registry and the hand-off between a holder and its waiters are model-checked with
+//! `loom` (`RUSTFLAGS="--cfg idem_loom" cargo test -p idem-runtime --lib --release loom`):
+//! every interleaving of landing, cancelling, waiting and giving up is explored in the
+//! `tests` module below.
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::future::Future;
+use std::ops::DerefMut;
+use std::pin::Pin;
+use std::sync::PoisonError;
+use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
-use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use self::sync::{Arc, AtomicUsize, Mutex, Ordering};
 use crate::key::KeyHasher;
 use crate::{Fingerprint, Key};
+
+/// The primitives the registry is built on: `std`'s, or `loom`'s under `--cfg idem_loom`.
+mod sync {
+    #[cfg(idem_loom)]
+    pub(crate) use loom::sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc, Mutex,
+    };
+    #[cfg(not(idem_loom))]
+    pub(crate) use std::sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc, Mutex,
+    };
+}
 
 const SHARDS: usize = 16;
 
@@ -30,7 +52,7 @@ pub struct Flights {
 impl Default for Flights {
     fn default() -> Self {
         Self {
-            shards: std::array::from_fn(|_| Mutex::default()),
+            shards: std::array::from_fn(|_| Mutex::new(HashMap::default())),
             active: AtomicUsize::new(0),
         }
     }
@@ -45,20 +67,39 @@ impl fmt::Debug for Flights {
 }
 
 /// How a running call ended, as its waiters see it.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Landing {
     /// The result was recorded: these are the recorded bytes.
     Completed(Bytes),
-    /// The claim was released (error, panic, cancel, or a lost lease): claim again.
+    /// The claim was released (error, panic, cancel, or a lost lease), or its outcome is not
+    /// known here: ask the store.
     Released,
 }
 
 /// One running call.
-#[derive(Debug)]
 pub(crate) struct Flight {
     fingerprint: Option<Fingerprint>,
-    landing: OnceLock<Landing>,
-    landed: Notify,
+    state: Mutex<State>,
+    /// The end of the holder's lease as the holder last knew it: a holder that stopped
+    /// making progress (frozen, or its future leaked) is waited for no longer than this.
+    /// Time is not part of the model, so this is `std`'s mutex even under loom.
+    expires: std::sync::Mutex<Instant>,
+}
+
+/// A flight's landing, or the wakers of the calls waiting for it.
+#[derive(Default)]
+struct State {
+    landing: Option<Landing>,
+    /// Indexed by a waiter's slot; a waiter that gives up empties its own.
+    waiters: Vec<Option<Waker>>,
+}
+
+impl fmt::Debug for Flight {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Flight")
+            .field("fingerprint", &self.fingerprint)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Flight {
@@ -66,24 +107,81 @@ impl Flight {
         self.fingerprint.as_ref()
     }
 
-    /// Waits until the flight lands, or `deadline` passes (`None`).
-    pub(crate) async fn wait(&self, deadline: Instant) -> Option<Landing> {
-        let notified = self.landed.notified();
-        let mut notified = std::pin::pin!(notified);
-        // Registered before the check, so a landing between the two still wakes this waiter.
-        notified.as_mut().enable();
-        if let Some(landing) = self.landing.get() {
-            return Some(landing.clone());
+    /// Waits until the flight lands. Dropping the future gives up the wait.
+    pub(crate) fn wait(&self) -> Wait<'_> {
+        Wait {
+            flight: self,
+            slot: None,
         }
-        tokio::time::timeout_at(deadline, notified).await.ok()?;
-        self.landing.get().cloned()
+    }
+
+    fn state(&self) -> impl DerefMut<Target = State> + '_ {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// When the holder's lease runs out, as far as this process knows.
+    pub(crate) fn expires(&self) -> Instant {
+        *self.expires.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The holder renewed its lease until `until`.
+    pub(crate) fn extend(&self, until: Instant) {
+        *self.expires.lock().unwrap_or_else(PoisonError::into_inner) = until;
+    }
+}
+
+/// The future of [`Flight::wait`].
+pub(crate) struct Wait<'a> {
+    flight: &'a Flight,
+    /// This waiter's slot among the flight's wakers, once registered.
+    slot: Option<usize>,
+}
+
+impl Future for Wait<'_> {
+    type Output = Landing;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Landing> {
+        let flight = self.flight;
+        let mut state = flight.state();
+        if let Some(landing) = &state.landing {
+            return Poll::Ready(landing.clone());
+        }
+        // Registered under the same lock that a landing takes: no wake-up can be lost.
+        match self.slot {
+            Some(slot) => match &mut state.waiters[slot] {
+                Some(waker) if waker.will_wake(cx.waker()) => {}
+                waker => *waker = Some(cx.waker().clone()),
+            },
+            None => {
+                state.waiters.push(Some(cx.waker().clone()));
+                self.slot = Some(state.waiters.len() - 1);
+            }
+        }
+        Poll::Pending
+    }
+}
+
+impl Drop for Wait<'_> {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot {
+            let mut state = self.flight.state();
+            // After a landing the wakers are gone already.
+            if let Some(waker) = state.waiters.get_mut(slot) {
+                *waker = None;
+            }
+        }
     }
 }
 
 impl Flights {
-    fn shard(&self, key: &Key) -> &Mutex<HashMap<Key, Arc<Flight>, KeyHasher>> {
+    fn shard(
+        &self,
+        key: &Key,
+    ) -> impl DerefMut<Target = HashMap<Key, Arc<Flight>, KeyHasher>> + '_ {
         // The key is a sha256 digest already: any byte of it is uniformly distributed.
-        &self.shards[usize::from(key.as_bytes()[0]) % SHARDS]
+        self.shards[usize::from(key.as_bytes()[0]) % SHARDS]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The running flight of `key`, if any.
@@ -91,46 +189,175 @@ impl Flights {
         if self.active.load(Ordering::Acquire) == 0 {
             return None;
         }
-        let shard = self
-            .shard(key)
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        shard.get(key).cloned()
+        self.shard(key).get(key).cloned()
     }
 
-    /// Registers the call that just claimed `key`.
-    pub(crate) fn start(&self, key: Key, fingerprint: Option<Fingerprint>) -> Arc<Flight> {
+    /// Registers the call that just claimed `key`, with a lease that runs out at `expires`.
+    pub(crate) fn start(
+        &self,
+        key: Key,
+        fingerprint: Option<Fingerprint>,
+        expires: Instant,
+    ) -> Arc<Flight> {
         let flight = Arc::new(Flight {
             fingerprint,
-            landing: OnceLock::new(),
-            landed: Notify::new(),
+            state: Mutex::new(State::default()),
+            expires: std::sync::Mutex::new(expires),
         });
-        let mut shard = self
-            .shard(&key)
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
         // A previous flight of this key can only still be here if its holder lost the lease
-        // and has not landed yet; it lands as released on its own.
-        if shard.insert(key, Arc::clone(&flight)).is_none() {
+        // and has not landed yet; it lands as released on its own, and its landing leaves
+        // this one in place.
+        if self.shard(&key).insert(key, Arc::clone(&flight)).is_none() {
             self.active.fetch_add(1, Ordering::AcqRel);
         }
         flight
     }
 
-    /// Unregisters `flight` and wakes its waiters with `landing`.
+    /// Unregisters `flight` and wakes its waiters with `landing`. A flight lands once: a
+    /// second landing changes nothing.
     pub(crate) fn land(&self, key: &Key, flight: &Arc<Flight>, landing: Landing) {
         {
-            let mut shard = self
-                .shard(key)
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
+            let mut shard = self.shard(key);
             if shard.get(key).is_some_and(|f| Arc::ptr_eq(f, flight)) {
                 shard.remove(key);
                 self.active.fetch_sub(1, Ordering::AcqRel);
             }
         }
-        // A flight lands once; a second landing (there is none) would change nothing.
-        let _ = flight.landing.set(landing);
-        flight.landed.notify_waiters();
+        let waiters = {
+            let mut state = flight.state();
+            if state.landing.is_some() {
+                return;
+            }
+            state.landing = Some(landing);
+            std::mem::take(&mut state.waiters)
+        };
+        for waker in waiters.into_iter().flatten() {
+            waker.wake();
+        }
+    }
+}
+
+#[cfg(all(test, idem_loom))]
+mod tests {
+    //! Exhaustive interleavings of the registry and the hand-off, with `loom`.
+
+    use loom::future::block_on;
+    use loom::thread;
+
+    use super::*;
+
+    fn key(n: u8) -> Key {
+        Key::derive("loom", &n).unwrap()
+    }
+
+    fn far() -> Instant {
+        Instant::now() + std::time::Duration::from_secs(3600)
+    }
+
+    fn done() -> Landing {
+        Landing::Completed(Bytes::from_static(b"v"))
+    }
+
+    /// A waiter that found the flight always gets its landing: no wake-up is lost, whether
+    /// the holder lands before, during or after the waiter registers.
+    #[test]
+    fn a_waiter_always_sees_the_landing() {
+        loom::model(|| {
+            let flights = Arc::new(Flights::default());
+            let k = key(1);
+            let flight = flights.start(k, None, far());
+            let holder = {
+                let flights = Arc::clone(&flights);
+                thread::spawn(move || flights.land(&k, &flight, done()))
+            };
+            if let Some(found) = flights.get(&k) {
+                assert_eq!(block_on(found.wait()), done());
+            }
+            holder.join().unwrap();
+            assert!(
+                flights.get(&k).is_none(),
+                "a landed flight stays registered"
+            );
+        });
+    }
+
+    /// A holder that is cancelled lands as released, and two waiters both see it.
+    #[test]
+    fn a_cancelled_holder_releases_every_waiter() {
+        loom::model(|| {
+            let flights = Arc::new(Flights::default());
+            let k = key(2);
+            let flight = flights.start(k, None, far());
+            let waiters: Vec<_> = (0..2)
+                .map(|_| {
+                    let flights = Arc::clone(&flights);
+                    thread::spawn(move || flights.get(&k).map(|f| block_on(f.wait())))
+                })
+                .collect();
+            flights.land(&k, &flight, Landing::Released);
+            for waiter in waiters {
+                let seen = waiter.join().unwrap();
+                assert!(matches!(seen, None | Some(Landing::Released)), "{seen:?}");
+            }
+        });
+    }
+
+    /// A stale holder landing late never unregisters the flight of the holder that took the
+    /// key over, and the count of active flights stays exact.
+    #[test]
+    fn a_stale_landing_leaves_the_new_flight() {
+        loom::model(|| {
+            let flights = Arc::new(Flights::default());
+            let k = key(3);
+            let stale = flights.start(k, None, far());
+            let stale_holder = {
+                let flights = Arc::clone(&flights);
+                thread::spawn(move || flights.land(&k, &stale, Landing::Released))
+            };
+            let fresh = flights.start(k, None, far());
+            stale_holder.join().unwrap();
+            let found = flights
+                .get(&k)
+                .expect("the new holder's flight is registered");
+            assert!(Arc::ptr_eq(&found, &fresh));
+            flights.land(&k, &fresh, done());
+            assert!(flights.get(&k).is_none());
+            assert_eq!(flights.active.load(Ordering::SeqCst), 0);
+        });
+    }
+
+    /// A waiter that gives up (its future dropped) while the holder lands neither blocks the
+    /// landing nor disturbs the other waiter.
+    #[test]
+    fn giving_up_races_the_landing_safely() {
+        loom::model(|| {
+            let flights = Arc::new(Flights::default());
+            let k = key(4);
+            let flight = flights.start(k, None, far());
+            let quitter = {
+                let flight = Arc::clone(&flight);
+                thread::spawn(move || {
+                    let mut wait = Box::pin(flight.wait());
+                    let waker = futures_waker();
+                    let _ = wait.as_mut().poll(&mut Context::from_waker(&waker));
+                    drop(wait);
+                })
+            };
+            let stayer = {
+                let flight = Arc::clone(&flight);
+                thread::spawn(move || block_on(flight.wait()))
+            };
+            flights.land(&k, &flight, done());
+            quitter.join().unwrap();
+            assert_eq!(stayer.join().unwrap(), done());
+        });
+    }
+
+    fn futures_waker() -> Waker {
+        struct Noop;
+        impl std::task::Wake for Noop {
+            fn wake(self: std::sync::Arc<Self>) {}
+        }
+        Waker::from(std::sync::Arc::new(Noop))
     }
 }

@@ -40,22 +40,27 @@
 #[doc(hidden)]
 #[path = "private.rs"]
 pub mod __private;
+mod background;
 mod codec;
 mod default_store;
 mod engine;
 mod error;
 mod flights;
 mod key;
+mod limits;
 pub mod store;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
+pub use crate::background::{drain, Undrained};
 pub use crate::codec::{CacheErrors, ErrorPolicy, ReleaseErrors};
 pub use crate::default_store::{default_store, set_default_store, DefaultStoreError};
+pub use crate::engine::attempt::{attempt, Attempt};
 pub use crate::engine::{InFlight, Operation, Outcome, DEFAULT_LEASE, DEFAULT_TTL};
 pub use crate::error::{BoxError, Error};
 pub use crate::flights::Flights;
 pub use crate::key::{Fingerprint, Key, FORMAT_VERSION};
+pub use crate::limits::{MAX_DURATION, MIN_LEASE};
 #[cfg(feature = "memory")]
 pub use crate::store::memory::{MemoryStore, MemoryStoreBuilder};
 #[cfg(feature = "postgres")]

@@ -1,14 +1,27 @@
-//! A claim held by this call: renewed while the body runs, completed or released exactly
-//! once, and released by a drop guard when the body panics or the call is cancelled.
+//! A claim held by this call: renewed while the body runs, then completed or released, with
+//! retries while the lease lasts; and, if the call is dropped first, finished in the
+//! background by the same code.
+//!
+//! What the guard still owes the store is explicit ([`Owed`]): a release while the body
+//! runs, the completion once the body returned a recordable result. Dropping the guard hands
+//! whatever is owed to a background task, so that a caller that goes away right after its
+//! body returned still gets the result recorded: the body's outcome is a fact. The
+//! in-process flight lands when the owed step is done, or at once when it cannot be done
+//! (no runtime, or a runtime shutting down): a waiter is never left waiting on a holder
+//! that is gone.
 
 use std::future::{poll_fn, Future};
 use std::pin::pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
+use tokio::time::Instant;
 
+use super::attempt::Attempt;
+use super::backoff;
+use crate::background;
 use crate::flights::{Flight, Landing};
 use crate::{Fingerprint, Key, Store, Token};
 
@@ -16,47 +29,93 @@ pub(super) struct Held<S: Store + Clone> {
     store: S,
     key: Key,
     token: Token,
+    lease: Duration,
+    /// When the lease runs out, as far as this process knows: pushed forward by each
+    /// renewal. Retries of the owed step stop there; the store refuses them after it anyway.
+    expires: Mutex<Instant>,
     /// This call's entry in the store's in-process registry, for its waiters.
     flight: Option<Arc<Flight>>,
-    /// Whether dropping the guard must still release the claim.
-    armed: bool,
+    attempt: Attempt,
+    owed: Owed,
+    /// Whether this guard already runs in the background: dropping it then only lands.
+    detached: bool,
+}
+
+/// What the holder still has to tell the store.
+enum Owed {
+    /// The body runs, failed, panicked or was cancelled: free the key.
+    Release,
+    /// The body's outcome is final: record it.
+    Complete { record: Bytes, ttl: Duration },
+    /// The store was told (or gave up on), and the flight landed.
+    Nothing,
 }
 
 impl<S: Store + Clone> Held<S> {
-    pub(super) fn new(store: S, key: Key, fingerprint: Option<Fingerprint>, token: Token) -> Self {
+    pub(super) fn new(
+        store: S,
+        key: Key,
+        fingerprint: Option<Fingerprint>,
+        token: Token,
+        lease: Duration,
+    ) -> Self {
+        // Read after the claim returned: later than the store's own start of the lease, so
+        // this errs towards trying too long, which the token makes harmless.
+        let expires = Instant::now() + lease;
         let flight = store
             .flights()
-            .map(|flights| flights.start(key, fingerprint));
+            .map(|flights| flights.start(key, fingerprint, expires));
+        let attempt = Attempt::enter(&store, key, token);
         Self {
             store,
             key,
             token,
+            lease,
+            expires: Mutex::new(expires),
             flight,
-            armed: true,
+            attempt,
+            owed: Owed::Release,
+            detached: false,
         }
     }
 
-    /// Polls `body` to completion while renewing the lease every third of it.
-    pub(super) async fn renewing<F: Future>(&self, lease: Duration, body: F) -> F::Output {
-        let mut body = pin!(body);
-        let mut heartbeat = pin!(self.heartbeat(lease));
+    /// Polls `body` to completion, as the current [`Attempt`], while renewing the lease.
+    pub(super) async fn run<F: Future>(&self, body: F) -> F::Output {
+        self.renewing(self.attempt.clone().scope(body)).await
+    }
+
+    /// Polls `work` to completion while renewing the lease every third of it.
+    async fn renewing<F: Future>(&self, work: F) -> F::Output {
+        let mut work = pin!(work);
+        let mut heartbeat = pin!(self.heartbeat());
         poll_fn(|cx| {
-            if let Poll::Ready(output) = body.as_mut().poll(cx) {
+            if let Poll::Ready(output) = work.as_mut().poll(cx) {
                 return Poll::Ready(output);
             }
-            // The heartbeat never finishes; it only needs to be polled beside the body.
+            // The heartbeat never finishes; it only needs to be polled beside the work.
             let _ = heartbeat.as_mut().poll(cx);
             Poll::Pending
         })
         .await
     }
 
-    async fn heartbeat(&self, lease: Duration) {
-        let period = lease / 3;
+    async fn heartbeat(&self) {
+        let period = self.lease / 3;
+        let mut failures = 0;
         loop {
-            tokio::time::sleep(period).await;
-            match self.store.renew(&self.key, self.token, lease).await {
-                Ok(true) => {}
+            // After a failure, try again soon: three missed periods lose the lease.
+            let pause = if failures == 0 {
+                period
+            } else {
+                backoff(failures).min(period)
+            };
+            tokio::time::sleep(pause).await;
+            let sent = Instant::now();
+            match self.store.renew(&self.key, self.token, self.lease).await {
+                Ok(true) => {
+                    failures = 0;
+                    self.extend(sent + self.lease);
+                }
                 Ok(false) => {
                     tracing::warn!(
                         outcome = "lease lost",
@@ -65,102 +124,154 @@ impl<S: Store + Clone> Held<S> {
                     );
                     return std::future::pending().await;
                 }
-                Err(err) => tracing::warn!(error = %err, "renewing the lease failed; retrying"),
+                Err(err) => {
+                    failures += 1;
+                    tracing::warn!(error = %err, "renewing the lease failed; retrying");
+                }
             }
         }
     }
 
-    /// Records `record` under this claim and hands it to the waiters.
-    ///
-    /// The guard stays armed until the store answers: if this future is dropped mid-way, the
-    /// guard's release is refused by the token check should the completion have landed.
+    fn expires(&self) -> Instant {
+        *self.expires.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn extend(&self, until: Instant) {
+        *self.expires.lock().unwrap_or_else(PoisonError::into_inner) = until;
+        if let Some(flight) = &self.flight {
+            flight.extend(until);
+        }
+    }
+
+    /// Records `record` under this claim, replayed for `ttl`, and hands it to the waiters.
     pub(super) async fn complete(mut self, record: Bytes, ttl: Duration) {
-        let landing = match self
-            .store
-            .complete(&self.key, self.token, record.clone(), ttl)
-            .await
-        {
-            Ok(true) => Landing::Completed(record),
-            Ok(false) => {
-                tracing::warn!(
-                    outcome = "lease lost",
-                    token = self.token.get(),
-                    "the claim was taken over before completion; the result was not recorded"
-                );
-                // Another holder owns the key now: the waiters ask the store, which has the
-                // one result every later call will see.
-                Landing::Released
-            }
-            Err(err) => {
-                tracing::warn!(
-                    error = %err,
-                    "recording the result failed; the key is freed when its lease runs out"
-                );
-                // The body ran once and this is what it returned; asking the store again
-                // would only wait for the lease.
-                Landing::Completed(record)
-            }
-        };
-        self.land(landing);
-        self.armed = false;
+        self.owed = Owed::Complete { record, ttl };
+        self.finish().await;
     }
 
     /// Releases the claim so that the next call runs the body.
     pub(super) async fn release(mut self) {
-        release(&self.store, &self.key, self.token).await;
-        self.land(Landing::Released);
-        self.armed = false;
+        self.owed = Owed::Release;
+        self.finish().await;
+    }
+
+    /// Tells the store what is owed, retrying failures while the lease lasts (and renewing
+    /// it meanwhile), then lands the flight. If this future is dropped first, the guard's
+    /// `Drop` takes over.
+    async fn finish(&mut self) {
+        let landing = self.renewing(self.discharge()).await;
+        self.owed = Owed::Nothing;
+        self.land(landing);
+    }
+
+    async fn discharge(&self) -> Landing {
+        let mut failures = 0;
+        loop {
+            let (result, done) = match &self.owed {
+                Owed::Complete { record, ttl } => (
+                    self.store
+                        .complete(&self.key, self.token, record.clone(), *ttl)
+                        .await,
+                    Landing::Completed(record.clone()),
+                ),
+                Owed::Release => (
+                    self.store.release(&self.key, self.token).await,
+                    Landing::Released,
+                ),
+                Owed::Nothing => return Landing::Released,
+            };
+            let what = match self.owed {
+                Owed::Complete { .. } => "recording the result",
+                _ => "releasing the claim",
+            };
+            match result {
+                Ok(true) => return done,
+                Ok(false) if failures > 0 => {
+                    // An earlier attempt may have landed before its answer was lost; or the
+                    // key was taken over. Either way the store knows: the waiters ask it.
+                    tracing::debug!(
+                        token = self.token.get(),
+                        "{what}: the claim is no longer held after a failed attempt"
+                    );
+                    return Landing::Released;
+                }
+                Ok(false) => {
+                    tracing::warn!(
+                        outcome = "lease lost",
+                        token = self.token.get(),
+                        "{what}: the claim was taken over first; nothing was changed"
+                    );
+                    // Another holder owns the key now: the waiters ask the store, which has
+                    // the one result every later call will see.
+                    return Landing::Released;
+                }
+                Err(err) => {
+                    let pause = backoff(failures);
+                    failures += 1;
+                    if Instant::now() + pause >= self.expires() {
+                        tracing::warn!(
+                            error = %err,
+                            attempts = failures,
+                            "{what} failed until the lease ran out; the key is freed when it lapses"
+                        );
+                        // The body ran once and this is its outcome: the concurrent calls
+                        // waiting for it share it.
+                        return done;
+                    }
+                    tracing::warn!(error = %err, attempts = failures, "{what} failed; retrying");
+                    tokio::time::sleep(pause).await;
+                }
+            }
+        }
     }
 
     fn land(&mut self, landing: Landing) {
-        land(&self.store, &self.key, self.flight.take(), landing);
+        if let (Some(flights), Some(flight)) = (self.store.flights(), self.flight.take()) {
+            flights.land(&self.key, &flight, landing);
+        }
     }
 }
 
 impl<S: Store + Clone> Drop for Held<S> {
-    /// The body panicked or the call was dropped mid-body: release in the background.
+    /// The call was dropped (cancelled, or a panic unwinds through it) before it told the
+    /// store: finish in the background, or, where no task can run, land at once.
     fn drop(&mut self) {
-        if !self.armed {
+        let owed = std::mem::replace(&mut self.owed, Owed::Nothing);
+        if matches!(owed, Owed::Nothing) {
             return;
         }
-        let (store, key, token, flight) =
-            (self.store.clone(), self.key, self.token, self.flight.take());
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                tracing::debug!(outcome = "released", "the call was cancelled or panicked");
-                runtime.spawn(async move {
-                    release(&store, &key, token).await;
-                    land(&store, &key, flight, Landing::Released);
-                });
-            }
-            Err(_) => {
+        let runtime = match tokio::runtime::Handle::try_current() {
+            Ok(runtime) if !self.detached => runtime,
+            _ => {
                 tracing::warn!(
                     outcome = "released",
-                    "dropped outside a tokio runtime: the key is freed when its lease runs out"
+                    "the call was dropped where no task can finish it: the key is freed when its lease runs out"
                 );
-                land(&store, &key, flight, Landing::Released);
+                self.land(Landing::Released);
+                return;
             }
-        }
-    }
-}
-
-async fn release<S: Store>(store: &S, key: &Key, token: Token) {
-    match store.release(key, token).await {
-        Ok(true) => {}
-        Ok(false) => tracing::warn!(
-            outcome = "lease lost",
-            token = token.get(),
-            "the claim was taken over before it could be released"
-        ),
-        Err(err) => tracing::warn!(
-            error = %err,
-            "releasing the claim failed; the key is freed when its lease runs out"
-        ),
-    }
-}
-
-fn land<S: Store>(store: &S, key: &Key, flight: Option<Arc<Flight>>, landing: Landing) {
-    if let (Some(flights), Some(flight)) = (store.flights(), flight) {
-        flights.land(key, &flight, landing);
+        };
+        tracing::debug!(
+            outcome = if matches!(owed, Owed::Release) {
+                "released"
+            } else {
+                "executed"
+            },
+            "the call was dropped; finishing in the background"
+        );
+        let mut rest = Held {
+            store: self.store.clone(),
+            key: self.key,
+            token: self.token,
+            lease: self.lease,
+            expires: Mutex::new(self.expires()),
+            flight: self.flight.take(),
+            attempt: self.attempt.clone(),
+            owed,
+            detached: true,
+        };
+        // If the runtime is shutting down, the task is dropped unrun, and `rest`'s own drop
+        // lands the flight.
+        background::spawn(&runtime, async move { rest.finish().await });
     }
 }

@@ -8,12 +8,13 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use moka::policy::EvictionPolicy;
 use moka::sync::Cache;
 use moka::Expiry;
 use tokio::time::Instant;
 
 use crate::key::KeyHasher;
-use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
+use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
 /// The default number of completed results a [`MemoryStore`] keeps.
 pub const DEFAULT_CAPACITY: u64 = 100_000;
@@ -25,8 +26,8 @@ pub const DEFAULT_CAPACITY: u64 = 100_000;
 ///
 /// Claims in progress are never evicted. Completed results are kept for their TTL or until
 /// the store holds [`capacity`](MemoryStoreBuilder::capacity) of them, whichever comes first;
-/// past capacity the least useful results are evicted early, and a call with an evicted key
-/// runs again.
+/// past capacity the least recently recorded or replayed results are evicted first (LRU), so
+/// the newest `capacity` results are always kept. A call with an evicted key runs again.
 ///
 /// Leases follow `tokio::time`, so `tokio::time::pause` drives their expiry in tests. Result
 /// TTLs follow the cache's own clock (real time): a replay then reads no clock at all.
@@ -195,6 +196,9 @@ impl MemoryStoreBuilder {
                 claims: std::array::from_fn(|_| Mutex::default()),
                 results: Cache::builder()
                     .max_capacity(self.capacity)
+                    // Retries come for the newest results: keep them, never admit by
+                    // frequency (moka's default would turn new keys away at capacity).
+                    .eviction_policy(EvictionPolicy::lru())
                     .expire_after(Lifetime)
                     .build_with_hasher(KeyHasher::default()),
                 tokens: AtomicU64::new(0),
@@ -235,7 +239,7 @@ impl Store for MemoryStore {
         let claim = ClaimRecord {
             token,
             fingerprint: fingerprint.copied(),
-            until: now + lease,
+            until: now + limits::clamp(lease),
         };
         claims.insert(*key, claim, now);
         Ok(Claim::Acquired { token })
@@ -256,7 +260,7 @@ impl Store for MemoryStore {
         let record = ResultRecord {
             value,
             fingerprint: claim.fingerprint,
-            ttl,
+            ttl: limits::clamp(ttl),
         };
         // The result is visible before the claim goes, and both under the key's lock.
         self.inner.results.insert(*key, record);
@@ -279,7 +283,7 @@ impl Store for MemoryStore {
         let mut claims = self.claims(key);
         Ok(claims
             .held(key, token, now)
-            .map(|claim| claim.until = now + lease)
+            .map(|claim| claim.until = now + limits::clamp(lease))
             .is_some())
     }
 

@@ -34,7 +34,7 @@ use bytes::Bytes;
 use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
 use sqlx::Row;
 
-use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
+use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "idem_records";
@@ -42,6 +42,10 @@ pub const DEFAULT_TABLE: &str = "idem_records";
 /// How long `connect` waits for a pooled connection before an operation fails with
 /// [`Error::Store`].
 pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The default time an operation may take, waiting for a connection included, before it
+/// fails with [`Error::Store`].
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// A store in a PostgreSQL table, shared by every process that uses the same database, and
 /// kept across restarts.
@@ -62,6 +66,7 @@ pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
 pub struct PostgresStore {
     pool: PgPool,
     sql: Arc<Statements>,
+    timeout: Duration,
     flights: Arc<Flights>,
 }
 
@@ -172,8 +177,10 @@ fn validate(identifier: &str) -> Result<&str, Error> {
     }
 }
 
+/// A duration in milliseconds, clamped to the runtime's limit: `now() + interval` must not
+/// overflow.
 fn millis(duration: Duration) -> i64 {
-    i64::try_from(duration.as_millis())
+    i64::try_from(limits::clamp(duration).as_millis())
         .unwrap_or(i64::MAX)
         .max(1)
 }
@@ -242,7 +249,37 @@ impl PostgresStore {
         Self {
             pool,
             sql: Arc::new(Statements::of(None, DEFAULT_TABLE)),
+            timeout: DEFAULT_TIMEOUT,
             flights: Arc::default(),
+        }
+    }
+
+    /// Sets how long one operation may take, waiting for a pooled connection included,
+    /// before it fails with [`Error::Store`] (default [`DEFAULT_TIMEOUT`]). A locked table
+    /// or a stalled server then costs a call this long, never more; the body never runs
+    /// after such a failure.
+    ///
+    /// The bound is the client's: a statement already sent may still run on the server
+    /// later (each is fenced by its token, so a late one changes nothing it should not).
+    /// To have the server give up too, set `statement_timeout` or `lock_timeout` for the
+    /// role the pool connects as.
+    #[must_use]
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Runs one operation under the timeout.
+    async fn within<T>(
+        &self,
+        operation: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<T, Error> {
+        match tokio::time::timeout(self.timeout, operation).await {
+            Ok(result) => result.map_err(Error::store),
+            Err(_) => Err(Error::store(format!(
+                "postgresql did not answer within {:?}",
+                self.timeout
+            ))),
         }
     }
 
@@ -338,7 +375,7 @@ impl PostgresStore {
         if let Some(millis) = millis {
             query = query.bind(millis);
         }
-        let done = query.execute(&self.pool).await.map_err(Error::store)?;
+        let done = self.within(query.execute(&self.pool)).await?;
         Ok(done.rows_affected() == 1)
     }
 }
@@ -358,6 +395,7 @@ impl fmt::Debug for PostgresStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PostgresStore")
             .field("table", &self.sql.table)
+            .field("timeout", &self.timeout)
             .field("pool_size", &self.pool.size())
             .finish()
     }
@@ -371,23 +409,26 @@ impl Store for PostgresStore {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
     ) -> Result<Claim, Error> {
-        // A second attempt only when a concurrent claim inserted the row after this
-        // statement's snapshot: the next statement sees it.
-        for _ in 0..3 {
-            let row = sqlx::query(&self.sql.claim)
-                .bind(&key.as_bytes()[..])
-                .bind(fingerprint.map(|f| &f.as_bytes()[..]))
-                .bind(millis(lease))
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(Error::store)?;
-            if let Some(row) = row {
-                return parse_claim(&row);
+        // Another attempt only when a concurrent claim inserted the row after this
+        // statement's snapshot (or deleted the row it saw): the next statement sees it.
+        // Under churn on one key that can repeat; each miss means another call made
+        // progress, so the attempts go on as long as the timeout allows.
+        self.within(async {
+            loop {
+                let row = sqlx::query(&self.sql.claim)
+                    .bind(&key.as_bytes()[..])
+                    .bind(fingerprint.map(|f| &f.as_bytes()[..]))
+                    .bind(millis(lease))
+                    .fetch_optional(&self.pool)
+                    .await?;
+                if let Some(row) = row {
+                    return Ok(row);
+                }
+                tokio::task::yield_now().await;
             }
-        }
-        Err(Error::store(
-            "the claim found neither a free key nor its holder three times",
-        ))
+        })
+        .await
+        .and_then(|row| parse_claim(&row))
     }
 
     async fn complete(
@@ -417,11 +458,12 @@ impl Store for PostgresStore {
     }
 
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
-        sqlx::query_scalar(&self.sql.remove)
-            .bind(&key.as_bytes()[..])
-            .fetch_one(&self.pool)
-            .await
-            .map_err(Error::store)
+        self.within(
+            sqlx::query_scalar(&self.sql.remove)
+                .bind(&key.as_bytes()[..])
+                .fetch_one(&self.pool),
+        )
+        .await
     }
 
     fn flights(&self) -> Option<&Flights> {

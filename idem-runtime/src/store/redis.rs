@@ -38,7 +38,7 @@ use redis::aio::{
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 
-use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
+use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
 /// The default key prefix.
 pub const DEFAULT_PREFIX: &str = "idem:";
@@ -317,8 +317,13 @@ async fn within<T>(
 }
 
 fn millis(duration: Duration) -> Vec<u8> {
-    // PEXPIRE needs at least 1 ms.
-    duration.as_millis().max(1).to_string().into_bytes()
+    // PEXPIRE needs at least 1 ms, and refuses (after the script's earlier writes) an expiry
+    // past its clock's range: clamped to the runtime's limit.
+    limits::clamp(duration)
+        .as_millis()
+        .max(1)
+        .to_string()
+        .into_bytes()
 }
 
 fn unexpected(value: &Value) -> Error {
