@@ -8,39 +8,58 @@ use idem_tests::{Probe, Runs};
 use tokio::time::Instant;
 
 const CALLERS: usize = 1000;
-const BODY: Duration = Duration::from_millis(20);
 
-async fn one_key_many_callers(in_flight: InFlight) -> (Runs, Vec<Result<Outcome<u64>, Error>>) {
+/// 1000 callers on one key. The body holds the key until `open_after` callers have answered
+/// (signals, not sleeps: a busy machine changes nothing).
+async fn one_key_many_callers(
+    in_flight: InFlight,
+    open_after: usize,
+) -> (Runs, Vec<Result<Outcome<u64>, Error>>) {
     let store = MemoryStore::new();
     let op = Arc::new(Operation::new("concurrency.one_key").in_flight(in_flight));
     let key = op.key(&"hot-key").unwrap();
     let runs = Runs::default();
     let barrier = Arc::new(tokio::sync::Barrier::new(CALLERS));
-    let calls: Vec<_> = (0..CALLERS)
-        .map(|i| {
-            let (op, store, runs, barrier) =
-                (op.clone(), store.clone(), runs.clone(), barrier.clone());
-            tokio::spawn(async move {
-                barrier.wait().await;
-                op.run(&store, &key, None, async move {
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (answers, mut answered) = tokio::sync::mpsc::unbounded_channel();
+    for i in 0..CALLERS {
+        let (op, store, runs, barrier, gate, answers) = (
+            op.clone(),
+            store.clone(),
+            runs.clone(),
+            barrier.clone(),
+            gate.clone(),
+            answers.clone(),
+        );
+        tokio::spawn(async move {
+            barrier.wait().await;
+            let result = op
+                .run(&store, &key, None, async move {
                     runs.hit();
-                    tokio::time::sleep(BODY).await;
+                    let _open = gate.acquire().await;
                     Ok::<_, Error>(i as u64 + 1_000_000)
                 })
-                .await
-            })
-        })
-        .collect();
+                .await;
+            let _ = answers.send(result);
+        });
+    }
     let mut results = Vec::with_capacity(CALLERS);
-    for call in calls {
-        results.push(call.await.expect("caller panicked"));
+    if open_after == 0 {
+        gate.add_permits(1);
+    }
+    while results.len() < CALLERS {
+        let result = answered.recv().await.expect("a caller panicked");
+        results.push(result);
+        if results.len() == open_after {
+            gate.add_permits(1);
+        }
     }
     (runs, results)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_waiting_duplicates_run_the_body_once_and_share_its_value() {
-    let (runs, results) = one_key_many_callers(InFlight::Wait).await;
+    let (runs, results) = one_key_many_callers(InFlight::Wait, 0).await;
     assert_eq!(runs.count(), 1);
     let values: Vec<u64> = results
         .into_iter()
@@ -54,7 +73,8 @@ async fn a_thousand_waiting_duplicates_run_the_body_once_and_share_its_value() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_rejecting_duplicates_run_the_body_once_and_999_are_told_in_progress() {
-    let (runs, results) = one_key_many_callers(InFlight::Reject).await;
+    // The body holds the key until the 999 others have answered.
+    let (runs, results) = one_key_many_callers(InFlight::Reject, CALLERS - 1).await;
     assert_eq!(runs.count(), 1);
     let executed = results
         .iter()
@@ -72,51 +92,61 @@ async fn a_thousand_distinct_keys_run_in_parallel() {
     let store = MemoryStore::new();
     let op = Arc::new(Operation::new("concurrency.many_keys"));
     let runs = Runs::default();
+    // Every body waits until all 1000 are running at once: if keys waited for each other,
+    // this would never finish (the outer timeout turns that into a failure).
+    let all_running = Arc::new(tokio::sync::Barrier::new(CALLERS));
     let started = Instant::now();
     let calls: Vec<_> = (0..CALLERS)
         .map(|i| {
-            let (op, store, runs) = (op.clone(), store.clone(), runs.clone());
+            let (op, store, runs, all_running) =
+                (op.clone(), store.clone(), runs.clone(), all_running.clone());
             tokio::spawn(async move {
                 let key = op.key(&i).unwrap();
                 op.run(&store, &key, None, async move {
                     runs.hit();
-                    tokio::time::sleep(BODY).await;
+                    all_running.wait().await;
                     Ok::<_, Error>(i)
                 })
                 .await
             })
         })
         .collect();
-    for (i, call) in calls.into_iter().enumerate() {
-        assert_eq!(call.await.unwrap().unwrap(), Outcome::Executed(i));
-    }
-    let elapsed = started.elapsed();
+    let all = async {
+        for (i, call) in calls.into_iter().enumerate() {
+            assert_eq!(call.await.unwrap().unwrap(), Outcome::Executed(i));
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), all)
+        .await
+        .expect("1000 bodies on distinct keys were never all running at once");
     assert_eq!(runs.count(), CALLERS);
-    // Serialised, 1000 bodies of 20 ms take 20 s; in parallel, one body's time plus overhead.
-    println!("1000 distinct keys with a 20 ms body each: {elapsed:?}");
-    assert!(
-        elapsed < Duration::from_secs(1),
-        "took {elapsed:?}: keys wait for each other"
+    println!(
+        "1000 distinct keys, all bodies in flight together: {:?}",
+        started.elapsed()
     );
 }
 
-/// Runs a holder whose body takes 800 ms, then a second call on its key; returns how long the
-/// second call waited before it gave up with `InProgress`.
+/// A holder that keeps its key until released, and a second call on the key; returns how
+/// long (in tokio's paused clock) the second call waited before it gave up with
+/// `InProgress`.
 async fn waiter_gives_up_after(op: Operation) -> Duration {
     let store = MemoryStore::new();
     let key = op.key(&1).unwrap();
+    let (claimed_tx, claimed) = tokio::sync::oneshot::channel();
+    let (finish, finished) = tokio::sync::oneshot::channel::<()>();
     let holder = {
         let (op, store) = (op.clone(), store.clone());
         tokio::spawn(async move {
             // Renewed while it runs, so the claim outlives many leases.
             op.run(&store, &key, None, async {
-                tokio::time::sleep(Duration::from_millis(800)).await;
+                let _ = claimed_tx.send(());
+                let _ = finished.await;
                 Ok::<_, Error>(1)
             })
             .await
         })
     };
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    claimed.await.unwrap();
     let started = Instant::now();
     let err = op
         .run(&store, &key, None, async { Ok::<_, Error>(2) })
@@ -124,15 +154,19 @@ async fn waiter_gives_up_after(op: Operation) -> Duration {
         .unwrap_err();
     let waited = started.elapsed();
     assert!(matches!(err, Error::InProgress), "{err}");
+    finish.send(()).unwrap();
     assert_eq!(holder.await.unwrap().unwrap(), Outcome::Executed(1));
     waited
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+// Paused time: the waits below are measured on tokio's virtual clock, which only moves when
+// every task is idle, so they are exact however busy the machine is.
+#[tokio::test(start_paused = true)]
 async fn waiters_that_outlast_their_wait_timeout_get_in_progress() {
-    let op = Operation::new("concurrency.timeout").wait_timeout(Duration::from_millis(50));
+    let timeout = Duration::from_millis(50);
+    let op = Operation::new("concurrency.timeout").wait_timeout(timeout);
     let waited = waiter_gives_up_after(op).await;
-    assert!(waited < Duration::from_millis(300), "waited {waited:?}");
+    assert_eq!(waited, timeout);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -208,13 +242,10 @@ async fn duplicates_in_one_process_wait_without_store_traffic() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn by_default_a_waiter_waits_at_most_one_lease() {
+#[tokio::test(start_paused = true)]
+async fn by_default_a_waiter_waits_one_lease() {
     let lease = Duration::from_millis(150);
     let waited =
         waiter_gives_up_after(Operation::new("concurrency.default_wait").lease(lease)).await;
-    assert!(
-        waited >= lease && waited < lease * 3,
-        "waited {waited:?} for a lease of {lease:?}"
-    );
+    assert_eq!(waited, lease, "waited {waited:?} for a lease of {lease:?}");
 }

@@ -34,7 +34,48 @@ pub struct Probe<S> {
     coalesces: bool,
     /// `false`: every `complete` fails, as a store that went away after the claim.
     records: bool,
+    /// Holds every `complete` until the test opens it.
+    gate: Option<Gate>,
     claims: Runs,
+}
+
+/// Where a [`Probe::gated`] store holds its completions: the test learns that one was
+/// reached, and lets them through.
+#[derive(Clone, Debug)]
+pub struct Gate {
+    reached: Arc<tokio::sync::Notify>,
+    open: Arc<tokio::sync::Semaphore>,
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Self {
+            reached: Arc::default(),
+            open: Arc::new(tokio::sync::Semaphore::new(0)),
+        }
+    }
+}
+
+impl Gate {
+    /// Waits until a `complete` reached the gate: the body has returned.
+    pub async fn reached(&self) {
+        self.reached.notified().await;
+    }
+
+    /// Lets every held and later `complete` through.
+    pub fn open(&self) {
+        self.open
+            .add_permits(tokio::sync::Semaphore::MAX_PERMITS / 2);
+    }
+
+    async fn pass(&self) {
+        self.reached.notify_one();
+        let _ = self
+            .open
+            .acquire()
+            .await
+            .map(tokio::sync::SemaphorePermit::forget);
+    }
 }
 
 impl<S> Probe<S> {
@@ -45,8 +86,19 @@ impl<S> Probe<S> {
             renews: true,
             coalesces: true,
             records: true,
+            gate: None,
             claims: Runs::default(),
         }
+    }
+
+    /// Holds every `complete` at a gate until the test opens it.
+    pub fn gated(inner: S) -> (Self, Gate) {
+        let gate = Gate::default();
+        let probe = Self {
+            gate: Some(gate.clone()),
+            ..Self::new(inner)
+        };
+        (probe, gate)
     }
 
     /// Another process paused past its lease: never renews, shares no registry.
@@ -103,6 +155,9 @@ impl<S: Store + Clone> Store for Probe<S> {
         if !self.records {
             return Err(Error::store("connection reset"));
         }
+        if let Some(gate) = &self.gate {
+            gate.pass().await;
+        }
         self.inner.complete(key, token, value, ttl).await
     }
 
@@ -127,6 +182,133 @@ impl<S: Store + Clone> Store for Probe<S> {
         } else {
             None
         }
+    }
+}
+
+/// Fails or delays a share of a store's operations, drawn from a seed: a failure either
+/// before the inner call (the store never saw it) or after it (the store acted, but the
+/// answer was lost: the ambiguous case). `remove` and `peek` are never faulted.
+#[derive(Clone)]
+pub struct Faulty<S> {
+    inner: S,
+    /// The share of operations that fail, half before and half after the inner call.
+    fail: f64,
+    /// The share of operations delayed, by up to `max_delay`.
+    delay: f64,
+    max_delay: Duration,
+    rng: Arc<std::sync::Mutex<rand_xorshift::XorShiftRng>>,
+    injected: Runs,
+}
+
+enum Fault {
+    Before,
+    After,
+    Delay(Duration),
+}
+
+impl<S> Faulty<S> {
+    /// Faults `inner` from `seed`: `fail` of the operations fail, `delay` are delayed by up to
+    /// `max_delay`.
+    pub fn new(inner: S, seed: u64, fail: f64, delay: f64, max_delay: Duration) -> Self {
+        use rand::SeedableRng;
+        Self {
+            inner,
+            fail,
+            delay,
+            max_delay,
+            rng: Arc::new(std::sync::Mutex::new(
+                rand_xorshift::XorShiftRng::seed_from_u64(seed),
+            )),
+            injected: Runs::default(),
+        }
+    }
+
+    /// How many failures were injected.
+    pub fn injected(&self) -> usize {
+        self.injected.count()
+    }
+
+    fn draw(&self) -> Option<Fault> {
+        use rand::RngExt;
+        let mut rng = self.rng.lock().unwrap();
+        let roll: f64 = rng.random();
+        if roll < self.fail / 2.0 {
+            Some(Fault::Before)
+        } else if roll < self.fail {
+            Some(Fault::After)
+        } else if roll < self.fail + self.delay {
+            let nanos = rng.random_range(0..=self.max_delay.as_nanos() as u64);
+            Some(Fault::Delay(Duration::from_nanos(nanos)))
+        } else {
+            None
+        }
+    }
+
+    async fn apply<T>(
+        &self,
+        operation: impl std::future::Future<Output = Result<T, Error>>,
+    ) -> Result<T, Error> {
+        match self.draw() {
+            None => operation.await,
+            Some(Fault::Delay(delay)) => {
+                tokio::time::sleep(delay).await;
+                operation.await
+            }
+            Some(Fault::Before) => {
+                self.injected.hit();
+                Err(Error::store("injected: failed before reaching the store"))
+            }
+            Some(Fault::After) => {
+                self.injected.hit();
+                let _ = operation.await;
+                Err(Error::store(
+                    "injected: the store acted, the answer was lost",
+                ))
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl<S: Store + Clone> Store for Faulty<S> {
+    async fn claim(
+        &self,
+        key: &Key,
+        fp: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Claim, Error> {
+        self.apply(self.inner.claim(key, fp, lease)).await
+    }
+
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        self.apply(self.inner.complete(key, token, value, ttl))
+            .await
+    }
+
+    async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
+        self.apply(self.inner.release(key, token)).await
+    }
+
+    async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
+        self.apply(self.inner.renew(key, token, lease)).await
+    }
+
+    async fn remove(&self, key: &Key) -> Result<bool, Error> {
+        self.inner.remove(key).await
+    }
+
+    fn peek(&self, key: &Key) -> Option<Claim> {
+        self.inner.peek(key)
+    }
+
+    fn flights(&self) -> Option<&Flights> {
+        self.inner.flights()
     }
 }
 
@@ -362,11 +544,17 @@ pub fn postgres_url() -> String {
 }
 
 /// A migrated store on the database of [`postgres_url`], or `None` (skipped) when it is
-/// unreachable.
+/// unreachable. Its pool has 8 connections, so that the tests of one binary, which run in
+/// parallel, stay within the server's `max_connections`.
 pub async fn postgres_store() -> Option<idem_runtime::PostgresStore> {
     let url = postgres_url();
-    let store = match idem_runtime::PostgresStore::connect(&url).await {
-        Ok(store) => store,
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(3))
+        .connect(&url)
+        .await;
+    let store = match pool {
+        Ok(pool) => idem_runtime::PostgresStore::from_pool(pool),
         Err(e) => return unavailable(&format!("postgresql at {url}"), e),
     };
     store.migrate().await.expect("migrate");

@@ -289,3 +289,60 @@ async fn a_replay_neither_writes_nor_locks_the_row() {
         "replays changed or locked the row"
     );
 }
+
+/// Claims that race with releases on one hot key (6 pools × 20 callers, a body that always
+/// fails, so the row is inserted and deleted over and over) never give up with a spurious
+/// `Error::Store` on a healthy database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn churn_on_one_key_gives_no_spurious_store_errors() {
+    if postgres_store().await.is_none() {
+        return;
+    }
+    // Small pools, so that the test leaves the server's connections to the others.
+    let mut pools = Vec::new();
+    for _ in 0..6 {
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .connect(&postgres_url())
+            .await
+            .unwrap();
+        pools.push(PostgresStore::from_pool(pool));
+    }
+    let op = Arc::new(Operation::new(namespace("churn")));
+    let key = op.key(&"hot").unwrap();
+    let (store_errors, calls) = (Runs::default(), Runs::default());
+    let mut tasks = Vec::new();
+    for store in &pools {
+        for _ in 0..20 {
+            let (op, store, store_errors, calls) = (
+                op.clone(),
+                store.clone(),
+                store_errors.clone(),
+                calls.clone(),
+            );
+            tasks.push(tokio::spawn(async move {
+                for _ in 0..20 {
+                    calls.hit();
+                    let failing = async { Err::<(), _>(Error::codec("the body always fails")) };
+                    match op.run(&store, &key, None, failing).await {
+                        Err(Error::Store(e)) => {
+                            store_errors.hit();
+                            eprintln!("spurious store error: {e}");
+                        }
+                        Err(Error::Codec(_)) => {}
+                        other => panic!("{other:?}"),
+                    }
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    println!(
+        "churn: {} calls on one key from 6 pools, {} spurious store errors",
+        calls.count(),
+        store_errors.count()
+    );
+    assert_eq!(store_errors.count(), 0);
+}

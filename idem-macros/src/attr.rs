@@ -238,19 +238,41 @@ fn string_literal(value: &Expr) -> Option<&LitStr> {
     }
 }
 
+/// The runtime's limits (`idem_runtime::MIN_LEASE`, `MAX_DURATION`), checked here for
+/// literals so that they fail at compile time; `tests/limits.rs` keeps the two in step.
+const MIN_LEASE_MS: u64 = 100;
+const MAX_MS: u64 = 365 * 86_400_000;
+
 fn duration(value: Expr, name: &str) -> syn::Result<Duration> {
     if let Some(lit) = string_literal(&value) {
-        return parse_duration(&lit.value())
-            .map(|ms| Duration::Millis(ms, lit.span()))
-            .map_err(|why| {
-                syn::Error::new(
-                    lit.span(),
-                    format!(
-                        "invalid `{name}` duration {:?}: {why}; write a number and a unit (`ms`, `s`, `m`, `h`, `d`), e.g. `{name} = \"30s\"` or `\"1h30m\"`",
-                        lit.value()
-                    ),
-                )
-            });
+        let ms = parse_duration(&lit.value()).map_err(|why| {
+            syn::Error::new(
+                lit.span(),
+                format!(
+                    "invalid `{name}` duration {:?}: {why}; write a number and a unit (`ms`, `s`, `m`, `h`, `d`), e.g. `{name} = \"30s\"` or `\"1h30m\"`",
+                    lit.value()
+                ),
+            )
+        })?;
+        let min = if name == "lease" { MIN_LEASE_MS } else { 1 };
+        if ms < min {
+            let why = if name == "lease" {
+                "a claim must outlive the round trips that renew it"
+            } else {
+                "a result that expires at once is never replayed"
+            };
+            return Err(syn::Error::new(
+                lit.span(),
+                format!("`{name}` must be at least {min}ms ({why}), e.g. `{name} = \"30s\"`"),
+            ));
+        }
+        if ms > MAX_MS {
+            return Err(syn::Error::new(
+                lit.span(),
+                format!("`{name}` must be at most 365 days (`\"365d\"`), the longest duration stores accept"),
+            ));
+        }
+        return Ok(Duration::Millis(ms, lit.span()));
     }
     if let Expr::Lit(ExprLit {
         lit: Lit::Int(int), ..

@@ -4,7 +4,7 @@ use proc_macro2::{Delimiter, Group, Ident, Span, TokenStream};
 use quote::{quote, quote_spanned};
 use syn::ext::IdentExt;
 use syn::spanned::Spanned;
-use syn::{AttrStyle, ItemFn, ReturnType};
+use syn::{AttrStyle, Expr, ItemFn, ReturnType};
 
 use crate::attr::{Args, Duration, InFlight, OnCancel};
 use crate::item;
@@ -141,8 +141,28 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
         #run::<_, _, #output, _>(&#op, #store_arg, #key, #fingerprint, async move #block).await
     };
 
+    // A closure that is never called: it only type-checks that no part of the key or the
+    // fingerprint is a `HashSet`, at that part's span.
+    let ordered: Vec<TokenStream> = [&args.key, &args.fingerprint]
+        .into_iter()
+        .flatten()
+        .flat_map(parts)
+        .map(|part| {
+            quote_spanned!(part.span()=> #private::ordered((&#private::KeyPart(&(#part))).__idem_order());)
+        })
+        .collect();
+    let ordered = (!ordered.is_empty()).then(|| {
+        quote! {
+            let _ = || {
+                use #private::{Ordered as _, Unordered as _};
+                #(#ordered)*
+            };
+        }
+    });
+
     let statements = quote! {
         #(#inner)*
+        #ordered
         let #op = #private::Operation::new(#namespace) #ttl #lease #in_flight #cache_err;
         let #key = #key_value;
         let #fingerprint = #fingerprint_value;
@@ -154,6 +174,22 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
     let mut body = Group::new(Delimiter::Brace, statements);
     body.set_span(block.brace_token.span.join());
     quote!(#(#outer)* #vis #sig #body)
+}
+
+/// The parts of a key or fingerprint value whose type the order check looks at: the
+/// elements of tuples and arrays (through parentheses and references), down to places
+/// (`order.tags`, `tags`). Calls and other computed values are left out: the check must not
+/// evaluate, move or borrow mutably anything the real key expression uses.
+fn parts(expr: &Expr) -> Vec<&Expr> {
+    match expr {
+        Expr::Tuple(tuple) => tuple.elems.iter().flat_map(parts).collect(),
+        Expr::Array(array) => array.elems.iter().flat_map(parts).collect(),
+        Expr::Paren(paren) => parts(&paren.expr),
+        Expr::Group(group) => parts(&group.expr),
+        Expr::Reference(reference) if reference.mutability.is_none() => parts(&reference.expr),
+        Expr::Path(_) | Expr::Field(_) => vec![expr],
+        _ => Vec::new(),
+    }
 }
 
 /// Sets `span` on every token of a path.
@@ -216,6 +252,7 @@ mod tests {
             "__idem_fingerprint",
             "__idem_store",
             "__idem_owned",
+            "__idem_order",
         ];
         assert!(!generated.is_empty());
         assert!(

@@ -4,7 +4,7 @@
 //! The registry and the hand-off between a holder and its waiters are model-checked with
 //! `loom` (`RUSTFLAGS="--cfg idem_loom" cargo test -p idem-runtime --lib --release loom`):
 //! every interleaving of landing, cancelling, waiting and giving up is explored in the
-//! `tests` module below.
+//! `loom_model` module below.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -75,6 +75,9 @@ pub(crate) enum Landing {
     /// known here: ask the store.
     Released,
 }
+
+/// A shared handle to a [`Flight`] (`loom`'s `Arc` under the model).
+pub(crate) type FlightRef = Arc<Flight>;
 
 /// One running call.
 pub(crate) struct Flight {
@@ -238,13 +241,21 @@ impl Flights {
 }
 
 #[cfg(all(test, idem_loom))]
-mod tests {
+mod loom_model {
     //! Exhaustive interleavings of the registry and the hand-off, with `loom`.
 
     use loom::future::block_on;
     use loom::thread;
 
     use super::*;
+
+    /// Every interleaving with up to three preemptions: loom's usual bound, which finds the
+    /// known bugs of this kind while keeping each model to seconds.
+    fn model(f: impl Fn() + Sync + Send + 'static) {
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(3);
+        builder.check(f);
+    }
 
     fn key(n: u8) -> Key {
         Key::derive("loom", &n).unwrap()
@@ -262,7 +273,7 @@ mod tests {
     /// the holder lands before, during or after the waiter registers.
     #[test]
     fn a_waiter_always_sees_the_landing() {
-        loom::model(|| {
+        model(|| {
             let flights = Arc::new(Flights::default());
             let k = key(1);
             let flight = flights.start(k, None, far());
@@ -284,7 +295,7 @@ mod tests {
     /// A holder that is cancelled lands as released, and two waiters both see it.
     #[test]
     fn a_cancelled_holder_releases_every_waiter() {
-        loom::model(|| {
+        model(|| {
             let flights = Arc::new(Flights::default());
             let k = key(2);
             let flight = flights.start(k, None, far());
@@ -306,7 +317,7 @@ mod tests {
     /// key over, and the count of active flights stays exact.
     #[test]
     fn a_stale_landing_leaves_the_new_flight() {
-        loom::model(|| {
+        model(|| {
             let flights = Arc::new(Flights::default());
             let k = key(3);
             let stale = flights.start(k, None, far());
@@ -330,7 +341,7 @@ mod tests {
     /// landing nor disturbs the other waiter.
     #[test]
     fn giving_up_races_the_landing_safely() {
-        loom::model(|| {
+        model(|| {
             let flights = Arc::new(Flights::default());
             let k = key(4);
             let flight = flights.start(k, None, far());

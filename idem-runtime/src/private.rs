@@ -135,3 +135,46 @@ where
         .await;
     R::from_result(outcome.map(crate::Outcome::into_inner))
 }
+
+/// One part of a key or fingerprint value (the value itself, or an element of a tuple),
+/// wrapped so that the two `__idem_order` methods below can tell a `HashSet` apart at
+/// compile time: method resolution tries `Unordered` (on `KeyPart`) before `Ordered` (on
+/// `&KeyPart`), and only a `HashSet` has the former.
+pub struct KeyPart<'a, T: ?Sized>(pub &'a T);
+
+/// What a `HashSet` part yields: refused by [`ordered`].
+pub struct HashSetInKey;
+
+/// Chosen for `HashSet` parts.
+pub trait Unordered {
+    #[doc(hidden)]
+    fn __idem_order(&self) -> HashSetInKey {
+        HashSetInKey
+    }
+}
+
+impl<T, S> Unordered for KeyPart<'_, std::collections::HashSet<T, S>> {}
+impl<T, S> Unordered for KeyPart<'_, &std::collections::HashSet<T, S>> {}
+impl<T, S> Unordered for KeyPart<'_, &mut std::collections::HashSet<T, S>> {}
+
+/// Chosen for every other part.
+pub trait Ordered {
+    #[doc(hidden)]
+    fn __idem_order(&self) {}
+}
+
+impl<T: ?Sized> Ordered for &KeyPart<'_, T> {}
+
+/// A key part whose encoding is the same in every process.
+#[diagnostic::on_unimplemented(
+    message = "`#[idempotent]` keys and fingerprints cannot hold a `HashSet`: its order differs from one process (and one call) to the next, so the call would never replay",
+    label = "this is a `HashSet`",
+    note = "use a `BTreeSet`, or a sorted `Vec`"
+)]
+pub trait DeterministicOrder {}
+
+#[diagnostic::do_not_recommend]
+impl DeterministicOrder for () {}
+
+/// Type-checks one key part (never called at run time).
+pub fn ordered<O: DeterministicOrder>(_: O) {}

@@ -118,3 +118,32 @@ fn store_id<S: Store + ?Sized>(store: &S) -> usize {
         .flights()
         .map_or(0, |flights| std::ptr::from_ref::<Flights>(flights) as usize)
 }
+
+#[cfg(all(test, feature = "memory"))]
+mod tests {
+    use super::*;
+    use crate::MemoryStore;
+
+    #[tokio::test]
+    async fn a_key_is_held_by_the_caller_only_in_the_same_store() {
+        let (a, b) = (MemoryStore::new(), MemoryStore::new());
+        let key = Key::derive("attempt", &1).unwrap();
+        let other = Key::derive("attempt", &2).unwrap();
+        assert!(!held_by_caller(&a, &key), "outside any attempt");
+        let outer = Attempt::enter(&a, key, Token::new(1));
+        outer
+            .scope(async {
+                assert!(held_by_caller(&a, &key));
+                assert!(!held_by_caller(&b, &key), "the same key in another store");
+                assert!(!held_by_caller(&a, &other));
+                let inner = Attempt::enter(&b, other, Token::new(2));
+                inner
+                    .scope(async {
+                        assert!(held_by_caller(&a, &key), "an enclosing call's key");
+                        assert!(held_by_caller(&b, &other));
+                    })
+                    .await;
+            })
+            .await;
+    }
+}

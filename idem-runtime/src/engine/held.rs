@@ -12,7 +12,7 @@
 
 use std::future::{poll_fn, Future};
 use std::pin::pin;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Mutex, PoisonError};
 use std::task::Poll;
 use std::time::Duration;
 
@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use super::attempt::Attempt;
 use super::backoff;
 use crate::background;
-use crate::flights::{Flight, Landing};
+use crate::flights::{FlightRef, Landing};
 use crate::{Fingerprint, Key, Store, Token};
 
 pub(super) struct Held<S: Store + Clone> {
@@ -34,7 +34,7 @@ pub(super) struct Held<S: Store + Clone> {
     /// renewal. Retries of the owed step stop there; the store refuses them after it anyway.
     expires: Mutex<Instant>,
     /// This call's entry in the store's in-process registry, for its waiters.
-    flight: Option<Arc<Flight>>,
+    flight: Option<FlightRef>,
     attempt: Attempt,
     owed: Owed,
     /// Whether this guard already runs in the background: dropping it then only lands.
