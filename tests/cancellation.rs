@@ -1,10 +1,23 @@
 //! Panics and cancellation: a call that does not finish never leaves its key stuck.
+//!
+//! The bodies signal where they are instead of sleeping, and "at once" is checked against
+//! the lease: a next call that had to wait for the lease (30 s by default) would take longer
+//! than [`SOONER_THAN_THE_LEASE`].
 
 use std::time::Duration;
 
 use idem_runtime::{Error, MemoryStore, Operation, Outcome};
 use idem_tests::Runs;
-use tokio::time::Instant;
+use tokio::sync::oneshot;
+
+const SOONER_THAN_THE_LEASE: Duration = Duration::from_secs(10);
+
+/// Runs `call`, failing the test if it took as long as a lease.
+async fn soon<T>(call: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(SOONER_THAN_THE_LEASE, call)
+        .await
+        .expect("the call waited for the lease: the key was not released")
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panicking_body_releases_the_key_and_the_panic_reaches_the_caller() {
@@ -15,7 +28,7 @@ async fn a_panicking_body_releases_the_key_and_the_panic_reaches_the_caller() {
         let (op, store) = (op.clone(), store.clone());
         tokio::spawn(async move {
             op.run(&store, &key, None, async {
-                tokio::time::sleep(Duration::from_millis(5)).await;
+                tokio::task::yield_now().await;
                 if true {
                     panic!("card reader on fire");
                 }
@@ -29,13 +42,8 @@ async fn a_panicking_body_releases_the_key_and_the_panic_reaches_the_caller() {
     let message = joined.into_panic();
     assert_eq!(message.downcast_ref::<&str>(), Some(&"card reader on fire"));
 
-    let started = Instant::now();
-    let next = op
-        .run(&store, &key, None, async { Ok::<_, Error>(2_u32) })
-        .await
-        .unwrap();
-    assert_eq!(next, Outcome::Executed(2));
-    assert!(started.elapsed() < Duration::from_millis(50));
+    let next = soon(op.run(&store, &key, None, async { Ok::<_, Error>(2_u32) })).await;
+    assert_eq!(next.unwrap(), Outcome::Executed(2));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -44,35 +52,28 @@ async fn an_aborted_call_releases_its_key_at_once() {
     let op = Operation::new("cancel.release");
     let key = op.key(&1).unwrap();
     let runs = Runs::default();
+    let (started, has_started) = oneshot::channel();
     let call = {
         let (op, store, runs) = (op.clone(), store.clone(), runs.clone());
         tokio::spawn(async move {
             op.run(&store, &key, None, async move {
                 runs.hit();
-                tokio::time::sleep(Duration::from_secs(60)).await;
+                let _ = started.send(());
+                std::future::pending::<()>().await;
                 Ok::<_, Error>(1_u32)
             })
             .await
         })
     };
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    has_started.await.unwrap();
     call.abort();
     assert!(call.await.unwrap_err().is_cancelled());
 
-    let started = Instant::now();
-    let next = op
-        .run(&store, &key, None, async { Ok::<_, Error>(2_u32) })
-        .await
-        .unwrap();
+    let next = soon(op.run(&store, &key, None, async { Ok::<_, Error>(2_u32) })).await;
     assert_eq!(
-        next,
+        next.unwrap(),
         Outcome::Executed(2),
         "the aborted call's body never finished"
-    );
-    assert!(
-        started.elapsed() < Duration::from_millis(50),
-        "took {:?}",
-        started.elapsed()
     );
     assert_eq!(runs.count(), 1);
 }
@@ -82,17 +83,19 @@ async fn a_dropped_call_wakes_its_waiters_and_one_of_them_runs() {
     let store = MemoryStore::new();
     let op = Operation::new("cancel.waiters");
     let key = op.key(&1).unwrap();
+    let (started, has_started) = oneshot::channel();
     let first = {
         let (op, store) = (op.clone(), store.clone());
         tokio::spawn(async move {
             op.run(&store, &key, None, async {
-                tokio::time::sleep(Duration::from_secs(60)).await;
+                let _ = started.send(());
+                std::future::pending::<()>().await;
                 Ok::<_, Error>(1_u32)
             })
             .await
         })
     };
-    tokio::time::sleep(Duration::from_millis(10)).await;
+    has_started.await.unwrap();
     let waiter = {
         let (op, store) = (op.clone(), store.clone());
         tokio::spawn(async move {
@@ -100,12 +103,10 @@ async fn a_dropped_call_wakes_its_waiters_and_one_of_them_runs() {
                 .await
         })
     };
-    tokio::time::sleep(Duration::from_millis(10)).await;
+    // Whether the waiter is already waiting or arrives after the abort, it must run.
+    tokio::task::yield_now().await;
     first.abort();
-    let out = tokio::time::timeout(Duration::from_millis(200), waiter)
-        .await
-        .expect("waiter woke")
-        .unwrap();
+    let out = soon(waiter).await.unwrap();
     assert_eq!(out.unwrap(), Outcome::Executed(2));
 }
 
@@ -115,22 +116,26 @@ async fn with_run_to_completion_an_aborted_call_finishes_in_the_background_and_i
     let op = Operation::new("cancel.complete");
     let key = op.key(&1).unwrap();
     let runs = Runs::default();
-    let (finished_tx, finished) = tokio::sync::oneshot::channel();
+    let (started, has_started) = oneshot::channel();
+    let (go_on, proceed) = oneshot::channel::<()>();
+    let (finished_tx, finished) = oneshot::channel();
     let call = {
         let (op, store, runs) = (op.clone(), store.clone(), runs.clone());
         tokio::spawn(async move {
             op.run_to_completion(&store, &key, None, async move {
                 runs.hit();
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                let _ = started.send(());
+                let _ = proceed.await;
                 let _ = finished_tx.send(());
                 Ok::<_, Error>(7_u32)
             })
             .await
         })
     };
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    has_started.await.unwrap();
     call.abort();
     assert!(call.await.unwrap_err().is_cancelled());
+    go_on.send(()).unwrap();
 
     finished
         .await
@@ -161,10 +166,6 @@ async fn with_run_to_completion_a_panic_still_reaches_the_caller_and_releases() 
         })
     };
     assert!(call.await.unwrap_err().is_panic());
-    tokio::time::sleep(Duration::from_millis(10)).await;
-    let next = op
-        .run(&store, &key, None, async { Ok::<_, Error>(2_u32) })
-        .await
-        .unwrap();
-    assert_eq!(next, Outcome::Executed(2));
+    let next = soon(op.run(&store, &key, None, async { Ok::<_, Error>(2_u32) })).await;
+    assert_eq!(next.unwrap(), Outcome::Executed(2));
 }

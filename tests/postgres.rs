@@ -137,9 +137,10 @@ async fn an_unreachable_database_is_a_store_error_within_the_acquire_timeout() {
     let started = Instant::now();
     let err = PostgresStore::connect(&url).await.unwrap_err();
     assert!(matches!(err, Error::Store(_)), "{err}");
+    // Hang detectors, not stopwatches: far above the timeout, far below "forever".
     assert!(
         started.elapsed()
-            < idem_runtime::store::postgres::DEFAULT_ACQUIRE_TIMEOUT + Duration::from_secs(1)
+            < idem_runtime::store::postgres::DEFAULT_ACQUIRE_TIMEOUT + Duration::from_secs(10)
     );
 
     let timeout = Duration::from_millis(500);
@@ -162,7 +163,7 @@ async fn an_unreachable_database_is_a_store_error_within_the_acquire_timeout() {
         .unwrap_err();
     assert!(matches!(err, Error::Store(_)), "{err}");
     assert!(
-        started.elapsed() < timeout * 4,
+        started.elapsed() < timeout + Duration::from_secs(10),
         "took {:?}",
         started.elapsed()
     );
@@ -211,12 +212,25 @@ async fn purge_deletes_expired_rows_only() {
         .unwrap();
     tokio::time::sleep(Duration::from_millis(150)).await;
     let purger = store.purge_every(Duration::from_millis(50));
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(
-        store.purge_expired().await.unwrap(),
-        0,
-        "the task already purged"
-    );
+    // Polled, not slept: the task purges the expired row on its own, however busy we are.
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&postgres_url())
+        .await
+        .unwrap();
+    let expired = async {
+        let query = "SELECT count(*) FROM idem_records_purge WHERE expires_at <= now()";
+        loop {
+            let left: i64 = sqlx::query_scalar(query).fetch_one(&pool).await.unwrap();
+            if left == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), expired)
+        .await
+        .expect("the task never purged the expired row");
 
     // Dropping the guard stops the task: a row that expires afterwards stays until purged.
     drop(purger);

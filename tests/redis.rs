@@ -60,7 +60,7 @@ async fn connecting_to_a_closed_port_is_a_store_error_within_the_timeout() {
         .unwrap_err();
     assert!(matches!(err, Error::Store(_)), "{err}");
     assert!(
-        started.elapsed() < idem_runtime::store::redis::DEFAULT_TIMEOUT + Duration::from_secs(1)
+        started.elapsed() < idem_runtime::store::redis::DEFAULT_TIMEOUT + Duration::from_secs(10)
     );
 }
 
@@ -94,8 +94,9 @@ async fn a_server_stopped_mid_test_gives_store_errors_and_never_runs_the_body() 
         let started = Instant::now();
         let err = call(n).await.unwrap_err();
         assert!(matches!(err, Error::Store(_)), "{err}");
+        // A hang detector, not a stopwatch: far above the timeout, far below "forever".
         assert!(
-            started.elapsed() < timeout * 3,
+            started.elapsed() < timeout + Duration::from_secs(10),
             "took {:?}",
             started.elapsed()
         );

@@ -292,17 +292,19 @@ async fn a_different_fingerprint_is_refused_while_in_progress() {
         let fp_a = Fingerprint::of(&1).unwrap();
         let fp_b = Fingerprint::of(&2).unwrap();
         let (release, hold) = tokio::sync::oneshot::channel::<()>();
+        let (claimed, has_claimed) = tokio::sync::oneshot::channel();
         let first = {
             let (op, store) = (op.clone(), store.clone());
             tokio::spawn(async move {
                 op.run(&store, &key, Some(&fp_a), async move {
+                    let _ = claimed.send(());
                     let _ = hold.await;
                     Ok::<_, Error>(1_u8)
                 })
                 .await
             })
         };
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        has_claimed.await.unwrap();
         let runs = Runs::default();
         let r = runs.clone();
         let err = op
@@ -381,7 +383,8 @@ async fn the_default_store_is_shared_and_set_only_once() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+// Paused time: the retries, the lease and its lapse all follow tokio's clock.
+#[tokio::test(start_paused = true)]
 async fn when_recording_fails_the_caller_and_its_waiters_still_get_the_value() {
     let store = Probe::complete_fails(MemoryStore::new());
     let op = Operation::new("replay.complete_fails").lease(Duration::from_millis(200));

@@ -165,6 +165,9 @@ impl<S: Store + Clone> Held<S> {
     }
 
     async fn discharge(&self) -> Landing {
+        // Retries end where the lease stood when the body returned: the renewals meanwhile
+        // keep the claim ours, but must not keep a failing store retried forever.
+        let deadline = self.expires();
         let mut failures = 0;
         loop {
             let (result, done) = match &self.owed {
@@ -208,7 +211,7 @@ impl<S: Store + Clone> Held<S> {
                 Err(err) => {
                     let pause = backoff(failures);
                     failures += 1;
-                    if Instant::now() + pause >= self.expires() {
+                    if Instant::now() + pause >= deadline {
                         tracing::warn!(
                             error = %err,
                             attempts = failures,
