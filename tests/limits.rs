@@ -163,7 +163,7 @@ impl From<Error> for Failed {
 }
 
 // The macro's compile-time limits match the runtime's: the boundary literals compile (and
-// `tests/ui/lease-too-short.rs` shows the ones past them do not).
+// `tests/ui/duration-out-of-range.rs` shows the ones past them do not).
 #[idempotent(key = id, lease = "100ms", ttl = "365d")]
 async fn at_the_limits(id: u64) -> Result<u64, Failed> {
     Ok(id)
