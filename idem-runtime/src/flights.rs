@@ -2,7 +2,7 @@
 //! running call's outcome instead of asking the store again.
 //!
 //! The registry and the hand-off between a holder and its waiters are model-checked with
-//! `loom` (`RUSTFLAGS="--cfg idem_loom" cargo test -p idem-runtime --lib --release loom`):
+//! `loom` (`RUSTFLAGS="--cfg idem_loom" cargo test -p idem-runtime --no-default-features --lib --target-dir target/loom loom`):
 //! every interleaving of landing, cancelling, waiting and giving up is explored in the
 //! `loom_model` module below.
 
