@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use idem_runtime::{Error, Key, MemoryStore, Operation, Outcome, PostgresStore, RedisStore, Store};
 use idem_tests::scenarios::namespace;
-use idem_tests::{postgres_store, postgres_url, redis_store, redis_url, unavailable, Faulty};
+use idem_tests::{postgres_store, postgres_url, redis_store, redis_url, unavailable, Probe};
 use rand::{RngExt, SeedableRng};
 use rand_xorshift::XorShiftRng;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -111,8 +111,8 @@ async fn ten_percent_faults<S: Store + Clone>(label: &str, first: S, second: S, 
     const KEYS: u32 = 800;
     let op = Arc::new(Operation::new(namespace(&format!("faults.{label}"))).lease(LEASE));
     let faulty = [
-        Faulty::new(first.clone(), seed, 0.10, 0.10, Duration::from_millis(20)),
-        Faulty::new(second, seed + 1, 0.10, 0.10, Duration::from_millis(20)),
+        Probe::faulty(first.clone(), seed, 0.10, 0.10, Duration::from_millis(20)),
+        Probe::faulty(second, seed + 1, 0.10, 0.10, Duration::from_millis(20)),
     ];
     let ledger = Ledger::default();
     let (calls, hangs) = (idem_tests::Runs::default(), idem_tests::Runs::default());
@@ -199,7 +199,7 @@ async fn seeded_cancellations<S: Store + Clone>(label: &str, store: S, seed: u64
     const POINTS: u32 = 300;
     let op = Operation::new(namespace(&format!("cancel.{label}"))).lease(LEASE);
     // Delays before store operations widen every window a cancel can land in.
-    let store = Faulty::new(store, seed, 0.0, 0.5, Duration::from_millis(2));
+    let store = Probe::faulty(store, seed, 0.0, 0.5, Duration::from_millis(2));
     let mut rng = XorShiftRng::seed_from_u64(seed);
     let ledger = Ledger::default();
     let (mut cancelled, mut after_body, mut hangs) = (0, 0, 0);

@@ -36,7 +36,47 @@ pub struct Probe<S> {
     records: bool,
     /// Holds every `complete` until the test opens it.
     gate: Option<Gate>,
+    /// Seeded failures and delays of every operation but `remove`.
+    faults: Option<Faults>,
     claims: Runs,
+}
+
+/// Failures and delays drawn from a seed: a failure either before the inner call (the
+/// store never saw it) or after it (the store acted, but the answer was lost: the ambiguous
+/// case).
+#[derive(Clone, Debug)]
+struct Faults {
+    /// The share of operations that fail, half before and half after the inner call.
+    fail: f64,
+    /// The share of operations delayed, by up to `max_delay`.
+    delay: f64,
+    max_delay: Duration,
+    rng: Arc<std::sync::Mutex<rand_xorshift::XorShiftRng>>,
+    injected: Runs,
+}
+
+enum Fault {
+    Before,
+    After,
+    Delay(Duration),
+}
+
+impl Faults {
+    fn draw(&self) -> Option<Fault> {
+        use rand::RngExt;
+        let mut rng = self.rng.lock().unwrap();
+        let roll: f64 = rng.random();
+        if roll < self.fail / 2.0 {
+            Some(Fault::Before)
+        } else if roll < self.fail {
+            Some(Fault::After)
+        } else if roll < self.fail + self.delay {
+            let nanos = rng.random_range(0..=self.max_delay.as_nanos() as u64);
+            Some(Fault::Delay(Duration::from_nanos(nanos)))
+        } else {
+            None
+        }
+    }
 }
 
 /// Where a [`Probe::gated`] store holds its completions: the test learns that one was
@@ -87,7 +127,60 @@ impl<S> Probe<S> {
             coalesces: true,
             records: true,
             gate: None,
+            faults: None,
             claims: Runs::default(),
+        }
+    }
+
+    /// Fails `fail` of the operations (half before, half after the inner call) and delays
+    /// `delay` of them by up to `max_delay`, drawn from `seed`.
+    pub fn faulty(inner: S, seed: u64, fail: f64, delay: f64, max_delay: Duration) -> Self {
+        use rand::SeedableRng;
+        let faults = Faults {
+            fail,
+            delay,
+            max_delay,
+            rng: Arc::new(std::sync::Mutex::new(
+                rand_xorshift::XorShiftRng::seed_from_u64(seed),
+            )),
+            injected: Runs::default(),
+        };
+        Self {
+            faults: Some(faults),
+            ..Self::new(inner)
+        }
+    }
+
+    /// How many failures were injected.
+    pub fn injected(&self) -> usize {
+        self.faults.as_ref().map_or(0, |f| f.injected.count())
+    }
+
+    /// Runs one inner operation through the seeded faults, if any.
+    async fn apply<T>(
+        &self,
+        operation: impl std::future::Future<Output = Result<T, Error>>,
+    ) -> Result<T, Error> {
+        let Some(faults) = &self.faults else {
+            return operation.await;
+        };
+        match faults.draw() {
+            None => operation.await,
+            Some(Fault::Delay(delay)) => {
+                tokio::time::sleep(delay).await;
+                operation.await
+            }
+            Some(Fault::Before) => {
+                faults.injected.hit();
+                Err(Error::store("injected: failed before reaching the store"))
+            }
+            Some(Fault::After) => {
+                faults.injected.hit();
+                let _ = operation.await;
+                Err(Error::store(
+                    "injected: the store acted, the answer was lost",
+                ))
+            }
         }
     }
 
@@ -142,7 +235,7 @@ impl<S: Store + Clone> Store for Probe<S> {
         lease: Duration,
     ) -> Result<Claim, Error> {
         self.claims.hit();
-        self.inner.claim(key, fp, lease).await
+        self.apply(self.inner.claim(key, fp, lease)).await
     }
 
     async fn complete(
@@ -158,18 +251,19 @@ impl<S: Store + Clone> Store for Probe<S> {
         if let Some(gate) = &self.gate {
             gate.pass().await;
         }
-        self.inner.complete(key, token, value, ttl).await
+        self.apply(self.inner.complete(key, token, value, ttl))
+            .await
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
-        self.inner.release(key, token).await
+        self.apply(self.inner.release(key, token)).await
     }
 
     async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
         if !self.renews {
             return Ok(true); // so the holder does not notice it lost the lease
         }
-        self.inner.renew(key, token, lease).await
+        self.apply(self.inner.renew(key, token, lease)).await
     }
 
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
@@ -182,133 +276,6 @@ impl<S: Store + Clone> Store for Probe<S> {
         } else {
             None
         }
-    }
-}
-
-/// Fails or delays a share of a store's operations, drawn from a seed: a failure either
-/// before the inner call (the store never saw it) or after it (the store acted, but the
-/// answer was lost: the ambiguous case). `remove` and `peek` are never faulted.
-#[derive(Clone)]
-pub struct Faulty<S> {
-    inner: S,
-    /// The share of operations that fail, half before and half after the inner call.
-    fail: f64,
-    /// The share of operations delayed, by up to `max_delay`.
-    delay: f64,
-    max_delay: Duration,
-    rng: Arc<std::sync::Mutex<rand_xorshift::XorShiftRng>>,
-    injected: Runs,
-}
-
-enum Fault {
-    Before,
-    After,
-    Delay(Duration),
-}
-
-impl<S> Faulty<S> {
-    /// Faults `inner` from `seed`: `fail` of the operations fail, `delay` are delayed by up to
-    /// `max_delay`.
-    pub fn new(inner: S, seed: u64, fail: f64, delay: f64, max_delay: Duration) -> Self {
-        use rand::SeedableRng;
-        Self {
-            inner,
-            fail,
-            delay,
-            max_delay,
-            rng: Arc::new(std::sync::Mutex::new(
-                rand_xorshift::XorShiftRng::seed_from_u64(seed),
-            )),
-            injected: Runs::default(),
-        }
-    }
-
-    /// How many failures were injected.
-    pub fn injected(&self) -> usize {
-        self.injected.count()
-    }
-
-    fn draw(&self) -> Option<Fault> {
-        use rand::RngExt;
-        let mut rng = self.rng.lock().unwrap();
-        let roll: f64 = rng.random();
-        if roll < self.fail / 2.0 {
-            Some(Fault::Before)
-        } else if roll < self.fail {
-            Some(Fault::After)
-        } else if roll < self.fail + self.delay {
-            let nanos = rng.random_range(0..=self.max_delay.as_nanos() as u64);
-            Some(Fault::Delay(Duration::from_nanos(nanos)))
-        } else {
-            None
-        }
-    }
-
-    async fn apply<T>(
-        &self,
-        operation: impl std::future::Future<Output = Result<T, Error>>,
-    ) -> Result<T, Error> {
-        match self.draw() {
-            None => operation.await,
-            Some(Fault::Delay(delay)) => {
-                tokio::time::sleep(delay).await;
-                operation.await
-            }
-            Some(Fault::Before) => {
-                self.injected.hit();
-                Err(Error::store("injected: failed before reaching the store"))
-            }
-            Some(Fault::After) => {
-                self.injected.hit();
-                let _ = operation.await;
-                Err(Error::store(
-                    "injected: the store acted, the answer was lost",
-                ))
-            }
-        }
-    }
-}
-
-#[async_trait]
-impl<S: Store + Clone> Store for Faulty<S> {
-    async fn claim(
-        &self,
-        key: &Key,
-        fp: Option<&Fingerprint>,
-        lease: Duration,
-    ) -> Result<Claim, Error> {
-        self.apply(self.inner.claim(key, fp, lease)).await
-    }
-
-    async fn complete(
-        &self,
-        key: &Key,
-        token: Token,
-        value: Bytes,
-        ttl: Duration,
-    ) -> Result<bool, Error> {
-        self.apply(self.inner.complete(key, token, value, ttl))
-            .await
-    }
-
-    async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
-        self.apply(self.inner.release(key, token)).await
-    }
-
-    async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
-        self.apply(self.inner.renew(key, token, lease)).await
-    }
-
-    async fn remove(&self, key: &Key) -> Result<bool, Error> {
-        self.inner.remove(key).await
-    }
-
-    fn peek(&self, key: &Key) -> Option<Claim> {
-        self.inner.peek(key)
-    }
-
-    fn flights(&self) -> Option<&Flights> {
-        self.inner.flights()
     }
 }
 
