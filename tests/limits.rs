@@ -175,3 +175,19 @@ async fn the_macro_accepts_exactly_the_runtime_limits() {
     assert_eq!(MAX_DURATION, Duration::from_secs(365 * 86_400));
     assert_eq!(at_the_limits(7).await.unwrap(), 7);
 }
+
+#[test]
+fn finishing_in_the_background_outside_a_runtime_is_a_config_error() {
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+    let store = MemoryStore::new();
+    let op = Operation::new("limits.no_runtime");
+    let key = op.key(&1).unwrap();
+    let call = op.run_to_completion(&store, &key, None, async { Ok::<_, Error>(1) });
+    let mut call = std::pin::pin!(call);
+    let polled = call.as_mut().poll(&mut Context::from_waker(Waker::noop()));
+    assert!(
+        matches!(polled, Poll::Ready(Err(Error::Config(_)))),
+        "{polled:?}"
+    );
+}

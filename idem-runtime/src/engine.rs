@@ -257,6 +257,12 @@ impl<P> Operation<P> {
         F: Future<Output = Result<T, E>> + Send + 'static,
     {
         async {
+            // Checked before the claim: without a runtime the body could not be spawned.
+            let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+                Error::config(
+                    "`on_cancel = \"complete\"` spawns the body: call it inside a tokio runtime",
+                )
+            })?;
             let token = match self.settle(store, key, fingerprint).await? {
                 Settled::Replay(record) => return self.replay(&record),
                 Settled::Run(token) => token,
@@ -265,7 +271,6 @@ impl<P> Operation<P> {
             // guard lives in the task and releases the key if the task never runs.
             let held = Held::new(store.clone(), *key, fingerprint.copied(), token, self.lease);
             let operation = self.clone();
-            let runtime = tokio::runtime::Handle::current();
             let task = background::spawn(
                 &runtime,
                 async move { operation.execute(held, body).await }.in_current_span(),

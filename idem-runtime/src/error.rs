@@ -44,9 +44,10 @@ pub enum Error {
     #[error("the idempotency key could not be encoded: {0}")]
     Key(#[source] BoxError),
 
-    /// The operation is configured outside the runtime's limits: a lease shorter than
-    /// [`MIN_LEASE`](crate::MIN_LEASE), or a duration longer than
-    /// [`MAX_DURATION`](crate::MAX_DURATION). The body did not run. Fix the code (HTTP 500).
+    /// The operation is configured outside the runtime's limits (a lease shorter than
+    /// [`MIN_LEASE`](crate::MIN_LEASE), a duration longer than
+    /// [`MAX_DURATION`](crate::MAX_DURATION)), or `on_cancel = "complete"` was called outside
+    /// a tokio runtime. The body did not run. Fix the code (HTTP 500).
     #[error("invalid idempotency configuration: {0}")]
     Config(#[source] BoxError),
 }
