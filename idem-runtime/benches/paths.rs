@@ -4,13 +4,17 @@
 //! Paths on Redis and PostgreSQL are skipped, with a message, when their server is
 //! unreachable (`IDEM_REDIS_URL`, `IDEM_POSTGRES_URL`).
 
+use std::convert::Infallible;
 use std::hint::black_box;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use criterion::Criterion;
+use http_body_util::{BodyExt, Full};
+use idem_runtime::http::IdempotencyLayer;
 use idem_runtime::{idempotent, Error, MemoryStore, Operation, PostgresStore, RedisStore};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -383,6 +387,200 @@ fn keys(c: &mut Criterion) {
     p9.finish();
 }
 
+// ---- the HTTP layer -----------------------------------------------------------------------
+
+/// The handler behind both middlewares: a `201` with a small JSON receipt.
+/// A ready response, as the handler gives it.
+type Ready = std::future::Ready<Result<http::Response<Full<Bytes>>, Infallible>>;
+
+fn handler<B>() -> impl tower::Service<
+    http::Request<B>,
+    Response = http::Response<Full<Bytes>>,
+    Error = Infallible,
+    Future = Ready,
+> + Clone {
+    tower::service_fn(|_: http::Request<B>| {
+        let body = serde_json::to_vec(&receipt(7)).unwrap();
+        let response = http::Response::builder()
+            .status(201)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .unwrap();
+        std::future::ready(Ok(response))
+    })
+}
+
+/// The middleware the popular tutorials show: the header looked up in a moka cache; a hit
+/// replays, a miss runs the handler and inserts its response. No claim (concurrent
+/// duplicates both run), no fingerprint, no scope.
+#[derive(Clone)]
+struct Naive<S> {
+    inner: S,
+    cache: moka::future::Cache<String, (http::StatusCode, http::HeaderMap, Bytes)>,
+}
+
+impl<S> tower::Service<http::Request<Full<Bytes>>> for Naive<S>
+where
+    S: tower::Service<
+            http::Request<Full<Bytes>>,
+            Response = http::Response<Full<Bytes>>,
+            Error = Infallible,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+{
+    type Response = http::Response<Full<Bytes>>;
+    type Error = Infallible;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Infallible>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Infallible>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<Full<Bytes>>) -> Self::Future {
+        let (mut inner, cache) = (self.inner.clone(), self.cache.clone());
+        Box::pin(async move {
+            let key = request
+                .headers()
+                .get("idempotency-key")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
+            let Some(key) = key else {
+                return inner.call(request).await;
+            };
+            if let Some((status, headers, body)) = cache.get(&key).await {
+                let mut response = http::Response::new(Full::new(body));
+                *response.status_mut() = status;
+                *response.headers_mut() = headers;
+                return Ok(response);
+            }
+            let response = inner.call(request).await?;
+            let (parts, body) = response.into_parts();
+            let body = body.collect().await.unwrap().to_bytes();
+            cache
+                .insert(key, (parts.status, parts.headers.clone(), body.clone()))
+                .await;
+            Ok(http::Response::from_parts(parts, Full::new(body)))
+        })
+    }
+}
+
+/// A JSON request body of about 1 KiB: an order with its lines.
+fn kib_json() -> Bytes {
+    let mut items = Vec::new();
+    loop {
+        let body = serde_json::json!({"amount": 4200, "currency": "eur", "items": items});
+        let body = serde_json::to_vec(&body).unwrap();
+        if body.len() >= 1024 {
+            return Bytes::from(body);
+        }
+        let i = items.len();
+        items.push(serde_json::json!({"sku": format!("sku-{i:04}"), "qty": i}));
+    }
+}
+
+fn request(key: &str, body: &Bytes) -> http::Request<Full<Bytes>> {
+    http::Request::post("/payments")
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(Full::new(body.clone()))
+        .unwrap()
+}
+
+fn http_layer(c: &mut Criterion, rt: &Runtime) {
+    use tower::{Layer, ServiceExt};
+    let body = kib_json();
+    assert!((1024..1100).contains(&body.len()), "{} bytes", body.len());
+    let ours = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
+        .layer(handler());
+    let naive = Naive {
+        inner: handler(),
+        cache: moka::future::Cache::new(100_000),
+    };
+    let replay_key = "replay-0001";
+    let first = rt
+        .block_on(ours.clone().oneshot(request(replay_key, &body)))
+        .unwrap();
+    assert_eq!(first.status(), 201);
+    rt.block_on(naive.clone().oneshot(request(replay_key, &body)))
+        .unwrap();
+
+    // Measured from inside a worker task, as a server runs a request: a body the layer
+    // spawns then starts on the same worker, and no iteration pays a hand-off from
+    // criterion's thread to the runtime.
+    let mut replay = c.benchmark_group("P10 HTTP replay, memory, 1 KiB JSON");
+    replay.bench_function("ours", |b| {
+        b.iter_custom(|iters| {
+            in_worker(rt, iters, ours.clone(), body.clone(), |_| {
+                replay_key.to_string()
+            })
+        })
+    });
+    replay.bench_function("baseline", |b| {
+        b.iter_custom(|iters| {
+            in_worker(rt, iters, naive.clone(), body.clone(), |_| {
+                replay_key.to_string()
+            })
+        })
+    });
+    replay.finish();
+
+    let mut execute = c.benchmark_group("P11 HTTP first execution, memory, 1 KiB JSON");
+    execute.bench_function("ours", |b| {
+        b.iter_custom(|iters| {
+            in_worker(rt, iters, ours.clone(), body.clone(), |_| {
+                fresh().to_string()
+            })
+        })
+    });
+    execute.bench_function("baseline", |b| {
+        b.iter_custom(|iters| {
+            in_worker(rt, iters, naive.clone(), body.clone(), |_| {
+                fresh().to_string()
+            })
+        })
+    });
+    execute.finish();
+}
+
+/// Sends `iters` requests through `service` one after the other, from a task on the
+/// runtime, and returns how long they took.
+fn in_worker<S, B>(
+    rt: &Runtime,
+    iters: u64,
+    service: S,
+    body: Bytes,
+    key: impl Fn(u64) -> String + Send + 'static,
+) -> Duration
+where
+    S: tower::Service<http::Request<Full<Bytes>>, Response = http::Response<B>, Error = Infallible>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send,
+    B: http_body::Body<Data = Bytes> + Send,
+    B::Error: std::fmt::Debug,
+{
+    let task = rt.spawn(async move {
+        let started = Instant::now();
+        for i in 0..iters {
+            let response = tower::ServiceExt::oneshot(service.clone(), request(&key(i), &body))
+                .await
+                .unwrap();
+            black_box(response.into_body().collect().await.unwrap().to_bytes());
+        }
+        started.elapsed()
+    });
+    rt.block_on(task).unwrap()
+}
+
 // ---- the ratio table ----------------------------------------------------------------------
 
 /// (group, target ratio) of every path.
@@ -396,6 +594,8 @@ const PATHS: &[(&str, f64)] = &[
     ("P8a first execution, postgres", 2.2),
     ("P8b replay, postgres", 1.1),
     ("P9 key derivation", 1.3),
+    ("P10 HTTP replay, memory, 1 KiB JSON", 1.3),
+    ("P11 HTTP first execution, memory, 1 KiB JSON", 1.5),
 ];
 
 /// Where criterion keeps its estimates: `$CRITERION_HOME`, else `<target>/criterion`.
@@ -477,6 +677,7 @@ fn main() {
     memory(&mut c, &rt);
     redis(&mut c, &rt);
     postgres(&mut c, &rt);
+    http_layer(&mut c, &rt);
     c.final_summary();
     print_ratios(started);
 }

@@ -1,8 +1,10 @@
-//! How results are recorded: one tag byte, then `serde_json`.
+//! How results are recorded: one tag byte, then the value's encoding.
 //!
-//! The tag tells a recorded value (`v`) from a recorded error (`e`, only with an
-//! [`ErrorPolicy`] that caches errors), so the presence of a record, never its content, says
-//! that the operation completed: `()`, `0`, `false`, `None` and `[]` replay like any value.
+//! The tag tells a recorded value from a recorded error (`e`, only with an [`ErrorPolicy`]
+//! that caches errors), so the presence of a record, never its content, says that the
+//! operation completed: `()`, `0`, `false`, `None` and `[]` replay like any value. Values are
+//! `serde_json` ([`Json`], tag `v`) unless a surface records its own format (the HTTP layer's
+//! responses, tag `h`): the engine runs with either, through [`ValueCodec`].
 
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
@@ -16,6 +18,33 @@ const ERROR: u8 = b'e';
 /// What a record decodes to: the recorded `Ok` value, or a recorded error.
 pub(crate) type Replayed<T, E> = Result<T, E>;
 
+/// How the `Ok` values of `T` are recorded: behind their own tag byte, in their own format.
+pub(crate) trait ValueCodec<T> {
+    /// The tag byte of these records; never `e`, the tag of recorded errors.
+    const TAG: u8;
+
+    /// Appends the encoding of `value` to `buf`, which holds the tag already.
+    fn encode_into(value: &T, buf: &mut Vec<u8>) -> Result<(), Error>;
+
+    /// Decodes what follows the tag.
+    fn decode(payload: &[u8]) -> Result<T, Error>;
+}
+
+/// Values as `serde_json`: the format of every operation but the HTTP layer's.
+pub(crate) struct Json;
+
+impl<T: Serialize + DeserializeOwned> ValueCodec<T> for Json {
+    const TAG: u8 = VALUE;
+
+    fn encode_into(value: &T, buf: &mut Vec<u8>) -> Result<(), Error> {
+        serde_json::to_writer(buf, value).map_err(|e| Error::codec(EncodeError(e)))
+    }
+
+    fn decode(payload: &[u8]) -> Result<T, Error> {
+        serde_json::from_slice(payload).map_err(|e| Error::codec(DecodeError(e)))
+    }
+}
+
 fn encode<V: Serialize + ?Sized>(tag: u8, value: &V) -> Result<Bytes, Error> {
     let mut buf = Vec::with_capacity(128);
     buf.push(tag);
@@ -23,23 +52,31 @@ fn encode<V: Serialize + ?Sized>(tag: u8, value: &V) -> Result<Bytes, Error> {
     Ok(buf.into())
 }
 
-pub(crate) fn encode_value<T: Serialize>(value: &T) -> Result<Bytes, Error> {
-    encode(VALUE, value)
+pub(crate) fn encode_value<C: ValueCodec<T>, T>(value: &T) -> Result<Bytes, Error> {
+    let mut buf = Vec::with_capacity(128);
+    buf.push(C::TAG);
+    C::encode_into(value, &mut buf)?;
+    Ok(buf.into())
 }
 
-pub(crate) fn decode<T, E, P>(record: &[u8], policy: &P) -> Result<Replayed<T, E>, Error>
+pub(crate) fn decode<C, T, E, P>(record: &[u8], policy: &P) -> Result<Replayed<T, E>, Error>
 where
-    T: DeserializeOwned,
+    C: ValueCodec<T>,
     P: ErrorPolicy<E> + ?Sized,
 {
     match record.split_first() {
-        Some((&VALUE, json)) => serde_json::from_slice(json)
-            .map(Ok)
-            .map_err(|e| Error::codec(DecodeError(e))),
         Some((&ERROR, json)) => policy.decode(json).map(Err),
+        Some((&tag, payload)) if tag == C::TAG => C::decode(payload).map(Ok),
+        Some((&(VALUE | HTTP), _)) => Err(Error::codec(
+            "the record was made by another kind of call (an HTTP response, or a function's value)",
+        )),
         _ => Err(Error::codec("the record is not in the idem format")),
     }
 }
+
+/// The tag of recorded HTTP responses (`crate::http`), named here so that every tag is in
+/// one place.
+pub(crate) const HTTP: u8 = b'h';
 
 /// The result could not be encoded as JSON.
 #[derive(Debug, thiserror::Error)]
@@ -109,15 +146,17 @@ mod tests {
     #[test]
     fn unit_and_falsy_values_have_non_empty_records() {
         for record in [
-            encode_value(&()).unwrap(),
-            encode_value(&0).unwrap(),
-            encode_value(&false).unwrap(),
-            encode_value(&None::<u8>).unwrap(),
-            encode_value(&Vec::<u8>::new()).unwrap(),
+            encode_value::<Json, _>(&()).unwrap(),
+            encode_value::<Json, _>(&0).unwrap(),
+            encode_value::<Json, _>(&false).unwrap(),
+            encode_value::<Json, _>(&None::<u8>).unwrap(),
+            encode_value::<Json, _>(&Vec::<u8>::new()).unwrap(),
         ] {
             assert!(record.len() > 1, "{record:?}");
         }
-        let back: Replayed<(), ()> = decode(&encode_value(&()).unwrap(), &ReleaseErrors).unwrap();
+        let back: Replayed<(), ()> =
+            decode::<Json, _, _, _>(&encode_value::<Json, _>(&()).unwrap(), &ReleaseErrors)
+                .unwrap();
         assert_eq!(back, Ok(()));
     }
 
@@ -129,19 +168,19 @@ mod tests {
             .encode(&"declined: card".to_string())
             .unwrap()
             .unwrap();
-        let back: Replayed<u32, String> = decode(&record, &policy).unwrap();
+        let back: Replayed<u32, String> = decode::<Json, _, _, _>(&record, &policy).unwrap();
         assert_eq!(back, Err("declined: card".to_string()));
 
-        let err = decode::<u32, String, _>(&record, &ReleaseErrors).unwrap_err();
+        let err = decode::<Json, u32, String, _>(&record, &ReleaseErrors).unwrap_err();
         assert!(matches!(err, Error::Codec(_)), "{err}");
     }
 
     #[test]
     fn a_record_of_another_type_is_a_codec_error() {
-        let record = encode_value(&"text").unwrap();
-        let err = decode::<u64, (), _>(&record, &ReleaseErrors).unwrap_err();
+        let record = encode_value::<Json, _>(&"text".to_string()).unwrap();
+        let err = decode::<Json, u64, (), _>(&record, &ReleaseErrors).unwrap_err();
         assert!(matches!(err, Error::Codec(_)));
-        let err = decode::<u64, (), _>(b"", &ReleaseErrors).unwrap_err();
+        let err = decode::<Json, u64, (), _>(b"", &ReleaseErrors).unwrap_err();
         assert!(matches!(err, Error::Codec(_)));
     }
 }

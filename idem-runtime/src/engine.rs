@@ -15,7 +15,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use self::held::Held;
-use crate::codec::{self, ErrorPolicy, ReleaseErrors};
+use crate::codec::{self, ErrorPolicy, Json, ReleaseErrors, ValueCodec};
 use crate::flights::Landing;
 use crate::{background, limits, CacheErrors, Claim, Error, Fingerprint, Key, Store, Token};
 
@@ -173,6 +173,13 @@ impl<P> Operation<P> {
         }
     }
 
+    /// The same operation under another namespace.
+    #[cfg(feature = "http")]
+    pub(crate) fn renamed(mut self, namespace: impl Into<Cow<'static, str>>) -> Self {
+        self.namespace = namespace.into();
+        self
+    }
+
     /// The operation's namespace.
     pub fn namespace(&self) -> &str {
         &self.namespace
@@ -220,13 +227,13 @@ impl<P> Operation<P> {
     {
         async {
             match self.settle(store, key, fingerprint).await? {
-                Settled::Replay(record) => self.replay(&record),
+                Settled::Replay(record) => self.replay::<Json, _, _>(&record),
                 Settled::Run(token) => {
                     let held =
                         Held::new(store.clone(), *key, fingerprint.copied(), token, self.lease);
                     // Boxed: the execution's state (guard, heartbeat, timers) would otherwise
                     // be part of every call's future, and be copied with it on every replay.
-                    Box::pin(self.execute(held, body)).await
+                    Box::pin(self.execute::<Json, _, _, _, _>(held, body)).await
                 }
             }
         }
@@ -256,6 +263,27 @@ impl<P> Operation<P> {
         P: ErrorPolicy<E> + Clone + Send + Sync + 'static,
         F: Future<Output = Result<T, E>> + Send + 'static,
     {
+        self.run_to_completion_as::<Json, S, T, E, F>(store, key, fingerprint, body)
+            .await
+    }
+
+    /// [`run_to_completion`](Self::run_to_completion), with values recorded by `C`: the
+    /// HTTP layer records responses in a format of its own through it.
+    pub(crate) async fn run_to_completion_as<C, S, T, E, F>(
+        &self,
+        store: &S,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        body: F,
+    ) -> Result<Outcome<T>, E>
+    where
+        C: ValueCodec<T> + 'static,
+        S: Store + Clone,
+        T: Send + 'static,
+        E: From<Error> + Send + 'static,
+        P: ErrorPolicy<E> + Clone + Send + Sync + 'static,
+        F: Future<Output = Result<T, E>> + Send + 'static,
+    {
         async {
             // Checked before the claim: without a runtime the body could not be spawned.
             let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
@@ -264,7 +292,7 @@ impl<P> Operation<P> {
                 )
             })?;
             let token = match self.settle(store, key, fingerprint).await? {
-                Settled::Replay(record) => return self.replay(&record),
+                Settled::Replay(record) => return self.replay::<C, _, _>(&record),
                 Settled::Run(token) => token,
             };
             // Between the claim and the spawn there is no await point: once claimed, the
@@ -273,7 +301,8 @@ impl<P> Operation<P> {
             let operation = self.clone();
             let task = background::spawn(
                 &runtime,
-                async move { operation.execute(held, body).await }.in_current_span(),
+                async move { operation.execute::<C, _, _, _, _>(held, body).await }
+                    .in_current_span(),
             );
             match task.await {
                 Ok(result) => result,
@@ -384,23 +413,23 @@ impl<P> Operation<P> {
         Ok(())
     }
 
-    fn replay<T, E>(&self, record: &[u8]) -> Result<Outcome<T>, E>
+    fn replay<C, T, E>(&self, record: &[u8]) -> Result<Outcome<T>, E>
     where
-        T: DeserializeOwned,
+        C: ValueCodec<T>,
         E: From<Error>,
         P: ErrorPolicy<E>,
     {
-        match codec::decode(record, &self.errors)? {
+        match codec::decode::<C, T, E, P>(record, &self.errors)? {
             Ok(value) => Ok(Outcome::Replayed(value)),
             Err(recorded) => Err(recorded),
         }
     }
 
     /// Runs the body under a held claim, then records or releases.
-    async fn execute<S, T, E, F>(&self, held: Held<S>, body: F) -> Result<Outcome<T>, E>
+    async fn execute<C, S, T, E, F>(&self, held: Held<S>, body: F) -> Result<Outcome<T>, E>
     where
+        C: ValueCodec<T>,
         S: Store + Clone,
-        T: Serialize,
         E: From<Error>,
         P: ErrorPolicy<E>,
         F: Future<Output = Result<T, E>>,
@@ -409,7 +438,7 @@ impl<P> Operation<P> {
         let result = held.run(body).await;
         let elapsed_ms = started.elapsed().as_millis() as u64;
         match result {
-            Ok(value) => match codec::encode_value(&value) {
+            Ok(value) => match codec::encode_value::<C, T>(&value) {
                 Ok(record) => {
                     held.complete(record, self.ttl).await;
                     tracing::debug!(outcome = "executed", elapsed_ms);

@@ -46,6 +46,8 @@ mod default_store;
 mod engine;
 mod error;
 mod flights;
+#[cfg(feature = "http")]
+pub mod http;
 mod key;
 mod limits;
 pub mod store;

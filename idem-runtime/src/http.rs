@@ -1,0 +1,87 @@
+//! The `Idempotency-Key` header at the HTTP boundary: a tower layer for axum, hyper and any
+//! tower service (feature `http`).
+//!
+//! ```
+//! use std::time::Duration;
+//! use idem_runtime::http::IdempotencyLayer;
+//! use idem_runtime::MemoryStore;
+//!
+//! # #[derive(Clone)] struct Principal { id: u64 }
+//! let layer = IdempotencyLayer::new(MemoryStore::new())
+//!     // Whose key is it? Keys of two principals never meet.
+//!     .scope(|parts: &http::request::Parts| {
+//!         parts.extensions.get::<Principal>().map(|p| p.id.to_string())
+//!     })
+//!     .required() // 400 when a POST or PATCH has no key
+//!     .ttl(Duration::from_secs(24 * 3600));
+//! // axum: Router::new().route("/payments", post(create)).layer(layer)
+//! # let _ = layer;
+//! ```
+//!
+//! What a request gets, following `draft-ietf-httpapi-idempotency-key-header` and Stripe:
+//!
+//! | request | answer |
+//! |---|---|
+//! | a method outside the set (default `POST`, `PATCH`) | passed through untouched, no store traffic |
+//! | no `Idempotency-Key` | passed through; `400` with [`required`](IdempotencyLayer::required) |
+//! | a malformed key (empty, over 255 characters, several values, neither a structured-field string nor a bare token) | `400` |
+//! | the first request with a key | the handler runs; a `2xx` response (by default, see [`record_if`](IdempotencyLayer::record_if)) is recorded: status, headers but hop-by-hop ones, body |
+//! | a retry with the same payload | the recorded response, plus `Idempotent-Replayed: true`; the handler does not run |
+//! | the same key with another method, path, query or body | `422` |
+//! | a retry while the first still runs | `409` with `Retry-After`, or, with [`InFlight::Wait`](crate::InFlight::Wait), the first response once it is ready |
+//! | a response not recorded (status refused, body over the limit or of unknown length) | returned as it is; the key is released, so a retry runs |
+//! | a request body over the limit (default 1 MiB) | `413`; the handler does not run |
+//! | the store is down | `503`; the handler does not run |
+//! | the client disconnects while the handler runs | the handler runs to the end and its response is recorded: the retry replays it |
+//!
+//! The key is (namespace, scope, header value), hashed like every idem key. The fingerprint
+//! is (method, path and query, body), a JSON body (`application/json` or `+json`) by its
+//! meaning: member order and whitespace do not change it. A handler reads the key through
+//! the request extension [`IdempotencyKey`] (axum: `Option<Extension<IdempotencyKey>>`), and
+//! the claim's fencing token through [`attempt()`](crate::attempt()).
+//!
+//! # Problems
+//!
+//! Every answer of the layer's own is RFC 9457 `application/problem+json`, with a `type`
+//! that points at one of the sections below.
+//!
+//! ## key-missing
+//! `400`: the layer is [`required`](IdempotencyLayer::required) and the request has no key.
+//!
+//! ## key-malformed
+//! `400`: the header is empty, longer than 255 characters, repeated, or neither a quoted
+//! string nor a bare token.
+//!
+//! ## body-unreadable
+//! `400`: the request body could not be read, or the custom fingerprint refused it.
+//!
+//! ## body-too-large
+//! `413`: the body is over [`max_body`](IdempotencyLayer::max_body).
+//!
+//! ## in-flight
+//! `409`, with `Retry-After`: the key's first request has not finished.
+//!
+//! ## key-reused
+//! `422`: the key was used with another method, path, query or body.
+//!
+//! ## store-unavailable
+//! `503`: the store could not be reached; the request was not processed.
+//!
+//! ## internal
+//! `500`: a recorded response that does not decode, a configuration out of range, or a
+//! response body that failed while it was read.
+
+mod fingerprint;
+mod header;
+mod layer;
+mod problem;
+mod record;
+mod service;
+
+pub use self::header::{IdempotencyKey, IDEMPOTENCY_KEY, MAX_KEY_LEN};
+pub use self::layer::{
+    IdempotencyLayer, KeyScope, ScopeNotChosen, ScopeOf, ScopedBy, Unscoped, DEFAULT_MAX_BODY,
+    DEFAULT_NAMESPACE,
+};
+pub use self::record::IDEMPOTENT_REPLAYED;
+pub use self::service::{IdempotencyService, ResponseBody, ResponseFuture};

@@ -1,0 +1,321 @@
+//! [`IdempotencyLayer`]: the layer's configuration, with a builder whose key scope must be
+//! chosen before the layer can be used.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{Method, StatusCode};
+use tower_layer::Layer;
+
+use super::fingerprint;
+use super::service::IdempotencyService;
+use crate::{Error, Fingerprint, InFlight, Operation, Store};
+
+/// The namespace of the layer's keys unless [`IdempotencyLayer::namespace`] sets one.
+pub const DEFAULT_NAMESPACE: &str = "idem.http";
+
+/// The largest request body a keyed request may carry unless
+/// [`IdempotencyLayer::max_body`] says otherwise: 1 MiB.
+pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
+
+/// A tower layer that makes `POST` and `PATCH` handlers idempotent under the
+/// `Idempotency-Key` header. See the [module documentation](super) for what it answers.
+///
+/// Built with [`new`](Self::new); its key scope must then be chosen with
+/// [`scope`](Self::scope) or [`unscoped`](Self::unscoped) before it is a [`Layer`]:
+///
+/// ```
+/// use idem_runtime::http::IdempotencyLayer;
+/// use idem_runtime::MemoryStore;
+///
+/// # #[derive(Clone)] struct Principal { id: u64 }
+/// let layer = IdempotencyLayer::new(MemoryStore::new())
+///     .scope(|parts: &http::request::Parts| {
+///         parts.extensions.get::<Principal>().map(|p| p.id.to_string())
+///     })
+///     .required()
+///     .ttl(std::time::Duration::from_secs(24 * 3600));
+/// # let _ = layer;
+/// ```
+#[must_use]
+pub struct IdempotencyLayer<St, Sc = ScopeNotChosen> {
+    pub(super) config: Arc<Config<St, Sc>>,
+}
+
+pub(super) type RecordIf = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
+pub(super) type FingerprintFn =
+    Arc<dyn Fn(&Parts, &Bytes) -> Result<Fingerprint, Error> + Send + Sync>;
+
+/// Everything a layer was configured with, shared by its services.
+pub(super) struct Config<St, Sc> {
+    pub(super) store: St,
+    pub(super) scope: Sc,
+    pub(super) operation: Operation,
+    pub(super) methods: Vec<Method>,
+    pub(super) required: bool,
+    pub(super) max_body: usize,
+    pub(super) max_recorded_body: usize,
+    pub(super) record_if: RecordIf,
+    pub(super) fingerprint: FingerprintFn,
+    pub(super) retry_after: Duration,
+}
+
+impl<St: Clone, Sc: Clone> Clone for Config<St, Sc> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            scope: self.scope.clone(),
+            operation: self.operation.clone(),
+            methods: self.methods.clone(),
+            required: self.required,
+            max_body: self.max_body,
+            max_recorded_body: self.max_recorded_body,
+            record_if: Arc::clone(&self.record_if),
+            fingerprint: Arc::clone(&self.fingerprint),
+            retry_after: self.retry_after,
+        }
+    }
+}
+
+impl<St, Sc> Clone for IdempotencyLayer<St, Sc> {
+    fn clone(&self) -> Self {
+        Self {
+            config: Arc::clone(&self.config),
+        }
+    }
+}
+
+impl<St: fmt::Debug, Sc> fmt::Debug for IdempotencyLayer<St, Sc> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let config = &self.config;
+        f.debug_struct("IdempotencyLayer")
+            .field("store", &config.store)
+            .field("scope", &std::any::type_name::<Sc>())
+            .field("namespace", &config.operation.namespace())
+            .field("methods", &config.methods)
+            .field("required", &config.required)
+            .field("max_body", &config.max_body)
+            .field("max_recorded_body", &config.max_recorded_body)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The key scope of a layer that has not been chosen yet: call
+/// [`IdempotencyLayer::scope`] or [`IdempotencyLayer::unscoped`].
+#[derive(Clone, Copy, Debug)]
+pub struct ScopeNotChosen;
+
+/// Keys scoped per principal by a function of the request's parts.
+#[derive(Clone)]
+pub struct ScopedBy<F>(F);
+
+/// One key space shared by every client, chosen out loud.
+#[derive(Clone, Copy, Debug)]
+pub struct Unscoped;
+
+/// Whose key a request carries.
+#[doc(hidden)]
+#[derive(Debug)]
+pub enum ScopeOf {
+    /// Every client shares the key space.
+    Shared,
+    /// The key is this principal's.
+    Principal(String),
+    /// The principal is unknown: the request passes through untouched.
+    Unknown,
+}
+
+/// A chosen key scope: [`ScopedBy`] or [`Unscoped`].
+#[diagnostic::on_unimplemented(
+    message = "choose the key scope of `IdempotencyLayer` before using it",
+    label = "the key scope is not chosen",
+    note = "call `.scope(|parts| …)` to key each principal (user, tenant, API key) apart, or `.unscoped()` to share one key space between every client"
+)]
+pub trait KeyScope: Clone + Send + Sync + 'static {
+    #[doc(hidden)]
+    fn of(&self, parts: &Parts) -> ScopeOf;
+}
+
+impl<F> KeyScope for ScopedBy<F>
+where
+    F: Fn(&Parts) -> Option<String> + Clone + Send + Sync + 'static,
+{
+    fn of(&self, parts: &Parts) -> ScopeOf {
+        (self.0)(parts).map_or(ScopeOf::Unknown, ScopeOf::Principal)
+    }
+}
+
+impl KeyScope for Unscoped {
+    fn of(&self, _: &Parts) -> ScopeOf {
+        ScopeOf::Shared
+    }
+}
+
+impl<St: Store + Clone> IdempotencyLayer<St, ScopeNotChosen> {
+    /// A layer over `store`: `POST` and `PATCH` requests with an `Idempotency-Key` run once
+    /// per key and TTL (24 h), `2xx` responses are recorded, a duplicate in flight gets `409`.
+    pub fn new(store: St) -> Self {
+        Self {
+            config: Arc::new(Config {
+                store,
+                scope: ScopeNotChosen,
+                operation: Operation::new(DEFAULT_NAMESPACE).in_flight(InFlight::Reject),
+                methods: vec![Method::POST, Method::PATCH],
+                required: false,
+                max_body: DEFAULT_MAX_BODY,
+                max_recorded_body: DEFAULT_MAX_BODY,
+                record_if: Arc::new(|status: StatusCode| status.is_success()),
+                fingerprint: Arc::new(fingerprint::of_request),
+                retry_after: Duration::from_secs(1),
+            }),
+        }
+    }
+}
+
+impl<St: Clone, Sc: Clone> IdempotencyLayer<St, Sc> {
+    fn with(self, change: impl FnOnce(&mut Config<St, Sc>)) -> Self {
+        let mut config = Arc::unwrap_or_clone(self.config);
+        change(&mut config);
+        Self {
+            config: Arc::new(config),
+        }
+    }
+
+    fn rescoped<Sc2>(self, scope: Sc2) -> IdempotencyLayer<St, Sc2> {
+        let c = Arc::unwrap_or_clone(self.config);
+        IdempotencyLayer {
+            config: Arc::new(Config {
+                store: c.store,
+                scope,
+                operation: c.operation,
+                methods: c.methods,
+                required: c.required,
+                max_body: c.max_body,
+                max_recorded_body: c.max_recorded_body,
+                record_if: c.record_if,
+                fingerprint: c.fingerprint,
+                retry_after: c.retry_after,
+            }),
+        }
+    }
+
+    /// Keys each principal apart: `scope` names whose request it is (a user, a tenant, an API
+    /// key), usually from an extension your authentication put there. The same key sent by
+    /// two principals is two operations, and neither ever sees the other's response. A
+    /// request whose principal is unknown (`None`) passes through without idempotency.
+    pub fn scope<F>(self, scope: F) -> IdempotencyLayer<St, ScopedBy<F>>
+    where
+        F: Fn(&Parts) -> Option<String> + Clone + Send + Sync + 'static,
+    {
+        self.rescoped(ScopedBy(scope))
+    }
+
+    /// Shares one key space between every client: a key sent by one is replayed to any
+    /// other that sends it. Right only when keys are unguessable and responses hold nothing
+    /// private, or when one client is the only caller.
+    pub fn unscoped(self) -> IdempotencyLayer<St, Unscoped> {
+        self.rescoped(Unscoped)
+    }
+
+    /// Answers `400` to a request of the layer's methods without an `Idempotency-Key`
+    /// (default: such requests pass through).
+    pub fn required(self) -> Self {
+        self.with(|c| c.required = true)
+    }
+
+    /// The stable name of the endpoint group, part of every key (default
+    /// [`DEFAULT_NAMESPACE`]): two layers with different namespaces never share keys.
+    pub fn namespace(self, namespace: impl Into<Cow<'static, str>>) -> Self {
+        self.with(|c| c.operation = c.operation.clone().renamed(namespace))
+    }
+
+    /// How long a recorded response is replayed (default 24 h).
+    pub fn ttl(self, ttl: Duration) -> Self {
+        self.with(|c| c.operation = c.operation.clone().ttl(ttl))
+    }
+
+    /// How long a claim lives without renewal while the handler runs (default 30 s).
+    pub fn lease(self, lease: Duration) -> Self {
+        self.with(|c| c.operation = c.operation.clone().lease(lease))
+    }
+
+    /// What a request whose key is in flight gets: `409` with `Retry-After`
+    /// ([`InFlight::Reject`], the default), or the first request's response once it is
+    /// done ([`InFlight::Wait`], bounded by the lease).
+    pub fn in_flight(self, in_flight: InFlight) -> Self {
+        self.with(|c| c.operation = c.operation.clone().in_flight(in_flight))
+    }
+
+    /// The `Retry-After` of a `409` (default 1 s).
+    pub fn retry_after(self, after: Duration) -> Self {
+        self.with(|c| c.retry_after = after)
+    }
+
+    /// The methods the layer handles (default `POST` and `PATCH`); others pass through
+    /// untouched, without store traffic.
+    pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.with(|c| c.methods = methods.into_iter().collect())
+    }
+
+    /// Which responses are recorded and replayed (default: `2xx`). A response it refuses is
+    /// returned to its client and releases the key, so that a retry runs the handler again.
+    pub fn record_if(self, record: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
+        self.with(|c| c.record_if = Arc::new(record))
+    }
+
+    /// The largest request body a keyed request may carry (default [`DEFAULT_MAX_BODY`]);
+    /// a larger one gets `413` and the handler does not run.
+    pub fn max_body(self, bytes: usize) -> Self {
+        self.with(|c| c.max_body = bytes)
+    }
+
+    /// The largest response body recorded (default [`DEFAULT_MAX_BODY`]). A larger one, or
+    /// one whose length is not known in advance (a stream), is returned unrecorded and
+    /// releases the key.
+    pub fn max_recorded_body(self, bytes: usize) -> Self {
+        self.with(|c| c.max_recorded_body = bytes)
+    }
+
+    /// Replaces the default fingerprint (method, path and query, body; JSON bodies by their
+    /// meaning) with one of your own, for APIs whose requests carry fields that may change
+    /// between retries (a timestamp, a trace id).
+    ///
+    /// ```
+    /// use idem_runtime::http::IdempotencyLayer;
+    /// use idem_runtime::{Fingerprint, MemoryStore};
+    ///
+    /// #[derive(serde::Deserialize, serde::Serialize)]
+    /// struct Payment { amount: u64, currency: String }
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .unscoped()
+    ///     .fingerprint(|parts, body| {
+    ///         let payment: Payment = serde_json::from_slice(body)
+    ///             .map_err(idem_runtime::Error::codec)?;
+    ///         Fingerprint::of(&(parts.uri.path(), payment))
+    ///     });
+    /// # let _ = layer;
+    /// ```
+    pub fn fingerprint(
+        self,
+        fingerprint: impl Fn(&Parts, &Bytes) -> Result<Fingerprint, Error> + Send + Sync + 'static,
+    ) -> Self {
+        self.with(|c| c.fingerprint = Arc::new(fingerprint))
+    }
+}
+
+impl<S, St, Sc> Layer<S> for IdempotencyLayer<St, Sc>
+where
+    St: Store + Clone,
+    Sc: KeyScope,
+{
+    type Service = IdempotencyService<S, St, Sc>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyService::new(inner, Arc::clone(&self.config))
+    }
+}

@@ -1,0 +1,678 @@
+//! The `Idempotency-Key` layer over real sockets: an axum server on 127.0.0.1 and hyper's
+//! client. Every row of the layer's table, two instances sharing Redis, two principals, a
+//! client that disconnects mid-handler, and a replay after a restart on PostgreSQL.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{HeaderMap, Method, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::post;
+use axum::{Extension, Router};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use idem_runtime::http::{IdempotencyKey, IdempotencyLayer};
+use idem_runtime::{InFlight, MemoryStore, Store};
+use idem_tests::scenarios::namespace;
+use idem_tests::{postgres_store, redis_store, Down, Probe};
+use tokio::sync::{Notify, Semaphore};
+
+/// What the handlers saw and how the test steers them.
+#[derive(Clone)]
+struct App {
+    /// Handler runs.
+    runs: Arc<AtomicUsize>,
+    /// Signalled when a gated handler is entered.
+    entered: Arc<Notify>,
+    /// Gated handlers wait for a permit here.
+    gate: Arc<Semaphore>,
+}
+
+impl Default for App {
+    fn default() -> Self {
+        Self {
+            runs: Arc::default(),
+            entered: Arc::default(),
+            gate: Arc::new(Semaphore::new(0)),
+        }
+    }
+}
+
+impl App {
+    fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+
+    fn open(&self) {
+        self.gate.add_permits(Semaphore::MAX_PERMITS / 2);
+    }
+}
+
+/// `POST /payments`: 201 with a fresh id, the body echoed, and a header of its own.
+async fn pay(State(app): State<App>, headers: HeaderMap, body: Bytes) -> impl IntoResponse {
+    let n = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    let user = headers
+        .get("x-user")
+        .map_or("anonymous".to_string(), |u| u.to_str().unwrap().to_string());
+    let body = format!(
+        r#"{{"id":"pay_{n}","user":"{user}","request":{}}}"#,
+        String::from_utf8_lossy(&body)
+    );
+    (
+        StatusCode::CREATED,
+        [
+            ("content-type", "application/json"),
+            ("x-payment", "created"),
+        ],
+        body,
+    )
+}
+
+/// `POST /slow`: waits at the gate, then pays.
+async fn slow(State(app): State<App>, headers: HeaderMap, body: Bytes) -> impl IntoResponse {
+    app.entered.notify_one();
+    app.gate.acquire().await.unwrap().forget();
+    pay(State(app), headers, body).await
+}
+
+/// `POST /flaky`: 500 on the first run, 201 after.
+async fn flaky(State(app): State<App>) -> impl IntoResponse {
+    if app.runs.fetch_add(1, Ordering::SeqCst) == 0 {
+        (StatusCode::INTERNAL_SERVER_ERROR, "gateway down").into_response()
+    } else {
+        (StatusCode::CREATED, "paid").into_response()
+    }
+}
+
+/// `POST /whoami`: what the handler can read of the key and the claim.
+async fn whoami(key: Option<Extension<IdempotencyKey>>) -> String {
+    let attempt = idem_runtime::attempt().map(|a| a.token().get());
+    format!(
+        "key={:?} attempt={}",
+        key.map(|Extension(k)| k.as_str().to_string()),
+        attempt.is_some()
+    )
+}
+
+fn routes(app: &App) -> Router<()> {
+    Router::new()
+        .route("/payments", post(pay).get(pay).patch(pay))
+        .route("/refunds", post(pay))
+        .route("/slow", post(slow))
+        .route("/flaky", post(flaky))
+        .route("/whoami", post(whoami))
+        .with_state(app.clone())
+}
+
+/// The layer every test starts from: keys scoped by the `x-user` header (an API key, in
+/// effect), in a namespace of the test's own.
+fn layer<St: Store + Clone>(store: St) -> IdempotencyLayer<St, impl idem_runtime::http::KeyScope> {
+    IdempotencyLayer::new(store)
+        .namespace(namespace("http"))
+        .scope(|parts: &http::request::Parts| {
+            parts
+                .headers
+                .get("x-user")
+                .and_then(|u| u.to_str().ok())
+                .map(str::to_string)
+        })
+}
+
+/// Serves `router` on a free loopback port until the test ends.
+async fn serve(router: Router<()>) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    addr
+}
+
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Answer {
+    fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+
+    fn problem(&self) -> serde_json::Value {
+        assert_eq!(
+            self.headers["content-type"],
+            "application/problem+json",
+            "{}",
+            String::from_utf8_lossy(&self.body)
+        );
+        let problem: serde_json::Value = serde_json::from_slice(&self.body).unwrap();
+        for member in ["type", "title", "status", "detail"] {
+            assert!(problem.get(member).is_some(), "no `{member}` in {problem}");
+        }
+        assert_eq!(problem["status"], self.status.as_u16());
+        problem
+    }
+
+    /// The response as the handler made it: every header but the connection's `date`.
+    fn same_as(&self, other: &Answer) -> bool {
+        let headers = |a: &Answer| {
+            let mut h: Vec<_> = a
+                .headers
+                .iter()
+                .filter(|(name, _)| *name != "date" && *name != "idempotent-replayed")
+                .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+                .collect();
+            h.sort();
+            h
+        };
+        self.status == other.status && self.body == other.body && headers(self) == headers(other)
+    }
+}
+
+#[derive(Clone)]
+struct Client_ {
+    http: Client<HttpConnector, Full<Bytes>>,
+    addr: SocketAddr,
+}
+
+impl Client_ {
+    fn new(addr: SocketAddr) -> Self {
+        Self {
+            http: Client::builder(TokioExecutor::new()).build_http(),
+            addr,
+        }
+    }
+
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> Answer {
+        let mut request = http::Request::builder()
+            .method(method)
+            .uri(format!("http://{}{path}", self.addr))
+            .header("content-type", "application/json");
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let request = request
+            .body(Full::new(Bytes::copy_from_slice(body.as_bytes())))
+            .unwrap();
+        let response = self.http.request(request).await.unwrap();
+        let (parts, body) = response.into_parts();
+        Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body: body.collect().await.unwrap().to_bytes(),
+        }
+    }
+
+    async fn post(&self, path: &str, key: &str, body: &str) -> Answer {
+        self.send(
+            Method::POST,
+            path,
+            &[("idempotency-key", key), ("x-user", "alice")],
+            body,
+        )
+        .await
+    }
+}
+
+async fn server_with<St: Store + Clone>(
+    app: &App,
+    layer: IdempotencyLayer<St, impl idem_runtime::http::KeyScope>,
+) -> Client_ {
+    Client_::new(serve(routes(app).layer(layer)).await)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_request_runs_and_a_retry_replays_it_byte_for_byte() {
+    let app = App::default();
+    let client = server_with(&app, layer(MemoryStore::new())).await;
+    let first = client
+        .post("/payments", "\"k-1\"", r#"{"amount":100}"#)
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.headers["x-payment"], "created");
+    assert!(!first.replayed());
+
+    // The same document with other whitespace and member order is the same payload.
+    let retry = client
+        .post("/payments", "\"k-1\"", "{ \"amount\" : 100 }")
+        .await;
+    assert!(retry.replayed(), "no Idempotent-Replayed header");
+    assert!(
+        retry.same_as(&first),
+        "the replay differs from the first response"
+    );
+    assert_eq!(app.runs(), 1, "the handler ran again");
+
+    // Stripe's bare token is the same key as the quoted string.
+    let bare = client.post("/payments", "k-1", r#"{"amount":100}"#).await;
+    assert!(bare.replayed() && bare.same_as(&first));
+    assert_eq!(app.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn methods_outside_the_set_and_requests_without_a_key_pass_through() {
+    let app = App::default();
+    let store = Probe::new(MemoryStore::new());
+    let client = server_with(&app, layer(store.clone())).await;
+    for _ in 0..2 {
+        let get = client
+            .send(
+                Method::GET,
+                "/payments",
+                &[("idempotency-key", "k"), ("x-user", "a")],
+                "",
+            )
+            .await;
+        assert_eq!(get.status, StatusCode::CREATED);
+        assert!(!get.replayed());
+        let keyless = client
+            .send(Method::POST, "/payments", &[("x-user", "a")], "{}")
+            .await;
+        assert_eq!(keyless.status, StatusCode::CREATED);
+    }
+    assert_eq!(app.runs(), 4, "every pass-through ran its handler");
+    assert_eq!(store.claims(), 0, "a pass-through touched the store");
+
+    // A request whose principal is unknown passes through too.
+    let anonymous = client
+        .send(Method::POST, "/payments", &[("idempotency-key", "k")], "{}")
+        .await;
+    assert_eq!(anonymous.status, StatusCode::CREATED);
+    assert_eq!(store.claims(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_required_key_that_is_missing_or_malformed_is_a_400() {
+    let app = App::default();
+    let client = server_with(&app, layer(MemoryStore::new()).required()).await;
+    let missing = client
+        .send(Method::POST, "/payments", &[("x-user", "a")], "{}")
+        .await;
+    assert_eq!(missing.status, StatusCode::BAD_REQUEST);
+    assert!(missing.problem()["type"]
+        .as_str()
+        .unwrap()
+        .ends_with("#key-missing"));
+
+    let long = "k".repeat(256);
+    for bad in ["\"\"", "", "\"unclosed", "two words", "a,b", long.as_str()] {
+        let answer = client
+            .send(
+                Method::POST,
+                "/payments",
+                &[("idempotency-key", bad), ("x-user", "a")],
+                "{}",
+            )
+            .await;
+        assert_eq!(answer.status, StatusCode::BAD_REQUEST, "{bad:?}");
+        assert!(answer.problem()["type"]
+            .as_str()
+            .unwrap()
+            .ends_with("#key-malformed"));
+    }
+    let twice = client
+        .send(
+            Method::POST,
+            "/payments",
+            &[
+                ("idempotency-key", "a"),
+                ("idempotency-key", "b"),
+                ("x-user", "a"),
+            ],
+            "{}",
+        )
+        .await;
+    assert_eq!(twice.status, StatusCode::BAD_REQUEST);
+    assert_eq!(app.runs(), 0, "a refused request ran its handler");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_key_with_another_request_is_a_422() {
+    let app = App::default();
+    let client = server_with(&app, layer(MemoryStore::new())).await;
+    let first = client.post("/payments", "k", r#"{"amount":100}"#).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let others = [
+        (Method::POST, "/payments", r#"{"amount":999}"#),
+        (Method::POST, "/refunds", r#"{"amount":100}"#),
+        (Method::POST, "/payments?currency=eur", r#"{"amount":100}"#),
+        (Method::PATCH, "/payments", r#"{"amount":100}"#),
+    ];
+    for (method, path, body) in others {
+        let answer = client
+            .send(
+                method.clone(),
+                path,
+                &[("idempotency-key", "k"), ("x-user", "alice")],
+                body,
+            )
+            .await;
+        assert_eq!(
+            answer.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{method} {path} {body}"
+        );
+        assert!(answer.problem()["type"]
+            .as_str()
+            .unwrap()
+            .ends_with("#key-reused"));
+    }
+    assert_eq!(app.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_while_the_first_runs_is_a_409_or_waits_for_it() {
+    for wait in [false, true] {
+        let app = App::default();
+        let mut layer = layer(MemoryStore::new());
+        if wait {
+            layer = layer.in_flight(InFlight::Wait);
+        }
+        let client = server_with(&app, layer).await;
+        let first = {
+            let client = client.clone();
+            tokio::spawn(async move { client.post("/slow", "k", "{}").await })
+        };
+        app.entered.notified().await;
+        let second = {
+            let client = client.clone();
+            tokio::spawn(async move { client.post("/slow", "k", "{}").await })
+        };
+        if wait {
+            // Released only once the duplicate is in; it waits for the first response.
+            tokio::task::yield_now().await;
+            app.open();
+            let (first, second) = (first.await.unwrap(), second.await.unwrap());
+            assert!(second.replayed() && second.same_as(&first));
+        } else {
+            let second = second.await.unwrap();
+            assert_eq!(second.status, StatusCode::CONFLICT);
+            assert!(second.headers.contains_key("retry-after"));
+            assert!(second.problem()["type"]
+                .as_str()
+                .unwrap()
+                .ends_with("#in-flight"));
+            app.open();
+            assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+        }
+        assert_eq!(app.runs(), 1, "wait = {wait}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_that_is_not_recorded_releases_the_key() {
+    // A status `record_if` refuses: returned, and the retry runs.
+    let app = App::default();
+    let client = server_with(&app, layer(MemoryStore::new())).await;
+    let failed = client.post("/flaky", "k", "{}").await;
+    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(failed.body, "gateway down");
+    let retry = client.post("/flaky", "k", "{}").await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.replayed());
+    assert!(client.post("/flaky", "k", "{}").await.replayed());
+    assert_eq!(app.runs(), 2);
+
+    // A body over the recording limit: returned whole, not recorded.
+    let app = App::default();
+    let client = server_with(&app, layer(MemoryStore::new()).max_recorded_body(16)).await;
+    let big = client.post("/payments", "k", r#"{"amount":100}"#).await;
+    assert_eq!(big.status, StatusCode::CREATED);
+    assert!(big.body.len() > 16);
+    let again = client.post("/payments", "k", r#"{"amount":100}"#).await;
+    assert!(!again.replayed());
+    assert_eq!(app.runs(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_over_the_limit_is_a_413_and_a_store_that_is_down_a_503() {
+    let app = App::default();
+    let client = server_with(&app, layer(MemoryStore::new()).max_body(64)).await;
+    let large = client
+        .post("/payments", "k", &format!("\"{}\"", "x".repeat(100)))
+        .await;
+    assert_eq!(large.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(large.problem()["type"]
+        .as_str()
+        .unwrap()
+        .ends_with("#body-too-large"));
+
+    let down = server_with(&app, layer(Down)).await;
+    let answer = down.post("/payments", "k", "{}").await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(answer.problem()["type"]
+        .as_str()
+        .unwrap()
+        .ends_with("#store-unavailable"));
+    assert_eq!(app.runs(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_handler_reads_its_key_and_runs_under_the_claim() {
+    let app = App::default();
+    let client = server_with(&app, layer(MemoryStore::new())).await;
+    let keyed = client.post("/whoami", "\"k-9\"", "{}").await;
+    assert_eq!(keyed.body, "key=Some(\"k-9\") attempt=true");
+    let keyless = client
+        .send(Method::POST, "/whoami", &[("x-user", "a")], "{}")
+        .await;
+    assert_eq!(keyless.body, "key=None attempt=false");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_principals_with_one_key_each_get_their_own_execution() {
+    let app = App::default();
+    let client = server_with(&app, layer(MemoryStore::new())).await;
+    let as_user = |user: &'static str| {
+        let client = client.clone();
+        async move {
+            client
+                .send(
+                    Method::POST,
+                    "/payments",
+                    &[("idempotency-key", "shared"), ("x-user", user)],
+                    "{}",
+                )
+                .await
+        }
+    };
+    let alice = as_user("alice").await;
+    let bob = as_user("bob").await;
+    assert_eq!(
+        app.runs(),
+        2,
+        "the second principal replayed the first one's response"
+    );
+    assert!(String::from_utf8_lossy(&alice.body).contains("\"user\":\"alice\""));
+    assert!(String::from_utf8_lossy(&bob.body).contains("\"user\":\"bob\""));
+    let alice_again = as_user("alice").await;
+    let bob_again = as_user("bob").await;
+    assert!(alice_again.replayed() && alice_again.same_as(&alice));
+    assert!(bob_again.replayed() && bob_again.same_as(&bob));
+    assert_eq!(app.runs(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_mid_handler_gets_the_result_on_its_retry() {
+    use tokio::io::AsyncWriteExt;
+    let app = App::default();
+    let client = server_with(&app, layer(MemoryStore::new()).in_flight(InFlight::Wait)).await;
+    // A raw connection, so that the test can drop it mid-request.
+    let mut socket = tokio::net::TcpStream::connect(client.addr).await.unwrap();
+    let request = "POST /slow HTTP/1.1\r\nhost: test\r\nidempotency-key: gone\r\nx-user: alice\r\n\
+                   content-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+    socket.write_all(request.as_bytes()).await.unwrap();
+    app.entered.notified().await;
+    drop(socket);
+    // The handler goes on after its client left.
+    app.open();
+    let retry = client.post("/slow", "gone", "{}").await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.replayed(), "the retry ran the handler again");
+    assert_eq!(app.runs(), 1);
+}
+
+/// Two server instances on one Redis, 200 concurrent requests with one key split between
+/// them: the handler runs once.
+async fn two_instances_on_redis(wait: bool) {
+    let (Some(first), Some(second)) = (redis_store().await, redis_store().await) else {
+        return;
+    };
+    let app = App::default();
+    let ns = namespace("http.two_instances");
+    let instance = |store| {
+        let mut layer = layer(store).namespace(ns.clone());
+        if wait {
+            layer = layer.in_flight(InFlight::Wait);
+        }
+        server_with(&app, layer)
+    };
+    let clients = [instance(first).await, instance(second).await];
+    let (answered, mut answers_rx) = tokio::sync::mpsc::unbounded_channel();
+    for i in 0..200 {
+        let (client, answered) = (clients[i % 2].clone(), answered.clone());
+        tokio::spawn(async move {
+            let _ = answered.send(client.post("/slow", "one", "{}").await);
+        });
+    }
+    app.entered.notified().await;
+    let mut answers = Vec::new();
+    if wait {
+        app.open();
+    }
+    while answers.len() < 200 {
+        answers.push(answers_rx.recv().await.expect("a request task failed"));
+        // Rejecting: the handler finishes only once the 199 duplicates were answered.
+        if !wait && answers.len() == 199 {
+            app.open();
+        }
+    }
+    assert_eq!(
+        app.runs(),
+        1,
+        "the handler ran more than once across two instances"
+    );
+    let recorded = answers
+        .iter()
+        .find(|a| a.status == StatusCode::CREATED)
+        .expect("one request ran the handler");
+    let conflicts = answers
+        .iter()
+        .filter(|a| a.status == StatusCode::CONFLICT)
+        .count();
+    for answer in &answers {
+        assert!(
+            answer.same_as(recorded) || (!wait && answer.status == StatusCode::CONFLICT),
+            "{}: {}",
+            answer.status,
+            String::from_utf8_lossy(&answer.body)
+        );
+    }
+    println!("two instances on redis (wait = {wait}): 200 requests, 1 execution, {conflicts} answered 409");
+    assert_eq!(conflicts, if wait { 0 } else { 199 });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_on_redis_run_the_handler_once_and_reject_the_rest() {
+    two_instances_on_redis(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_on_redis_that_wait_all_get_the_one_response() {
+    two_instances_on_redis(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_recorded_in_postgres_is_replayed_after_a_restart() {
+    let Some(store) = postgres_store().await else {
+        return;
+    };
+    let ns = namespace("http.restart");
+    let app = App::default();
+    let first = server_with(&app, layer(store).namespace(ns.clone())).await;
+    let recorded = first.post("/payments", "durable", r#"{"amount":7}"#).await;
+    assert_eq!(recorded.status, StatusCode::CREATED);
+    drop(first);
+
+    // A new process, in effect: a new pool, a new server, the same table.
+    let Some(store) = postgres_store().await else {
+        return;
+    };
+    let restarted = server_with(&app, layer(store).namespace(ns)).await;
+    let replay = restarted
+        .post("/payments", "durable", r#"{"amount":7}"#)
+        .await;
+    assert!(replay.replayed() && replay.same_as(&recorded));
+    assert_eq!(app.runs(), 1);
+}
+
+#[tokio::test]
+async fn it_is_a_plain_tower_layer() {
+    use tower::{Layer, ServiceExt};
+    // Any tower service, no axum: a closure over `http` types.
+    let runs = Arc::new(AtomicUsize::new(0));
+    let inner = {
+        let runs = runs.clone();
+        tower::service_fn(move |_: http::Request<_>| {
+            let n = runs.fetch_add(1, Ordering::SeqCst);
+            async move {
+                Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(Bytes::from(
+                    n.to_string(),
+                ))))
+            }
+        })
+    };
+    let service = IdempotencyLayer::new(MemoryStore::new())
+        .unscoped()
+        .layer(inner);
+    let request = || {
+        http::Request::post("/x")
+            .header("idempotency-key", "k")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap()
+    };
+    let first = service.clone().oneshot(request()).await.unwrap();
+    let again = service.oneshot(request()).await.unwrap();
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(first.into_body().collect().await.unwrap().to_bytes(), "0");
+    assert_eq!(again.into_body().collect().await.unwrap().to_bytes(), "0");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_future_dropped_mid_handler_still_records() {
+    use tower::{Layer, ServiceExt};
+    // What a server does when its client disconnects, made explicit: the future is dropped.
+    let app = App::default();
+    let service = layer(MemoryStore::new())
+        .in_flight(InFlight::Wait)
+        .layer(routes(&app));
+    let request = || {
+        http::Request::post("/slow")
+            .header("idempotency-key", "k")
+            .header("x-user", "alice")
+            .body(axum::body::Body::from("{}"))
+            .unwrap()
+    };
+    let call = tokio::spawn(service.clone().oneshot(request()));
+    app.entered.notified().await;
+    call.abort();
+    assert!(call.await.unwrap_err().is_cancelled());
+    app.open();
+    let retry = service.oneshot(request()).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(app.runs(), 1);
+}
