@@ -3,9 +3,11 @@
 
 use bytes::Bytes;
 use http::header::CONTENT_TYPE;
+use std::fmt;
+
 use http::request::Parts;
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::{Serialize, Serializer};
-use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use crate::{Error, Fingerprint};
@@ -21,66 +23,161 @@ pub(super) fn of_request(parts: &Parts, body: &Bytes) -> Result<Fingerprint, Err
     // that member order and layout do not change it. One that does not parse counts by its
     // bytes, as other bodies do.
     if is_json(parts) {
-        if let Ok(document) = serde_json::from_slice::<Value>(body) {
-            let mut canonical = Sha256::new();
-            write_canonical(&document, &mut canonical);
-            let digest: [u8; 32] = canonical.finalize().into();
+        if let Some(canonical) = canonical_json(body) {
+            let digest: [u8; 32] = Sha256::digest(&canonical).into();
             return Fingerprint::of(&(method, target, 1_u8, Raw(&digest)));
         }
     }
     Fingerprint::of(&(method, target, 0_u8, Raw(body)))
 }
 
-/// Feeds the canonical JSON of `value` to `hasher`: objects with their members sorted by
-/// name (whatever order the map keeps, `serde_json`'s `preserve_order` included), no
-/// whitespace, scalars as `serde_json` writes them.
+/// The canonical form of a JSON document: objects with their members sorted by name, no
+/// whitespace, strings and numbers as `serde_json` writes them; `None` if it does not parse.
 ///
-/// The key encoder would give the same guarantee, but it makes maps order-independent with
-/// a SHA-256 per member; sorting by name costs a comparison per member instead (the P10 and
-/// P11 benchmarks).
-fn write_canonical(value: &Value, hasher: &mut Sha256) {
-    match value {
-        Value::Object(members) => {
-            hasher.update(b"{");
-            let mut sorted: Vec<(&String, &Value)> = members.iter().collect();
-            sorted.sort_unstable_by(|a, b| a.0.cmp(b.0));
-            for (i, (name, member)) in sorted.into_iter().enumerate() {
-                if i > 0 {
-                    hasher.update(b",");
-                }
-                write_json(name.as_str(), hasher);
-                hasher.update(b":");
-                write_canonical(member, hasher);
-            }
-            hasher.update(b"}");
-        }
-        Value::Array(items) => {
-            hasher.update(b"[");
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    hasher.update(b",");
-                }
-                write_canonical(item, hasher);
-            }
-            hasher.update(b"]");
-        }
-        scalar => write_json(scalar, hasher),
+/// It is written while the document is parsed, without building a `serde_json::Value`: on
+/// a 1 KiB body that is several times faster. The key encoder would give the same
+/// guarantee, but it pays a SHA-256 per object member to make maps order-independent (the
+/// P10 and P11 benchmarks).
+fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(body.len());
+    let mut members = Vec::new();
+    let mut parser = serde_json::Deserializer::from_slice(body);
+    Canonical {
+        out: &mut out,
+        members: &mut members,
+    }
+    .deserialize(&mut parser)
+    .ok()?;
+    parser.end().ok()?;
+    Some(out)
+}
+
+/// Writes the value it is handed, canonically, to `out`.
+struct Canonical<'a> {
+    out: &'a mut Vec<u8>,
+    /// Where the members of the objects being written are in `out` (start, end of the
+    /// name, end), one stack for the whole document: an object's members sit above those
+    /// of the objects around it.
+    members: &'a mut Vec<(usize, usize, usize)>,
+}
+
+impl<'de> DeserializeSeed<'de> for Canonical<'_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        deserializer.deserialize_any(self)
     }
 }
 
-fn write_json<T: Serialize + ?Sized>(value: &T, hasher: &mut Sha256) {
-    struct Feed<'a>(&'a mut Sha256);
-    impl std::io::Write for Feed<'_> {
-        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0.update(bytes);
-            Ok(bytes.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
+impl Canonical<'_> {
+    fn write<T: Serialize + ?Sized, E: de::Error>(self, value: &T) -> Result<(), E> {
+        serde_json::to_writer(&mut *self.out, value).map_err(E::custom)
+    }
+
+    fn nested(&mut self) -> Canonical<'_> {
+        Canonical {
+            out: self.out,
+            members: self.members,
         }
     }
-    // Writing a string or a scalar into a hasher cannot fail.
-    let _ = serde_json::to_writer(Feed(hasher), value);
+}
+
+impl<'de> Visitor<'de> for Canonical<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<(), E> {
+        self.write(&v)
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<(), E> {
+        self.write(&v)
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<(), E> {
+        self.write(&v)
+    }
+
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<(), E> {
+        self.write(&v)
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<(), E> {
+        self.write(v)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
+        self.out.extend_from_slice(b"null");
+        Ok(())
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(mut self, mut items: A) -> Result<(), A::Error> {
+        self.out.push(b'[');
+        let mut first = true;
+        loop {
+            let mark = self.out.len();
+            if !first {
+                self.out.push(b',');
+            }
+            if items.next_element_seed(self.nested())?.is_none() {
+                self.out.truncate(mark);
+                break;
+            }
+            first = false;
+        }
+        self.out.push(b']');
+        Ok(())
+    }
+
+    fn visit_map<A: MapAccess<'de>>(mut self, mut map: A) -> Result<(), A::Error> {
+        self.out.push(b'{');
+        let start = self.out.len();
+        let base = self.members.len();
+        let mut sorted = true;
+        loop {
+            let begin = self.out.len();
+            if begin > start {
+                self.out.push(b',');
+            }
+            let name_start = self.out.len();
+            if map.next_key_seed(self.nested())?.is_none() {
+                self.out.truncate(begin);
+                break;
+            }
+            let name_end = self.out.len();
+            if let Some(&(previous, previous_end, _)) =
+                self.members.get(base..).and_then(|m| m.last())
+            {
+                let previous = &self.out[previous..previous_end];
+                sorted &= previous <= &self.out[name_start..name_end];
+            }
+            self.out.push(b':');
+            map.next_value_seed(self.nested())?;
+            self.members.push((name_start, name_end, self.out.len()));
+        }
+        // Written in order (a sorted map, or a client that sorts), the members stay; else
+        // they are put in order by name.
+        if !sorted {
+            let written = self.out.split_off(start);
+            let members = &mut self.members[base..];
+            members.sort_by(|a, b| {
+                written[a.0 - start..a.1 - start].cmp(&written[b.0 - start..b.1 - start])
+            });
+            for (i, &(begin, _, end)) in members.iter().enumerate() {
+                if i > 0 {
+                    self.out.push(b',');
+                }
+                self.out
+                    .extend_from_slice(&written[begin - start..end - start]);
+            }
+        }
+        self.members.truncate(base);
+        self.out.push(b'}');
+        Ok(())
+    }
 }
 
 /// `application/json`, or any `+json` type.
@@ -144,6 +241,21 @@ mod tests {
             print("PATCH", "/p", problem, r#"{"a":1,"b":2}"#),
             print("PATCH", "/p", problem, r#"{"b":2, "a":1}"#)
         );
+    }
+
+    #[test]
+    fn the_canonical_form_sorts_members_at_every_depth_and_drops_whitespace() {
+        let canonical =
+            |json: &str| String::from_utf8(canonical_json(json.as_bytes()).unwrap()).unwrap();
+        assert_eq!(
+            canonical(r#" { "b" : [ 1 , { "z" : null , "a" : true } ] , "a" : "x\u0041" } "#),
+            r#"{"a":"xA","b":[1,{"a":true,"z":null}]}"#
+        );
+        assert_eq!(canonical("[]"), "[]");
+        assert_eq!(canonical("{}"), "{}");
+        assert_eq!(canonical("-1.5e3"), "-1500.0");
+        assert!(canonical_json(b"{\"a\":1} trailing").is_none());
+        assert!(canonical_json(b"{\"a\":").is_none());
     }
 
     #[test]
