@@ -30,6 +30,7 @@
 //! - [`Store`]: where claims and results live; [`MemoryStore`] is the embedded default.
 //! - [`Operation`]: runs a future at most once per key, with its policies.
 //! - [`Error`]: why a call did not produce a value of its own.
+//! - `http` (feature `http`): the `Idempotency-Key` header as a tower layer.
 //!
 //! See the repository README for the guarantees and how each is tested.
 
