@@ -89,6 +89,28 @@ async fn flaky(State(app): State<App>) -> impl IntoResponse {
     }
 }
 
+/// A body that says nothing of its length, as a stream does.
+struct Streamed(Option<Bytes>);
+
+impl http_body::Body for Streamed {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        std::task::Poll::Ready(self.0.take().map(|chunk| Ok(http_body::Frame::data(chunk))))
+    }
+}
+
+/// `POST /stream`: 201 with a body of unknown length.
+async fn stream(State(app): State<App>) -> axum::response::Response {
+    let n = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    let body = axum::body::Body::new(Streamed(Some(Bytes::from(format!("chunk {n}")))));
+    (StatusCode::CREATED, body).into_response()
+}
+
 /// `POST /whoami`: what the handler can read of the key and the claim.
 async fn whoami(key: Option<Extension<IdempotencyKey>>) -> String {
     let attempt = idem_runtime::attempt().map(|a| a.token().get());
@@ -106,6 +128,7 @@ fn routes(app: &App) -> Router<()> {
         .route("/slow", post(slow))
         .route("/flaky", post(flaky))
         .route("/whoami", post(whoami))
+        .route("/stream", post(stream))
         .with_state(app.clone())
 }
 
@@ -424,6 +447,18 @@ async fn a_response_that_is_not_recorded_releases_the_key() {
     assert!(!retry.replayed());
     assert!(client.post("/flaky", "k", "{}").await.replayed());
     assert_eq!(app.runs(), 2);
+
+    // A body of unknown length (a stream): passed through, not recorded.
+    let app = App::default();
+    let client = server_with(&app, layer(MemoryStore::new())).await;
+    let streamed = client.post("/stream", "k", "{}").await;
+    assert_eq!(
+        (streamed.status, &streamed.body[..]),
+        (StatusCode::CREATED, &b"chunk 1"[..])
+    );
+    let again = client.post("/stream", "k", "{}").await;
+    assert_eq!(again.body, "chunk 2", "a streamed response was recorded");
+    assert!(!again.replayed());
 
     // A body over the recording limit: returned whole, not recorded.
     let app = App::default();
