@@ -504,33 +504,27 @@ fn http_layer(c: &mut Criterion, rt: &Runtime) {
         inner: handler(),
         cache: moka::future::Cache::new(100_000),
     };
-    let replay_key = "replay-0001";
     let first = rt
-        .block_on(ours.clone().oneshot(request(replay_key, &body)))
+        .block_on(ours.clone().oneshot(request(REPLAY_KEY, &body)))
         .unwrap();
     assert_eq!(first.status(), 201);
-    rt.block_on(naive.clone().oneshot(request(replay_key, &body)))
+    rt.block_on(naive.clone().oneshot(request(REPLAY_KEY, &body)))
         .unwrap();
 
     // Measured from inside a worker task, as a server runs a request: a body the layer
     // spawns then starts on the same worker, and no iteration pays a hand-off from
     // criterion's thread to the runtime.
-    let mut replay = c.benchmark_group("P10 HTTP replay, memory, 1 KiB JSON");
-    replay.bench_function("ours", |b| {
-        b.iter_custom(|iters| {
-            in_worker(rt, iters, ours.clone(), body.clone(), |_| {
-                replay_key.to_string()
-            })
-        })
-    });
-    replay.bench_function("baseline", |b| {
-        b.iter_custom(|iters| {
-            in_worker(rt, iters, naive.clone(), body.clone(), |_| {
-                replay_key.to_string()
-            })
-        })
-    });
-    replay.finish();
+    let replays = |_| REPLAY_KEY.to_string();
+    let fresh_keys = |_| fresh().to_string();
+    let pair = (&body, rt);
+    bench_pair(
+        c,
+        "P10 HTTP replay, memory, 1 KiB JSON",
+        pair,
+        &ours,
+        &naive,
+        replays,
+    );
 
     // The same, with a fingerprint that leaves the body out: what reading and canonicalising
     // the body costs.
@@ -540,41 +534,67 @@ fn http_layer(c: &mut Criterion, rt: &Runtime) {
             idem_runtime::Fingerprint::of(&(parts.method.as_str(), parts.uri.path()))
         })
         .layer(handler());
-    rt.block_on(headless.clone().oneshot(request(replay_key, &body)))
+    rt.block_on(headless.clone().oneshot(request(REPLAY_KEY, &body)))
         .unwrap();
-    let mut replay = c.benchmark_group("P10b HTTP replay, fingerprint without the body");
-    replay.bench_function("ours", |b| {
-        b.iter_custom(|iters| {
-            in_worker(rt, iters, headless.clone(), body.clone(), |_| {
-                replay_key.to_string()
-            })
-        })
-    });
-    replay.bench_function("baseline", |b| {
-        b.iter_custom(|iters| {
-            in_worker(rt, iters, naive.clone(), body.clone(), |_| {
-                replay_key.to_string()
-            })
-        })
-    });
-    replay.finish();
+    let group = "P10b HTTP replay, fingerprint without the body";
+    bench_pair(c, group, pair, &headless, &naive, replays);
 
-    let mut execute = c.benchmark_group("P11 HTTP first execution, memory, 1 KiB JSON");
-    execute.bench_function("ours", |b| {
-        b.iter_custom(|iters| {
-            in_worker(rt, iters, ours.clone(), body.clone(), |_| {
-                fresh().to_string()
-            })
-        })
+    let group = "P11 HTTP first execution, memory, 1 KiB JSON";
+    bench_pair(c, group, pair, &ours, &naive, fresh_keys);
+}
+
+/// The key of the replay benches: recorded before they run.
+const REPLAY_KEY: &str = "replay-0001";
+
+/// One group: `ours` and `baseline` each send requests with the keys `key` makes.
+fn bench_pair<S1, S2, B1, B2>(
+    c: &mut Criterion,
+    group: &str,
+    (body, rt): (&Bytes, &Runtime),
+    ours: &S1,
+    baseline: &S2,
+    key: fn(u64) -> String,
+) where
+    S1: HttpService<B1>,
+    S2: HttpService<B2>,
+    B1: http_body::Body<Data = Bytes> + Send,
+    B1::Error: std::fmt::Debug,
+    B2: http_body::Body<Data = Bytes> + Send,
+    B2::Error: std::fmt::Debug,
+{
+    let mut group = c.benchmark_group(group);
+    group.bench_function("ours", |b| {
+        b.iter_custom(|iters| in_worker(rt, iters, ours.clone(), body.clone(), key))
     });
-    execute.bench_function("baseline", |b| {
-        b.iter_custom(|iters| {
-            in_worker(rt, iters, naive.clone(), body.clone(), |_| {
-                fresh().to_string()
-            })
-        })
+    group.bench_function("baseline", |b| {
+        b.iter_custom(|iters| in_worker(rt, iters, baseline.clone(), body.clone(), key))
     });
-    execute.finish();
+    group.finish();
+}
+
+/// What both middlewares of the HTTP benches are.
+trait HttpService<B>:
+    tower::Service<
+        http::Request<Full<Bytes>>,
+        Response = http::Response<B>,
+        Error = Infallible,
+        Future: Send,
+    > + Clone
+    + Send
+    + 'static
+{
+}
+
+impl<S, B> HttpService<B> for S where
+    S: tower::Service<
+            http::Request<Full<Bytes>>,
+            Response = http::Response<B>,
+            Error = Infallible,
+            Future: Send,
+        > + Clone
+        + Send
+        + 'static
+{
 }
 
 /// Sends `iters` requests through `service` one after the other, from a task on the
@@ -584,14 +604,10 @@ fn in_worker<S, B>(
     iters: u64,
     service: S,
     body: Bytes,
-    key: impl Fn(u64) -> String + Send + 'static,
+    key: fn(u64) -> String,
 ) -> Duration
 where
-    S: tower::Service<http::Request<Full<Bytes>>, Response = http::Response<B>, Error = Infallible>
-        + Clone
-        + Send
-        + 'static,
-    S::Future: Send,
+    S: HttpService<B>,
     B: http_body::Body<Data = Bytes> + Send,
     B::Error: std::fmt::Debug,
 {
