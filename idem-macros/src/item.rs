@@ -212,7 +212,7 @@ fn borrows(ty: &Type) -> bool {
             self.0 |= reference
                 .lifetime
                 .as_ref()
-                .map_or(true, |l| l.ident != "static");
+                .is_none_or(|l| l.ident != "static");
             self.visit_type(&reference.elem);
         }
         fn visit_lifetime(&mut self, lifetime: &syn::Lifetime) {
