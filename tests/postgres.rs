@@ -360,3 +360,53 @@ async fn churn_on_one_key_gives_no_spurious_store_errors() {
     );
     assert_eq!(store_errors.count(), 0);
 }
+
+/// A purge deletes in batches and waits for no one: an expired row that another transaction
+/// holds is skipped, and the purge finishes while that transaction is still open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_goes_in_batches_and_skips_rows_it_would_wait_for() {
+    let Some(store) = postgres_store().await else {
+        return;
+    };
+    let table = "idem_records_purge_batches";
+    let store = store.with_table(table).unwrap();
+    store.migrate().await.unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&postgres_url())
+        .await
+        .unwrap();
+    sqlx::query(&format!("TRUNCATE {table}"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    // 2500 expired rows: three batches.
+    sqlx::query(&format!(
+        "INSERT INTO {table} (key, token, completed, value, expires_at) \
+         SELECT sha256(i::text::bytea), i, true, '\\x76'::bytea, now() - interval '1 hour' \
+         FROM generate_series(1, 2500) AS i"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    // Another session holds one of them.
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM {table} WHERE key = sha256('7'::bytea) FOR UPDATE"
+    ))
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+
+    let purged = tokio::time::timeout(Duration::from_secs(30), store.purge_expired())
+        .await
+        .expect("the purge waited for the held row")
+        .unwrap();
+    assert_eq!(purged, 2499, "every expired row but the held one");
+    holder.rollback().await.unwrap();
+    assert_eq!(
+        store.purge_expired().await.unwrap(),
+        1,
+        "the next purge gets it"
+    );
+}

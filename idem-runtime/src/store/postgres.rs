@@ -36,6 +36,10 @@ use sqlx::Row;
 
 use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
+/// How many expired rows one purge statement deletes: each batch is a transaction of its
+/// own, short enough that claims never queue behind a purge.
+const PURGE_BATCH: i64 = 1000;
+
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "idem_records";
 
@@ -155,7 +159,13 @@ impl Statements {
                 "WITH removed AS (DELETE FROM {t} WHERE key = $1 RETURNING expires_at > now() AS live) \
                  SELECT coalesce(bool_or(live), false) FROM removed"
             ),
-            purge: format!("DELETE FROM {t} WHERE expires_at <= now()"),
+            // One batch: expired rows that no one holds a lock on (a claim taking an expired
+            // key over, say) are skipped, never waited for.
+            purge: format!(
+                "DELETE FROM {t} WHERE key = ANY(ARRAY(\
+                    SELECT key FROM {t} WHERE expires_at <= now() \
+                    LIMIT $1 FOR UPDATE SKIP LOCKED))"
+            ),
         }
     }
 }
@@ -324,15 +334,26 @@ impl PostgresStore {
 
     /// Deletes every expired row (lapsed claims, results past their TTL). Returns how many.
     ///
+    /// It deletes in batches of 1000, one short statement each, so that claims never queue
+    /// behind a long purge; a row another transaction holds at that moment is skipped, not
+    /// waited for, and left to the next purge.
+    ///
     /// # Errors
     ///
     /// [`Error::Store`] when the database fails.
     pub async fn purge_expired(&self) -> Result<u64, Error> {
-        let done = sqlx::query(&self.sql.purge)
-            .execute(&self.pool)
-            .await
-            .map_err(Error::store)?;
-        Ok(done.rows_affected())
+        let mut purged = 0;
+        loop {
+            let done = sqlx::query(&self.sql.purge)
+                .bind(PURGE_BATCH)
+                .execute(&self.pool)
+                .await
+                .map_err(Error::store)?;
+            purged += done.rows_affected();
+            if done.rows_affected() < PURGE_BATCH as u64 {
+                return Ok(purged);
+            }
+        }
     }
 
     /// Runs [`purge_expired`](Self::purge_expired) every `interval` on the current tokio
