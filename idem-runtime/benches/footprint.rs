@@ -35,7 +35,10 @@ unsafe impl GlobalAlloc for Counting {
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(new_size as isize - layout.size() as isize, Ordering::Relaxed);
+        LIVE.fetch_add(
+            new_size as isize - layout.size() as isize,
+            Ordering::Relaxed,
+        );
         unsafe { System.realloc(ptr, layout, new_size) }
     }
 }
@@ -67,7 +70,10 @@ fn receipt(id: u64) -> Receipt {
 
 async fn memory() {
     println!("MemoryStore, heap bytes per completed record (a receipt of ~70 bytes of JSON):");
-    println!("{:>10} {:>14} {:>14} {:>6}", "records", "MemoryStore", "raw moka", "ratio");
+    println!(
+        "{:>10} {:>14} {:>14} {:>6}",
+        "records", "MemoryStore", "raw moka", "ratio"
+    );
     for n in [10_000_u64, 100_000, 1_000_000] {
         let op = Operation::new("footprint.memory");
         let before = live();
@@ -88,7 +94,10 @@ async fn memory() {
         }
         let baseline = (live() - before) as f64 / n as f64;
         drop(raw);
-        println!("{n:>10} {ours:>14.0} {baseline:>14.0} {:>6.2}", ours / baseline);
+        println!(
+            "{n:>10} {ours:>14.0} {baseline:>14.0} {:>6.2}",
+            ours / baseline
+        );
     }
 }
 
@@ -127,7 +136,11 @@ async fn redis() {
         .query_async(&mut redis)
         .await
         .unwrap();
-    let _: () = redis::cmd("DEL").arg(&plain).query_async(&mut redis).await.unwrap();
+    let _: () = redis::cmd("DEL")
+        .arg(&plain)
+        .query_async(&mut redis)
+        .await
+        .unwrap();
     let _ = store.remove(&key).await;
     println!(
         "Redis, MEMORY USAGE of one completed record: {ours} bytes; a plain string of the same value: {baseline} bytes ({:.2})",
