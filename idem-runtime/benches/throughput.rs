@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use idem_runtime::{Error, Operation, PostgresStore, RedisStore};
+use idem_runtime::{Error, Operation, PostgresStore, RedisStore, Store};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 const CALLERS: u64 = 64;
@@ -24,6 +24,8 @@ const PER_CALLER: u64 = 50;
 const ROUNDS: usize = 3;
 /// The numbers of the keys the replay rounds read, apart from every fresh one.
 const REPLAYED: u64 = 1 << 40;
+/// How many keys the replay rounds read.
+const RECORDED: u64 = CALLERS * PER_CALLER;
 
 static NEXT: AtomicU64 = AtomicU64::new(1);
 
@@ -48,6 +50,35 @@ where
         caller.await.unwrap();
     }
     (CALLERS * PER_CALLER) as f64 / started.elapsed().as_secs_f64()
+}
+
+/// Calls of `op` on `store`, on the key of `which(n)` for each number `n` they are handed.
+fn idempotent_calls<S: Store + Clone>(
+    op: &Arc<Operation>,
+    store: &S,
+    which: fn(u64) -> u64,
+) -> impl Fn(u64) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> + Clone + Send + 'static {
+    let (op, store) = (op.clone(), store.clone());
+    move |n: u64| {
+        let (op, store) = (op.clone(), store.clone());
+        Box::pin(async move {
+            let key = op.key(&which(n)).unwrap();
+            let _ = op
+                .run(&store, &key, None, async { Ok::<_, Error>(1_u8) })
+                .await
+                .unwrap();
+        })
+    }
+}
+
+/// A fresh key per call.
+fn fresh(n: u64) -> u64 {
+    n
+}
+
+/// One of the keys recorded for the replay rounds.
+fn recorded(n: u64) -> u64 {
+    REPLAYED + n % RECORDED
 }
 
 /// Median rounds of ours and the baseline, run alternately; prints one table row.
@@ -94,19 +125,7 @@ async fn redis() {
     )));
     let value = b"{\"id\":1,\"cents\":4200}".to_vec();
 
-    let first = {
-        let (op, store) = (op.clone(), store.clone());
-        move |n: u64| {
-            let (op, store) = (op.clone(), store.clone());
-            async move {
-                let key = op.key(&n).unwrap();
-                let _ = op
-                    .run(&store, &key, None, async { Ok::<_, Error>(1_u8) })
-                    .await
-                    .unwrap();
-            }
-        }
-    };
+    let first = idempotent_calls(&op, &store, fresh);
     let base_first = {
         let (raw, value) = (raw.clone(), value.clone());
         move |n: u64| {
@@ -141,29 +160,16 @@ async fn redis() {
     .await;
 
     // Replays of keys recorded for them, on both sides.
-    let recorded = CALLERS * PER_CALLER;
-    for n in 0..recorded {
+    for n in 0..RECORDED {
         first(REPLAYED + n).await;
         base_first(REPLAYED + n).await;
     }
-    let replay = {
-        let (op, store) = (op.clone(), store.clone());
-        move |n: u64| {
-            let (op, store) = (op.clone(), store.clone());
-            async move {
-                let key = op.key(&(REPLAYED + n % recorded)).unwrap();
-                let _ = op
-                    .run(&store, &key, None, async { Ok::<_, Error>(1_u8) })
-                    .await
-                    .unwrap();
-            }
-        }
-    };
+    let replay = idempotent_calls(&op, &store, recorded);
     let base_replay = move |n: u64| {
         let mut raw = raw.clone();
         async move {
             let _: Option<Vec<u8>> = redis::cmd("GET")
-                .arg(format!("throughput:{}", REPLAYED + n % recorded))
+                .arg(format!("throughput:{}", REPLAYED + n % RECORDED))
                 .query_async(&mut raw)
                 .await
                 .unwrap();
@@ -211,19 +217,7 @@ async fn postgres(pool_size: u32, synchronous_commit: bool) {
         "throughput.pg.{:?}",
         Instant::now()
     )));
-    let first = {
-        let (op, store) = (op.clone(), store.clone());
-        move |n: u64| {
-            let (op, store) = (op.clone(), store.clone());
-            async move {
-                let key = op.key(&n).unwrap();
-                let _ = op
-                    .run(&store, &key, None, async { Ok::<_, Error>(1_u8) })
-                    .await
-                    .unwrap();
-            }
-        }
-    };
+    let first = idempotent_calls(&op, &store, fresh);
     let base_first = {
         let pool = pool.clone();
         move |n: u64| {
@@ -256,30 +250,18 @@ async fn postgres(pool_size: u32, synchronous_commit: bool) {
     )
     .await;
 
-    let recorded = CALLERS * PER_CALLER;
-    for n in 0..recorded {
+    for n in 0..RECORDED {
         first(REPLAYED + n).await;
         base_first(REPLAYED + n).await;
     }
-    let replay = {
-        let (op, store) = (op.clone(), store.clone());
-        move |n: u64| {
-            let (op, store) = (op.clone(), store.clone());
-            async move {
-                let key = op.key(&(REPLAYED + n % recorded)).unwrap();
-                let _ = op
-                    .run(&store, &key, None, async { Ok::<_, Error>(1_u8) })
-                    .await;
-            }
-        }
-    };
+    let replay = idempotent_calls(&op, &store, recorded);
     let base_replay = move |n: u64| {
         let pool = pool.clone();
         async move {
             let _: Option<(bool, Option<Vec<u8>>)> = sqlx::query_as(
                 "SELECT completed, value FROM throughput_baseline WHERE key = $1 AND expires_at > now()",
             )
-            .bind((REPLAYED + n % recorded) as i64)
+            .bind((REPLAYED + n % RECORDED) as i64)
             .fetch_optional(&pool)
             .await
             .unwrap();
