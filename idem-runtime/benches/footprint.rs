@@ -14,9 +14,11 @@ use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use self::common::receipt;
 use bytes::Bytes;
 use idem_runtime::{Error, MemoryStore, Operation, PostgresStore, RedisStore, Store};
-use serde::{Deserialize, Serialize};
+
+mod common;
 
 /// Counts the heap bytes in use.
 struct Counting;
@@ -48,24 +50,6 @@ static ALLOCATOR: Counting = Counting;
 
 fn live() -> isize {
     LIVE.load(Ordering::Relaxed)
-}
-
-/// The recorded value of every record: a small receipt, as a payment call returns.
-#[derive(Clone, Serialize, Deserialize)]
-struct Receipt {
-    id: u64,
-    customer: String,
-    cents: u64,
-    currency: String,
-}
-
-fn receipt(id: u64) -> Receipt {
-    Receipt {
-        id,
-        customer: "cus_0042".into(),
-        cents: 4200,
-        currency: "eur".into(),
-    }
 }
 
 async fn memory() {
@@ -227,11 +211,7 @@ async fn postgres() {
 }
 
 fn main() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::runtime();
     rt.block_on(async {
         memory().await;
         redis().await;

@@ -16,27 +16,12 @@ use criterion::Criterion;
 use http_body_util::{BodyExt, Full};
 use idem_runtime::http::IdempotencyLayer;
 use idem_runtime::{idempotent, Error, MemoryStore, Operation, PostgresStore, RedisStore};
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tokio::runtime::Runtime;
 
-/// A small struct result, as a payment call returns.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct Receipt {
-    id: u64,
-    customer: String,
-    cents: u64,
-    currency: String,
-}
+use self::common::{receipt, Receipt};
 
-fn receipt(id: u64) -> Receipt {
-    Receipt {
-        id,
-        customer: "cus_0042".into(),
-        cents: 1999,
-        currency: "EUR".into(),
-    }
-}
+mod common;
 
 #[derive(Debug)]
 struct BenchError;
@@ -706,13 +691,7 @@ fn human(ns: f64) -> String {
 
 fn main() {
     let started = std::time::SystemTime::now();
-    let rt = Arc::new(
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap(),
-    );
+    let rt = Arc::new(common::runtime());
     let mut c = Criterion::default()
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3))

@@ -19,6 +19,10 @@ use std::time::Instant;
 use idem_runtime::{Error, Operation, PostgresStore, RedisStore, Store};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
+use self::common::receipt;
+
+mod common;
+
 const CALLERS: u64 = 64;
 const PER_CALLER: u64 = 50;
 const ROUNDS: usize = 3;
@@ -64,7 +68,12 @@ fn idempotent_calls<S: Store + Clone>(
         Box::pin(async move {
             let key = op.key(&which(n)).unwrap();
             let _ = op
-                .run(&store, &key, None, async { Ok::<_, Error>(1_u8) })
+                .run(
+                    &store,
+                    &key,
+                    None,
+                    async move { Ok::<_, Error>(receipt(n)) },
+                )
                 .await
                 .unwrap();
         })
@@ -79,6 +88,21 @@ fn fresh(n: u64) -> u64 {
 /// One of the keys recorded for the replay rounds.
 fn recorded(n: u64) -> u64 {
     REPLAYED + n % RECORDED
+}
+
+/// Compares first executions, then records the keys the replay rounds read, on both sides.
+async fn first_executions<A, AF, B, BF>(label: &str, ours: A, baseline: B)
+where
+    A: Fn(u64) -> AF + Clone + Send + 'static,
+    AF: Future<Output = ()> + Send,
+    B: Fn(u64) -> BF + Clone + Send + 'static,
+    BF: Future<Output = ()> + Send,
+{
+    compare(label, ours.clone(), baseline.clone()).await;
+    for n in 0..RECORDED {
+        ours(REPLAYED + n).await;
+        baseline(REPLAYED + n).await;
+    }
 }
 
 /// Median rounds of ours and the baseline, run alternately; prints one table row.
@@ -123,7 +147,7 @@ async fn redis() {
         "throughput.redis.{:?}",
         Instant::now()
     )));
-    let value = b"{\"id\":1,\"cents\":4200}".to_vec();
+    let value = serde_json::to_vec(&receipt(1)).unwrap();
 
     let first = idempotent_calls(&op, &store, fresh);
     let base_first = {
@@ -152,18 +176,7 @@ async fn redis() {
             }
         }
     };
-    compare(
-        "redis, first executions, 64 callers",
-        first.clone(),
-        base_first.clone(),
-    )
-    .await;
-
-    // Replays of keys recorded for them, on both sides.
-    for n in 0..RECORDED {
-        first(REPLAYED + n).await;
-        base_first(REPLAYED + n).await;
-    }
+    first_executions("redis, first executions, 64 callers", first, base_first).await;
     let replay = idempotent_calls(&op, &store, recorded);
     let base_replay = move |n: u64| {
         let mut raw = raw.clone();
@@ -236,24 +249,14 @@ async fn postgres(pool_size: u32, synchronous_commit: bool) {
                      expires_at = now() + interval '1 day' WHERE key = $1",
                 )
                 .bind(n as i64)
-                .bind(&b"{\"id\":1}"[..])
+                .bind(serde_json::to_vec(&receipt(n)).unwrap())
                 .execute(&pool)
                 .await
                 .unwrap();
             }
         }
     };
-    compare(
-        &label("first executions"),
-        first.clone(),
-        base_first.clone(),
-    )
-    .await;
-
-    for n in 0..RECORDED {
-        first(REPLAYED + n).await;
-        base_first(REPLAYED + n).await;
-    }
+    first_executions(&label("first executions"), first, base_first).await;
     let replay = idempotent_calls(&op, &store, recorded);
     let base_replay = move |n: u64| {
         let pool = pool.clone();
@@ -271,11 +274,7 @@ async fn postgres(pool_size: u32, synchronous_commit: bool) {
 }
 
 fn main() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::runtime();
     println!(
         "\n{:<52} {:>9} {:>9} {:>6}",
         "(operations per second; ratio = ours / baseline)", "ours", "baseline", "ratio"
