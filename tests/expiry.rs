@@ -208,3 +208,37 @@ async fn local_waiters_of_a_holder_that_lost_its_lease_get_the_new_owners_result
         "the waiter sees the store's one result, not the zombie's"
     );
 }
+
+/// Renewals that fail are retried soon, not a whole period later: two failures in a row early
+/// in the body would otherwise let the lease lapse, and another call take the key over.
+#[tokio::test(start_paused = true)]
+async fn a_failed_renewal_is_retried_before_the_lease_runs_out() {
+    let store = Probe::renewals_fail(MemoryStore::new(), 2);
+    let lease = Duration::from_millis(300);
+    let op = Operation::new("expiry.renew_retry").lease(lease);
+    let key = op.key(&1).unwrap();
+    let holder = {
+        let (op, store) = (op.clone(), store.clone());
+        tokio::spawn(async move {
+            op.run(&store, &key, None, async {
+                tokio::time::sleep(lease * 10).await;
+                Ok::<_, Error>(1_u8)
+            })
+            .await
+        })
+    };
+    let checker = op.clone().in_flight(idem_runtime::InFlight::Reject);
+    for _ in 0..18 {
+        tokio::time::sleep(lease / 2).await;
+        let taken = checker
+            .run(&store, &key, None, async { Ok::<_, Error>(2_u8) })
+            .await;
+        assert!(
+            matches!(taken, Err(Error::InProgress)),
+            "the lease lapsed while the body ran: {taken:?}"
+        );
+    }
+    assert_eq!(holder.await.unwrap().unwrap(), Outcome::Executed(1));
+    let replay = op.run(&store, &key, None, async { Ok::<_, Error>(3_u8) });
+    assert_eq!(replay.await.unwrap(), Outcome::Replayed(1));
+}

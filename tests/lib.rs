@@ -38,6 +38,8 @@ pub struct Probe<S> {
     gate: Option<Gate>,
     /// Seeded failures and delays of every operation but `remove`.
     faults: Option<Faults>,
+    /// How many of the next `renew` calls fail.
+    failing_renewals: Arc<AtomicUsize>,
     claims: Runs,
 }
 
@@ -128,6 +130,7 @@ impl<S> Probe<S> {
             records: true,
             gate: None,
             faults: None,
+            failing_renewals: Arc::default(),
             claims: Runs::default(),
         }
     }
@@ -182,6 +185,13 @@ impl<S> Probe<S> {
                 ))
             }
         }
+    }
+
+    /// A store whose next `n` renewals fail, as a store that is briefly unreachable.
+    pub fn renewals_fail(inner: S, n: usize) -> Self {
+        let probe = Self::new(inner);
+        probe.failing_renewals.store(n, Ordering::SeqCst);
+        probe
     }
 
     /// Holds every `complete` at a gate until the test opens it.
@@ -262,6 +272,14 @@ impl<S: Store + Clone> Store for Probe<S> {
     async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
         if !self.renews {
             return Ok(true); // so the holder does not notice it lost the lease
+        }
+        let failing = |n: usize| n.checked_sub(1);
+        if self
+            .failing_renewals
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, failing)
+            .is_ok()
+        {
+            return Err(Error::store("injected: the renewal failed"));
         }
         self.apply(self.inner.renew(key, token, lease)).await
     }
