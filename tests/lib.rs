@@ -612,6 +612,12 @@ impl PrivatePostgres {
         Some(server)
     }
 
+    /// The server's log so far (with `log_statement = 'all'` set in a session, every
+    /// statement that session runs, as the server received it).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("log")).unwrap_or_default()
+    }
+
     /// Restarts the server (a fast shutdown, then a start): what a deploy or a crash does.
     pub fn restart(&self) {
         self.ctl("restart").expect("restart the private postgresql");

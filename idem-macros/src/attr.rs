@@ -15,6 +15,7 @@ mod kw {
     syn::custom_keyword!(in_flight);
     syn::custom_keyword!(cache_err);
     syn::custom_keyword!(on_cancel);
+    syn::custom_keyword!(transaction);
 }
 
 const NAMES: &[&str] = &[
@@ -27,6 +28,7 @@ const NAMES: &[&str] = &[
     "in_flight",
     "cache_err",
     "on_cancel",
+    "transaction",
     "crate",
 ];
 
@@ -41,6 +43,8 @@ pub(crate) struct Args {
     pub in_flight: Option<InFlight>,
     pub cache_err: Option<Expr>,
     pub on_cancel: Option<OnCancel>,
+    /// The parameter that is the caller's PostgreSQL connection, and the keyword's span.
+    pub transaction: Option<(syn::Ident, Span)>,
     pub krate: Option<Path>,
     /// Errors found while parsing; reported together, all at once.
     pub errors: Option<syn::Error>,
@@ -104,6 +108,7 @@ impl Parse for Args {
             in_flight: None,
             cache_err: None,
             on_cancel: None,
+            transaction: None,
             krate: None,
             errors: None,
         };
@@ -163,6 +168,20 @@ impl Args {
                     ("complete", OnCancel::Complete)
                 ]
             ))
+        } else if lookahead.peek(kw::transaction) {
+            let keyword: kw::transaction = input.parse()?;
+            input.parse::<Token![=]>()?;
+            let value: Expr = input.parse()?;
+            match parameter(value) {
+                Ok(ident) => self.set(
+                    |a| &mut a.transaction,
+                    "transaction",
+                    keyword.span,
+                    (ident, keyword.span),
+                ),
+                Err(error) => self.push_error(error),
+            }
+            Ok(())
         } else if lookahead.peek(Token![crate]) {
             let keyword: Token![crate] = input.parse()?;
             input.parse::<Token![=]>()?;
@@ -387,6 +406,22 @@ fn crate_path(value: Expr) -> syn::Result<Path> {
             ),
         )
     })
+}
+
+/// The value of `transaction`: the name of a parameter.
+fn parameter(value: Expr) -> syn::Result<syn::Ident> {
+    match &value {
+        Expr::Path(path) if path.qself.is_none() && path.attrs.is_empty() => {
+            if let Some(ident) = path.path.get_ident() {
+                return Ok(ident.clone());
+            }
+        }
+        _ => {}
+    }
+    Err(syn::Error::new(
+        value.span(),
+        "`transaction` names a parameter of the function, e.g. `transaction = tx` with a parameter `tx: &mut sqlx::PgConnection`",
+    ))
 }
 
 #[cfg(test)]

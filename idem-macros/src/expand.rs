@@ -131,14 +131,38 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
         ),
         None => (quote!(#private::default_store()), quote!(#store)),
     };
-    let run = match args.on_cancel {
-        Some(OnCancel::Complete) => quote!(#private::run_to_completion),
-        _ => quote!(#private::run),
-    };
-    // The whole call is spanned at the return type: a type error about `T` or `E` points there.
-    let run = respan(run, output.span());
-    let call = quote_spanned! {output.span()=>
-        #run::<_, _, #output, _>(&#op, #store_arg, #key, #fingerprint, async move #block).await
+    let call = match &args.transaction {
+        Some((tx, _)) => {
+            // The store must be a `PostgresStore`: checked at the store expression's span.
+            let store_span = args.store.as_ref().map_or(Span::call_site(), Spanned::span);
+            let postgres = respan(quote!(#private::postgres_store), store_span);
+            let postgres = quote_spanned!(store_span=> #postgres(#store_arg));
+            let run = respan(quote!(#private::run_in_transaction), output.span());
+            // The body becomes a closure of the connection, under the parameter's own name.
+            quote_spanned! {output.span()=>
+                #run::<_, #output, _>(
+                    &#op,
+                    #postgres,
+                    &mut *#tx,
+                    #key,
+                    #fingerprint,
+                    async move |#tx| #block,
+                )
+                .await
+            }
+        }
+        None => {
+            let run = match args.on_cancel {
+                Some(OnCancel::Complete) => quote!(#private::run_to_completion),
+                _ => quote!(#private::run),
+            };
+            // The whole call is spanned at the return type: a type error about `T` or `E`
+            // points there.
+            let run = respan(run, output.span());
+            quote_spanned! {output.span()=>
+                #run::<_, _, #output, _>(&#op, #store_arg, #key, #fingerprint, async move #block).await
+            }
+        }
     };
 
     // A closure that is never called: it only type-checks that no part of the key or the

@@ -48,7 +48,29 @@ pub(crate) fn check(item: &ItemFn, args: &Args) -> syn::Result<()> {
         }
     }
 
-    if args.on_cancel == Some(OnCancel::Complete) {
+    if let Some((tx, keyword)) = &args.transaction {
+        if !params.contains(&tx.to_string()) {
+            errors.push(syn::Error::new(
+                tx.span(),
+                format!(
+                    "`transaction = {tx}` names no parameter of `{}`: add a parameter `{tx}: &mut sqlx::PgConnection` (callers pass `&mut transaction`)",
+                    sig.ident
+                ),
+            ));
+        }
+        if args.store.is_none() {
+            errors.push(syn::Error::new(
+                *keyword,
+                "`transaction` needs `store = …`, a `PostgresStore`: the key is claimed in that store's table, inside the caller's transaction",
+            ));
+        }
+        if args.on_cancel == Some(OnCancel::Complete) {
+            errors.push(syn::Error::new(
+                *keyword,
+                "`transaction` cannot go with `on_cancel = \"complete\"`: the body runs on the caller's connection, which cannot be moved to a background task; remove `on_cancel` (a cancelled call leaves the transaction to the caller)",
+            ));
+        }
+    } else if args.on_cancel == Some(OnCancel::Complete) {
         errors.extend(borrowed_inputs(item));
     }
 

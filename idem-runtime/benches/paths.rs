@@ -294,12 +294,82 @@ fn postgres(paths: &mut Paths, rt: &Runtime) {
                 .unwrap()
         }),
     );
+    transfers(paths, rt, &store, &pool);
     rt.block_on(async {
         let _ = store.purge_expired().await;
         let _ = sqlx::query("DELETE FROM idem_bench_raw")
             .execute(&pool)
             .await;
+        let _ = sqlx::query("DROP TABLE idem_bench_ledger")
+            .execute(&pool)
+            .await;
     });
+}
+
+// ---- P12: a transfer in the caller's transaction ------------------------------------------
+
+/// The transfer both sides make: two `UPDATE`s of a ledger, on the caller's connection.
+async fn transfer(tx: &mut sqlx::PgConnection) -> Result<u64, Error> {
+    for (id, delta) in [(1, -1_i64), (2, 1)] {
+        sqlx::query("UPDATE idem_bench_ledger SET balance = balance + $1 WHERE id = $2")
+            .bind(delta)
+            .bind(id)
+            .execute(&mut *tx)
+            .await
+            .map_err(Error::store)?;
+    }
+    Ok(1)
+}
+
+fn transfers(paths: &mut Paths, rt: &Runtime, store: &PostgresStore, pool: &sqlx::PgPool) {
+    rt.block_on(async {
+        sqlx::query("CREATE TABLE IF NOT EXISTS idem_bench_ledger (id int PRIMARY KEY, balance bigint NOT NULL)")
+            .execute(pool)
+            .await
+            .unwrap();
+        sqlx::query("INSERT INTO idem_bench_ledger VALUES (1, 0), (2, 0) ON CONFLICT DO NOTHING")
+            .execute(pool)
+            .await
+            .unwrap();
+    });
+    let op = Operation::new("bench.transfer");
+    // Ours: the claim, the transfer and the record, all in the caller's one transaction.
+    let in_transaction = || async {
+        let key = op.key(&fresh()).unwrap();
+        let mut tx = pool.begin().await.unwrap();
+        let outcome = op
+            .run_in_transaction(store, &mut tx, &key, None, async |tx| transfer(tx).await)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        outcome
+    };
+    paths.pair(
+        "P12a transfer in a transaction, postgres",
+        on(rt, in_transaction),
+        on(rt, || async {
+            let mut tx = pool.begin().await.unwrap();
+            let moved = transfer(&mut tx).await.unwrap();
+            tx.commit().await.unwrap();
+            moved
+        }),
+    );
+    // The same transfer through the store's own claims: claim, the transaction, complete.
+    paths.pair(
+        "P12b same, against the non-transactional store",
+        on(rt, in_transaction),
+        on(rt, || async {
+            let key = op.key(&fresh()).unwrap();
+            op.run(store, &key, None, async {
+                let mut tx = pool.begin().await.map_err(Error::store)?;
+                let moved = transfer(&mut tx).await?;
+                tx.commit().await.map_err(Error::store)?;
+                Ok::<_, Error>(moved)
+            })
+            .await
+            .unwrap()
+        }),
+    );
 }
 
 // ---- P9: key derivation -------------------------------------------------------------------
@@ -674,6 +744,8 @@ const PATHS: &[(&str, f64)] = &[
     ("P10 HTTP replay, memory, 1 KiB JSON", 1.3),
     ("P10b HTTP replay, fingerprint without the body", 1.3),
     ("P11 HTTP first execution, memory, 1 KiB JSON", 1.5),
+    ("P12a transfer in a transaction, postgres", 1.5),
+    ("P12b same, against the non-transactional store", 1.0),
 ];
 
 /// Where criterion keeps its estimates: `$CRITERION_HOME`, else `<target>/criterion`.

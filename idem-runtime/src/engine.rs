@@ -95,12 +95,12 @@ impl<T> Outcome<T> {
 /// ```
 #[derive(Clone, Debug)]
 pub struct Operation<P = ReleaseErrors> {
-    namespace: Cow<'static, str>,
-    ttl: Duration,
-    lease: Duration,
-    in_flight: InFlight,
-    wait_timeout: Option<Duration>,
-    errors: P,
+    pub(crate) namespace: Cow<'static, str>,
+    pub(crate) ttl: Duration,
+    pub(crate) lease: Duration,
+    pub(crate) in_flight: InFlight,
+    pub(crate) wait_timeout: Option<Duration>,
+    pub(crate) errors: P,
 }
 
 impl Operation {
@@ -317,7 +317,7 @@ impl<P> Operation<P> {
     }
 
     /// The span of one call: the namespace and a short digest of the key, never its value.
-    fn span(&self, key: &Key) -> tracing::Span {
+    pub(crate) fn span(&self, key: &Key) -> tracing::Span {
         tracing::debug_span!("idempotent", namespace = %self.namespace, key = %key.short())
     }
 
@@ -361,7 +361,12 @@ impl<P> Operation<P> {
             }
             let claim = match store.peek(key) {
                 Some(completed @ Claim::Completed { .. }) => completed,
-                _ => store.claim(key, fingerprint, self.lease).await?,
+                _ => {
+                    // The enclosing call's claim may be uncommitted in its transaction, where
+                    // a claim would wait for the very call that waits for it.
+                    attempt::refuse_recursion(store, key)?;
+                    store.claim(key, fingerprint, self.lease).await?
+                }
             };
             match claim {
                 Claim::Acquired { token } => return Ok(Settled::Run(token)),
@@ -399,13 +404,7 @@ impl<P> Operation<P> {
         ours: Option<&Fingerprint>,
     ) -> Result<(), Error> {
         check_fingerprint(holder, ours)?;
-        if attempt::held_by_caller(store, key) {
-            tracing::warn!(
-                outcome = "rejected",
-                "the key is held by this call's own enclosing call; waiting would never end"
-            );
-            return Err(Error::InProgress);
-        }
+        attempt::refuse_recursion(store, key)?;
         if self.in_flight == InFlight::Reject {
             tracing::debug!(outcome = "rejected");
             return Err(Error::InProgress);
@@ -413,7 +412,7 @@ impl<P> Operation<P> {
         Ok(())
     }
 
-    fn replay<C, T, E>(&self, record: &[u8]) -> Result<Outcome<T>, E>
+    pub(crate) fn replay<C, T, E>(&self, record: &[u8]) -> Result<Outcome<T>, E>
     where
         C: ValueCodec<T>,
         E: From<Error>,
@@ -477,7 +476,7 @@ enum Settled {
     Run(Token),
 }
 
-fn check_fingerprint(
+pub(crate) fn check_fingerprint(
     recorded: Option<&Fingerprint>,
     ours: Option<&Fingerprint>,
 ) -> Result<(), Error> {
@@ -499,7 +498,7 @@ fn timed_out() -> Error {
 
 /// Exponential backoff with jitter for polling a key held by another process: 5 ms doubling
 /// up to 250 ms, each delay drawn from its upper half so that waiters spread out.
-fn backoff(polls: u32) -> Duration {
+pub(crate) fn backoff(polls: u32) -> Duration {
     let ceiling = Duration::from_millis(5)
         .saturating_mul(1 << polls.min(6))
         .min(Duration::from_millis(250));

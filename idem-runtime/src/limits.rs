@@ -42,6 +42,10 @@ fn within(name: &str, value: Duration, min: Duration) -> Result<(), Error> {
 }
 
 /// What a store does with a duration it is handed: never past [`MAX_DURATION`].
+#[cfg_attr(
+    not(any(feature = "memory", feature = "redis", feature = "postgres")),
+    allow(dead_code)
+)]
 pub(crate) fn clamp(duration: Duration) -> Duration {
     duration.min(MAX_DURATION)
 }

@@ -136,6 +136,60 @@ where
     R::from_result(outcome.map(crate::Outcome::into_inner))
 }
 
+/// `Operation::run_in_transaction`, as [`run`]: `transaction = tx`.
+#[cfg(feature = "postgres")]
+pub async fn run_in_transaction<P, R, F>(
+    operation: &Operation<P>,
+    store: &crate::PostgresStore,
+    connection: &mut sqlx::PgConnection,
+    key: Result<Key, Error>,
+    fingerprint: Option<Result<Fingerprint, Error>>,
+    body: F,
+) -> R
+where
+    R: IdemResult,
+    R::Ok: Serialize + DeserializeOwned,
+    R::Err: From<Error>,
+    P: ErrorPolicy<R::Err>,
+    F: AsyncFnOnce(&mut sqlx::PgConnection) -> R,
+{
+    let (key, fingerprint) = match derived(key, fingerprint) {
+        Ok(derived) => derived,
+        Err(err) => return R::from_result(Err(err.into())),
+    };
+    let body =
+        async move |connection: &mut sqlx::PgConnection| body(connection).await.into_result();
+    let outcome = operation
+        .run_in_transaction(store, connection, &key, fingerprint.as_ref(), body)
+        .await;
+    R::from_result(outcome.map(crate::Outcome::into_inner))
+}
+
+/// The stores `transaction =` works with: PostgreSQL's.
+#[cfg(feature = "postgres")]
+#[diagnostic::on_unimplemented(
+    message = "`transaction =` needs a `PostgresStore`, not `{Self}`",
+    label = "not a `PostgresStore`",
+    note = "the claim, the body's writes and the record commit together only in PostgreSQL: use `store = <a PostgresStore>`, or remove `transaction =` to use this store without a transaction"
+)]
+pub trait InTransaction {
+    #[doc(hidden)]
+    fn __idem_postgres(&self) -> &crate::PostgresStore;
+}
+
+#[cfg(feature = "postgres")]
+impl InTransaction for crate::PostgresStore {
+    fn __idem_postgres(&self) -> &crate::PostgresStore {
+        self
+    }
+}
+
+/// The `PostgresStore` of `transaction =`, or the error that says it must be one.
+#[cfg(feature = "postgres")]
+pub fn postgres_store<S: InTransaction>(store: &S) -> &crate::PostgresStore {
+    store.__idem_postgres()
+}
+
 /// One part of a key or fingerprint value (the value itself, or an element of a tuple),
 /// wrapped so that the two `__idem_order` methods below can tell a `HashSet` apart at
 /// compile time: method resolution tries `Unordered` (on `KeyPart`) before `Ordered` (on

@@ -5,7 +5,7 @@ use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 
-use crate::{Flights, Key, Store, Token};
+use crate::{Error, Flights, Key, Store, Token};
 
 tokio::task_local! {
     static CURRENT: Attempt;
@@ -110,6 +110,19 @@ pub(crate) fn held_by_caller<S: Store + ?Sized>(store: &S, key: &Key) -> bool {
                 .any(|frame| frame.key == *key && frame.store == store)
         })
         .unwrap_or(false)
+}
+
+/// `Error::InProgress`, logged, when `key` in `store` is held by the body this code runs in
+/// or by one enclosing it: waiting for it would never end.
+pub(crate) fn refuse_recursion<S: Store + ?Sized>(store: &S, key: &Key) -> Result<(), Error> {
+    if held_by_caller(store, key) {
+        tracing::warn!(
+            outcome = "rejected",
+            "the key is held by this call's own enclosing call; waiting would never end"
+        );
+        return Err(Error::InProgress);
+    }
+    Ok(())
 }
 
 /// Stores are told apart by their in-process registry; stores without one are all `0`.

@@ -36,6 +36,8 @@ use sqlx::Row;
 
 use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
+mod transaction;
+
 /// How many expired rows one purge statement deletes: each batch is a transaction of its
 /// own, short enough that claims never queue behind a purge.
 const PURGE_BATCH: i64 = 1000;
@@ -77,8 +79,10 @@ pub struct PostgresStore {
 /// The statements of one table, written once.
 struct Statements {
     table: String,
-    migrate: [String; 3],
+    migrate: [String; 4],
     claim: String,
+    /// The statements of claims in the caller's transaction (`transaction.rs`).
+    pub(super) transaction: transaction::Statements,
     complete: String,
     release: String,
     renew: String,
@@ -108,6 +112,7 @@ impl Statements {
         let t = qualify(name);
         let sequence = qualify(&format!("{name}_token"));
         let index = format!("\"{name}_expires_at\"");
+        let function = qualify(&format!("{name}_claim_in_transaction"));
         Self {
             table,
             migrate: [
@@ -122,28 +127,10 @@ impl Statements {
                 ),
                 format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (expires_at)"),
                 format!("CREATE SEQUENCE IF NOT EXISTS {sequence}"),
+                transaction::Statements::function(&function, &t, &sequence),
             ],
-            // A live row is read first: a replay or a held key writes nothing. Otherwise the
-            // INSERT takes the key (absent, or its row expired). A row inserted by a
-            // concurrent claim after this statement's snapshot is in neither branch: `claim`
-            // then asks once more.
-            claim: format!(
-                "WITH live AS (\
-                    SELECT token, completed, fingerprint, value FROM {t} \
-                    WHERE key = $1 AND expires_at > now()), \
-                 claimed AS (\
-                    INSERT INTO {t} AS r (key, token, completed, fingerprint, value, expires_at) \
-                    SELECT $1, nextval('{sequence}'), false, $2, NULL, now() + $3 * interval '1 millisecond' \
-                    WHERE NOT EXISTS (SELECT 1 FROM live) \
-                    ON CONFLICT (key) DO UPDATE SET \
-                        token = EXCLUDED.token, completed = false, fingerprint = EXCLUDED.fingerprint, \
-                        value = NULL, expires_at = EXCLUDED.expires_at \
-                    WHERE r.expires_at <= now() \
-                    RETURNING r.token, r.completed, r.fingerprint, r.value) \
-                 SELECT true, token, completed, fingerprint, value FROM claimed \
-                 UNION ALL \
-                 SELECT false, token, completed, fingerprint, value FROM live"
-            ),
+            transaction: transaction::Statements::new(&function, &t),
+            claim: claim_query(&t, &sequence, "now()", ["$1", "$2", "$3"]),
             complete: format!(
                 "UPDATE {t} SET completed = true, value = $3, expires_at = now() + $4 * interval '1 millisecond' \
                  WHERE key = $1 AND token = $2 AND NOT completed AND expires_at > now()"
@@ -168,6 +155,34 @@ impl Statements {
             ),
         }
     }
+}
+
+/// The claim: one statement that returns the live row if there is one (a replay or a held
+/// key writes nothing), and otherwise takes the key (absent, or its row expired). A row
+/// inserted by a concurrent claim after this statement's snapshot is in neither branch:
+/// the statement then returns nothing, and is asked once more.
+///
+/// `now` is how the statement reads the clock, `params` the key, the fingerprint and the
+/// lease in milliseconds.
+fn claim_query(t: &str, sequence: &str, now: &str, params: [&str; 3]) -> String {
+    let [key, fingerprint, lease] = params;
+    format!(
+        "WITH live AS (\
+            SELECT token, completed, fingerprint, value FROM {t} \
+            WHERE key = {key} AND expires_at > {now}), \
+         claimed AS (\
+            INSERT INTO {t} AS r (key, token, completed, fingerprint, value, expires_at) \
+            SELECT {key}, nextval('{sequence}'), false, {fingerprint}, NULL, {now} + {lease} * interval '1 millisecond' \
+            WHERE NOT EXISTS (SELECT 1 FROM live) \
+            ON CONFLICT (key) DO UPDATE SET \
+                token = EXCLUDED.token, completed = false, fingerprint = EXCLUDED.fingerprint, \
+                value = NULL, expires_at = EXCLUDED.expires_at \
+            WHERE r.expires_at <= {now} \
+            RETURNING r.token, r.completed, r.fingerprint, r.value) \
+         SELECT true, token, completed, fingerprint, value FROM claimed \
+         UNION ALL \
+         SELECT false, token, completed, fingerprint, value FROM live"
+    )
 }
 
 /// A table or schema name: a plain identifier, so that it can never inject SQL.
@@ -302,6 +317,13 @@ impl PostgresStore {
     pub fn with_table(mut self, table: &str) -> Result<Self, Error> {
         self.sql = Arc::new(Statements::new(table)?);
         Ok(self)
+    }
+
+    /// The pool this store runs its statements on: begin the transactions of
+    /// [`Operation::run_in_transaction`](crate::Operation::run_in_transaction) on it, or on
+    /// any pool of the same database.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
     }
 
     /// The table this store uses.

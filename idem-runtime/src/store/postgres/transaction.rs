@@ -1,0 +1,401 @@
+//! Claims inside the caller's own PostgreSQL transaction: the claim, the body's writes and
+//! the record commit together, or not at all.
+//!
+//! What a call sends on the caller's connection, beside the caller's own statements:
+//!
+//! | outcome | statements |
+//! |---|---|
+//! | replay | the claim |
+//! | first execution, `Ok` | the claim, `SAVEPOINT`, the completion, `RELEASE SAVEPOINT` |
+//! | first execution, `Err` | the claim, `SAVEPOINT`, `ROLLBACK TO SAVEPOINT`, `RELEASE SAVEPOINT`, the claim's removal |
+//!
+//! The claim is one call of a function that [`PostgresStore::migrate`] creates beside the
+//! table: it sets `lock_timeout` for its own duration only (the caller's setting is back when
+//! it returns), so that waiting for a concurrent holder's transaction is bounded by the
+//! operation's wait timeout, or, with [`InFlight::Reject`], does not happen. A holder's
+//! uncommitted claim is invisible to everyone else; a duplicate's `INSERT` waits for the
+//! holder's transaction to end, then sees its committed record (a replay) or nothing (the
+//! holder rolled back: the duplicate claims). A crash needs no lease: the server rolls the
+//! holder's transaction back, and the key is free at once.
+//!
+//! The body runs under a savepoint taken after the claim, so that an `Err` rolls its writes
+//! back; the claim row, written before the savepoint, is then deleted. No statement commits:
+//! the caller decides, and until it commits no other caller can see the record.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use sqlx::postgres::PgRow;
+use sqlx::{PgConnection, Row};
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use super::{millis, parse_claim, token as bigint, PostgresStore};
+use crate::codec::{self, ErrorPolicy, Json};
+use crate::engine::attempt::{self, Attempt};
+use crate::engine::{backoff, check_fingerprint};
+use crate::{limits, Claim, Error, Fingerprint, InFlight, Key, Operation, Outcome, Token};
+
+/// The lock timeout of [`InFlight::Reject`]: long enough for a lock that is free, far too
+/// short for a holder's transaction.
+const REJECT_WITHIN: &str = "1ms";
+
+/// The statements of claims in a transaction, for one table.
+pub(in crate::store) struct Statements {
+    claim: String,
+    complete: String,
+    remove: String,
+}
+
+impl Statements {
+    /// The statements for `table`, whose claim function is `function`.
+    pub(super) fn new(function: &str, table: &str) -> Self {
+        Self {
+            claim: format!("SELECT * FROM {function}($1, $2, $3, $4)"),
+            // The row is this transaction's own, invisible to others until commit: no
+            // expiry to check. The TTL starts at the completion.
+            complete: format!(
+                "UPDATE {table} SET completed = true, value = $3, \
+                 expires_at = clock_timestamp() + $4 * interval '1 millisecond' \
+                 WHERE key = $1 AND token = $2 AND NOT completed"
+            ),
+            remove: format!("DELETE FROM {table} WHERE key = $1 AND token = $2 AND NOT completed"),
+        }
+    }
+
+    /// The claim function: the store's claim with the transaction's clock
+    /// (`clock_timestamp()`, as `now()` is when the transaction began), under its own
+    /// `lock_timeout`. A lock wait that runs out returns a row without a token: busy.
+    pub(super) fn function(function: &str, table: &str, sequence: &str) -> String {
+        let claim = super::claim_query(
+            table,
+            sequence,
+            "clock_timestamp()",
+            ["p_key", "p_fingerprint", "p_lease"],
+        );
+        format!(
+            "CREATE OR REPLACE FUNCTION {function}(\
+                p_key bytea, p_fingerprint bytea, p_lease bigint, p_lock_timeout text) \
+             RETURNS TABLE (acquired boolean, token bigint, completed boolean, fingerprint bytea, value bytea) \
+             LANGUAGE plpgsql SET lock_timeout = 0 AS $idem$\n\
+             #variable_conflict use_column\n\
+             BEGIN\n\
+                 PERFORM set_config('lock_timeout', p_lock_timeout, true);\n\
+                 FOR attempt IN 1..1000 LOOP\n\
+                     BEGIN\n\
+                         RETURN QUERY {claim};\n\
+                     EXCEPTION WHEN lock_not_available THEN\n\
+                         RETURN QUERY SELECT false, NULL::bigint, false, NULL::bytea, NULL::bytea;\n\
+                     END;\n\
+                     IF FOUND THEN RETURN; END IF;\n\
+                 END LOOP;\n\
+                 RAISE EXCEPTION 'idem: the claim of a key did not settle after 1000 attempts';\n\
+             END\n\
+             $idem$"
+        )
+    }
+}
+
+/// What the claim in a transaction found.
+enum Found {
+    Claim(Claim),
+    /// Another transaction holds the key, and the lock wait ran out.
+    Busy,
+}
+
+impl<P> Operation<P> {
+    /// Runs `body` at most once per `key`, inside the caller's transaction on `connection`:
+    /// the key is claimed in it, `body` runs in it (it is handed the connection), and the
+    /// result is recorded in it. The body's writes and the record commit together when the
+    /// caller commits, or not at all.
+    ///
+    /// - A replay is one statement and never runs the body.
+    /// - `Ok` is recorded (for the TTL) but not committed: the caller commits. A caller that
+    ///   rolls back leaves nothing, and the next call runs.
+    /// - `Err` (unless the error policy records it) rolls the body's writes and the claim
+    ///   back together, to a savepoint; the caller's transaction stays usable.
+    /// - A concurrent call in another transaction waits for this one to end, then replays
+    ///   its result, or runs if it rolled back: with [`InFlight::Wait`] for at most the wait
+    ///   timeout (the lease by default), with [`InFlight::Reject`] not at all. No caller is
+    ///   ever handed a result whose transaction has not committed.
+    /// - A crash needs no lease: the server rolls the transaction back and the key is free.
+    ///
+    /// Records of calls in transactions and of [`run`](Self::run) on the same
+    /// [`PostgresStore`] share its table and honour each other.
+    ///
+    /// ```no_run
+    /// use idem_runtime::{Operation, PostgresStore};
+    ///
+    /// # async fn transfer(store: &PostgresStore) -> Result<(), idem_runtime::Error> {
+    /// let op = Operation::new("ledger.transfer.v1");
+    /// let key = op.key(&"transfer-42")?;
+    /// let mut tx = store.pool().begin().await.map_err(idem_runtime::Error::store)?;
+    /// let moved = op
+    ///     .run_in_transaction(store, &mut tx, &key, None, async |tx| {
+    ///         sqlx::query("UPDATE accounts SET balance = balance - 100 WHERE id = 1")
+    ///             .execute(&mut *tx)
+    ///             .await
+    ///             .map_err(idem_runtime::Error::store)?;
+    ///         Ok::<_, idem_runtime::Error>(100_u64)
+    ///     })
+    ///     .await?;
+    /// tx.commit().await.map_err(idem_runtime::Error::store)?;
+    /// # let _ = moved;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Isolation levels
+    ///
+    /// Under `READ COMMITTED` (PostgreSQL's default) a duplicate waits and replays. Under
+    /// `REPEATABLE READ` and `SERIALIZABLE`, a duplicate whose transaction began before the
+    /// holder committed cannot see the record: PostgreSQL refuses its claim with a
+    /// serialization failure, returned as [`Error::Store`], and its transaction must be
+    /// retried (it then replays). Never does a duplicate run the body.
+    ///
+    /// # Cancellation
+    ///
+    /// If this future is dropped mid-body, the savepoint stays open on the connection. A
+    /// caller that then rolls back leaves nothing; one that commits anyway commits the
+    /// body's writes so far and a claim that, like a crashed holder's, lapses after the
+    /// lease.
+    ///
+    /// # Errors
+    ///
+    /// `body`'s own errors, and [`Error`]s converted with `E: From<Error>`:
+    /// [`Error::InProgress`] (the key is held by another transaction past the wait, or by
+    /// this call's own enclosing call), [`Error::PayloadMismatch`], [`Error::Store`] and
+    /// [`Error::Codec`]. After an [`Error::Store`] the transaction may be aborted: roll it
+    /// back.
+    pub async fn run_in_transaction<T, E, F>(
+        &self,
+        store: &PostgresStore,
+        connection: &mut PgConnection,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        body: F,
+    ) -> Result<Outcome<T>, E>
+    where
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+        P: ErrorPolicy<E>,
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+    {
+        let span = self.span(key);
+        async {
+            let token = match self.settle_in(store, connection, key, fingerprint).await? {
+                Ok(record) => return self.replay::<Json, _, _>(&record),
+                Err(token) => token,
+            };
+            let tx = InTransaction {
+                store,
+                key,
+                token,
+            };
+            if let Err(err) = tx.execute(connection, "SAVEPOINT idem").await {
+                tx.remove(connection).await;
+                return Err(err.into());
+            }
+            let attempt = Attempt::enter(store, *key, token);
+            let result = attempt.scope(body(&mut *connection)).await;
+            let recorded = match result {
+                Ok(value) => match codec::encode_value::<Json, T>(&value) {
+                    Ok(record) => tx.complete(connection, record, self.ttl).await.map(|()| Ok(value)),
+                    Err(codec) => {
+                        tracing::error!(outcome = "released", error = %codec, "the result cannot be recorded");
+                        Err(codec)
+                    }
+                },
+                Err(err) => match self.errors.encode(&err) {
+                    Some(Ok(record)) => tx.complete(connection, record, self.ttl).await.map(|()| Err(err)),
+                    Some(Err(codec)) => {
+                        tracing::error!(outcome = "released", error = %codec, "the final error cannot be recorded");
+                        tx.roll_back(connection).await;
+                        return Err(err);
+                    }
+                    None => {
+                        tracing::debug!(outcome = "released", "the body failed; its writes are rolled back");
+                        tx.roll_back(connection).await;
+                        return Err(err);
+                    }
+                },
+            };
+            match recorded {
+                Ok(outcome) => {
+                    tracing::debug!(outcome = "executed", "recorded in the caller's transaction");
+                    outcome.map(Outcome::Executed)
+                }
+                Err(err) => {
+                    tx.roll_back(connection).await;
+                    Err(err.into())
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Claims `key` in the transaction: the record to replay, or the token of the claim.
+    async fn settle_in(
+        &self,
+        store: &PostgresStore,
+        connection: &mut PgConnection,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<Result<Bytes, Token>, Error> {
+        limits::check(self.ttl, self.lease, self.wait_timeout)?;
+        // Before any statement: the enclosing call's uncommitted claim would make a claim on
+        // another connection wait for the very transaction that waits for it.
+        attempt::refuse_recursion(store, key)?;
+        let wait = self.wait_timeout.unwrap_or(self.lease);
+        let lock_timeout = match self.in_flight {
+            InFlight::Reject => REJECT_WITHIN.to_string(),
+            _ => format!("{}ms", millis(wait)),
+        };
+        let deadline = Instant::now() + wait;
+        let mut polls = 0;
+        loop {
+            let row = within(
+                store.timeout + wait,
+                sqlx::query(&store.sql.transaction.claim)
+                    .bind(&key.as_bytes()[..])
+                    .bind(fingerprint.map(|f| &f.as_bytes()[..]))
+                    .bind(millis(self.lease))
+                    .bind(&lock_timeout)
+                    .fetch_one(&mut *connection),
+            )
+            .await?;
+            let holder = match found(&row)? {
+                Found::Claim(Claim::Acquired { token }) => return Ok(Err(token)),
+                Found::Claim(Claim::Completed {
+                    value,
+                    fingerprint: recorded,
+                }) => {
+                    check_fingerprint(recorded.as_ref(), fingerprint)?;
+                    tracing::debug!(outcome = "replayed");
+                    return Ok(Ok(value));
+                }
+                Found::Busy => {
+                    tracing::debug!(outcome = "rejected", "another transaction holds the key");
+                    return Err(Error::InProgress);
+                }
+                Found::Claim(Claim::InProgress { fingerprint }) => fingerprint,
+            };
+            // Held by a committed claim of `run` (a lease), not by a transaction: poll.
+            check_fingerprint(holder.as_ref(), fingerprint)?;
+            let now = Instant::now();
+            if self.in_flight == InFlight::Reject || now >= deadline {
+                tracing::debug!(outcome = "rejected");
+                return Err(Error::InProgress);
+            }
+            tokio::time::sleep_until(deadline.min(now + backoff(polls))).await;
+            polls += 1;
+        }
+    }
+}
+
+/// A claim taken in the caller's transaction, and what can still be done with it.
+struct InTransaction<'a> {
+    store: &'a PostgresStore,
+    key: &'a Key,
+    token: Token,
+}
+
+impl InTransaction<'_> {
+    async fn execute(&self, connection: &mut PgConnection, statement: &str) -> Result<(), Error> {
+        within(
+            self.store.timeout,
+            sqlx::query(statement).execute(&mut *connection),
+        )
+        .await
+        .map(drop)
+    }
+
+    /// Records the result, and keeps the body's writes (releases the savepoint).
+    async fn complete(
+        &self,
+        connection: &mut PgConnection,
+        record: Bytes,
+        ttl: Duration,
+    ) -> Result<(), Error> {
+        let done = within(
+            self.store.timeout,
+            sqlx::query(&self.store.sql.transaction.complete)
+                .bind(&self.key.as_bytes()[..])
+                .bind(bigint(self.token)?)
+                .bind(&record[..])
+                .bind(millis(ttl))
+                .execute(&mut *connection),
+        )
+        .await?;
+        if done.rows_affected() != 1 {
+            return Err(Error::store(
+                "the claim in this transaction is gone: was the savepoint rolled back?",
+            ));
+        }
+        self.execute(connection, "RELEASE SAVEPOINT idem").await
+    }
+
+    /// Rolls the body's writes back to the savepoint, then deletes the claim. Failures are
+    /// logged: the transaction is then unusable, and the caller's commit fails with it.
+    async fn roll_back(&self, connection: &mut PgConnection) {
+        for statement in ["ROLLBACK TO SAVEPOINT idem", "RELEASE SAVEPOINT idem"] {
+            if let Err(err) = self.execute(connection, statement).await {
+                tracing::error!(error = %err, "rolling back to the claim's savepoint failed; roll the transaction back");
+                return;
+            }
+        }
+        self.remove(connection).await;
+    }
+
+    /// Deletes the claim from the transaction.
+    async fn remove(&self, connection: &mut PgConnection) {
+        let removed = async {
+            within(
+                self.store.timeout,
+                sqlx::query(&self.store.sql.transaction.remove)
+                    .bind(&self.key.as_bytes()[..])
+                    .bind(bigint(self.token)?)
+                    .execute(&mut *connection),
+            )
+            .await
+        };
+        if let Err(err) = removed.await {
+            tracing::error!(error = %err, "removing the claim from the transaction failed; roll the transaction back");
+        }
+    }
+}
+
+fn found(row: &PgRow) -> Result<Found, Error> {
+    let token: Option<i64> = row.try_get(1).map_err(Error::store)?;
+    if token.is_none() {
+        return Ok(Found::Busy);
+    }
+    parse_claim(row).map(Found::Claim)
+}
+
+/// Runs a statement under `timeout`; a serialization failure says what it means here.
+async fn within<T>(
+    timeout: Duration,
+    operation: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, Error> {
+    match tokio::time::timeout(timeout, operation).await {
+        Ok(Ok(done)) => Ok(done),
+        Ok(Err(err)) if is_serialization_failure(&err) => Err(Error::store(format!(
+            "{err}: under REPEATABLE READ or SERIALIZABLE, a concurrent call committed this key \
+             after the transaction began; roll back and retry the transaction (it will replay)"
+        ))),
+        Ok(Err(err)) => Err(Error::store(err)),
+        Err(_) => Err(Error::store(format!(
+            "postgresql did not answer within {timeout:?}; roll the transaction back"
+        ))),
+    }
+}
+
+fn is_serialization_failure(err: &sqlx::Error) -> bool {
+    err.as_database_error()
+        .and_then(|db| db.code())
+        .is_some_and(|code| code == "40001")
+}
