@@ -31,6 +31,9 @@
 //! - [`Operation`]: runs a future at most once per key, with its policies.
 //! - [`Error`]: why a call did not produce a value of its own.
 //! - `http` (feature `http`): the `Idempotency-Key` header as a tower layer.
+//! - [`Operation::run_in_transaction`] (feature `postgres`): the claim, the body's writes and
+//!   the record in the caller's own PostgreSQL transaction, committed together.
+//! - [`attempt()`]: the key and fencing token of the claim a body runs under.
 //!
 //! See the repository README for the guarantees and how each is tested.
 
