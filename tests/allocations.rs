@@ -75,3 +75,14 @@ fn maps_are_the_one_place_that_allocates() {
     let (n, _) = allocations(|| Key::derive("ns", &map));
     assert!(n > 0, "sorting map entries needs a buffer");
 }
+
+#[test]
+fn cloning_an_operation_allocates_nothing_whatever_its_namespace() {
+    // A spawned body (`on_cancel = "complete"`, the HTTP layer) clones its operation.
+    let owned = idem_runtime::Operation::new(format!("tenant-{}.charge.v1", 42));
+    let fixed = idem_runtime::Operation::new("billing.charge.v1");
+    let (n, clones) = allocations(|| (owned.clone(), fixed.clone()));
+    assert_eq!(n, 0, "cloning an operation allocated");
+    assert_eq!(clones.0.namespace(), "tenant-42.charge.v1");
+    assert_eq!(clones.1.namespace(), "billing.charge.v1");
+}

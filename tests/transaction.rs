@@ -386,6 +386,30 @@ async fn a_duplicate_waits_for_the_commit_and_replays_never_an_uncommitted_resul
 }
 
 #[tokio::test]
+async fn a_waiting_duplicate_gives_up_at_its_wait_timeout() {
+    let Some(store) = store().await else { return };
+    let op = Operation::new(namespace("wait_timeout"));
+    let key = op.key(&"w-3").unwrap();
+    let holder = hold(&store, &op, &key, 1).await;
+    let patient = op.clone().wait_timeout(Duration::from_millis(300));
+    let mut tx = store.pool().begin().await.unwrap();
+    let started = Instant::now();
+    let given_up = patient
+        .run_in_transaction(&store, &mut tx, &key, None, async |_| Ok::<u32, Error>(2))
+        .await;
+    let waited = started.elapsed();
+    println!("gave up after {waited:?} (wait timeout 300 ms)");
+    assert!(matches!(given_up, Err(Error::InProgress)), "{given_up:?}");
+    // The server's lock timeout, not a client-side cut: at least the wait, and the
+    // transaction is still usable.
+    assert!(waited >= Duration::from_millis(300), "{waited:?}");
+    assert!(waited < Duration::from_secs(10), "bounded: {waited:?}");
+    sqlx::query("SELECT 1").execute(&mut *tx).await.unwrap();
+    tx.rollback().await.unwrap();
+    holder.rollback().await.unwrap();
+}
+
+#[tokio::test]
 async fn a_duplicate_runs_when_the_holder_rolls_back() {
     let Some(store) = store().await else { return };
     let op = Operation::new(namespace("wait_rollback"));
@@ -854,4 +878,41 @@ async fn a_body_calling_its_own_key_fails_at_once() {
         elapsed < Duration::from_millis(100),
         "at once, not after the lease: {elapsed:?}"
     );
+}
+
+#[tokio::test]
+async fn a_store_migrated_before_transactions_existed_says_to_migrate() {
+    let Some(store) = store().await else { return };
+    let table = namespace("unmigrated").replace('.', "_");
+    let store = store.with_table(&table).unwrap();
+    store.migrate().await.unwrap();
+    // What a table created by an earlier version of idem lacks.
+    sqlx::query(&format!("DROP FUNCTION \"{table}_claim_in_transaction\""))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let op = Operation::new(namespace("unmigrated"));
+    let key = op.key(&"u-1").unwrap();
+    let mut tx = store.pool().begin().await.unwrap();
+    let refused = op
+        .run_in_transaction(&store, &mut tx, &key, None, async |_| Ok::<u32, Error>(1))
+        .await;
+    tx.rollback().await.unwrap();
+    match refused {
+        Err(Error::Store(e)) => assert!(e.to_string().contains("migrate()"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+    store.migrate().await.unwrap(); // and migrating again is all it takes
+    let mut tx = store.pool().begin().await.unwrap();
+    let ran = op
+        .run_in_transaction(&store, &mut tx, &key, None, async |_| Ok::<u32, Error>(1))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(ran, Outcome::Executed(1));
+    let _ = sqlx::raw_sql(&format!(
+        "DROP TABLE \"{table}\"; DROP SEQUENCE \"{table}_token\"; DROP FUNCTION \"{table}_claim_in_transaction\""
+    ))
+    .execute(store.pool())
+    .await;
 }

@@ -6,6 +6,7 @@ mod held;
 use std::borrow::Cow;
 use std::future::Future;
 use std::hash::BuildHasher;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -95,7 +96,7 @@ impl<T> Outcome<T> {
 /// ```
 #[derive(Clone, Debug)]
 pub struct Operation<P = ReleaseErrors> {
-    pub(crate) namespace: Cow<'static, str>,
+    pub(crate) namespace: Namespace,
     pub(crate) ttl: Duration,
     pub(crate) lease: Duration,
     pub(crate) in_flight: InFlight,
@@ -108,7 +109,7 @@ impl Operation {
     /// every key, so that renaming code never resets keys and two operations never share them.
     pub fn new(namespace: impl Into<Cow<'static, str>>) -> Self {
         Self {
-            namespace: namespace.into(),
+            namespace: Namespace::from(namespace.into()),
             ttl: DEFAULT_TTL,
             lease: DEFAULT_LEASE,
             in_flight: InFlight::Wait,
@@ -176,7 +177,7 @@ impl<P> Operation<P> {
     /// The same operation under another namespace.
     #[cfg(feature = "http")]
     pub(crate) fn renamed(mut self, namespace: impl Into<Cow<'static, str>>) -> Self {
-        self.namespace = namespace.into();
+        self.namespace = Namespace::from(namespace.into());
         self
     }
 
@@ -318,7 +319,7 @@ impl<P> Operation<P> {
 
     /// The span of one call: the namespace and a short digest of the key, never its value.
     pub(crate) fn span(&self, key: &Key) -> tracing::Span {
-        tracing::debug_span!("idempotent", namespace = %self.namespace, key = %key.short())
+        tracing::debug_span!("idempotent", namespace = %&*self.namespace, key = %key.short())
     }
 
     /// Claims the key, or waits until there is a result to replay or a claim to take.
@@ -470,8 +471,36 @@ impl<P> Operation<P> {
     }
 }
 
-/// What [`Operation::settle`] ended with.
-enum Settled {
+/// An operation's name: a static string, or a shared one, so that cloning an operation (as
+/// every spawned body does) never allocates.
+#[derive(Clone, Debug)]
+pub(crate) enum Namespace {
+    Static(&'static str),
+    Shared(Arc<str>),
+}
+
+impl From<Cow<'static, str>> for Namespace {
+    fn from(name: Cow<'static, str>) -> Self {
+        match name {
+            Cow::Borrowed(name) => Self::Static(name),
+            Cow::Owned(name) => Self::Shared(name.into()),
+        }
+    }
+}
+
+impl std::ops::Deref for Namespace {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        match self {
+            Self::Static(name) => name,
+            Self::Shared(name) => name,
+        }
+    }
+}
+
+/// What settling a claim ended with: a record to replay, or the claim's token to run under.
+pub(crate) enum Settled {
     Replay(Bytes),
     Run(Token),
 }

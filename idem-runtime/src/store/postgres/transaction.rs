@@ -35,7 +35,7 @@ use tracing::Instrument;
 use super::{millis, parse_claim, token as bigint, PostgresStore};
 use crate::codec::{self, ErrorPolicy, Json};
 use crate::engine::attempt::{self, Attempt};
-use crate::engine::{backoff, check_fingerprint};
+use crate::engine::{backoff, check_fingerprint, Settled};
 use crate::{limits, Claim, Error, Fingerprint, InFlight, Key, Operation, Outcome, Token};
 
 /// The lock timeout of [`InFlight::Reject`]: long enough for a lock that is free, far too
@@ -186,8 +186,8 @@ impl<P> Operation<P> {
         let span = self.span(key);
         async {
             let token = match self.settle_in(store, connection, key, fingerprint).await? {
-                Ok(record) => return self.replay::<Json, _, _>(&record),
-                Err(token) => token,
+                Settled::Replay(record) => return self.replay::<Json, _, _>(&record),
+                Settled::Run(token) => token,
             };
             let tx = InTransaction {
                 store,
@@ -244,7 +244,7 @@ impl<P> Operation<P> {
         connection: &mut PgConnection,
         key: &Key,
         fingerprint: Option<&Fingerprint>,
-    ) -> Result<Result<Bytes, Token>, Error> {
+    ) -> Result<Settled, Error> {
         limits::check(self.ttl, self.lease, self.wait_timeout)?;
         // Before any statement: the enclosing call's uncommitted claim would make a claim on
         // another connection wait for the very transaction that waits for it.
@@ -268,14 +268,14 @@ impl<P> Operation<P> {
             )
             .await?;
             let holder = match found(&row)? {
-                Found::Claim(Claim::Acquired { token }) => return Ok(Err(token)),
+                Found::Claim(Claim::Acquired { token }) => return Ok(Settled::Run(token)),
                 Found::Claim(Claim::Completed {
                     value,
                     fingerprint: recorded,
                 }) => {
                     check_fingerprint(recorded.as_ref(), fingerprint)?;
                     tracing::debug!(outcome = "replayed");
-                    return Ok(Ok(value));
+                    return Ok(Settled::Replay(value));
                 }
                 Found::Busy => {
                     tracing::debug!(outcome = "rejected", "another transaction holds the key");
@@ -376,26 +376,30 @@ fn found(row: &PgRow) -> Result<Found, Error> {
     parse_claim(row).map(Found::Claim)
 }
 
-/// Runs a statement under `timeout`; a serialization failure says what it means here.
+/// Runs a statement under `timeout`; the failures a caller can act on say how.
 async fn within<T>(
     timeout: Duration,
     operation: impl std::future::Future<Output = Result<T, sqlx::Error>>,
 ) -> Result<T, Error> {
-    match tokio::time::timeout(timeout, operation).await {
-        Ok(Ok(done)) => Ok(done),
-        Ok(Err(err)) if is_serialization_failure(&err) => Err(Error::store(format!(
+    let err = match tokio::time::timeout(timeout, operation).await {
+        Ok(Ok(done)) => return Ok(done),
+        Ok(Err(err)) => err,
+        Err(_) => {
+            return Err(Error::store(format!(
+                "postgresql did not answer within {timeout:?}; roll the transaction back"
+            )))
+        }
+    };
+    let code = err.as_database_error().and_then(|db| db.code());
+    Err(match code.as_deref() {
+        Some("40001") => Error::store(format!(
             "{err}: under REPEATABLE READ or SERIALIZABLE, a concurrent call committed this key \
              after the transaction began; roll back and retry the transaction (it will replay)"
-        ))),
-        Ok(Err(err)) => Err(Error::store(err)),
-        Err(_) => Err(Error::store(format!(
-            "postgresql did not answer within {timeout:?}; roll the transaction back"
-        ))),
-    }
-}
-
-fn is_serialization_failure(err: &sqlx::Error) -> bool {
-    err.as_database_error()
-        .and_then(|db| db.code())
-        .is_some_and(|code| code == "40001")
+        )),
+        Some("42883") => Error::store(format!(
+            "{err}: the claim function is missing; run `PostgresStore::migrate()`, which \
+             creates it beside the table"
+        )),
+        _ => Error::store(err),
+    })
 }
