@@ -473,7 +473,7 @@ impl<P> Operation<P> {
 
 /// An operation's name: a static string, or a shared one, so that cloning an operation (as
 /// every spawned body does) never allocates.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub(crate) enum Namespace {
     Static(&'static str),
     Shared(Arc<str>),
@@ -485,6 +485,12 @@ impl From<Cow<'static, str>> for Namespace {
             Cow::Borrowed(name) => Self::Static(name),
             Cow::Owned(name) => Self::Shared(name.into()),
         }
+    }
+}
+
+impl std::fmt::Debug for Namespace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&**self, f)
     }
 }
 

@@ -189,7 +189,7 @@ impl<P> Operation<P> {
                 Settled::Replay(record) => return self.replay::<Json, _, _>(&record),
                 Settled::Run(token) => token,
             };
-            let tx = InTransaction {
+            let tx = Claimed {
                 store,
                 key,
                 token,
@@ -297,13 +297,13 @@ impl<P> Operation<P> {
 }
 
 /// A claim taken in the caller's transaction, and what can still be done with it.
-struct InTransaction<'a> {
+struct Claimed<'a> {
     store: &'a PostgresStore,
     key: &'a Key,
     token: Token,
 }
 
-impl InTransaction<'_> {
+impl Claimed<'_> {
     async fn execute(&self, connection: &mut PgConnection, statement: &str) -> Result<(), Error> {
         within(
             self.store.timeout,
