@@ -916,3 +916,56 @@ async fn a_store_migrated_before_transactions_existed_says_to_migrate() {
     .execute(store.pool())
     .await;
 }
+
+#[tokio::test]
+async fn a_connection_killed_mid_body_leaves_nothing_and_the_retry_runs() {
+    let Some(store) = store().await else { return };
+    let ledger = Ledger::new(store.pool().clone(), "killed").await;
+    let op = Operation::new(namespace("killed"));
+    let key = op.key(&"k-1").unwrap();
+
+    // The server ends the holder's session after its writes, before the completion: a
+    // failover, an admin's `pg_terminate_backend`, a network cut.
+    let mut conn = PgConnection::connect(&idem_tests::postgres_url())
+        .await
+        .unwrap();
+    let mut tx = conn.begin().await.unwrap();
+    let killed = op
+        .run_in_transaction(&store, &mut tx, &key, None, async |tx| {
+            let written = ledger.transfer(tx, "k-1", 0).await?;
+            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(Error::store)?;
+            sqlx::query("SELECT pg_terminate_backend($1)")
+                .bind(pid)
+                .execute(store.pool())
+                .await
+                .map_err(Error::store)?;
+            Ok::<_, Error>(written)
+        })
+        .await;
+    assert!(matches!(killed, Err(Error::Store(_))), "{killed:?}");
+    assert!(tx.commit().await.is_err(), "the session is gone");
+    assert_eq!(
+        ledger.journal_lines("k-1").await,
+        0,
+        "nothing of it was committed"
+    );
+    assert!(!recorded(&store, &key).await);
+
+    let mut tx = store.pool().begin().await.unwrap();
+    let retried = op
+        .run_in_transaction(&store, &mut tx, &key, None, async |tx| {
+            ledger.transfer(tx, "k-1", 1).await
+        })
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert!(
+        matches!(retried, Outcome::Executed(_)),
+        "the retry runs at once"
+    );
+    assert_eq!(ledger.journal_lines("k-1").await, 1);
+    ledger.drop_tables().await;
+}
