@@ -708,29 +708,55 @@ async fn statements_counted_by_pg_stat_statements() {
         let from = log.find(&start).expect("the start mark is logged");
         let to = log[from..].find(&end).expect("the end mark is logged") + from;
         let to = log[..to].rfind('\n').unwrap_or(to); // the end mark's line is not counted
+                                                      // A simple-protocol message ("statement: A; B") may carry several statements; an
+                                                      // extended-protocol one ("execute <name>: A") carries one.
         let statements: Vec<String> = log[from..to]
             .lines()
             .skip(1) // the rest of the start mark's line
-            .filter_map(|line| {
-                let (_, statement) = line.split_once("LOG:  statement: ").or_else(|| {
-                    line.split_once("LOG:  execute ")
-                        .map(|(a, b)| (a, b.split_once(": ").map_or(b, |(_, s)| s)))
-                })?;
-                Some(statement.to_string())
+            .flat_map(|line| {
+                let statements: Vec<&str> = match line.split_once("LOG:  statement: ") {
+                    Some((_, simple)) => simple.split(';').map(str::trim).collect(),
+                    None => line
+                        .split_once("LOG:  execute ")
+                        .map(|(_, b)| b.split_once(": ").map_or(b, |(_, s)| s))
+                        .into_iter()
+                        .collect(),
+                };
+                statements
+                    .into_iter()
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_string)
+                    .collect::<Vec<_>>()
             })
             .filter(|statement| !statement.contains("idem-count-"))
             .collect();
-        (outcome, statements)
+        // One logged line per message, that is per round trip (the end mark's excluded).
+        let messages = log[from..to]
+            .lines()
+            .skip(1)
+            .filter(|line| line.contains("LOG:  statement: ") || line.contains("LOG:  execute "))
+            .count();
+        (outcome, statements, messages)
     };
 
     // A first execution: the caller's BEGIN, two UPDATEs, an INSERT and COMMIT (5), plus ours.
     reset(&mut conn).await;
-    let (outcome, statements) = logged(&mut conn, "first", "first").await;
+    let (outcome, statements, messages) = logged(&mut conn, "first", "first").await;
     assert!(matches!(outcome, Outcome::Executed(_)));
     println!("first execution, as logged: {statements:#?}");
     assert!(
         statements.len() <= 5 + 4,
         "at most the caller's 5 plus 4: {statements:#?}"
+    );
+    assert_eq!(
+        statements.len(),
+        5 + 3,
+        "as documented: savepoint, claim, completion"
+    );
+    assert_eq!(
+        messages,
+        5 + 2,
+        "two round trips of its own: {statements:#?}"
     );
     assert_eq!(
         statements
@@ -747,12 +773,17 @@ async fn statements_counted_by_pg_stat_statements() {
 
     // A replay: the caller's BEGIN and COMMIT, plus ours; the body does not run.
     reset(&mut conn).await;
-    let (outcome, statements) = logged(&mut conn, "replay", "first").await;
+    let (outcome, statements, messages) = logged(&mut conn, "replay", "first").await;
     assert!(matches!(outcome, Outcome::Replayed(_)));
     println!("replay, as logged: {statements:#?}");
     assert!(
         statements.len() <= 2 + 2,
         "at most the caller's 2 plus 2: {statements:#?}"
+    );
+    assert_eq!(
+        messages,
+        2 + 1,
+        "one round trip of its own: {statements:#?}"
     );
     let replay = counted(&mut conn).await;
     let calls: i64 = replay.iter().map(|(_, calls)| calls).sum();
@@ -968,4 +999,23 @@ async fn a_connection_killed_mid_body_leaves_nothing_and_the_retry_runs() {
     );
     assert_eq!(ledger.journal_lines("k-1").await, 1);
     ledger.drop_tables().await;
+}
+
+#[tokio::test]
+async fn a_connection_outside_a_transaction_is_refused_and_nothing_is_claimed() {
+    let Some(store) = store().await else { return };
+    let op = Operation::new(namespace("no_transaction"));
+    let key = op.key(&"n-1").unwrap();
+    let mut conn = store.pool().acquire().await.unwrap();
+    let refused = op
+        .run_in_transaction(&store, &mut conn, &key, None, async |_| Ok::<u32, Error>(1))
+        .await;
+    match refused {
+        Err(Error::Store(e)) => assert!(e.to_string().contains("begin one"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        !recorded(&store, &key).await,
+        "no claim was made, let alone committed"
+    );
 }

@@ -9,7 +9,7 @@ use std::future::Future;
 use std::hint::black_box;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -35,8 +35,9 @@ impl From<Error> for BenchError {
     }
 }
 
-/// Unique keys for paths that need a fresh key per iteration.
-static NEXT: AtomicU64 = AtomicU64::new(1);
+/// Fresh keys for paths that need one per iteration, unique across runs too (see
+/// `common::run_start`).
+static NEXT: LazyLock<AtomicU64> = LazyLock::new(|| AtomicU64::new(common::run_start()));
 
 fn fresh() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)

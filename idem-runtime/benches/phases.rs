@@ -10,6 +10,7 @@
 use std::future::Future;
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
 use idem_runtime::{Claim, Error, Operation, PostgresStore, RedisStore, Store, Token};
@@ -21,7 +22,7 @@ use self::interleaved::{Ratio, Side};
 mod common;
 mod interleaved;
 
-static NEXT: AtomicU64 = AtomicU64::new(1 << 50);
+static NEXT: LazyLock<AtomicU64> = LazyLock::new(|| AtomicU64::new(common::run_start()));
 
 fn fresh() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)

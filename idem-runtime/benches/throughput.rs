@@ -13,7 +13,7 @@
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Instant;
 
 use idem_runtime::{Error, Operation, PostgresStore, RedisStore, Store};
@@ -31,7 +31,8 @@ const REPLAYED: u64 = 1 << 40;
 /// How many keys the replay rounds read.
 const RECORDED: u64 = CALLERS * PER_CALLER;
 
-static NEXT: AtomicU64 = AtomicU64::new(1);
+/// Fresh numbers, unique across runs (see `common::run_start`).
+static NEXT: LazyLock<AtomicU64> = LazyLock::new(|| AtomicU64::new(common::run_start()));
 
 /// Operations per second of 64 callers each running `op` on `PER_CALLER` fresh numbers.
 async fn ops_per_second<F, Fut>(op: F) -> f64

@@ -3,11 +3,19 @@
 //!
 //! What a call sends on the caller's connection, beside the caller's own statements:
 //!
-//! | outcome | statements |
-//! |---|---|
-//! | replay | the claim |
-//! | first execution, `Ok` | the claim, `SAVEPOINT`, the completion, `RELEASE SAVEPOINT` |
-//! | first execution, `Err` | the claim, `SAVEPOINT`, `ROLLBACK TO SAVEPOINT`, `RELEASE SAVEPOINT`, the claim's removal |
+//! | outcome | statements | round trips |
+//! |---|---|---|
+//! | replay | `SAVEPOINT`, the claim | 1 |
+//! | first execution, `Ok` | `SAVEPOINT`, the claim, the completion | 2 |
+//! | first execution, `Err` | `SAVEPOINT`, the claim, `ROLLBACK TO SAVEPOINT` | 2 |
+//!
+//! The savepoint comes first, in the same message as the claim (the simple query protocol,
+//! the claim's arguments written as literals: bytes in hex and numbers, all of them the
+//! runtime's own). Everything the call writes, the claim and the body's writes, is inside
+//! it, so an `Err` is one `ROLLBACK TO SAVEPOINT` away from leaving nothing, and a failed
+//! claim (a serialization failure, say) leaves the caller's transaction usable. The savepoint
+//! is not released: it ends with the caller's transaction, which commits or rolls back
+//! everything in it.
 //!
 //! The claim is one call of a function that [`PostgresStore::migrate`] creates beside the
 //! table: it sets `lock_timeout` for its own duration only (the caller's setting is back when
@@ -16,11 +24,8 @@
 //! uncommitted claim is invisible to everyone else; a duplicate's `INSERT` waits for the
 //! holder's transaction to end, then sees its committed record (a replay) or nothing (the
 //! holder rolled back: the duplicate claims). A crash needs no lease: the server rolls the
-//! holder's transaction back, and the key is free at once.
-//!
-//! The body runs under a savepoint taken after the claim, so that an `Err` rolls its writes
-//! back; the claim row, written before the savepoint, is then deleted. No statement commits:
-//! the caller decides, and until it commits no other caller can see the record.
+//! holder's transaction back, and the key is free at once. No statement commits: the caller
+//! decides, and until it commits no other caller can see the record.
 
 use std::time::Duration;
 
@@ -28,7 +33,7 @@ use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use sqlx::postgres::PgRow;
-use sqlx::{PgConnection, Row};
+use sqlx::PgConnection;
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -44,15 +49,16 @@ const REJECT_WITHIN: &str = "1ms";
 
 /// The statements of claims in a transaction, for one table.
 pub(in crate::store) struct Statements {
+    function: String,
     claim: String,
     complete: String,
-    remove: String,
 }
 
 impl Statements {
     /// The statements for `table`, whose claim function is `function`.
     pub(super) fn new(function: &str, table: &str) -> Self {
         Self {
+            function: function.to_string(),
             claim: format!("SELECT * FROM {function}($1, $2, $3, $4)"),
             // The row is this transaction's own, invisible to others until commit: no
             // expiry to check. The TTL starts at the completion.
@@ -61,13 +67,32 @@ impl Statements {
                  expires_at = clock_timestamp() + $4 * interval '1 millisecond' \
                  WHERE key = $1 AND token = $2 AND NOT completed"
             ),
-            remove: format!("DELETE FROM {table} WHERE key = $1 AND token = $2 AND NOT completed"),
         }
+    }
+
+    /// The first claim of a call: its savepoint, then the claim, in one message. The
+    /// arguments are literals: the key and the fingerprint in hex, the numbers as digits.
+    fn savepoint_and_claim(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: i64,
+        lock_timeout: &str,
+    ) -> String {
+        let fingerprint = fingerprint.map_or("NULL".to_string(), |f| {
+            format!("decode('{}', 'hex')", hex(f.as_bytes()))
+        });
+        format!(
+            "SAVEPOINT idem; SELECT * FROM {}(decode('{}', 'hex'), {fingerprint}, {lease}, '{lock_timeout}')",
+            self.function,
+            hex(key.as_bytes()),
+        )
     }
 
     /// The claim function: the store's claim with the transaction's clock
     /// (`clock_timestamp()`, as `now()` is when the transaction began), under its own
-    /// `lock_timeout`. A lock wait that runs out returns a row without a token: busy.
+    /// `lock_timeout`. A lock wait that runs out fails the statement (`lock_not_available`),
+    /// and the caller rolls back to the savepoint the claim was sent after.
     pub(super) fn function(function: &str, table: &str, sequence: &str) -> String {
         let claim = super::claim_query(
             table,
@@ -84,11 +109,7 @@ impl Statements {
              BEGIN\n\
                  PERFORM set_config('lock_timeout', p_lock_timeout, true);\n\
                  FOR attempt IN 1..1000 LOOP\n\
-                     BEGIN\n\
-                         RETURN QUERY {claim};\n\
-                     EXCEPTION WHEN lock_not_available THEN\n\
-                         RETURN QUERY SELECT false, NULL::bigint, false, NULL::bytea, NULL::bytea;\n\
-                     END;\n\
+                     RETURN QUERY {claim};\n\
                      IF FOUND THEN RETURN; END IF;\n\
                  END LOOP;\n\
                  RAISE EXCEPTION 'idem: the claim of a key did not settle after 1000 attempts';\n\
@@ -98,20 +119,14 @@ impl Statements {
     }
 }
 
-/// What the claim in a transaction found.
-enum Found {
-    Claim(Claim),
-    /// Another transaction holds the key, and the lock wait ran out.
-    Busy,
-}
-
 impl<P> Operation<P> {
     /// Runs `body` at most once per `key`, inside the caller's transaction on `connection`:
     /// the key is claimed in it, `body` runs in it (it is handed the connection), and the
     /// result is recorded in it. The body's writes and the record commit together when the
     /// caller commits, or not at all.
     ///
-    /// - A replay is one statement and never runs the body.
+    /// - A replay is one round trip (`SAVEPOINT` and the claim) and never runs the body; a
+    ///   first execution is two (that, then the completion).
     /// - `Ok` is recorded (for the TTL) but not committed: the caller commits. A caller that
     ///   rolls back leaves nothing, and the next call runs.
     /// - `Err` (unless the error policy records it) rolls the body's writes and the claim
@@ -194,10 +209,6 @@ impl<P> Operation<P> {
                 key,
                 token,
             };
-            if let Err(err) = tx.execute(connection, "SAVEPOINT idem").await {
-                tx.remove(connection).await;
-                return Err(err.into());
-            }
             let attempt = Attempt::enter(store, *key, token);
             let result = attempt.scope(body(&mut *connection)).await;
             let recorded = match result {
@@ -255,33 +266,54 @@ impl<P> Operation<P> {
             _ => format!("{}ms", millis(wait)),
         };
         let deadline = Instant::now() + wait;
+        let statements = &store.sql.transaction;
         let mut polls = 0;
         loop {
-            let row = within(
-                store.timeout + wait,
-                sqlx::query(&store.sql.transaction.claim)
-                    .bind(&key.as_bytes()[..])
-                    .bind(fingerprint.map(|f| &f.as_bytes()[..]))
-                    .bind(millis(self.lease))
-                    .bind(&lock_timeout)
-                    .fetch_one(&mut *connection),
-            )
-            .await?;
-            let holder = match found(&row)? {
-                Found::Claim(Claim::Acquired { token }) => return Ok(Settled::Run(token)),
-                Found::Claim(Claim::Completed {
+            let claimed = if polls == 0 {
+                let first = statements.savepoint_and_claim(
+                    key,
+                    fingerprint,
+                    millis(self.lease),
+                    &lock_timeout,
+                );
+                within(store.timeout + wait, simple_query(&mut *connection, &first)).await
+            } else {
+                // Polls run inside the savepoint of the first claim, which wrote nothing.
+                within(
+                    store.timeout + wait,
+                    sqlx::query(&statements.claim)
+                        .bind(&key.as_bytes()[..])
+                        .bind(fingerprint.map(|f| &f.as_bytes()[..]))
+                        .bind(millis(self.lease))
+                        .bind(&lock_timeout)
+                        .fetch_one(&mut *connection),
+                )
+                .await
+            };
+            let row = match claimed {
+                Ok(row) => row,
+                Err(err) => {
+                    // Back to the savepoint, if it was taken (not without a transaction): the
+                    // caller's transaction stays usable after a refused claim.
+                    let _ = within(
+                        store.timeout,
+                        sqlx::query("ROLLBACK TO SAVEPOINT idem").execute(&mut *connection),
+                    )
+                    .await;
+                    return Err(err);
+                }
+            };
+            let holder = match parse_claim(&row)? {
+                Claim::Acquired { token } => return Ok(Settled::Run(token)),
+                Claim::Completed {
                     value,
                     fingerprint: recorded,
-                }) => {
+                } => {
                     check_fingerprint(recorded.as_ref(), fingerprint)?;
                     tracing::debug!(outcome = "replayed");
                     return Ok(Settled::Replay(value));
                 }
-                Found::Busy => {
-                    tracing::debug!(outcome = "rejected", "another transaction holds the key");
-                    return Err(Error::InProgress);
-                }
-                Found::Claim(Claim::InProgress { fingerprint }) => fingerprint,
+                Claim::InProgress { fingerprint } => fingerprint,
             };
             // Held by a committed claim of `run` (a lease), not by a transaction: poll.
             check_fingerprint(holder.as_ref(), fingerprint)?;
@@ -304,16 +336,7 @@ struct Claimed<'a> {
 }
 
 impl Claimed<'_> {
-    async fn execute(&self, connection: &mut PgConnection, statement: &str) -> Result<(), Error> {
-        within(
-            self.store.timeout,
-            sqlx::query(statement).execute(&mut *connection),
-        )
-        .await
-        .map(drop)
-    }
-
-    /// Records the result, and keeps the body's writes (releases the savepoint).
+    /// Records the result beside the body's writes.
     async fn complete(
         &self,
         connection: &mut PgConnection,
@@ -330,50 +353,27 @@ impl Claimed<'_> {
                 .execute(&mut *connection),
         )
         .await?;
-        if done.rows_affected() != 1 {
-            return Err(Error::store(
-                "the claim in this transaction is gone: was the savepoint rolled back?",
-            ));
+        if done.rows_affected() == 1 {
+            Ok(())
+        } else {
+            Err(Error::store(
+                "the claim in this transaction is gone: did the body roll back to a savepoint taken before the call?",
+            ))
         }
-        self.execute(connection, "RELEASE SAVEPOINT idem").await
     }
 
-    /// Rolls the body's writes back to the savepoint, then deletes the claim. Failures are
-    /// logged: the transaction is then unusable, and the caller's commit fails with it.
+    /// Rolls the claim and the body's writes back to the savepoint. A failure is logged: the
+    /// transaction is then unusable, and the caller's commit fails with it.
     async fn roll_back(&self, connection: &mut PgConnection) {
-        for statement in ["ROLLBACK TO SAVEPOINT idem", "RELEASE SAVEPOINT idem"] {
-            if let Err(err) = self.execute(connection, statement).await {
-                tracing::error!(error = %err, "rolling back to the claim's savepoint failed; roll the transaction back");
-                return;
-            }
-        }
-        self.remove(connection).await;
-    }
-
-    /// Deletes the claim from the transaction.
-    async fn remove(&self, connection: &mut PgConnection) {
-        let removed = async {
-            within(
-                self.store.timeout,
-                sqlx::query(&self.store.sql.transaction.remove)
-                    .bind(&self.key.as_bytes()[..])
-                    .bind(bigint(self.token)?)
-                    .execute(&mut *connection),
-            )
-            .await
-        };
-        if let Err(err) = removed.await {
-            tracing::error!(error = %err, "removing the claim from the transaction failed; roll the transaction back");
+        let rolled_back = within(
+            self.store.timeout,
+            sqlx::query("ROLLBACK TO SAVEPOINT idem").execute(&mut *connection),
+        )
+        .await;
+        if let Err(err) = rolled_back {
+            tracing::error!(error = %err, "rolling back to the claim's savepoint failed; roll the transaction back");
         }
     }
-}
-
-fn found(row: &PgRow) -> Result<Found, Error> {
-    let token: Option<i64> = row.try_get(1).map_err(Error::store)?;
-    if token.is_none() {
-        return Ok(Found::Busy);
-    }
-    parse_claim(row).map(Found::Claim)
 }
 
 /// Runs a statement under `timeout`; the failures a caller can act on say how.
@@ -392,9 +392,16 @@ async fn within<T>(
     };
     let code = err.as_database_error().and_then(|db| db.code());
     Err(match code.as_deref() {
+        Some("55P03") => {
+            tracing::debug!(outcome = "rejected", "another transaction holds the key");
+            Error::InProgress
+        }
         Some("40001") => Error::store(format!(
             "{err}: under REPEATABLE READ or SERIALIZABLE, a concurrent call committed this key \
              after the transaction began; roll back and retry the transaction (it will replay)"
+        )),
+        Some("25P01") => Error::store(format!(
+            "{err}: `run_in_transaction` claims inside the caller's transaction; begin one and pass it"
         )),
         Some("42883") => Error::store(format!(
             "{err}: the claim function is missing; run `PostgresStore::migrate()`, which \
@@ -402,4 +409,25 @@ async fn within<T>(
         )),
         _ => Error::store(err),
     })
+}
+
+/// Bytes as lowercase hex, for `decode(…, 'hex')`.
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut out, byte| {
+            let _ = write!(out, "{byte:02x}");
+            out
+        })
+}
+
+/// A message of several statements (the simple query protocol), and the first row it returns.
+fn simple_query<'c>(
+    connection: &'c mut PgConnection,
+    statements: &'c str,
+) -> impl std::future::Future<Output = Result<PgRow, sqlx::Error>> + Send + 'c {
+    // Through `Executor` itself: `RawSql::fetch_one`'s future is not `Send` for every
+    // lifetime its bound introduces, which would make every caller's future not `Send`.
+    sqlx::Executor::fetch_one(connection, sqlx::raw_sql(statements))
 }
