@@ -374,21 +374,12 @@ impl<P> Operation<P> {
                 Claim::Completed {
                     value,
                     fingerprint: recorded,
-                } => {
-                    check_fingerprint(recorded.as_ref(), fingerprint)?;
-                    tracing::debug!(outcome = "replayed");
-                    return Ok(Settled::Replay(value));
-                }
+                } => return Settled::replay(value, recorded.as_ref(), fingerprint),
                 Claim::InProgress {
                     fingerprint: holder,
                 } => {
                     self.found_in_progress(store, key, holder.as_ref(), fingerprint)?;
-                    let deadline = wait_until(&mut deadline);
-                    let now = Instant::now();
-                    if now >= deadline {
-                        return Err(timed_out());
-                    }
-                    Box::pin(tokio::time::sleep_until(deadline.min(now + backoff(polls)))).await;
+                    pause_before_polling(wait_until(&mut deadline), polls).await?;
                     polls += 1;
                 }
             }
@@ -397,7 +388,7 @@ impl<P> Operation<P> {
 
     /// The checks on a record found in progress: the fingerprint first, then whether the
     /// holder is this call's own enclosing call, then the policy.
-    fn found_in_progress<S: Store>(
+    pub(crate) fn found_in_progress<S: Store + ?Sized>(
         &self,
         store: &S,
         key: &Key,
@@ -469,6 +460,31 @@ impl<P> Operation<P> {
             }
         }
     }
+}
+
+impl Settled {
+    /// A completed record found by a claim: replayed if its fingerprint is this call's.
+    pub(crate) fn replay(
+        value: Bytes,
+        recorded: Option<&Fingerprint>,
+        ours: Option<&Fingerprint>,
+    ) -> Result<Self, Error> {
+        check_fingerprint(recorded, ours)?;
+        tracing::debug!(outcome = "replayed");
+        Ok(Self::Replay(value))
+    }
+}
+
+/// Waits before asking the store again about a key held by another process (backoff with
+/// jitter), or gives up with [`Error::InProgress`] at `deadline`.
+pub(crate) async fn pause_before_polling(deadline: Instant, polls: u32) -> Result<(), Error> {
+    let now = Instant::now();
+    if now >= deadline {
+        return Err(timed_out());
+    }
+    // Boxed: the slow path's timer stays out of the state of every call.
+    Box::pin(tokio::time::sleep_until(deadline.min(now + backoff(polls)))).await;
+    Ok(())
 }
 
 /// An operation's name: a static string, or a shared one, so that cloning an operation (as

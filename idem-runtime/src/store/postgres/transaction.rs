@@ -40,7 +40,7 @@ use tracing::Instrument;
 use super::{millis, parse_claim, token as bigint, PostgresStore};
 use crate::codec::{self, ErrorPolicy, Json};
 use crate::engine::attempt::{self, Attempt};
-use crate::engine::{backoff, check_fingerprint, Settled};
+use crate::engine::{pause_before_polling, Settled};
 use crate::{limits, Claim, Error, Fingerprint, InFlight, Key, Operation, Outcome, Token};
 
 /// The lock timeout of [`InFlight::Reject`]: long enough for a lock that is free, far too
@@ -303,27 +303,21 @@ impl<P> Operation<P> {
                     return Err(err);
                 }
             };
-            let holder = match parse_claim(&row)? {
+            match parse_claim(&row)? {
                 Claim::Acquired { token } => return Ok(Settled::Run(token)),
                 Claim::Completed {
                     value,
                     fingerprint: recorded,
+                } => return Settled::replay(value, recorded.as_ref(), fingerprint),
+                // Held by a committed claim of `run` (a lease), not by a transaction: poll.
+                Claim::InProgress {
+                    fingerprint: holder,
                 } => {
-                    check_fingerprint(recorded.as_ref(), fingerprint)?;
-                    tracing::debug!(outcome = "replayed");
-                    return Ok(Settled::Replay(value));
+                    self.found_in_progress(store, key, holder.as_ref(), fingerprint)?;
+                    pause_before_polling(deadline, polls).await?;
+                    polls += 1;
                 }
-                Claim::InProgress { fingerprint } => fingerprint,
-            };
-            // Held by a committed claim of `run` (a lease), not by a transaction: poll.
-            check_fingerprint(holder.as_ref(), fingerprint)?;
-            let now = Instant::now();
-            if self.in_flight == InFlight::Reject || now >= deadline {
-                tracing::debug!(outcome = "rejected");
-                return Err(Error::InProgress);
             }
-            tokio::time::sleep_until(deadline.min(now + backoff(polls))).await;
-            polls += 1;
         }
     }
 }
