@@ -1019,3 +1019,110 @@ async fn a_connection_outside_a_transaction_is_refused_and_nothing_is_claimed() 
         "no claim was made, let alone committed"
     );
 }
+
+/// A final error, recorded and replayed like a value.
+#[derive(Debug, serde::Serialize, serde::Deserialize, PartialEq)]
+enum Declined {
+    Card,
+    Idem(String),
+}
+
+impl From<Error> for Declined {
+    fn from(e: Error) -> Self {
+        Self::Idem(e.to_string())
+    }
+}
+
+#[tokio::test]
+async fn a_final_error_is_recorded_with_the_bodys_writes() {
+    let Some(store) = store().await else { return };
+    let ledger = Ledger::new(store.pool().clone(), "final_error").await;
+    let op = Operation::new(namespace("final_error"))
+        .cache_errors(|e: &Declined| matches!(e, Declined::Card));
+    let key = op.key(&"d-1").unwrap();
+
+    let mut tx = store.pool().begin().await.unwrap();
+    let declined = op
+        .run_in_transaction(&store, &mut tx, &key, None, async |tx| {
+            // The attempt is a fact worth keeping: its journal line commits with the record.
+            ledger
+                .transfer(tx, "d-1", 0)
+                .await
+                .map_err(|e| Declined::Idem(e.to_string()))?;
+            Err::<i64, _>(Declined::Card)
+        })
+        .await;
+    assert_eq!(declined, Err(Declined::Card));
+    tx.commit().await.unwrap();
+    assert_eq!(
+        ledger.journal_lines("d-1").await,
+        1,
+        "the writes commit with the record"
+    );
+
+    let mut tx = store.pool().begin().await.unwrap();
+    let replayed = op
+        .run_in_transaction(&store, &mut tx, &key, None, async |_| {
+            Ok::<i64, Declined>(7)
+        })
+        .await;
+    tx.commit().await.unwrap();
+    assert_eq!(
+        replayed,
+        Err(Declined::Card),
+        "the recorded error is replayed"
+    );
+    assert_eq!(ledger.journal_lines("d-1").await, 1);
+    ledger.drop_tables().await;
+}
+
+#[tokio::test]
+async fn a_cancelled_call_committed_anyway_lapses_after_its_lease() {
+    let Some(store) = store().await else { return };
+    let ledger = Ledger::new(store.pool().clone(), "cancelled").await;
+    let op = Operation::new(namespace("cancelled")).lease(Duration::from_millis(300));
+    let key = op.key(&"c-1").unwrap();
+
+    let mut tx = store.pool().begin().await.unwrap();
+    let (written, is_written) = tokio::sync::oneshot::channel::<()>();
+    let mut written = Some(written);
+    let call = op.run_in_transaction(&store, &mut tx, &key, None, async |tx| {
+        let moved = ledger.transfer(tx, "c-1", 0).await?;
+        written.take().unwrap().send(()).unwrap();
+        std::future::pending::<()>().await;
+        Ok::<_, Error>(moved)
+    });
+    // The caller gives up on the call once the body wrote (a request timeout, say)...
+    tokio::select! {
+        _ = call => panic!("the body never finishes"),
+        _ = is_written => {}
+    }
+    // ...and commits its transaction anyway: the writes so far, and a claim with a lease.
+    tx.commit().await.unwrap();
+    assert_eq!(
+        ledger.journal_lines("c-1").await,
+        1,
+        "the writes so far committed"
+    );
+    assert!(
+        recorded(&store, &key).await,
+        "the claim committed, in progress"
+    );
+
+    // A later call waits for the lease (its wait timeout is the lease), then runs.
+    let mut tx = store.pool().begin().await.unwrap();
+    let later = op
+        .clone()
+        .wait_timeout(Duration::from_secs(20))
+        .run_in_transaction(&store, &mut tx, &key, None, async |tx| {
+            ledger.transfer(tx, "c-1", 1).await
+        })
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert!(
+        matches!(later, Outcome::Executed(_)),
+        "the lapsed claim was taken over"
+    );
+    ledger.drop_tables().await;
+}
