@@ -96,7 +96,7 @@ impl<T> Outcome<T> {
 /// ```
 #[derive(Clone, Debug)]
 pub struct Operation<P = ReleaseErrors> {
-    pub(crate) namespace: Namespace,
+    namespace: Namespace,
     pub(crate) ttl: Duration,
     pub(crate) lease: Duration,
     pub(crate) in_flight: InFlight,
@@ -527,7 +527,7 @@ pub(crate) enum Settled {
     Run(Token),
 }
 
-pub(crate) fn check_fingerprint(
+fn check_fingerprint(
     recorded: Option<&Fingerprint>,
     ours: Option<&Fingerprint>,
 ) -> Result<(), Error> {
@@ -549,7 +549,7 @@ fn timed_out() -> Error {
 
 /// Exponential backoff with jitter for polling a key held by another process: 5 ms doubling
 /// up to 250 ms, each delay drawn from its upper half so that waiters spread out.
-pub(crate) fn backoff(polls: u32) -> Duration {
+fn backoff(polls: u32) -> Duration {
     let ceiling = Duration::from_millis(5)
         .saturating_mul(1 << polls.min(6))
         .min(Duration::from_millis(250));

@@ -74,12 +74,26 @@ pub fn fingerprint<V: Serialize + ?Sized>(payload: &V) -> Result<Fingerprint, Er
     Fingerprint::of(payload)
 }
 
-/// The key and fingerprint, or the first error deriving them.
-fn derived(
+/// What every expansion does around its `Operation` call: the first error deriving the key
+/// or the fingerprint is the function's error (the body never runs); otherwise `call` runs
+/// with them, and its outcome becomes the function's bare return value.
+async fn call<R, Fut>(
     key: Result<Key, Error>,
     fingerprint: Option<Result<Fingerprint, Error>>,
-) -> Result<(Key, Option<Fingerprint>), Error> {
-    Ok((key?, fingerprint.transpose()?))
+    call: impl FnOnce(Key, Option<Fingerprint>) -> Fut,
+) -> R
+where
+    R: IdemResult,
+    R::Err: From<Error>,
+    Fut: Future<Output = Result<crate::Outcome<R::Ok>, R::Err>>,
+{
+    let derived = key.and_then(|key| Ok((key, fingerprint.transpose()?)));
+    match derived {
+        Ok((key, fingerprint)) => {
+            R::from_result(call(key, fingerprint).await.map(crate::Outcome::into_inner))
+        }
+        Err(err) => R::from_result(Err(err.into())),
+    }
 }
 
 /// `Operation::run`, after the key and fingerprint were derived (before the body borrowed
@@ -100,13 +114,11 @@ where
     S: Store + Clone,
     F: Future<Output = R>,
 {
-    let (key, fingerprint) = match derived(key, fingerprint) {
-        Ok(derived) => derived,
-        Err(err) => return R::from_result(Err(err.into())),
-    };
-    let body = async { body.await.into_result() };
-    let outcome = operation.run(store, &key, fingerprint.as_ref(), body).await;
-    R::from_result(outcome.map(crate::Outcome::into_inner))
+    call(key, fingerprint, |key, fingerprint| async move {
+        let body = async { body.await.into_result() };
+        operation.run(store, &key, fingerprint.as_ref(), body).await
+    })
+    .await
 }
 
 /// `Operation::run_to_completion`, as [`run`].
@@ -125,15 +137,13 @@ where
     S: Store + Clone,
     F: Future<Output = R> + Send + 'static,
 {
-    let (key, fingerprint) = match derived(key, fingerprint) {
-        Ok(derived) => derived,
-        Err(err) => return R::from_result(Err(err.into())),
-    };
-    let body = async { body.await.into_result() };
-    let outcome = operation
-        .run_to_completion(store, &key, fingerprint.as_ref(), body)
-        .await;
-    R::from_result(outcome.map(crate::Outcome::into_inner))
+    call(key, fingerprint, |key, fingerprint| async move {
+        let body = async { body.await.into_result() };
+        operation
+            .run_to_completion(store, &key, fingerprint.as_ref(), body)
+            .await
+    })
+    .await
 }
 
 /// `Operation::run_in_transaction`, as [`run`]: `transaction = tx`.
@@ -153,16 +163,14 @@ where
     P: ErrorPolicy<R::Err>,
     F: AsyncFnOnce(&mut sqlx::PgConnection) -> R,
 {
-    let (key, fingerprint) = match derived(key, fingerprint) {
-        Ok(derived) => derived,
-        Err(err) => return R::from_result(Err(err.into())),
-    };
-    let body =
-        async move |connection: &mut sqlx::PgConnection| body(connection).await.into_result();
-    let outcome = operation
-        .run_in_transaction(store, connection, &key, fingerprint.as_ref(), body)
-        .await;
-    R::from_result(outcome.map(crate::Outcome::into_inner))
+    call(key, fingerprint, |key, fingerprint| async move {
+        let body =
+            async move |connection: &mut sqlx::PgConnection| body(connection).await.into_result();
+        operation
+            .run_in_transaction(store, connection, &key, fingerprint.as_ref(), body)
+            .await
+    })
+    .await
 }
 
 /// The stores `transaction =` works with: PostgreSQL's.
