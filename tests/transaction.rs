@@ -425,34 +425,44 @@ async fn a_duplicate_runs_when_the_holder_rolls_back() {
 async fn an_ordinary_call_waits_for_an_open_transaction_and_replays_its_commit() {
     let Some(store) = store().await else { return };
     let op = Operation::new(namespace("ordinary_waits"));
-    let key = op.key(&"o-1").unwrap();
-    let holder = hold(&store, &op, &key, 1).await;
-    let ordinary = {
-        let (store, op) = (store.clone(), op.clone());
-        tokio::spawn(async move {
-            op.run(&store, &key, None, async { Ok::<u32, Error>(2) })
-                .await
-        })
-    };
-    // The ordinary claim's INSERT waits on the uncommitted row of the holder's transaction.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity \
-             WHERE wait_event_type = 'Lock' AND query LIKE 'WITH live AS%'",
-        )
-        .fetch_one(store.pool())
-        .await
-        .unwrap();
-        if waiting > 0 {
-            break;
+    // One after the other, so that only one ordinary claim ever waits in this test binary.
+    for commits in [true, false] {
+        let key = op.key(&("o-1", commits)).unwrap();
+        let holder = hold(&store, &op, &key, 1).await;
+        let ordinary = {
+            let (store, op) = (store.clone(), op.clone());
+            tokio::spawn(async move {
+                op.run(&store, &key, None, async { Ok::<u32, Error>(2) })
+                    .await
+            })
+        };
+        // The ordinary claim's INSERT waits on the uncommitted row of the holder's
+        // transaction.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE wait_event_type = 'Lock' AND query LIKE 'WITH live AS%'",
+            )
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+            if waiting > 0 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the ordinary claim never waited");
+            tokio::task::yield_now().await;
         }
-        assert!(Instant::now() < deadline, "the ordinary claim never waited");
-        tokio::task::yield_now().await;
+        assert!(!ordinary.is_finished(), "nothing uncommitted is handed out");
+        if commits {
+            holder.commit().await.unwrap();
+            assert_eq!(ordinary.await.unwrap().unwrap(), Outcome::Replayed(1));
+        } else {
+            // The holder rolled back: the ordinary call claims and runs.
+            holder.rollback().await.unwrap();
+            assert_eq!(ordinary.await.unwrap().unwrap(), Outcome::Executed(2));
+        }
     }
-    assert!(!ordinary.is_finished(), "nothing uncommitted is handed out");
-    holder.commit().await.unwrap();
-    assert_eq!(ordinary.await.unwrap().unwrap(), Outcome::Replayed(1));
 }
 
 /// A duplicate call (value `2`) in a transaction of its own, in a task; and its session's
