@@ -90,6 +90,63 @@ async fn claimed<S: Store>(store: &S, op: &Operation) -> (idem_runtime::Key, Tok
     }
 }
 
+/// A first execution of `op` on `store`, with a fresh key.
+async fn first_execution<S: Store + Clone>(store: &S, op: &Operation) {
+    let key = op.key(&fresh()).unwrap();
+    let outcome = op.run(store, &key, None, async { Ok::<_, Error>(receipt(1)) });
+    let _ = black_box(outcome.await.unwrap());
+}
+
+/// The raw counterparts of a first execution's phases, and how to name them.
+struct Raw<W, C, K> {
+    whole: (&'static str, W),
+    claim: (&'static str, C),
+    complete: (&'static str, K),
+}
+
+/// Measures a first execution on `store` and its two store calls, each interleaved against
+/// its raw counterpart, prints a row each, and what is left for the rest of the call.
+fn phases<S, W, C, K>(rt: &Runtime, store: &S, op: &Operation, raw: Raw<W, C, K>)
+where
+    S: Store + Clone,
+    W: Side,
+    C: Side,
+    K: Side,
+{
+    let Raw {
+        whole: (whole_label, mut raw_whole),
+        claim: (claim_label, mut raw_claim),
+        complete: (complete_label, mut raw_complete),
+    } = raw;
+    let record = bytes::Bytes::from(serde_json::to_vec(&receipt(1)).unwrap());
+    let whole = interleaved::measure(
+        &mut timed(rt, || time(first_execution(store, op))),
+        &mut raw_whole,
+        BUDGET,
+    );
+    row(whole_label, &whole);
+    let claim = interleaved::measure(
+        &mut timed(rt, || time(claimed(store, op))),
+        &mut raw_claim,
+        BUDGET,
+    );
+    row(claim_label, &claim);
+    let complete = interleaved::measure(
+        &mut timed(rt, || async {
+            let (key, token) = claimed(store, op).await;
+            time(store.complete(&key, token, record.clone(), TTL)).await
+        }),
+        &mut raw_complete,
+        BUDGET,
+    );
+    row(complete_label, &complete);
+    let rest = whole.ours.as_secs_f64() - claim.ours.as_secs_f64() - complete.ours.as_secs_f64();
+    println!(
+        "  the rest of ours (key, engine, JSON): {:.1} µs",
+        rest * 1e6
+    );
+}
+
 fn redis(rt: &Runtime) {
     let url = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
     let Ok(manager) = rt.block_on(async {
@@ -102,7 +159,6 @@ fn redis(rt: &Runtime) {
         .unwrap();
     let op = Operation::new("bench.phases").ttl(TTL).lease(LEASE);
     let json = serde_json::to_vec(&receipt(1)).unwrap();
-    let record = bytes::Bytes::from(json.clone());
     let raw_set = |nx: bool| {
         let mut con = manager.clone();
         let json = json.clone();
@@ -120,39 +176,26 @@ fn redis(rt: &Runtime) {
         }
     };
     header("redis");
-    let call = || async {
-        let key = op.key(&fresh()).unwrap();
-        op.run(&store, &key, None, async { Ok::<_, Error>(receipt(1)) })
-            .await
-            .unwrap()
-    };
-    let whole = interleaved::measure(
-        &mut timed(rt, || time(call())),
-        &mut timed(rt, || {
-            time(async { (raw_set(true).await, raw_set(false).await) })
-        }),
-        BUDGET,
-    );
-    row("first execution vs SET NX PX + SET PX", &whole);
-    let claim = interleaved::measure(
-        &mut timed(rt, || time(claimed(&store, &op))),
-        &mut timed(rt, || time(raw_set(true))),
-        BUDGET,
-    );
-    row("  claim script vs SET NX PX", &claim);
-    let complete = interleaved::measure(
-        &mut timed(rt, || async {
-            let (key, token) = claimed(&store, &op).await;
-            time(store.complete(&key, token, record.clone(), TTL)).await
-        }),
-        &mut timed(rt, || time(raw_set(false))),
-        BUDGET,
-    );
-    row("  complete script vs SET PX", &complete);
-    let rest = whole.ours.as_secs_f64() - claim.ours.as_secs_f64() - complete.ours.as_secs_f64();
-    println!(
-        "  the rest of ours (key, engine, JSON): {:.1} µs",
-        rest * 1e6
+    phases(
+        rt,
+        &store,
+        &op,
+        Raw {
+            whole: (
+                "first execution vs SET NX PX + SET PX",
+                timed(rt, || {
+                    time(async { (raw_set(true).await, raw_set(false).await) })
+                }),
+            ),
+            claim: (
+                "  claim script vs SET NX PX",
+                timed(rt, || time(raw_set(true))),
+            ),
+            complete: (
+                "  complete script vs SET PX",
+                timed(rt, || time(raw_set(false))),
+            ),
+        },
     );
 
     // The server's side: microseconds per command, from Redis itself.
@@ -164,7 +207,7 @@ fn redis(rt: &Runtime) {
             .await
             .unwrap();
         for _ in 0..2000 {
-            let _ = call().await;
+            first_execution(&store, &op).await;
             raw_set(true).await;
             raw_set(false).await;
         }
@@ -217,7 +260,6 @@ fn postgres(rt: &Runtime) {
     });
     let op = Operation::new("bench.phases").ttl(TTL).lease(LEASE);
     let json = serde_json::to_vec(&receipt(1)).unwrap();
-    let record = bytes::Bytes::from(json.clone());
     let insert = |key: [u8; 8]| {
         sqlx::query(
             "INSERT INTO idem_phases_raw VALUES ($1, 'p', 1, NULL, now() + interval '30 s') \
@@ -236,44 +278,31 @@ fn postgres(rt: &Runtime) {
         .execute(&pool)
     };
     header("postgresql");
-    let call = || async {
-        let key = op.key(&fresh()).unwrap();
-        op.run(&store, &key, None, async { Ok::<_, Error>(receipt(1)) })
-            .await
-            .unwrap()
-    };
-    let whole = interleaved::measure(
-        &mut timed(rt, || time(call())),
-        &mut timed(rt, || {
-            let key = fresh().to_le_bytes();
-            time(async move { (insert(key).await.unwrap(), update(key).await.unwrap()) })
-        }),
-        BUDGET,
-    );
-    row("first execution vs INSERT + UPDATE", &whole);
-    let claim = interleaved::measure(
-        &mut timed(rt, || time(claimed(&store, &op))),
-        &mut timed(rt, || time(insert(fresh().to_le_bytes()))),
-        BUDGET,
-    );
-    row("  claim vs INSERT … ON CONFLICT DO NOTHING", &claim);
-    let complete = interleaved::measure(
-        &mut timed(rt, || async {
-            let (key, token) = claimed(&store, &op).await;
-            time(store.complete(&key, token, record.clone(), TTL)).await
-        }),
-        &mut timed(rt, || async {
-            let key = fresh().to_le_bytes();
-            insert(key).await.unwrap();
-            time(update(key)).await
-        }),
-        BUDGET,
-    );
-    row("  complete vs UPDATE", &complete);
-    let rest = whole.ours.as_secs_f64() - claim.ours.as_secs_f64() - complete.ours.as_secs_f64();
-    println!(
-        "  the rest of ours (key, engine, JSON): {:.1} µs",
-        rest * 1e6
+    phases(
+        rt,
+        &store,
+        &op,
+        Raw {
+            whole: (
+                "first execution vs INSERT + UPDATE",
+                timed(rt, || {
+                    let key = fresh().to_le_bytes();
+                    time(async move { (insert(key).await.unwrap(), update(key).await.unwrap()) })
+                }),
+            ),
+            claim: (
+                "  claim vs INSERT … ON CONFLICT DO NOTHING",
+                timed(rt, || time(insert(fresh().to_le_bytes()))),
+            ),
+            complete: (
+                "  complete vs UPDATE",
+                timed(rt, || async {
+                    let key = fresh().to_le_bytes();
+                    insert(key).await.unwrap();
+                    time(update(key)).await
+                }),
+            ),
+        },
     );
     rt.block_on(async {
         let _ = sqlx::query("DROP TABLE idem_phases, idem_phases_raw")
