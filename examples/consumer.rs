@@ -44,15 +44,34 @@ pub struct Shipment {
     pub shipment: i64,
 }
 
-/// The tables of one run.
+/// The tables of one run, and how long its records live.
 struct Shop {
     stock: String,
     shipments: String,
+    /// Outlasts every redelivery the stream can make: see [`record_ttl`].
+    ttl: Duration,
+}
+
+/// How long a record must live for exactly once to hold on this stream. A message can be
+/// delivered again as long as the stream keeps it (`max_age`), and its last delivery can be
+/// handled up to an ack wait after that; a record that expired before would let a
+/// redelivery run the handler again. A stream that keeps messages forever (`max_age` 0)
+/// would need records kept forever: refused, so that the bound is chosen, not forgotten.
+fn record_ttl(max_age: Duration, ack_wait: Duration) -> Result<Duration, BoxError> {
+    if max_age.is_zero() {
+        return Err(
+            "the stream keeps messages forever (max_age 0): no record TTL outlasts its \
+                    redeliveries; set the stream's max_age"
+                .into(),
+        );
+    }
+    // A margin for clocks and a slow handler on the last delivery.
+    Ok(max_age + ack_wait + Duration::from_secs(60))
 }
 
 /// The handler: claims the order's key in the caller's transaction, writes the shipment and
 /// takes the stock, and records the result, all in `tx`.
-#[idempotent(key = order.id, store = store, transaction = tx, namespace = "shop.ship_order.v1")]
+#[idempotent(key = order.id, store = store, transaction = tx, ttl = shop.ttl, namespace = "shop.ship_order.v1")]
 async fn ship(
     store: &PostgresStore,
     tx: &mut PgConnection,
@@ -103,9 +122,13 @@ pub async fn run(orders: u64) -> Result<Report, BoxError> {
 
     let store = PostgresStore::connect(&pg_url).await?;
     store.migrate().await?;
-    let shop = Shop {
+    // The stream keeps a message an hour; a delivery unacknowledged after a second comes back.
+    let max_age = Duration::from_secs(3600);
+    let ack_wait = Duration::from_secs(1);
+    let mut shop = Shop {
         stock: format!("shop_stock_{run}"),
         shipments: format!("shop_shipments_{run}"),
+        ttl: Duration::ZERO,
     };
     for statement in [
         format!(
@@ -129,15 +152,18 @@ pub async fn run(orders: u64) -> Result<Report, BoxError> {
         .create_stream(jetstream::stream::Config {
             name: stream_name.clone(),
             subjects: vec![subject.clone()],
+            max_age,
             ..Default::default()
         })
         .await?;
+    // From the stream as the server has it, not as it was asked for.
+    shop.ttl = record_ttl(stream.cached_info().config.max_age, ack_wait)?;
     let consumer = stream
         .create_consumer(pull::Config {
             durable_name: Some("shipper".into()),
             ack_policy: AckPolicy::Explicit,
             // An unacknowledged delivery comes back after this long.
-            ack_wait: Duration::from_secs(1),
+            ack_wait,
             ..Default::default()
         })
         .await?;

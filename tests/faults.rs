@@ -615,3 +615,63 @@ async fn postgres_locked_table_times_out_instead_of_hanging() {
     assert_eq!(ran, 20);
     assert_eq!(ledger.doubles(), 0);
 }
+
+/// 2000 callers on 1000 keys through one store whose pool has 4 connections, at the default
+/// lease: new claims crowd the pool, and a holder's completion or renewal must still get
+/// through before its lease lapses, or another caller runs the body again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_crowded_pool_runs_each_body_once() {
+    const KEYS: u32 = 1000;
+    let url = postgres_url();
+    let pool = match sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(3))
+        .connect(&url)
+        .await
+    {
+        Ok(pool) => pool,
+        Err(e) => {
+            unavailable::<()>(&format!("postgresql at {url}"), e);
+            return;
+        }
+    };
+    let store = PostgresStore::from_pool(pool);
+    store.migrate().await.expect("migrate");
+    let op = Arc::new(Operation::new(namespace("faults.crowded")));
+    let ledger = Ledger::default();
+    let mut tasks = Vec::new();
+    for key in 0..KEYS {
+        for _ in 0..2 {
+            let (op, store, ledger) = (op.clone(), store.clone(), ledger.clone());
+            tasks.push(tokio::spawn(async move {
+                let k = op.key(&key).unwrap();
+                // A crowded pool may answer `Error::Store` (no connection in time): the
+                // caller retries, as a client would.
+                for _ in 0..100 {
+                    let call = op.run(&store, &k, None, async {
+                        Ok::<_, Error>(ledger.body(key, tokio::task::yield_now()).await)
+                    });
+                    if let Ok(value) = call.await {
+                        return Some(value.into_inner());
+                    }
+                }
+                None
+            }));
+        }
+    }
+    let mut answered = 0;
+    for (i, task) in tasks.into_iter().enumerate() {
+        if let Some(value) = task.await.unwrap() {
+            assert_eq!(value, (i / 2) as u32, "a caller got another key's value");
+            answered += 1;
+        }
+    }
+    let doubles = ledger.doubles();
+    println!(
+        "postgres, a pool of 4: {} callers, {KEYS} keys, {} bodies, {answered} answered, keys run twice: {doubles}",
+        KEYS * 2,
+        ledger.bodies()
+    );
+    assert_eq!(doubles, 0, "keys whose body ran twice");
+    assert_eq!(answered, KEYS * 2, "every caller gets a value in the end");
+}

@@ -40,7 +40,11 @@ pub struct Probe<S> {
     faults: Option<Faults>,
     /// How many of the next `renew` calls fail.
     failing_renewals: Arc<AtomicUsize>,
+    /// How many of the next `complete` calls fail (before the gate, if there is one).
+    failing_completes: Arc<AtomicUsize>,
     claims: Runs,
+    /// `complete` calls.
+    completes: Runs,
 }
 
 /// Failures and delays drawn from a seed: a failure either before the inner call (the
@@ -131,6 +135,8 @@ impl<S> Probe<S> {
             gate: None,
             faults: None,
             failing_renewals: Arc::default(),
+            failing_completes: Arc::default(),
+            completes: Runs::default(),
             claims: Runs::default(),
         }
     }
@@ -204,6 +210,19 @@ impl<S> Probe<S> {
         (probe, gate)
     }
 
+    /// A store that goes away while a body runs and comes back when the test says: the next
+    /// `failures` completes fail, and later ones wait at the gate.
+    pub fn outage(inner: S, failures: usize) -> (Self, Gate) {
+        let (probe, gate) = Self::gated(inner);
+        probe.failing_completes.store(failures, Ordering::SeqCst);
+        (probe, gate)
+    }
+
+    /// How many `complete` calls reached the probe.
+    pub fn completes(&self) -> usize {
+        self.completes.count()
+    }
+
     /// Another process paused past its lease: never renews, shares no registry.
     pub fn frozen(inner: S) -> Self {
         Self {
@@ -255,8 +274,17 @@ impl<S: Store + Clone> Store for Probe<S> {
         value: Bytes,
         ttl: Duration,
     ) -> Result<bool, Error> {
+        self.completes.hit();
         if !self.records {
             return Err(Error::store("connection reset"));
+        }
+        let failing = |n: usize| n.checked_sub(1);
+        if self
+            .failing_completes
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, failing)
+            .is_ok()
+        {
+            return Err(Error::store("injected: the store went away"));
         }
         if let Some(gate) = &self.gate {
             gate.pass().await;
@@ -297,30 +325,34 @@ impl<S: Store + Clone> Store for Probe<S> {
     }
 }
 
-/// A store whose server is down: every operation fails.
+/// What every operation of [`Down`] fails with: as a driver says it, with the server's
+/// address and credentials, which no answer to a client may carry.
+pub const DOWN: &str = "connection refused: postgres://app:hunter2@db.internal:5432/payments";
+
+/// A store whose server is down: every operation fails with [`DOWN`].
 #[derive(Clone, Debug, Default)]
 pub struct Down;
 
 #[async_trait]
 impl Store for Down {
     async fn claim(&self, _: &Key, _: Option<&Fingerprint>, _: Duration) -> Result<Claim, Error> {
-        Err(Error::store("connection refused"))
+        Err(Error::store(DOWN))
     }
 
     async fn complete(&self, _: &Key, _: Token, _: Bytes, _: Duration) -> Result<bool, Error> {
-        Err(Error::store("connection refused"))
+        Err(Error::store(DOWN))
     }
 
     async fn release(&self, _: &Key, _: Token) -> Result<bool, Error> {
-        Err(Error::store("connection refused"))
+        Err(Error::store(DOWN))
     }
 
     async fn renew(&self, _: &Key, _: Token, _: Duration) -> Result<bool, Error> {
-        Err(Error::store("connection refused"))
+        Err(Error::store(DOWN))
     }
 
     async fn remove(&self, _: &Key) -> Result<bool, Error> {
-        Err(Error::store("connection refused"))
+        Err(Error::store(DOWN))
     }
 }
 
@@ -369,16 +401,39 @@ pub struct PrivateRedis {
 impl PrivateRedis {
     /// Starts one, or `None` (skipped) when `redis-server` cannot run here.
     pub fn start() -> Option<Self> {
-        Self::start_on(free_port()?)
+        Self::start_on_a_free_port(Some, |_| Vec::new())
     }
 
     /// Starts one on `port` (a server that comes back after [`kill`](Self::kill)).
     pub fn start_on(port: u16) -> Option<Self> {
-        Self::start_with(port, &[])
+        match Self::start_with(port, Vec::new()) {
+            Ok(server) => server,
+            Err(Taken) => unavailable("a private redis-server", format!("port {port} is taken")),
+        }
     }
 
-    /// Starts one on `port` with extra `redis-server` arguments.
-    fn start_with(port: u16, extra: &[&str]) -> Option<Self> {
+    /// Starts one on a free port that `accept` agrees to, with the extra arguments `extra`
+    /// makes for it. "Free" is only what the port was a moment ago: a port another test took
+    /// meanwhile is tried again with another.
+    fn start_on_a_free_port(
+        accept: impl Fn(u16) -> Option<u16>,
+        extra: impl Fn(u16) -> Vec<String>,
+    ) -> Option<Self> {
+        for _ in 0..50 {
+            let Some(port) = free_port().and_then(&accept) else {
+                continue;
+            };
+            match Self::start_with(port, extra(port)) {
+                Ok(server) => return server,
+                Err(Taken) => continue,
+            }
+        }
+        unavailable("a private redis-server", "no free port in 50 tries")
+    }
+
+    /// Starts one on `port` with extra `redis-server` arguments: `Err(Taken)` when another
+    /// process serves that port, which a connection alone cannot tell from this one.
+    fn start_with(port: u16, extra: Vec<String>) -> Result<Option<Self>, Taken> {
         let child = std::process::Command::new("redis-server")
             .args([
                 "--port",
@@ -395,23 +450,32 @@ impl PrivateRedis {
             .spawn();
         let child = match child {
             Ok(child) => child,
-            Err(e) => return unavailable("redis-server (to start a private server)", e),
+            Err(e) => return Ok(unavailable("redis-server (to start a private server)", e)),
         };
-        let server = Self {
+        let pid = child.id();
+        let mut server = Self {
             child,
             url: format!("redis://127.0.0.1:{port}"),
             port,
         };
         for _ in 0..250 {
-            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                return Some(server);
+            if let Ok(Some(_)) = server.child.try_wait() {
+                return Err(Taken); // it could not bind: another process has the port
+            }
+            match serving_pid(port) {
+                Some(serving) if serving == pid => return Ok(Some(server)),
+                Some(_) => {
+                    server.kill();
+                    return Err(Taken);
+                }
+                None => {}
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        unavailable(
+        Ok(unavailable(
             "a private redis-server",
             "it did not start listening within 5 s",
-        )
+        ))
     }
 
     /// Kills the server at once.
@@ -427,6 +491,32 @@ impl Drop for PrivateRedis {
     }
 }
 
+/// A port another process serves.
+struct Taken;
+
+/// The process id of the Redis server on `port`, from its `INFO server`, if one answers.
+fn serving_pid(port: u16) -> Option<u32> {
+    use std::io::{Read, Write};
+    let mut socket = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    socket.set_read_timeout(Some(Duration::from_secs(1))).ok()?;
+    socket.write_all(b"INFO server\r\n").ok()?;
+    let mut reply = Vec::new();
+    let mut buf = [0; 4096];
+    loop {
+        let n = socket.read(&mut buf).ok()?;
+        if n == 0 {
+            return None;
+        }
+        reply.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&reply);
+        if let Some(rest) = text.split("process_id:").nth(1) {
+            if let Some(line) = rest.split("\r\n").next().filter(|_| rest.contains("\r\n")) {
+                return line.trim().parse().ok();
+            }
+        }
+    }
+}
+
 /// A 3-master Redis Cluster of the test's own, on free loopback ports, stopped and deleted
 /// when dropped: `cargo test` needs no cluster started by hand.
 pub struct PrivateRedisCluster {
@@ -438,37 +528,39 @@ impl PrivateRedisCluster {
     /// Starts the masters, joins them with `redis-cli --cluster create`, and waits until the
     /// cluster answers `cluster_state:ok`; or `None` (skipped) when that cannot be done here.
     pub fn start() -> Option<Self> {
+        static CLUSTERS: AtomicUsize = AtomicUsize::new(0);
         let dir = std::env::temp_dir().join(format!(
             "idem-redis-cluster-{}-{}",
             std::process::id(),
-            free_port()?
+            CLUSTERS.fetch_add(1, Ordering::Relaxed)
         ));
         std::fs::create_dir_all(&dir).ok()?;
         let mut cluster = Self {
             nodes: Vec::new(),
             dir,
         };
+        let dir = cluster.dir.to_str()?.to_string();
         for _ in 0..3 {
             // A node also listens on its port + 10000, the cluster bus: both must be free.
-            let port = (0..50).find_map(|_| {
-                let port = free_port()?;
+            let bus_free = |port: u16| {
                 (port < 55_000 && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok())
                     .then_some(port)
-            })?;
-            let config = cluster.dir.join(format!("nodes-{port}.conf"));
-            let node = PrivateRedis::start_with(
-                port,
-                &[
+            };
+            let node = PrivateRedis::start_on_a_free_port(bus_free, |port| {
+                let config = format!("{dir}/nodes-{port}.conf");
+                [
                     "--cluster-enabled",
                     "yes",
                     "--cluster-config-file",
-                    config.to_str()?,
+                    &config,
                     "--cluster-node-timeout",
                     "2000",
                     "--dir",
-                    cluster.dir.to_str()?,
-                ],
-            )?;
+                    &dir,
+                ]
+                .map(str::to_string)
+                .to_vec()
+            })?;
             cluster.nodes.push(node);
         }
         let mut create = std::process::Command::new("redis-cli");

@@ -136,7 +136,11 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
             // The store must be a `PostgresStore`: checked at the store expression's span.
             let store_span = args.store.as_ref().map_or(Span::call_site(), Spanned::span);
             let postgres = respan(quote!(#private::postgres_store), store_span);
-            let postgres = quote_spanned!(store_span=> #postgres(#store_arg));
+            // The argument too, wrapped in a call whose tokens are at the user's span: the
+            // error is then on `store = …`, not the whole attribute, and the local keeps its
+            // own hygiene.
+            let postgres =
+                quote_spanned!(store_span=> #postgres(::core::convert::identity(&#store)));
             let run = respan(quote!(#private::run_in_transaction), output.span());
             // The body becomes a closure of the connection, under the parameter's own name.
             quote_spanned! {output.span()=>

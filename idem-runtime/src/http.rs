@@ -24,19 +24,23 @@
 //! |---|---|
 //! | a method outside the set (default `POST`, `PATCH`) | passed through untouched, no store traffic |
 //! | no `Idempotency-Key` | passed through; `400` with [`required`](IdempotencyLayer::required) |
+//! | a key, but the [scope](IdempotencyLayer::scope) cannot name the principal | `401`; the handler does not run ([`pass_through_unknown_principal`](IdempotencyLayer::pass_through_unknown_principal) runs it without idempotency) |
 //! | a malformed key (empty, over 255 characters, several values, neither a structured-field string nor a bare token) | `400` |
-//! | the first request with a key | the handler runs; a `2xx` response (by default, see [`record_if`](IdempotencyLayer::record_if)) is recorded: status, headers but hop-by-hop ones, body |
+//! | the first request with a key | the handler runs; a `2xx` response (by default, see [`record_if`](IdempotencyLayer::record_if)) is recorded: status, headers but hop-by-hop ones and `Set-Cookie` (see [`record_header_if`](IdempotencyLayer::record_header_if)), body; it is sent with all its headers as soon as the handler produced it |
+//! | a response of unknown length (a stream, or compression inside the layer) | sent at once and recorded as it is sent, up to [`max_recorded_body`](IdempotencyLayer::max_recorded_body); its end waits for the record to land, so a client that read it all and retries is replayed; read to its end and recorded if the client goes away |
 //! | a retry with the same payload | the recorded response, plus `Idempotent-Replayed: true`; the handler does not run |
 //! | the same key with another method, path, query or body | `422` |
 //! | a retry while the first still runs | `409` with `Retry-After`, or, with [`InFlight::Wait`](crate::InFlight::Wait), the first response once it is ready |
-//! | a response not recorded (status refused, body over the limit or of unknown length) | returned as it is; the key is released, so a retry runs |
+//! | a response not recorded (status refused, body over the limit, trailers) | returned as it is; the key is released, so a retry runs; a `2xx` among them is a `warn!` event and calls [`on_unrecorded`](IdempotencyLayer::on_unrecorded) |
 //! | a request body over the limit (default 1 MiB) | `413`; the handler does not run |
 //! | the store is down | `503`; the handler does not run |
 //! | the client disconnects while the handler runs | the handler runs to the end and its response is recorded: the retry replays it |
 //!
 //! The key is (namespace, scope, header value), hashed like every idem key. The fingerprint
 //! is (method, path and query, body), a JSON body (`application/json` or `+json`) by its
-//! meaning: member order and whitespace do not change it. A handler reads the key through
+//! meaning: member order and whitespace do not change it, and numbers count by their exact
+//! decimal value (`1.0` is `1`; `0.1` is not `0.10000000000000000001`). With the feature
+//! `axum`, the path is the one the client sent, also under `Router::nest`. A handler reads the key through
 //! the request extension [`IdempotencyKey`] (axum: `Option<Extension<IdempotencyKey>>`), and
 //! the claim's fencing token through [`attempt()`](crate::attempt()).
 //!
@@ -51,6 +55,11 @@
 //! ## key-malformed
 //! `400`: the header is empty, longer than 255 characters, repeated, or neither a quoted
 //! string nor a bare token.
+//!
+//! ## principal-unknown
+//! `401`: the request carries a key, but the key scope cannot name whose request it is (no
+//! credentials, or an authentication layer that has not run yet because it sits inside this
+//! one). Authenticate, and retry with the same key.
 //!
 //! ## body-unreadable
 //! `400`: the request body could not be read, or the custom fingerprint refused it.
@@ -70,7 +79,11 @@
 //! ## internal
 //! `500`: a recorded response that does not decode, a configuration out of range, or a
 //! response body that failed while it was read.
+//!
+//! No problem's `detail` carries an error's own text (a store's address, SQL, a library's
+//! message): those go to `tracing`.
 
+mod body;
 mod fingerprint;
 mod header;
 mod layer;
@@ -78,10 +91,11 @@ mod problem;
 mod record;
 mod service;
 
+pub use self::body::ResponseBody;
 pub use self::header::{IdempotencyKey, IDEMPOTENCY_KEY, MAX_KEY_LEN};
 pub use self::layer::{
-    IdempotencyLayer, KeyScope, ScopeNotChosen, ScopeOf, ScopedBy, Unscoped, DEFAULT_MAX_BODY,
-    DEFAULT_NAMESPACE,
+    IdempotencyLayer, KeyScope, ScopeNotChosen, ScopeOf, ScopedBy, Unrecorded, Unscoped,
+    DEFAULT_MAX_BODY, DEFAULT_NAMESPACE,
 };
 pub use self::record::IDEMPOTENT_REPLAYED;
-pub use self::service::{IdempotencyService, ResponseBody, ResponseFuture};
+pub use self::service::{IdempotencyService, ResponseFuture};

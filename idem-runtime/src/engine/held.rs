@@ -12,6 +12,7 @@
 
 use std::future::{poll_fn, Future};
 use std::pin::pin;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::task::Poll;
 use std::time::Duration;
@@ -39,6 +40,8 @@ pub(super) struct Held<S: Store + Clone> {
     owed: Owed,
     /// Whether this guard already runs in the background: dropping it then only lands.
     detached: bool,
+    /// How many attempts at the owed step failed so far.
+    failures: AtomicU32,
 }
 
 /// What the holder still has to tell the store.
@@ -49,6 +52,23 @@ enum Owed {
     Complete { record: Bytes, ttl: Duration },
     /// The store was told (or gave up on), and the flight landed.
     Nothing,
+}
+
+impl Owed {
+    fn what(&self) -> &'static str {
+        match self {
+            Self::Complete { .. } => "recording the result",
+            _ => "releasing the claim",
+        }
+    }
+
+    /// How the flight lands once this step is done.
+    fn landing(&self) -> Landing {
+        match self {
+            Self::Complete { record, .. } => Landing::Completed(record.clone()),
+            _ => Landing::Released,
+        }
+    }
 }
 
 impl<S: Store + Clone> Held<S> {
@@ -76,6 +96,7 @@ impl<S: Store + Clone> Held<S> {
             attempt,
             owed: Owed::Release,
             detached: false,
+            failures: AtomicU32::new(0),
         }
     }
 
@@ -132,6 +153,10 @@ impl<S: Store + Clone> Held<S> {
         }
     }
 
+    fn failed(&self) -> u32 {
+        self.failures.load(Ordering::Relaxed)
+    }
+
     fn expires(&self) -> Instant {
         *self.expires.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -155,75 +180,85 @@ impl<S: Store + Clone> Held<S> {
         self.finish().await;
     }
 
-    /// Tells the store what is owed, retrying failures while the lease lasts (and renewing
-    /// it meanwhile), then lands the flight. If this future is dropped first, the guard's
-    /// `Drop` takes over.
+    /// Tells the store what is owed, then lands the flight. The caller's own call tries
+    /// once: if the store fails, the guard is left owing, and its `Drop` retries in the
+    /// background while the lease lasts. A store outage then never holds the body's
+    /// outcome from its caller (nothing is gained by waiting: the key lapses with the lease
+    /// either way). In the background, failures are retried here, renewing the lease.
     async fn finish(&mut self) {
-        let landing = self.renewing(self.discharge()).await;
+        let landing = if self.detached {
+            self.renewing(self.discharge()).await
+        } else {
+            match self.attempt().await {
+                Some(landing) => landing,
+                None => return,
+            }
+        };
         self.owed = Owed::Nothing;
         self.land(landing);
     }
 
+    /// Retries the owed step until it is done or the lease runs out.
     async fn discharge(&self) -> Landing {
         // Retries end where the lease stood when the body returned: the renewals meanwhile
         // keep the claim ours, but must not keep a failing store retried forever.
         let deadline = self.expires();
-        let mut failures = 0;
         loop {
-            let (result, done) = match &self.owed {
-                Owed::Complete { record, ttl } => (
-                    self.store
-                        .complete(&self.key, self.token, record.clone(), *ttl)
-                        .await,
-                    Landing::Completed(record.clone()),
-                ),
-                Owed::Release => (
-                    self.store.release(&self.key, self.token).await,
-                    Landing::Released,
-                ),
-                Owed::Nothing => return Landing::Released,
-            };
-            let what = match self.owed {
-                Owed::Complete { .. } => "recording the result",
-                _ => "releasing the claim",
-            };
-            match result {
-                Ok(true) => return done,
-                Ok(false) if failures > 0 => {
-                    // An earlier attempt may have landed before its answer was lost; or the
-                    // key was taken over. Either way the store knows: the waiters ask it.
-                    tracing::debug!(
-                        token = self.token.get(),
-                        "{what}: the claim is no longer held after a failed attempt"
-                    );
-                    return Landing::Released;
-                }
-                Ok(false) => {
-                    tracing::warn!(
-                        outcome = "lease lost",
-                        token = self.token.get(),
-                        "{what}: the claim was taken over first; nothing was changed"
-                    );
-                    // Another holder owns the key now: the waiters ask the store, which has
-                    // the one result every later call will see.
-                    return Landing::Released;
-                }
-                Err(err) => {
-                    let pause = backoff(failures);
-                    failures += 1;
-                    if Instant::now() + pause >= deadline {
-                        tracing::warn!(
-                            error = %err,
-                            attempts = failures,
-                            "{what} failed until the lease ran out; the key is freed when it lapses"
-                        );
-                        // The body ran once and this is its outcome: the concurrent calls
-                        // waiting for it share it.
-                        return done;
-                    }
-                    tracing::warn!(error = %err, attempts = failures, "{what} failed; retrying");
-                    tokio::time::sleep(pause).await;
-                }
+            if let Some(landing) = self.attempt().await {
+                return landing;
+            }
+            let pause = backoff(self.failed());
+            if Instant::now() + pause >= deadline {
+                tracing::warn!(
+                    attempts = self.failed(),
+                    "{} failed until the lease ran out; the key is freed when it lapses",
+                    self.owed.what()
+                );
+                // The body ran once and this is its outcome: the concurrent calls waiting
+                // for it share it.
+                return self.owed.landing();
+            }
+            tokio::time::sleep(pause).await;
+        }
+    }
+
+    /// One attempt at the owed step: how the flight lands, or `None` if the store failed.
+    async fn attempt(&self) -> Option<Landing> {
+        let result = match &self.owed {
+            Owed::Complete { record, ttl } => {
+                self.store
+                    .complete(&self.key, self.token, record.clone(), *ttl)
+                    .await
+            }
+            Owed::Release => self.store.release(&self.key, self.token).await,
+            Owed::Nothing => return Some(Landing::Released),
+        };
+        let what = self.owed.what();
+        match result {
+            Ok(true) => Some(self.owed.landing()),
+            Ok(false) if self.failed() > 0 => {
+                // An earlier attempt may have landed before its answer was lost; or the key
+                // was taken over. Either way the store knows: the waiters ask it.
+                tracing::debug!(
+                    token = self.token.get(),
+                    "{what}: the claim is no longer held after a failed attempt"
+                );
+                Some(Landing::Released)
+            }
+            Ok(false) => {
+                tracing::warn!(
+                    outcome = "lease lost",
+                    token = self.token.get(),
+                    "{what}: the claim was taken over first; nothing was changed"
+                );
+                // Another holder owns the key now: the waiters ask the store, which has the
+                // one result every later call will see.
+                Some(Landing::Released)
+            }
+            Err(err) => {
+                let attempts = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
+                tracing::warn!(error = %err, attempts, "{what} failed; retrying");
+                None
             }
         }
     }
@@ -272,6 +307,7 @@ impl<S: Store + Clone> Drop for Held<S> {
             attempt: self.attempt.clone(),
             owed,
             detached: true,
+            failures: AtomicU32::new(self.failed()),
         };
         // If the runtime is shutting down, the task is dropped unrun, and `rest`'s own drop
         // lands the flight.

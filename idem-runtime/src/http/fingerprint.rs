@@ -3,10 +3,7 @@
 
 use bytes::Bytes;
 use http::header::CONTENT_TYPE;
-use std::fmt;
-
 use http::request::Parts;
-use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::{Serialize, Serializer};
 use sha2::{Digest, Sha256};
 
@@ -14,10 +11,7 @@ use crate::{Error, Fingerprint};
 
 /// The default fingerprint of a request.
 pub(super) fn of_request(parts: &Parts, body: &Bytes) -> Result<Fingerprint, Error> {
-    let target = parts
-        .uri
-        .path_and_query()
-        .map_or(parts.uri.path(), |pq| pq.as_str());
+    let target = target(parts);
     let method = parts.method.as_str();
     // A JSON body counts by its canonical form: members sorted by name, no whitespace, so
     // that member order and layout do not change it. One that does not parse counts by its
@@ -31,135 +25,184 @@ pub(super) fn of_request(parts: &Parts, body: &Bytes) -> Result<Fingerprint, Err
     Fingerprint::of(&(method, target, 0_u8, Raw(body)))
 }
 
-/// The canonical form of a JSON document: objects with their members sorted by name, no
-/// whitespace, strings and numbers as `serde_json` writes them; `None` if it does not parse.
-///
-/// It is written while the document is parsed, without building a `serde_json::Value`: on
-/// a 1 KiB body that is several times faster. The key encoder would give the same
-/// guarantee, but it pays a SHA-256 per object member to make maps order-independent (the
-/// P10 and P11 benchmarks).
-fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
-    let mut out = Vec::with_capacity(body.len());
-    let mut members = Vec::new();
-    let mut parser = serde_json::Deserializer::from_slice(body);
-    Canonical {
-        out: &mut out,
-        members: &mut members,
-    }
-    .deserialize(&mut parser)
-    .ok()?;
-    parser.end().ok()?;
-    Some(out)
+/// The path and query the client sent. A router may have rewritten the request's own URI
+/// before the layer runs: axum's `nest` strips its prefix, so that `/v1/pay` and `/v2/pay`
+/// both reach a layer inside them as `/pay`. With the feature `axum`, the URI axum saw
+/// first (`OriginalUri`) is the target, so that a key sent to two endpoints is never the
+/// same request.
+pub(super) fn target(parts: &Parts) -> &str {
+    #[cfg(feature = "axum")]
+    let uri = parts
+        .extensions
+        .get::<axum::extract::OriginalUri>()
+        .map_or(&parts.uri, |original| &original.0);
+    #[cfg(not(feature = "axum"))]
+    let uri = &parts.uri;
+    uri.path_and_query().map_or(uri.path(), |pq| pq.as_str())
 }
 
-/// Writes the value it is handed, canonically, to `out`.
+/// The canonical form of a JSON document, `None` if it is not one (RFC 8259, nested at most
+/// [`MAX_DEPTH`] deep). Objects have their members sorted by name; there is no whitespace;
+/// strings are written as `serde_json` writes them (escapes resolved); and every number is
+/// written by its exact decimal value, never through a float: `1`, `1.0`, `1e0` and `10e-1`
+/// are one value, `0.1` and `0.10000000000000000001` two (see [`number`]).
+///
+/// It is written in one pass over the bytes, without building a tree or a float: the
+/// document's own text decides, so the result does not depend on `serde_json`'s features
+/// (`arbitrary_precision` changes what its deserializer hands out).
+fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
+    // Validated once, so that strings without escapes can be copied as they are.
+    std::str::from_utf8(body).ok()?;
+    let mut canonical = Canonical {
+        input: body,
+        at: 0,
+        out: Vec::with_capacity(body.len()),
+        members: Vec::new(),
+    };
+    canonical.value(0)?;
+    canonical.skip_whitespace();
+    (canonical.at == body.len()).then_some(canonical.out)
+}
+
+/// How deeply arrays and objects may nest in a document canonicalized by its meaning (as
+/// `serde_json`'s own limit); a deeper one counts by its bytes.
+const MAX_DEPTH: u32 = 128;
+
+/// The state of one canonicalization: where it is in the input, and what it wrote.
 struct Canonical<'a> {
-    out: &'a mut Vec<u8>,
+    input: &'a [u8],
+    at: usize,
+    out: Vec<u8>,
     /// Where the members of the objects being written are in `out` (start, end of the
     /// name, end), one stack for the whole document: an object's members sit above those
     /// of the objects around it.
-    members: &'a mut Vec<(usize, usize, usize)>,
-}
-
-impl<'de> DeserializeSeed<'de> for Canonical<'_> {
-    type Value = ();
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
-        deserializer.deserialize_any(self)
-    }
+    members: Vec<(usize, usize, usize)>,
 }
 
 impl Canonical<'_> {
-    fn write<T: Serialize + ?Sized, E: de::Error>(self, value: &T) -> Result<(), E> {
-        serde_json::to_writer(&mut *self.out, value).map_err(E::custom)
+    fn peek(&self) -> Option<u8> {
+        self.input.get(self.at).copied()
     }
 
-    fn nested(&mut self) -> Canonical<'_> {
-        Canonical {
-            out: self.out,
-            members: self.members,
+    fn skip_whitespace(&mut self) {
+        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.peek() {
+            self.at += 1;
         }
     }
-}
 
-impl<'de> Visitor<'de> for Canonical<'_> {
-    type Value = ();
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a JSON value")
+    /// Consumes `byte` after optional whitespace, if it is next.
+    fn eat(&mut self, byte: u8) -> bool {
+        self.skip_whitespace();
+        let found = self.peek() == Some(byte);
+        self.at += usize::from(found);
+        found
     }
 
-    fn visit_bool<E: de::Error>(self, v: bool) -> Result<(), E> {
-        self.write(&v)
+    fn value(&mut self, depth: u32) -> Option<()> {
+        self.skip_whitespace();
+        match self.peek()? {
+            b'{' if depth < MAX_DEPTH => self.object(depth + 1),
+            b'[' if depth < MAX_DEPTH => self.array(depth + 1),
+            b'"' => self.string(),
+            b't' => self.literal(b"true"),
+            b'f' => self.literal(b"false"),
+            b'n' => self.literal(b"null"),
+            b'-' | b'0'..=b'9' => {
+                let start = self.at;
+                let end = start + number::length(&self.input[start..])?;
+                self.at = end;
+                number::write_canonical(&self.input[start..end], &mut self.out)
+            }
+            _ => None,
+        }
     }
 
-    fn visit_i64<E: de::Error>(self, v: i64) -> Result<(), E> {
-        self.write(&v)
+    fn literal(&mut self, word: &'static [u8]) -> Option<()> {
+        let rest = self.input.get(self.at..)?;
+        rest.starts_with(word).then_some(())?;
+        self.at += word.len();
+        self.out.extend_from_slice(word);
+        Some(())
     }
 
-    fn visit_u64<E: de::Error>(self, v: u64) -> Result<(), E> {
-        self.write(&v)
-    }
-
-    fn visit_f64<E: de::Error>(self, v: f64) -> Result<(), E> {
-        self.write(&v)
-    }
-
-    fn visit_str<E: de::Error>(self, v: &str) -> Result<(), E> {
-        self.write(v)
-    }
-
-    fn visit_unit<E: de::Error>(self) -> Result<(), E> {
-        self.out.extend_from_slice(b"null");
-        Ok(())
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(mut self, mut items: A) -> Result<(), A::Error> {
-        self.out.push(b'[');
-        let mut first = true;
+    fn string(&mut self) -> Option<()> {
+        let start = self.at;
+        let mut escaped = false;
+        let mut i = start + 1;
         loop {
-            let mark = self.out.len();
-            if !first {
+            match *self.input.get(i)? {
+                b'"' => break,
+                b'\\' => {
+                    escaped = true;
+                    i += 2;
+                }
+                0x00..=0x1f => return None,
+                _ => i += 1,
+            }
+        }
+        let token = &self.input[start..=i];
+        self.at = i + 1;
+        if escaped {
+            // Escapes are resolved, and written back as `serde_json` writes the string.
+            let text: String = serde_json::from_slice(token).ok()?;
+            serde_json::to_writer(&mut self.out, &text).ok()?;
+        } else {
+            // What `serde_json` would write: it escapes only quotes, backslashes and control
+            // characters, and none of them can be in a string without escapes.
+            self.out.extend_from_slice(token);
+        }
+        Some(())
+    }
+
+    fn array(&mut self, depth: u32) -> Option<()> {
+        self.at += 1;
+        self.out.push(b'[');
+        if !self.eat(b']') {
+            loop {
+                self.value(depth)?;
+                if self.eat(b']') {
+                    break;
+                }
+                self.eat(b',').then_some(())?;
                 self.out.push(b',');
             }
-            if items.next_element_seed(self.nested())?.is_none() {
-                self.out.truncate(mark);
-                break;
-            }
-            first = false;
         }
         self.out.push(b']');
-        Ok(())
+        Some(())
     }
 
-    fn visit_map<A: MapAccess<'de>>(mut self, mut map: A) -> Result<(), A::Error> {
+    fn object(&mut self, depth: u32) -> Option<()> {
+        self.at += 1;
         self.out.push(b'{');
         let start = self.out.len();
         let base = self.members.len();
         let mut sorted = true;
-        loop {
-            let begin = self.out.len();
-            if begin > start {
-                self.out.push(b',');
+        if !self.eat(b'}') {
+            loop {
+                if self.out.len() > start {
+                    self.out.push(b',');
+                }
+                let name_start = self.out.len();
+                self.skip_whitespace();
+                (self.peek() == Some(b'"')).then_some(())?;
+                self.string()?;
+                let name_end = self.out.len();
+                if let Some(&(previous, previous_end, _)) = self.members[base..].last() {
+                    sorted &= self.out[previous..previous_end] <= self.out[name_start..name_end];
+                }
+                self.eat(b':').then_some(())?;
+                self.out.push(b':');
+                self.value(depth)?;
+                self.members.push((name_start, name_end, self.out.len()));
+                if self.eat(b'}') {
+                    break;
+                }
+                self.eat(b',').then_some(())?;
             }
-            let name_start = self.out.len();
-            if map.next_key_seed(self.nested())?.is_none() {
-                self.out.truncate(begin);
-                break;
-            }
-            let name_end = self.out.len();
-            if let Some(&(previous, previous_end, _)) =
-                self.members.get(base..).and_then(|m| m.last())
-            {
-                let previous = &self.out[previous..previous_end];
-                sorted &= previous <= &self.out[name_start..name_end];
-            }
-            self.out.push(b':');
-            map.next_value_seed(self.nested())?;
-            self.members.push((name_start, name_end, self.out.len()));
         }
         // Written in order (a sorted map, or a client that sorts), the members stay; else
-        // they are put in order by name.
+        // they are put in order by name. Members of one name keep their order: a document
+        // that repeats a name is another document if the values swap.
         if !sorted {
             let written = self.out.split_off(start);
             let members = &mut self.members[base..];
@@ -176,7 +219,115 @@ impl<'de> Visitor<'de> for Canonical<'_> {
         }
         self.members.truncate(base);
         self.out.push(b'}');
-        Ok(())
+        Some(())
+    }
+}
+
+/// JSON numbers by their exact decimal value.
+pub(crate) mod number {
+    /// The length of the JSON number at the start of `input` (RFC 8259:
+    /// `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`), or `None` if there is none.
+    pub(crate) fn length(input: &[u8]) -> Option<usize> {
+        let digits = |from: usize| {
+            input[from..]
+                .iter()
+                .take_while(|b| b.is_ascii_digit())
+                .count()
+        };
+        let mut at = usize::from(input.first() == Some(&b'-'));
+        match input.get(at)? {
+            b'0' => at += 1,
+            b'1'..=b'9' => at += digits(at),
+            _ => return None,
+        }
+        if input.get(at) == Some(&b'.') {
+            let n = digits(at + 1);
+            (n > 0).then_some(())?;
+            at += 1 + n;
+        }
+        if let Some(b'e' | b'E') = input.get(at) {
+            at += 1;
+            if let Some(b'+' | b'-') = input.get(at) {
+                at += 1;
+            }
+            let n = digits(at);
+            (n > 0).then_some(())?;
+            at += n;
+        }
+        Some(at)
+    }
+
+    /// Writes the canonical form of the JSON number `text` (whole, as [`length`] measured
+    /// it): `0` for every zero, else the sign, the significant digits without leading or
+    /// trailing zeros, `e` and the exponent that makes them the value (`-15e-1` for
+    /// `-1.50`). Two numbers have one canonical form exactly when their decimal values are
+    /// equal. `None` for an exponent beyond ±10^18, which no value in a request needs: such
+    /// a document counts by its bytes, so that two spellings of it may differ, but two
+    /// different values never meet.
+    pub(crate) fn write_canonical(text: &[u8], out: &mut Vec<u8>) -> Option<()> {
+        use std::io::Write;
+
+        let (negative, text) = match text.split_first() {
+            Some((b'-', rest)) => (true, rest),
+            _ => (false, text),
+        };
+        let mantissa_end = text
+            .iter()
+            .position(|b| matches!(b, b'e' | b'E'))
+            .unwrap_or(text.len());
+        let (mantissa, exponent) = text.split_at(mantissa_end);
+        let (integer, fraction) = match mantissa.iter().position(|&b| b == b'.') {
+            Some(dot) => (&mantissa[..dot], &mantissa[dot + 1..]),
+            None => (mantissa, &[][..]),
+        };
+        let mut exponent = parse_exponent(exponent)?;
+        exponent -= i128::try_from(fraction.len()).ok()?;
+        // The significant digits: the integer's and the fraction's, leading zeros dropped,
+        // trailing zeros moved into the exponent.
+        let mark = out.len();
+        if negative {
+            out.push(b'-');
+        }
+        let first = out.len();
+        out.extend(integer.iter().chain(fraction).skip_while(|&&b| b == b'0'));
+        let trailing = out[first..]
+            .iter()
+            .rev()
+            .take_while(|&&b| b == b'0')
+            .count();
+        out.truncate(out.len() - trailing);
+        if out.len() == first {
+            out.truncate(mark);
+            out.push(b'0');
+            return Some(());
+        }
+        exponent += i128::try_from(trailing).ok()?;
+        // Written in place: no string per number.
+        write!(out, "e{exponent}").ok()
+    }
+
+    /// The exponent part (`e-07`, `E+3`, or nothing), if its value is within ±10^18.
+    fn parse_exponent(part: &[u8]) -> Option<i128> {
+        let Some((_, rest)) = part.split_first() else {
+            return Some(0);
+        };
+        let (negative, digits) = match rest.split_first() {
+            Some((b'-', digits)) => (true, digits),
+            Some((b'+', digits)) => (false, digits),
+            _ => (false, rest),
+        };
+        let start = digits
+            .iter()
+            .position(|&b| b != b'0')
+            .unwrap_or(digits.len());
+        let digits = &digits[start..];
+        if digits.len() > 18 {
+            return None;
+        }
+        let value = digits
+            .iter()
+            .fold(0_i128, |value, &d| value * 10 + i128::from(d - b'0'));
+        Some(if negative { -value } else { value })
     }
 }
 
@@ -249,11 +400,12 @@ mod tests {
             |json: &str| String::from_utf8(canonical_json(json.as_bytes()).unwrap()).unwrap();
         assert_eq!(
             canonical(r#" { "b" : [ 1 , { "z" : null , "a" : true } ] , "a" : "x\u0041" } "#),
-            r#"{"a":"xA","b":[1,{"a":true,"z":null}]}"#
+            r#"{"a":"xA","b":[1e0,{"a":true,"z":null}]}"#
         );
         assert_eq!(canonical("[]"), "[]");
         assert_eq!(canonical("{}"), "{}");
-        assert_eq!(canonical("-1.5e3"), "-1500.0");
+        assert_eq!(canonical("-1.5e3"), "-15e2");
+        assert_eq!(canonical("[0, -0.0, 1.50, 100]"), "[0,0,15e-1,1e2]");
         assert!(canonical_json(b"{\"a\":1} trailing").is_none());
         assert!(canonical_json(b"{\"a\":").is_none());
     }
@@ -277,5 +429,149 @@ mod tests {
             print("POST", "/t", text, "a b"),
             print("POST", "/t", text, "a  b")
         );
+    }
+
+    /// One JSON spelling of the value `digits × 10^exponent` (with `negative` its sign),
+    /// chosen by `pick`: zeros padded on either side, the decimal point anywhere, the
+    /// exponent written in any of its forms.
+    fn spell(
+        negative: bool,
+        digits: &str,
+        exponent: i64,
+        pick: &mut impl FnMut(u64) -> u64,
+    ) -> String {
+        let lead = "0".repeat(pick(3) as usize);
+        let trail = pick(4) as usize;
+        let padded = format!("{lead}{digits}{}", "0".repeat(trail));
+        let point = pick(padded.len() as u64 + 1) as usize;
+        let (integer, fraction) = padded.split_at(point);
+        let integer = integer.trim_start_matches('0');
+        let exponent = exponent - trail as i64 + fraction.len() as i64;
+        let mut text = String::new();
+        if negative {
+            text.push('-');
+        }
+        text.push_str(if integer.is_empty() { "0" } else { integer });
+        if !fraction.is_empty() {
+            text.push('.');
+            text.push_str(fraction);
+        }
+        if exponent != 0 || pick(2) == 0 {
+            text.push(if pick(2) == 0 { 'e' } else { 'E' });
+            match (exponent < 0, pick(2)) {
+                (true, _) => text.push('-'),
+                (false, 0) => text.push('+'),
+                _ => {}
+            }
+            text.push_str(&"0".repeat(pick(2) as usize));
+            text.push_str(&exponent.unsigned_abs().to_string());
+        }
+        text
+    }
+
+    fn canonical_number(text: &str) -> Vec<u8> {
+        assert_eq!(number::length(text.as_bytes()), Some(text.len()), "{text}");
+        let mut out = Vec::new();
+        number::write_canonical(text.as_bytes(), &mut out).unwrap();
+        out
+    }
+
+    #[test]
+    fn numbers_are_compared_by_their_exact_decimal_value() {
+        let same = |a: &str, b: &str| canonical_number(a) == canonical_number(b);
+        for (a, b) in [
+            ("1", "1.0"),
+            ("1", "1e0"),
+            ("1", "10e-1"),
+            ("100", "1e2"),
+            ("100", "1E+2"),
+            ("0", "-0.0e7"),
+            ("0.5", "5e-1"),
+            ("-12.50", "-1.25e1"),
+        ] {
+            assert!(same(a, b), "{a} and {b} are one value");
+        }
+        for (a, b) in [
+            ("18446744073709551617", "18446744073709551616"),
+            ("99.999999999999999999", "100.0"),
+            ("0.1", "0.10000000000000000001"),
+            ("100000000000000000000001", "100000000000000000000000"),
+            ("1e23", "99999999999999991611392"),
+            ("1", "-1"),
+            ("1e400", "1e401"),
+        ] {
+            assert!(!same(a, b), "{a} and {b} are two values");
+        }
+        // An exponent no value needs: the document counts by its bytes instead.
+        assert!(canonical_json(b"[1e1000000000000000000]").is_none());
+        assert!(canonical_json(b"[1e999999999999999999]").is_some());
+        for invalid in [
+            "01", "1.", ".5", "-", "1e", "1e+", "+1", "0x10", "NaN", "1.5.2",
+        ] {
+            assert!(canonical_json(invalid.as_bytes()).is_none(), "{invalid}");
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 32_768,
+            failure_persistence: None,
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        /// 2 million pairs (64 a case): two numbers canonicalize alike exactly when an
+        /// arbitrary-precision decimal says they are equal. A pair is two spellings of one
+        /// value, a value and a near neighbour (a digit changed, added or dropped, the
+        /// exponent moved), or two independent values.
+        #[test]
+        fn canonical_numbers_agree_with_an_exact_decimal_oracle(seed in proptest::prelude::any::<u64>()) {
+            use std::str::FromStr;
+            use bigdecimal::BigDecimal;
+
+            let mut state = seed | 1;
+            let mut pick = move |n: u64| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state % n.max(1)
+            };
+            let value = |pick: &mut dyn FnMut(u64) -> u64| {
+                let len = 1 + pick(40) as usize;
+                let digits: String = (0..len).map(|_| char::from(b'0' + pick(10) as u8)).collect();
+                (pick(4) == 0, digits, pick(80) as i64 - 40)
+            };
+            for _ in 0..64 {
+                let (negative, digits, exponent) = value(&mut pick);
+                let a = spell(negative, &digits, exponent, &mut pick);
+                let b = match pick(4) {
+                    0 | 1 => spell(negative, &digits, exponent, &mut pick),
+                    2 => {
+                        let mut near = digits.clone().into_bytes();
+                        let at = pick(near.len() as u64) as usize;
+                        match pick(4) {
+                            0 => near[at] = b'0' + (near[at] - b'0' + 1 + pick(9) as u8) % 10,
+                            1 => near.insert(at, b'0' + pick(10) as u8),
+                            2 if near.len() > 1 => {
+                                near.remove(at);
+                            }
+                            _ => {}
+                        }
+                        let near = String::from_utf8(near).unwrap();
+                        let shift = pick(3) as i64 - 1;
+                        spell(negative ^ (pick(16) == 0), &near, exponent + shift, &mut pick)
+                    }
+                    _ => {
+                        let (negative, digits, exponent) = value(&mut pick);
+                        spell(negative, &digits, exponent, &mut pick)
+                    }
+                };
+                let equal = BigDecimal::from_str(&a).unwrap() == BigDecimal::from_str(&b).unwrap();
+                proptest::prop_assert_eq!(
+                    canonical_number(&a) == canonical_number(&b),
+                    equal,
+                    "{} and {}", a, b
+                );
+            }
+        }
     }
 }

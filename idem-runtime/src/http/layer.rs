@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::header::{HeaderName, SET_COOKIE};
 use http::request::Parts;
 use http::{Method, StatusCode};
 use tower_layer::Layer;
@@ -47,6 +48,8 @@ pub struct IdempotencyLayer<St, Sc = ScopeNotChosen> {
 }
 
 pub(super) type RecordIf = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
+pub(super) type RecordHeaderIf = Arc<dyn Fn(&HeaderName) -> bool + Send + Sync>;
+pub(super) type OnUnrecorded = Arc<dyn Fn(&Unrecorded) + Send + Sync>;
 pub(super) type FingerprintFn =
     Arc<dyn Fn(&Parts, &Bytes) -> Result<Fingerprint, Error> + Send + Sync>;
 
@@ -60,8 +63,46 @@ pub(super) struct Config<St, Sc> {
     pub(super) max_body: usize,
     pub(super) max_recorded_body: usize,
     pub(super) record_if: RecordIf,
+    pub(super) record_header_if: RecordHeaderIf,
+    pub(super) on_unrecorded: Option<OnUnrecorded>,
     pub(super) fingerprint: FingerprintFn,
     pub(super) retry_after: Duration,
+    pub(super) unknown_principal: UnknownPrincipal,
+}
+
+/// What a keyed request whose principal the scope cannot name gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum UnknownPrincipal {
+    /// `401`: the handler does not run.
+    Refuse,
+    /// The request passes through without idempotency, as the service chose.
+    PassThrough,
+}
+
+/// Why a response the layer would have recorded was sent unrecorded, its key released so
+/// that a retry runs the handler again: what [`IdempotencyLayer::on_unrecorded`] is told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Unrecorded {
+    /// The body is larger than [`max_recorded_body`](IdempotencyLayer::max_recorded_body).
+    TooLarge {
+        /// The limit it went over, in bytes.
+        limit: usize,
+    },
+    /// The body ended with trailers, which a record does not keep.
+    Trailers,
+    /// The body failed while it was sent or read.
+    BodyFailed,
+}
+
+impl fmt::Display for Unrecorded {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::TooLarge { limit } => write!(f, "the response body is over {limit} bytes"),
+            Self::Trailers => f.write_str("the response body has trailers"),
+            Self::BodyFailed => f.write_str("the response body failed"),
+        }
+    }
 }
 
 impl<St: Clone, Sc: Clone> Clone for Config<St, Sc> {
@@ -75,8 +116,11 @@ impl<St: Clone, Sc: Clone> Clone for Config<St, Sc> {
             max_body: self.max_body,
             max_recorded_body: self.max_recorded_body,
             record_if: Arc::clone(&self.record_if),
+            record_header_if: Arc::clone(&self.record_header_if),
+            on_unrecorded: self.on_unrecorded.clone(),
             fingerprint: Arc::clone(&self.fingerprint),
             retry_after: self.retry_after,
+            unknown_principal: self.unknown_principal,
         }
     }
 }
@@ -100,6 +144,7 @@ impl<St: fmt::Debug, Sc> fmt::Debug for IdempotencyLayer<St, Sc> {
             .field("required", &config.required)
             .field("max_body", &config.max_body)
             .field("max_recorded_body", &config.max_recorded_body)
+            .field("unknown_principal", &config.unknown_principal)
             .finish_non_exhaustive()
     }
 }
@@ -125,7 +170,8 @@ pub enum ScopeOf {
     Shared,
     /// The key is this principal's.
     Principal(String),
-    /// The principal is unknown: the request passes through untouched.
+    /// The principal is unknown: the request is refused, or passes through untouched if
+    /// the service said so.
     Unknown,
 }
 
@@ -169,8 +215,11 @@ impl<St: Store + Clone> IdempotencyLayer<St, ScopeNotChosen> {
                 max_body: DEFAULT_MAX_BODY,
                 max_recorded_body: DEFAULT_MAX_BODY,
                 record_if: Arc::new(|status: StatusCode| status.is_success()),
+                record_header_if: Arc::new(|name: &HeaderName| name != SET_COOKIE),
+                on_unrecorded: None,
                 fingerprint: Arc::new(fingerprint::of_request),
                 retry_after: Duration::from_secs(1),
+                unknown_principal: UnknownPrincipal::Refuse,
             }),
         }
     }
@@ -197,16 +246,26 @@ impl<St: Clone, Sc: Clone> IdempotencyLayer<St, Sc> {
                 max_body: c.max_body,
                 max_recorded_body: c.max_recorded_body,
                 record_if: c.record_if,
+                record_header_if: c.record_header_if,
+                on_unrecorded: c.on_unrecorded,
                 fingerprint: c.fingerprint,
                 retry_after: c.retry_after,
+                unknown_principal: c.unknown_principal,
             }),
         }
     }
 
     /// Keys each principal apart: `scope` names whose request it is (a user, a tenant, an API
     /// key), usually from an extension your authentication put there. The same key sent by
-    /// two principals is two operations, and neither ever sees the other's response. A
-    /// request whose principal is unknown (`None`) passes through without idempotency.
+    /// two principals is two operations, and neither ever sees the other's response.
+    ///
+    /// A request with a key whose principal `scope` cannot name (`None`: no credentials, a
+    /// scheme it does not parse, or an authentication layer placed *inside* this one, so
+    /// that it has not run yet) is refused with `401`, and its handler does not run: the
+    /// layer cannot tell whose key it is, and running it unprotected would turn
+    /// idempotency off without a word. Put the authentication layer outside this one (in
+    /// axum, `.layer(idempotency).layer(auth)`: the last layer added runs first), or choose
+    /// pass-through with [`pass_through_unknown_principal`](Self::pass_through_unknown_principal).
     pub fn scope<F>(self, scope: F) -> IdempotencyLayer<St, ScopedBy<F>>
     where
         F: Fn(&Parts) -> Option<String> + Clone + Send + Sync + 'static,
@@ -219,6 +278,15 @@ impl<St: Clone, Sc: Clone> IdempotencyLayer<St, Sc> {
     /// private, or when one client is the only caller.
     pub fn unscoped(self) -> IdempotencyLayer<St, Unscoped> {
         self.rescoped(Unscoped)
+    }
+
+    /// Lets a keyed request whose principal [`scope`](Self::scope) cannot name pass
+    /// through to its handler *without idempotency* (no claim, no record, no replay),
+    /// instead of answering `401`. For services where anonymous requests are legitimate
+    /// and their keys must not be shared: each such request runs, however often it is
+    /// retried.
+    pub fn pass_through_unknown_principal(self) -> Self {
+        self.with(|c| c.unknown_principal = UnknownPrincipal::PassThrough)
     }
 
     /// Answers `400` to a request of the layer's methods without an `Idempotency-Key`
@@ -273,11 +341,59 @@ impl<St: Clone, Sc: Clone> IdempotencyLayer<St, Sc> {
         self.with(|c| c.max_body = bytes)
     }
 
-    /// The largest response body recorded (default [`DEFAULT_MAX_BODY`]). A larger one, or
-    /// one whose length is not known in advance (a stream), is returned unrecorded and
-    /// releases the key.
+    /// The largest response body recorded (default [`DEFAULT_MAX_BODY`]). A body whose
+    /// length is known is read whole before the response is sent; one whose length is not
+    /// (a stream, or a middleware inside this layer that maps frames, such as compression)
+    /// is recorded as it is sent. A larger one is sent unrecorded and releases the key: a
+    /// `warn!` event and [`on_unrecorded`](Self::on_unrecorded) say so.
     pub fn max_recorded_body(self, bytes: usize) -> Self {
         self.with(|c| c.max_recorded_body = bytes)
+    }
+
+    /// Called for each response that `record_if` accepted but that could not be recorded
+    /// (too large, trailers, a body that failed): its key was released, so a retry runs
+    /// the handler again. A hook to count and alert on; each case is also a `warn!` event.
+    ///
+    /// ```
+    /// use std::sync::atomic::{AtomicU64, Ordering};
+    /// use std::sync::Arc;
+    /// use idem_runtime::http::IdempotencyLayer;
+    /// use idem_runtime::MemoryStore;
+    ///
+    /// let unrecorded = Arc::new(AtomicU64::new(0));
+    /// let counter = unrecorded.clone();
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .unscoped()
+    ///     .on_unrecorded(move |_why| {
+    ///         counter.fetch_add(1, Ordering::Relaxed);
+    ///     });
+    /// # let _ = layer;
+    /// ```
+    pub fn on_unrecorded(self, hook: impl Fn(&Unrecorded) + Send + Sync + 'static) -> Self {
+        self.with(|c| c.on_unrecorded = Some(Arc::new(hook)))
+    }
+
+    /// Which response headers are recorded and replayed (default: all but `Set-Cookie`;
+    /// hop-by-hop headers never are). The first response is sent with all its headers; a
+    /// replay, which may answer another client when the layer is unscoped, carries only
+    /// the recorded ones. Leave out any header derived from the first caller's
+    /// credentials or session.
+    ///
+    /// ```
+    /// use http::header::{HeaderName, SET_COOKIE};
+    /// use idem_runtime::http::IdempotencyLayer;
+    /// use idem_runtime::MemoryStore;
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .unscoped()
+    ///     .record_header_if(|name: &HeaderName| name != SET_COOKIE && name != "x-session");
+    /// # let _ = layer;
+    /// ```
+    pub fn record_header_if(
+        self,
+        record: impl Fn(&HeaderName) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.with(|c| c.record_header_if = Arc::new(record))
     }
 
     /// Replaces the default fingerprint (method, path and query, body; JSON bodies by their

@@ -15,14 +15,20 @@ use crate::Error;
 const TYPES: &str = "https://docs.rs/idem-runtime/latest/idem_runtime/http/index.html";
 
 /// A problem the layer answers with instead of running the handler.
+///
+/// No variant carries an error's text: a problem's `detail` is written here, from the
+/// layer's own words and numbers, so that no store address, SQL or library message ever
+/// reaches a client. What went wrong inside goes to `tracing` where it happens.
 #[derive(Debug)]
 pub(super) enum Problem {
     /// 400: the key is required and missing.
     KeyMissing,
-    /// 400: the key header is malformed.
+    /// 400: the key header is malformed, and the layer's own words for why.
     KeyMalformed(&'static str),
+    /// 401: the request carries a key, but the key scope cannot name its principal.
+    PrincipalUnknown,
     /// 400: the request body could not be read, or fingerprinted.
-    BodyUnreadable(String),
+    BodyUnreadable,
     /// 413: the request body is over the limit.
     BodyTooLarge(usize),
     /// 409: the key's first request still runs.
@@ -32,7 +38,7 @@ pub(super) enum Problem {
     /// 503: the store failed; the handler did not run.
     StoreDown,
     /// 500: a record that does not decode, a misconfiguration, a failed response body.
-    Internal(String),
+    Internal,
 }
 
 impl Problem {
@@ -41,9 +47,18 @@ impl Problem {
         match err {
             Error::InProgress => Self::InFlight(retry_after),
             Error::PayloadMismatch => Self::PayloadMismatch,
-            Error::Store(_) => Self::StoreDown,
-            Error::Key(e) => Self::BodyUnreadable(e.to_string()),
-            other => Self::Internal(other.to_string()),
+            Error::Store(err) => {
+                tracing::warn!(error = %err, "the store failed: answered 503");
+                Self::StoreDown
+            }
+            Error::Key(err) => {
+                tracing::info!(error = %err, "the request could not be keyed: answered 400");
+                Self::BodyUnreadable
+            }
+            other => {
+                tracing::error!(error = %other, "answered 500");
+                Self::Internal
+            }
         }
     }
 
@@ -65,11 +80,17 @@ impl Problem {
                 "Idempotency-Key is malformed",
                 format!("{why}: send one quoted string of at most 255 characters, e.g. `Idempotency-Key: \"8e03978e-40d5\"`"),
             ),
-            Self::BodyUnreadable(why) => (
+            Self::PrincipalUnknown => (
+                StatusCode::UNAUTHORIZED,
+                "principal-unknown",
+                "The request's principal is unknown",
+                "a request with an `Idempotency-Key` must be authenticated, so that its key is not shared with other clients; authenticate and retry with the same key".to_string(),
+            ),
+            Self::BodyUnreadable => (
                 StatusCode::BAD_REQUEST,
                 "body-unreadable",
                 "The request body could not be read",
-                why,
+                "the request body ended early or could not be read as its content type says; send it whole and retry with the same key".to_string(),
             ),
             Self::BodyTooLarge(limit) => (
                 StatusCode::PAYLOAD_TOO_LARGE,
@@ -95,11 +116,11 @@ impl Problem {
                 "Idempotency store unavailable",
                 "the request was not processed; retry it with the same key".to_string(),
             ),
-            Self::Internal(why) => (
+            Self::Internal => (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "internal",
                 "Idempotency layer failure",
-                why,
+                "the request could not be completed; it is safe to retry with the same key".to_string(),
             ),
         };
         let body = serde_json::json!({
@@ -119,5 +140,43 @@ impl Problem {
             headers.insert(RETRY_AFTER, HeaderValue::from(after.as_secs().max(1)));
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::BodyExt;
+
+    use super::*;
+
+    /// Every problem the layer answers with, once.
+    fn every_problem() -> Vec<Problem> {
+        vec![
+            Problem::KeyMissing,
+            Problem::KeyMalformed("empty"),
+            Problem::PrincipalUnknown,
+            Problem::BodyUnreadable,
+            Problem::BodyTooLarge(1024),
+            Problem::InFlight(Duration::from_secs(1)),
+            Problem::PayloadMismatch,
+            Problem::StoreDown,
+            Problem::Internal,
+        ]
+    }
+
+    #[tokio::test]
+    async fn every_problem_type_links_to_a_section_of_the_module_docs() {
+        let docs = include_str!("../http.rs");
+        for problem in every_problem() {
+            let response = problem.into_response();
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            let link = problem["type"].as_str().unwrap();
+            let anchor = link.strip_prefix(&format!("{TYPES}#")).unwrap();
+            assert!(
+                docs.contains(&format!("//! ## {anchor}\n")),
+                "`{link}` has no section `## {anchor}` in src/http.rs"
+            );
+        }
     }
 }

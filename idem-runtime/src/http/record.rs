@@ -33,54 +33,88 @@ const HOP_BY_HOP: [&str; 9] = [
     "upgrade",
 ];
 
-/// A response as recorded.
+/// A response as recorded, and the headers of the first response that are sent with it but
+/// not recorded.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct Recorded {
     status: StatusCode,
     headers: HeaderMap,
     body: Bytes,
+    /// Sent to the first caller only (never encoded): what `record_header_if` refused.
+    unrecorded: HeaderMap,
 }
 
 impl Recorded {
     /// What to record of a response whose body was read whole: hop-by-hop headers, and the
-    /// headers the `Connection` header names, are left out.
-    pub(super) fn new(status: StatusCode, mut headers: HeaderMap, body: Bytes) -> Self {
-        let named: Vec<HeaderName> = headers
-            .get_all(CONNECTION)
-            .iter()
-            .filter_map(|value| value.to_str().ok())
-            .flat_map(|value| value.split(','))
-            .filter_map(|name| HeaderName::try_from(name.trim()).ok())
-            .collect();
-        for name in HOP_BY_HOP
-            .iter()
-            .copied()
-            .map(HeaderName::from_static)
-            .chain(named)
-        {
-            headers.remove(name);
+    /// headers the `Connection` header names, are left out; the headers `record` refuses
+    /// are kept aside for the first response only.
+    pub(super) fn new(
+        status: StatusCode,
+        headers: HeaderMap,
+        body: Bytes,
+        record: &dyn Fn(&HeaderName) -> bool,
+    ) -> Self {
+        let mut headers = without_hop_by_hop(headers);
+        let mut unrecorded = HeaderMap::new();
+        if headers.keys().any(|name| !record(name)) {
+            let mut recorded = HeaderMap::with_capacity(headers.len());
+            for (name, value) in &headers {
+                let into = if record(name) {
+                    &mut recorded
+                } else {
+                    &mut unrecorded
+                };
+                into.append(name.clone(), value.clone());
+            }
+            headers = recorded;
         }
         Self {
             status,
             headers,
             body,
+            unrecorded,
         }
     }
 
     /// The response to send: the recorded one, marked `Idempotent-Replayed: true` when it
-    /// answers a later request.
+    /// answers a later request; the first answer also carries the unrecorded headers.
     pub(super) fn into_response(self, replayed: bool) -> Response<Full<Bytes>> {
         let mut response = Response::new(Full::new(self.body));
         *response.status_mut() = self.status;
         *response.headers_mut() = self.headers;
+        let headers = response.headers_mut();
         if replayed {
-            response.headers_mut().insert(
+            headers.insert(
                 HeaderName::from_static(IDEMPOTENT_REPLAYED),
                 HeaderValue::from_static("true"),
             );
+        } else {
+            for (name, value) in &self.unrecorded {
+                headers.append(name, value.clone());
+            }
         }
         response
     }
+}
+
+/// `headers` without the hop-by-hop ones and those the `Connection` header names.
+fn without_hop_by_hop(mut headers: HeaderMap) -> HeaderMap {
+    let named: Vec<HeaderName> = headers
+        .get_all(CONNECTION)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .filter_map(|name| HeaderName::try_from(name.trim()).ok())
+        .collect();
+    for name in HOP_BY_HOP
+        .iter()
+        .copied()
+        .map(HeaderName::from_static)
+        .chain(named)
+    {
+        headers.remove(name);
+    }
+    headers
 }
 
 /// The codec of recorded responses.
@@ -138,6 +172,7 @@ impl ValueCodec<Recorded> for HttpRecord {
             status,
             headers,
             body,
+            unrecorded: HeaderMap::new(),
         })
     }
 }
@@ -176,7 +211,7 @@ mod tests {
         headers.insert("x-trace", HeaderValue::from_static("hop"));
         headers.insert("transfer-encoding", HeaderValue::from_static("chunked"));
         let body = Bytes::from_static(b"{\"id\":\"pay_1\"}");
-        let response = Recorded::new(StatusCode::CREATED, headers, body.clone());
+        let response = Recorded::new(StatusCode::CREATED, headers, body.clone(), &|_| true);
         assert!(response.headers.get("connection").is_none());
         assert!(
             response.headers.get("x-trace").is_none(),
@@ -196,8 +231,32 @@ mod tests {
     }
 
     #[test]
+    fn refused_headers_go_to_the_first_answer_only() {
+        let mut headers = HeaderMap::new();
+        headers.append("set-cookie", HeaderValue::from_static("session=alice"));
+        headers.append("set-cookie", HeaderValue::from_static("b=2"));
+        headers.insert("x-payment", HeaderValue::from_static("created"));
+        let response = Recorded::new(StatusCode::CREATED, headers, Bytes::new(), &|name| {
+            name != http::header::SET_COOKIE
+        });
+        let first = response.clone().into_response(false);
+        assert_eq!(first.headers().get_all("set-cookie").iter().count(), 2);
+        assert_eq!(first.headers()["x-payment"], "created");
+        let replayed = HttpRecord::decode(&record(&response)[1..])
+            .unwrap()
+            .into_response(true);
+        assert!(replayed.headers().get("set-cookie").is_none());
+        assert_eq!(replayed.headers()["x-payment"], "created");
+    }
+
+    #[test]
     fn truncated_or_foreign_records_are_codec_errors() {
-        let response = Recorded::new(StatusCode::OK, HeaderMap::new(), Bytes::from_static(b"x"));
+        let response = Recorded::new(
+            StatusCode::OK,
+            HeaderMap::new(),
+            Bytes::from_static(b"x"),
+            &|_| true,
+        );
         let bytes = record(&response);
         for cut in 1..6 {
             assert!(matches!(

@@ -1,7 +1,7 @@
 //! [`IdempotencyService`]: what the layer wraps around a service.
 
 use std::fmt;
-use std::future::Future;
+use std::future::{poll_fn, Future};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -10,18 +10,15 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body::Body;
 use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
+use tokio::sync::oneshot;
 use tower_service::Service;
 
+use super::body::{self, ResponseBody, Tee};
 use super::header;
-use super::layer::{Config, KeyScope, ScopeOf};
+use super::layer::{Config, KeyScope, ScopeOf, UnknownPrincipal, Unrecorded};
 use super::problem::Problem;
 use super::record::{HttpRecord, Recorded};
 use crate::{BoxError, Error, Outcome, Store};
-
-/// The body of every response the service gives: the inner service's own (a response
-/// passed through, or one not recorded), or a buffered one (recorded, replayed, or a
-/// problem).
-pub type ResponseBody<B> = Either<B, Full<Bytes>>;
 
 /// The future of [`IdempotencyService`]'s responses.
 pub type ResponseFuture<B, E> =
@@ -29,8 +26,8 @@ pub type ResponseFuture<B, E> =
 
 /// The service of an [`IdempotencyLayer`](super::IdempotencyLayer) around `S`.
 ///
-/// `S` receives the request with its body as [`ResponseBody`]'s request-side twin: the
-/// original body when the request passes through, the buffered one when it is keyed.
+/// `S` receives the request with its body as an [`Either`]: the original body when the
+/// request passes through, the buffered one when it is keyed.
 pub struct IdempotencyService<S, St, Sc> {
     inner: S,
     config: Arc<Config<St, Sc>>,
@@ -90,16 +87,23 @@ where
 
 /// Why the handler's outcome is not a response to record.
 enum Failure<E, RB> {
-    /// Returned as it is, and the key released: a status `record_if` refuses, a body too
-    /// large or of unknown length.
+    /// Returned as it is, and the key released: a status `record_if` refuses, a body whose
+    /// known length is over the limit.
     NotRecorded(Response<RB>),
+    /// Sent while it was recorded (through [`Early`]), and then not recordable: the key
+    /// was released.
+    Sent,
     /// The inner service failed.
     Inner(E),
     /// The response body failed while it was read for recording.
-    BodyFailed(String),
+    BodyFailed,
     /// The engine answered instead of the handler.
     Idem(Error),
 }
+
+/// Where the handler's task sends a response that is recorded while it is sent, so that
+/// its client gets it at once.
+type Early<RB> = oneshot::Sender<Response<Tee<RB>>>;
 
 impl<E, RB> From<Error> for Failure<E, RB> {
     fn from(err: Error) -> Self {
@@ -123,7 +127,7 @@ where
     St: Store + Clone,
     Sc: KeyScope,
 {
-    let problem = |problem: Problem| Ok(problem.into_response().map(Either::Right));
+    let problem = |problem: Problem| Ok(problem.into_response().map(ResponseBody::full));
     if !config.methods.contains(request.method()) {
         return pass(inner, request).await;
     }
@@ -137,9 +141,13 @@ where
     let scope = match config.scope.of(&parts) {
         ScopeOf::Shared => None,
         ScopeOf::Principal(principal) => Some(principal),
-        ScopeOf::Unknown => {
-            tracing::debug!("no principal for the key scope: passed through");
+        ScopeOf::Unknown if config.unknown_principal == UnknownPrincipal::PassThrough => {
+            tracing::debug!("no principal for the key scope: passed through, as configured");
             return pass(inner, Request::from_parts(parts, body)).await;
+        }
+        ScopeOf::Unknown => {
+            tracing::warn!("a keyed request whose principal the key scope cannot name: answered 401 (is the authentication layer inside the idempotency layer?)");
+            return problem(Problem::PrincipalUnknown);
         }
     };
 
@@ -151,11 +159,17 @@ where
         Err(err) if err.is::<LengthLimitError>() => {
             return problem(Problem::BodyTooLarge(config.max_body))
         }
-        Err(err) => return problem(Problem::BodyUnreadable(err.to_string())),
+        Err(err) => {
+            tracing::info!(error = %err, "the request body could not be read: answered 400");
+            return problem(Problem::BodyUnreadable);
+        }
     };
     let fingerprint = match (config.fingerprint)(&parts, &body) {
         Ok(fingerprint) => fingerprint,
-        Err(err) => return problem(Problem::BodyUnreadable(err.to_string())),
+        Err(err) => {
+            tracing::info!(error = %err, "the request could not be fingerprinted: answered 400");
+            return problem(Problem::BodyUnreadable);
+        }
     };
     let derived = match config.operation.key(&(scope.as_deref(), key.as_str())) {
         Ok(derived) => derived,
@@ -164,29 +178,68 @@ where
     parts.extensions.insert(key);
     let request = Request::from_parts(parts, Either::Right(Full::new(body)));
 
+    let (early, mut sent) = oneshot::channel();
     let handler = {
         let config = Arc::clone(&config);
         let mut inner = inner;
         async move {
             let response = inner.call(request).await.map_err(Failure::Inner)?;
-            config.keep(response).await
+            config.keep(response, early).await
         }
     };
-    let outcome = config
-        .operation
-        .run_to_completion_as::<HttpRecord, _, _, _, _>(
-            &config.store,
-            &derived,
-            Some(&fingerprint),
-            handler,
-        )
-        .await;
+    let run = {
+        let config = Arc::clone(&config);
+        async move {
+            config
+                .operation
+                .run_to_completion_as::<HttpRecord, _, _, _, _>(
+                    &config.store,
+                    &derived,
+                    Some(&fingerprint),
+                    handler,
+                )
+                .await
+        }
+    };
+    // A response recorded while it is sent reaches its client as soon as it exists; the
+    // handler's task records it meanwhile, and goes on if this future is dropped. Boxed,
+    // because the body of such a response ends only when this future does.
+    let mut run = Box::pin(run);
+    let mut sent_open = true;
+    let outcome = poll_fn(|cx| {
+        if sent_open {
+            match Pin::new(&mut sent).poll(cx) {
+                Poll::Ready(Ok(response)) => return Poll::Ready(Err(response)),
+                Poll::Ready(Err(_)) => sent_open = false,
+                Poll::Pending => {}
+            }
+        }
+        run.as_mut().poll(cx).map(Ok)
+    })
+    .await;
+    let outcome = match outcome {
+        Ok(outcome) => outcome,
+        Err(response) => {
+            let landing: body::Landing = Box::pin(async move {
+                // Whatever the outcome, the response is sent: only its end waited for it.
+                let _ = run.await;
+            });
+            return Ok(response.map(|tee| ResponseBody::tee(tee.until(landing))));
+        }
+    };
     match outcome {
-        Ok(Outcome::Executed(recorded)) => Ok(recorded.into_response(false).map(Either::Right)),
-        Ok(Outcome::Replayed(recorded)) => Ok(recorded.into_response(true).map(Either::Right)),
-        Err(Failure::NotRecorded(response)) => Ok(response.map(Either::Left)),
+        Ok(Outcome::Executed(recorded)) => {
+            Ok(recorded.into_response(false).map(ResponseBody::full))
+        }
+        Ok(Outcome::Replayed(recorded)) => Ok(recorded.into_response(true).map(ResponseBody::full)),
+        Err(Failure::NotRecorded(response)) => Ok(response.map(ResponseBody::inner)),
         Err(Failure::Inner(err)) => Err(err),
-        Err(Failure::BodyFailed(why)) => problem(Problem::Internal(why)),
+        // Sent before the engine finished: the response is waiting in the channel.
+        Err(Failure::Sent) => match sent.try_recv() {
+            Ok(response) => Ok(response.map(ResponseBody::tee)),
+            Err(_) => problem(Problem::Internal),
+        },
+        Err(Failure::BodyFailed) => problem(Problem::Internal),
         Err(Failure::Idem(err)) => problem(Problem::of(err, config.retry_after)),
     }
 }
@@ -200,12 +253,18 @@ where
     S: Service<Request<Either<B, Full<Bytes>>>, Response = Response<RB>>,
 {
     let response = inner.call(request.map(Either::Left)).await?;
-    Ok(response.map(Either::Left))
+    Ok(response.map(ResponseBody::inner))
 }
 
 impl<St, Sc> Config<St, Sc> {
-    /// The response to record, or why it is not one.
-    async fn keep<E, RB>(&self, response: Response<RB>) -> Result<Recorded, Failure<E, RB>>
+    /// The response to record, or why it is not one. A body of known length within the
+    /// limit is read whole here; one of unknown length is sent through `early` at once and
+    /// recorded as it is sent.
+    async fn keep<E, RB>(
+        &self,
+        response: Response<RB>,
+        early: Early<RB>,
+    ) -> Result<Recorded, Failure<E, RB>>
     where
         RB: Body<Data = Bytes>,
         RB::Error: Into<BoxError>,
@@ -213,23 +272,55 @@ impl<St, Sc> Config<St, Sc> {
         if !(self.record_if)(response.status()) {
             return Err(Failure::NotRecorded(response));
         }
-        let bounded = response
-            .body()
-            .size_hint()
-            .upper()
-            .is_some_and(|len| len <= self.max_recorded_body as u64);
-        if !bounded {
-            tracing::debug!("the response body is too large or of unknown length: not recorded");
+        let limit = self.max_recorded_body;
+        let hint = response.body().size_hint();
+        if hint.upper().is_some_and(|len| len <= limit as u64) {
+            let (parts, body) = response.into_parts();
+            let body = match body.collect().await {
+                Ok(collected) => collected.to_bytes(),
+                Err(err) => {
+                    tracing::error!(error = %err.into(), "the response body failed while it was read for recording: answered 500");
+                    return Err(Failure::BodyFailed);
+                }
+            };
+            return Ok(Recorded::new(
+                parts.status,
+                parts.headers,
+                body,
+                &*self.record_header_if,
+            ));
+        }
+        if hint.exact().is_some() {
+            self.unrecorded(Unrecorded::TooLarge { limit });
             return Err(Failure::NotRecorded(response));
         }
         let (parts, body) = response.into_parts();
-        let body = body
-            .collect()
-            .await
-            .map_err(|err| {
-                Failure::BodyFailed(format!("the response body failed: {}", err.into()))
-            })?
-            .to_bytes();
-        Ok(Recorded::new(parts.status, parts.headers, body))
+        let (status, headers) = (parts.status, parts.headers.clone());
+        let (tee, ended) = Tee::new(body, limit);
+        // If the caller is gone already, the tee is dropped here and hands its body back.
+        let _ = early.send(Response::from_parts(parts, tee));
+        match body::recorded(ended).await {
+            Ok(body) => Ok(Recorded::new(
+                status,
+                headers,
+                body,
+                &*self.record_header_if,
+            )),
+            Err(why) => {
+                self.unrecorded(why);
+                Err(Failure::Sent)
+            }
+        }
+    }
+
+    /// A response that should have been recorded was not: said loudly.
+    fn unrecorded(&self, why: Unrecorded) {
+        tracing::warn!(
+            outcome = "unrecorded",
+            "{why}: the response was sent unrecorded and its key released, so a retry runs the handler again"
+        );
+        if let Some(hook) = &self.on_unrecorded {
+            hook(&why);
+        }
     }
 }

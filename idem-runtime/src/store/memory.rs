@@ -19,15 +19,25 @@ use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
 /// The default number of completed results a [`MemoryStore`] keeps.
 pub const DEFAULT_CAPACITY: u64 = 100_000;
 
+/// The default bound on the bytes of the completed results a [`MemoryStore`] keeps: 256 MiB.
+pub const DEFAULT_MAX_BYTES: u64 = 256 * 1024 * 1024;
+
+/// What a result costs beyond its value: its key, fingerprint, TTL and the cache's entry.
+const ENTRY_OVERHEAD: u64 = 160;
+
 /// An in-process store: claims and results live in this process's memory.
 ///
 /// It de-duplicates calls within one process and is the default store. Use a shared store
 /// (Redis, PostgreSQL) when several processes serve the same keys.
 ///
-/// Claims in progress are never evicted. Completed results are kept for their TTL or until
-/// the store holds [`capacity`](MemoryStoreBuilder::capacity) of them, whichever comes first;
-/// past capacity the least recently recorded or replayed results are evicted first (LRU), so
-/// the newest `capacity` results are always kept. A call with an evicted key runs again.
+/// Claims in progress are never evicted. Completed results are kept for their TTL, within
+/// two bounds: at most [`capacity`](MemoryStoreBuilder::capacity) results, and at most
+/// [`max_bytes`](MemoryStoreBuilder::max_bytes) of them (256 MiB by default, whatever the
+/// size of each result, so that large results cannot take a service's memory). Past either
+/// bound the least recently recorded or replayed results are evicted first (LRU), so the
+/// newest results are always kept. A call with an evicted key runs again. A result larger
+/// than `max_bytes` on its own is not recorded: its key is released (a `warn!` event says
+/// so), so a retry runs again.
 ///
 /// Leases follow `tokio::time`, so `tokio::time::pause` drives their expiry in tests. Result
 /// TTLs follow the cache's own clock (real time): a replay then reads no clock at all.
@@ -54,6 +64,7 @@ struct Inner {
     /// The last token handed out; one counter for all keys makes every key's tokens grow.
     tokens: AtomicU64,
     capacity: u64,
+    max_bytes: u64,
     flights: Flights,
 }
 
@@ -98,6 +109,11 @@ struct ResultRecord {
 }
 
 impl ResultRecord {
+    /// What the record weighs against [`MemoryStoreBuilder::max_bytes`].
+    fn bytes(&self) -> u64 {
+        self.value.len() as u64 + ENTRY_OVERHEAD
+    }
+
     fn into_claim(self) -> Claim {
         Claim::Completed {
             value: self.value,
@@ -141,6 +157,7 @@ impl MemoryStore {
     pub fn builder() -> MemoryStoreBuilder {
         MemoryStoreBuilder {
             capacity: DEFAULT_CAPACITY,
+            max_bytes: DEFAULT_MAX_BYTES,
         }
     }
 
@@ -169,6 +186,7 @@ impl fmt::Debug for MemoryStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MemoryStore")
             .field("capacity", &self.inner.capacity)
+            .field("max_bytes", &self.inner.max_bytes)
             .field("results", &self.inner.results.entry_count())
             .finish()
     }
@@ -179,6 +197,7 @@ impl fmt::Debug for MemoryStore {
 #[must_use]
 pub struct MemoryStoreBuilder {
     capacity: u64,
+    max_bytes: u64,
 }
 
 impl MemoryStoreBuilder {
@@ -189,13 +208,28 @@ impl MemoryStoreBuilder {
         self
     }
 
+    /// The bytes of completed results to keep at most, values and their bookkeeping
+    /// (default [`DEFAULT_MAX_BYTES`]). A single result larger than this is not recorded.
+    pub fn max_bytes(mut self, bytes: u64) -> Self {
+        self.max_bytes = bytes;
+        self
+    }
+
     /// Builds the store.
     pub fn build(self) -> MemoryStore {
+        // Both bounds in one weight: every result weighs its bytes, and at least the
+        // share of `max_bytes` that one of `capacity` results may take, so that the cache's
+        // bound on the total weight, `max_bytes`, keeps the count within `capacity` too.
+        let max_bytes = self.max_bytes.max(1);
+        let floor = max_bytes / self.capacity.max(1);
         MemoryStore {
             inner: Arc::new(Inner {
                 claims: std::array::from_fn(|_| Mutex::default()),
                 results: Cache::builder()
-                    .max_capacity(self.capacity)
+                    .max_capacity(max_bytes)
+                    .weigher(move |_: &Key, record: &ResultRecord| {
+                        u32::try_from(record.bytes().max(floor)).unwrap_or(u32::MAX)
+                    })
                     // Retries come for the newest results: keep them, never admit by
                     // frequency (moka's default would turn new keys away at capacity).
                     .eviction_policy(EvictionPolicy::lru())
@@ -203,6 +237,7 @@ impl MemoryStoreBuilder {
                     .build_with_hasher(KeyHasher::default()),
                 tokens: AtomicU64::new(0),
                 capacity: self.capacity,
+                max_bytes,
                 flights: Flights::default(),
             }),
         }
@@ -262,6 +297,17 @@ impl Store for MemoryStore {
             fingerprint: claim.fingerprint,
             ttl: limits::clamp(ttl),
         };
+        if record.bytes() > self.inner.max_bytes {
+            // Never admitted: releasing the key says so to the next call, which runs.
+            tracing::warn!(
+                outcome = "unrecorded",
+                bytes = record.bytes(),
+                max_bytes = self.inner.max_bytes,
+                "the result is larger than the memory store's `max_bytes`: not recorded, the key is released"
+            );
+            claims.live.remove(key);
+            return Ok(true);
+        }
         // The result is visible before the claim goes, and both under the key's lock.
         self.inner.results.insert(*key, record);
         claims.live.remove(key);
@@ -336,5 +382,63 @@ mod tests {
             claims.sweep_at, 64,
             "the next sweep waits for the shard to grow again"
         );
+    }
+
+    #[tokio::test]
+    async fn results_are_bounded_by_their_bytes_as_well_as_their_count() {
+        // 3000 results of 256 KiB (750 MiB) in a store bounded to 4 MiB.
+        let store = MemoryStore::builder().max_bytes(4 << 20).build();
+        let value = Bytes::from(vec![7_u8; 256 << 10]);
+        for i in 0..3000_u32 {
+            let key = Key::derive("bytes", &i).unwrap();
+            let Claim::Acquired { token } = store
+                .claim(&key, None, Duration::from_secs(30))
+                .await
+                .unwrap()
+            else {
+                panic!("a fresh key was not acquired");
+            };
+            assert!(store
+                .complete(&key, token, value.clone(), Duration::from_secs(60))
+                .await
+                .unwrap());
+        }
+        store.inner.results.run_pending_tasks();
+        let weight = store.inner.results.weighted_size();
+        assert!(weight <= 4 << 20, "{weight} bytes kept");
+        assert!(store.inner.results.entry_count() <= 16);
+        // The newest one is there.
+        assert!(store
+            .peek(&Key::derive("bytes", &2999_u32).unwrap())
+            .is_some());
+
+        // One result larger than the bound on its own is not recorded: the key is free.
+        let huge = Bytes::from(vec![0_u8; 5 << 20]);
+        let key = Key::derive("bytes", &"huge").unwrap();
+        let Claim::Acquired { token } = store
+            .claim(&key, None, Duration::from_secs(30))
+            .await
+            .unwrap()
+        else {
+            panic!("a fresh key was not acquired");
+        };
+        assert!(store
+            .complete(&key, token, huge, Duration::from_secs(60))
+            .await
+            .unwrap());
+        assert!(matches!(
+            store
+                .claim(&key, None, Duration::from_secs(30))
+                .await
+                .unwrap(),
+            Claim::Acquired { .. }
+        ));
+    }
+
+    #[test]
+    fn the_default_bound_is_256_mib() {
+        let store = MemoryStore::new();
+        assert_eq!(store.inner.max_bytes, 256 * 1024 * 1024);
+        assert_eq!(store.inner.capacity, DEFAULT_CAPACITY);
     }
 }

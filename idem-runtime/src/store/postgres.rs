@@ -36,7 +36,10 @@ use sqlx::Row;
 
 use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
+mod schema;
 mod transaction;
+
+use self::schema::Schema;
 
 /// How many expired rows one purge statement deletes: each batch is a transaction of its
 /// own, short enough that claims never queue behind a purge.
@@ -71,15 +74,21 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3);
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: PgPool,
+    /// A small pool of its own for what holders owe (completions, releases, renewals), so
+    /// that they never queue behind new claims: to the others, a holder that cannot renew
+    /// is a dead one, and its key would be taken over and run twice.
+    holders: PgPool,
     sql: Arc<Statements>,
     timeout: Duration,
     flights: Arc<Flights>,
 }
 
+/// The fewest connections the holders' pool may open, beside the store's pool.
+pub const HOLDER_CONNECTIONS: u32 = 2;
+
 /// The statements of one table, written once.
 struct Statements {
-    table: String,
-    migrate: [String; 4],
+    schema: Schema,
     claim: String,
     /// The statements of claims in the caller's transaction (`transaction.rs`).
     pub(super) transaction: transaction::Statements,
@@ -101,36 +110,13 @@ impl Statements {
 
     /// The statements of a checked table name.
     fn of(schema: Option<&str>, name: &str) -> Self {
-        let table = match schema {
-            Some(schema) => format!("{schema}.{name}"),
-            None => name.to_string(),
-        };
-        let qualify = |object: &str| match schema {
-            Some(schema) => format!("\"{schema}\".\"{object}\""),
-            None => format!("\"{object}\""),
-        };
-        let t = qualify(name);
-        let sequence = qualify(&format!("{name}_token"));
-        let index = format!("\"{name}_expires_at\"");
-        let function = qualify(&format!("{name}_claim_in_transaction"));
+        let objects = Schema::new(schema, name);
+        let t = objects.quoted.clone();
+        let sequence = objects.sequence.clone();
+        let function = objects.function.clone();
         Self {
-            table,
-            migrate: [
-                format!(
-                    "CREATE TABLE IF NOT EXISTS {t} (\
-                        key bytea PRIMARY KEY, \
-                        token bigint NOT NULL, \
-                        completed boolean NOT NULL, \
-                        fingerprint bytea, \
-                        value bytea, \
-                        expires_at timestamptz NOT NULL)"
-                ),
-                format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (expires_at)"),
-                format!("CREATE SEQUENCE IF NOT EXISTS {sequence}"),
-                transaction::Statements::function(&function, &t, &sequence),
-            ],
             transaction: transaction::Statements::new(&function, &t),
-            claim: claim_query(&t, &sequence, "now()", ["$1", "$2", "$3"]),
+            claim: ordinary_claim(&t, &sequence),
             complete: format!(
                 "UPDATE {t} SET completed = true, value = $3, expires_at = now() + $4 * interval '1 millisecond' \
                  WHERE key = $1 AND token = $2 AND NOT completed AND expires_at > now()"
@@ -153,6 +139,7 @@ impl Statements {
                     SELECT key FROM {t} WHERE expires_at <= now() \
                     LIMIT $1 FOR UPDATE SKIP LOCKED))"
             ),
+            schema: objects,
         }
     }
 }
@@ -185,6 +172,20 @@ fn claim_query(t: &str, sequence: &str, now: &str, params: [&str; 3]) -> String 
     )
 }
 
+/// The claim of an ordinary call. Its only wait is for a row lock: a claim of the same key
+/// inserted by an open transaction (`run_in_transaction`). That wait is bounded on the
+/// server by `lock_timeout`, set for this statement only (`$4` milliseconds, within the
+/// client's own timeout), before the insert runs: a server still waiting after the client
+/// gave up would insert a claim nobody holds, and block the key for its lease.
+fn ordinary_claim(t: &str, sequence: &str) -> String {
+    claim_query(t, sequence, "now()", ["$1", "$2", "$3"]).replacen(
+        "WHERE NOT EXISTS (SELECT 1 FROM live)",
+        "WHERE NOT EXISTS (SELECT 1 FROM live) \
+         AND (SELECT set_config('lock_timeout', $4::text, true)) IS NOT NULL",
+        1,
+    )
+}
+
 /// A table or schema name: a plain identifier, so that it can never inject SQL.
 fn validate(identifier: &str) -> Result<&str, Error> {
     let mut chars = identifier.chars();
@@ -208,6 +209,19 @@ fn millis(duration: Duration) -> i64 {
     i64::try_from(limits::clamp(duration).as_millis())
         .unwrap_or(i64::MAX)
         .max(1)
+}
+
+/// A lock wait that ran out (`lock_timeout`), also when PostgreSQL reports it as a cancel
+/// because the lock was granted as the timeout fired.
+fn lock_not_available(err: &sqlx::Error) -> bool {
+    let Some(db) = err.as_database_error() else {
+        return false;
+    };
+    match db.code().as_deref() {
+        Some("55P03") => true,
+        Some("57014") => db.message().contains("user request"),
+        _ => false,
+    }
 }
 
 fn token(token: Token) -> Result<i64, Error> {
@@ -270,9 +284,23 @@ impl PostgresStore {
 
     /// Uses an existing pool; its acquire timeout bounds how long an operation waits when the
     /// database is unreachable.
+    ///
+    /// Completions, releases and renewals run on a pool of their own, with the same options
+    /// and as many connections at most as `pool` (never fewer than [`HOLDER_CONNECTIONS`]),
+    /// opened only when needed:
+    /// a crowd of new claims waiting for `pool` can then never starve a holder of its
+    /// renewals until its lease lapses and another caller runs the body again.
     pub fn from_pool(pool: PgPool) -> Self {
+        // As many as the store's pool: a burst of holders completing at once is as large
+        // as the burst of claims that made them.
+        let holders = PgPoolOptions::new()
+            .max_connections(pool.options().get_max_connections().max(HOLDER_CONNECTIONS))
+            .min_connections(0)
+            .acquire_timeout(DEFAULT_ACQUIRE_TIMEOUT)
+            .connect_lazy_with((*pool.connect_options()).clone());
         Self {
             pool,
+            holders,
             sql: Arc::new(Statements::of(None, DEFAULT_TABLE)),
             timeout: DEFAULT_TIMEOUT,
             flights: Arc::default(),
@@ -328,7 +356,7 @@ impl PostgresStore {
 
     /// The table this store uses.
     pub fn table(&self) -> &str {
-        &self.sql.table
+        &self.sql.schema.table
     }
 
     /// Creates the table, its index and its token sequence if they are absent. Safe to run
@@ -339,19 +367,7 @@ impl PostgresStore {
     /// [`Error::Store`] when the database fails or refuses (for example without the right to
     /// create tables).
     pub async fn migrate(&self) -> Result<(), Error> {
-        let mut tx = self.pool.begin().await.map_err(Error::store)?;
-        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
-            .bind(format!("idem.migrate.{}", self.sql.table))
-            .execute(&mut *tx)
-            .await
-            .map_err(Error::store)?;
-        for statement in &self.sql.migrate {
-            sqlx::query(statement)
-                .execute(&mut *tx)
-                .await
-                .map_err(Error::store)?;
-        }
-        tx.commit().await.map_err(Error::store)
+        schema::migrate(&self.pool, &self.sql.schema).await
     }
 
     /// Deletes every expired row (lapsed claims, results past their TTL). Returns how many.
@@ -418,7 +434,7 @@ impl PostgresStore {
         if let Some(millis) = millis {
             query = query.bind(millis);
         }
-        let done = self.within(query.execute(&self.pool)).await?;
+        let done = self.within(query.execute(&self.holders)).await?;
         Ok(done.rows_affected() == 1)
     }
 }
@@ -437,7 +453,7 @@ impl Drop for Purger {
 impl fmt::Debug for PostgresStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PostgresStore")
-            .field("table", &self.sql.table)
+            .field("table", &self.sql.schema.table)
             .field("timeout", &self.timeout)
             .field("pool_size", &self.pool.size())
             .finish()
@@ -456,12 +472,20 @@ impl Store for PostgresStore {
         // statement's snapshot (or deleted the row it saw): the next statement sees it.
         // Under churn on one key that can repeat; each miss means another call made
         // progress, so the attempts go on as long as the timeout allows.
-        self.within(async {
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let claimed = tokio::time::timeout(self.timeout, async {
             loop {
+                // The server's lock wait ends before the client's deadline: at 9/10 of
+                // what is left of it when the statement is sent.
+                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                let lock_timeout = i64::try_from((left * 9 / 10).as_millis())
+                    .unwrap_or(i64::MAX)
+                    .clamp(1, i64::from(i32::MAX));
                 let row = sqlx::query(&self.sql.claim)
                     .bind(&key.as_bytes()[..])
                     .bind(fingerprint.map(|f| &f.as_bytes()[..]))
                     .bind(millis(lease))
+                    .bind(lock_timeout)
                     .fetch_optional(&self.pool)
                     .await?;
                 if let Some(row) = row {
@@ -469,9 +493,20 @@ impl Store for PostgresStore {
                 }
                 tokio::task::yield_now().await;
             }
-        })
-        .await
-        .and_then(|row| parse_claim(&row))
+        });
+        match claimed.await {
+            Ok(Ok(row)) => parse_claim(&row),
+            Ok(Err(err)) if lock_not_available(&err) => {
+                // An open transaction's claim of this key held the row past the bound.
+                tracing::debug!(outcome = "rejected", "a transaction holds the key");
+                Err(Error::InProgress)
+            }
+            Ok(Err(err)) => Err(Error::store(err)),
+            Err(_) => Err(Error::store(format!(
+                "postgresql did not answer within {:?}",
+                self.timeout
+            ))),
+        }
     }
 
     async fn complete(

@@ -27,6 +27,8 @@
 //! holder's transaction back, and the key is free at once. No statement commits: the caller
 //! decides, and until it commits no other caller can see the record.
 
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -51,7 +53,26 @@ const REJECT_WITHIN: &str = "1ms";
 pub(in crate::store) struct Statements {
     function: String,
     claim: String,
-    complete: String,
+    table: String,
+}
+
+/// Each call's savepoint has a name of its own, so that a call nested in another's body
+/// (on the same connection) rolls back to its own savepoint, never to its parent's.
+static SAVEPOINTS: AtomicU64 = AtomicU64::new(0);
+
+/// The name of one call's savepoint.
+struct Savepoint(u64);
+
+impl Savepoint {
+    fn new() -> Self {
+        Self(SAVEPOINTS.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+impl fmt::Display for Savepoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "idem_{}", self.0)
+    }
 }
 
 impl Statements {
@@ -60,20 +81,38 @@ impl Statements {
         Self {
             function: function.to_string(),
             claim: format!("SELECT * FROM {function}($1, $2, $3, $4)"),
-            // The row is this transaction's own, invisible to others until commit: no
-            // expiry to check. The TTL starts at the completion.
-            complete: format!(
-                "UPDATE {table} SET completed = true, value = $3, \
-                 expires_at = clock_timestamp() + $4 * interval '1 millisecond' \
-                 WHERE key = $1 AND token = $2 AND NOT completed"
-            ),
+            table: table.to_string(),
         }
+    }
+
+    /// The completion, and the release of the call's savepoint, in one message: the row is
+    /// this transaction's own, invisible to others until commit, so there is no expiry to
+    /// check; the TTL starts at the completion. Released, the savepoint's work joins the
+    /// enclosing level, so that calls after it do not nest one level deeper each.
+    fn complete_and_release(
+        &self,
+        savepoint: &Savepoint,
+        key: &Key,
+        token: i64,
+        record: &[u8],
+        ttl: i64,
+    ) -> String {
+        format!(
+            "UPDATE {} SET completed = true, value = decode('{}', 'hex'), \
+             expires_at = clock_timestamp() + {ttl} * interval '1 millisecond' \
+             WHERE key = decode('{}', 'hex') AND token = {token} AND NOT completed RETURNING true; \
+             RELEASE SAVEPOINT {savepoint}",
+            self.table,
+            hex(record),
+            hex(key.as_bytes()),
+        )
     }
 
     /// The first claim of a call: its savepoint, then the claim, in one message. The
     /// arguments are literals: the key and the fingerprint in hex, the numbers as digits.
     fn savepoint_and_claim(
         &self,
+        savepoint: &Savepoint,
         key: &Key,
         fingerprint: Option<&Fingerprint>,
         lease: i64,
@@ -83,17 +122,16 @@ impl Statements {
             format!("decode('{}', 'hex')", hex(f.as_bytes()))
         });
         format!(
-            "SAVEPOINT idem; SELECT * FROM {}(decode('{}', 'hex'), {fingerprint}, {lease}, '{lock_timeout}')",
+            "SAVEPOINT {savepoint}; SELECT * FROM {}(decode('{}', 'hex'), {fingerprint}, {lease}, '{lock_timeout}')",
             self.function,
             hex(key.as_bytes()),
         )
     }
 
-    /// The claim function: the store's claim with the transaction's clock
-    /// (`clock_timestamp()`, as `now()` is when the transaction began), under its own
-    /// `lock_timeout`. A lock wait that runs out fails the statement (`lock_not_available`),
-    /// and the caller rolls back to the savepoint the claim was sent after.
-    pub(super) fn function(function: &str, table: &str, sequence: &str) -> String {
+    /// The body of the claim function (see [`function`](Self::function)): the store's claim
+    /// with the transaction's clock (`clock_timestamp()`, as `now()` is when the
+    /// transaction began), under the `lock_timeout` it is handed.
+    pub(super) fn function_source(table: &str, sequence: &str) -> String {
         let claim = super::claim_query(
             table,
             sequence,
@@ -101,11 +139,7 @@ impl Statements {
             ["p_key", "p_fingerprint", "p_lease"],
         );
         format!(
-            "CREATE OR REPLACE FUNCTION {function}(\
-                p_key bytea, p_fingerprint bytea, p_lease bigint, p_lock_timeout text) \
-             RETURNS TABLE (acquired boolean, token bigint, completed boolean, fingerprint bytea, value bytea) \
-             LANGUAGE plpgsql SET lock_timeout = 0 AS $idem$\n\
-             #variable_conflict use_column\n\
+            "\n#variable_conflict use_column\n\
              BEGIN\n\
                  PERFORM set_config('lock_timeout', p_lock_timeout, true);\n\
                  FOR attempt IN 1..1000 LOOP\n\
@@ -113,8 +147,20 @@ impl Statements {
                      IF FOUND THEN RETURN; END IF;\n\
                  END LOOP;\n\
                  RAISE EXCEPTION 'idem: the claim of a key did not settle after 1000 attempts';\n\
-             END\n\
-             $idem$"
+             END\n"
+        )
+    }
+
+    /// The claim function, of `source`. Its own `SET` clause puts the caller's
+    /// `lock_timeout` back when it returns. A lock wait that runs out fails the statement
+    /// (`lock_not_available`), and the caller rolls back to the savepoint the claim was sent
+    /// after.
+    pub(super) fn function(function: &str, source: &str) -> String {
+        format!(
+            "CREATE OR REPLACE FUNCTION {function}(\
+                p_key bytea, p_fingerprint bytea, p_lease bigint, p_lock_timeout text) \
+             RETURNS TABLE (acquired boolean, token bigint, completed boolean, fingerprint bytea, value bytea) \
+             LANGUAGE plpgsql SET lock_timeout = 0 AS $idem${source}$idem$"
         )
     }
 }
@@ -200,7 +246,11 @@ impl<P> Operation<P> {
     {
         let span = self.span(key);
         async {
-            let token = match self.settle_in(store, connection, key, fingerprint).await? {
+            let savepoint = Savepoint::new();
+            let token = match self
+                .settle_in(store, connection, &savepoint, key, fingerprint)
+                .await?
+            {
                 Settled::Replay(record) => return self.replay::<Json, _, _>(&record),
                 Settled::Run(token) => token,
             };
@@ -208,6 +258,7 @@ impl<P> Operation<P> {
                 store,
                 key,
                 token,
+                savepoint,
             };
             let attempt = Attempt::enter(store, *key, token);
             let result = attempt.scope(body(&mut *connection)).await;
@@ -248,11 +299,15 @@ impl<P> Operation<P> {
         .await
     }
 
-    /// Claims `key` in the transaction: the record to replay, or the token of the claim.
+    /// Claims `key` in the transaction under `savepoint`: the record to replay, or the
+    /// token of the claim. Only a claim keeps the savepoint; any other outcome ends it (a
+    /// replay wrote nothing; a refused claim rolls back to it), so that a transaction of
+    /// many calls does not nest one level deeper per call.
     async fn settle_in(
         &self,
         store: &PostgresStore,
         connection: &mut PgConnection,
+        savepoint: &Savepoint,
         key: &Key,
         fingerprint: Option<&Fingerprint>,
     ) -> Result<Settled, Error> {
@@ -260,10 +315,30 @@ impl<P> Operation<P> {
         // Before any statement: the enclosing call's uncommitted claim would make a claim on
         // another connection wait for the very transaction that waits for it.
         attempt::refuse_recursion(store, key)?;
+        let mut taken = false;
+        let settled = self
+            .claim_under(store, connection, savepoint, &mut taken, key, fingerprint)
+            .await;
+        if taken && !matches!(settled, Ok(Settled::Run(_))) {
+            end_savepoint(store, connection, savepoint).await;
+        }
+        settled
+    }
+
+    /// The claim and its polls; `taken` tells whether the savepoint was established.
+    async fn claim_under(
+        &self,
+        store: &PostgresStore,
+        connection: &mut PgConnection,
+        savepoint: &Savepoint,
+        taken: &mut bool,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<Settled, Error> {
         let wait = self.wait_timeout.unwrap_or(self.lease);
         let lock_timeout = match self.in_flight {
             InFlight::Reject => REJECT_WITHIN.to_string(),
-            _ => format!("{}ms", millis(wait)),
+            _ => lock_timeout(wait),
         };
         let deadline = Instant::now() + wait;
         let statements = &store.sql.transaction;
@@ -271,12 +346,20 @@ impl<P> Operation<P> {
         loop {
             let claimed = if polls == 0 {
                 let first = statements.savepoint_and_claim(
+                    savepoint,
                     key,
                     fingerprint,
                     millis(self.lease),
                     &lock_timeout,
                 );
-                within(store.timeout + wait, simple_query(&mut *connection, &first)).await
+                let claimed =
+                    within(store.timeout + wait, simple_query(&mut *connection, &first)).await;
+                // The savepoint is taken unless the message failed at it: in a transaction
+                // already aborted by the caller's own statement, or outside of one. Then
+                // nothing of this call is there to roll back, and an aborted transaction
+                // stays aborted.
+                *taken = claimed.as_ref().err().is_none_or(Failed::savepoint_taken);
+                claimed
             } else {
                 // Polls run inside the savepoint of the first claim, which wrote nothing.
                 within(
@@ -290,19 +373,7 @@ impl<P> Operation<P> {
                 )
                 .await
             };
-            let row = match claimed {
-                Ok(row) => row,
-                Err(err) => {
-                    // Back to the savepoint, if it was taken (not without a transaction): the
-                    // caller's transaction stays usable after a refused claim.
-                    let _ = within(
-                        store.timeout,
-                        sqlx::query("ROLLBACK TO SAVEPOINT idem").execute(&mut *connection),
-                    )
-                    .await;
-                    return Err(err);
-                }
-            };
+            let row = claimed.map_err(Failed::into_error)?;
             match parse_claim(&row)? {
                 Claim::Acquired { token } => return Ok(Settled::Run(token)),
                 Claim::Completed {
@@ -314,6 +385,9 @@ impl<P> Operation<P> {
                     fingerprint: holder,
                 } => {
                     self.found_in_progress(store, key, holder.as_ref(), fingerprint)?;
+                    if polls == 0 {
+                        refuse_a_snapshot_that_cannot_see_the_end(store, connection).await?;
+                    }
                     pause_before_polling(deadline, polls).await?;
                     polls += 1;
                 }
@@ -322,87 +396,180 @@ impl<P> Operation<P> {
     }
 }
 
+/// A claim held by an ordinary call, found from a transaction whose snapshot is fixed
+/// (`REPEATABLE READ`, `SERIALIZABLE`): the snapshot will never show the holder's
+/// completion, so polling would only wait out the whole wait. The transaction must be
+/// retried, as when it finds a transaction's claim committed after it began.
+async fn refuse_a_snapshot_that_cannot_see_the_end(
+    store: &PostgresStore,
+    connection: &mut PgConnection,
+) -> Result<(), Error> {
+    let isolation: String = within(
+        store.timeout,
+        sqlx::query_scalar("SELECT current_setting('transaction_isolation')")
+            .fetch_one(&mut *connection),
+    )
+    .await
+    .map_err(Failed::into_error)?;
+    if isolation == "read committed" {
+        return Ok(());
+    }
+    Err(Error::store(format!(
+        "the key is held by a call in progress, and under {} this transaction's snapshot \
+         will never see its result; roll back and retry the transaction (it will replay)",
+        isolation.to_uppercase()
+    )))
+}
+
+/// The `lock_timeout` of a claim that waits up to `wait`: PostgreSQL counts it in
+/// milliseconds in a 32-bit integer (at most 24.8 days). A longer wait waits that long on
+/// each lock, and the wait's own deadline still bounds the whole.
+fn lock_timeout(wait: Duration) -> String {
+    format!("{}ms", millis(wait).min(i64::from(i32::MAX)))
+}
+
+/// Rolls back to `savepoint` and releases it, in one message: whatever the call did since
+/// is undone, and the transaction is one level shallower again. A failure is logged: the
+/// transaction is then unusable, and the caller's commit fails with it.
+async fn end_savepoint(
+    store: &PostgresStore,
+    connection: &mut PgConnection,
+    savepoint: &Savepoint,
+) {
+    let statements = format!("ROLLBACK TO SAVEPOINT {savepoint}; RELEASE SAVEPOINT {savepoint}");
+    let ended = within(
+        store.timeout,
+        sqlx::Executor::execute(&mut *connection, sqlx::raw_sql(&statements)),
+    )
+    .await;
+    if let Err(err) = ended {
+        tracing::error!(error = %err.into_error(), "rolling back to the call's savepoint failed; roll the transaction back");
+    }
+}
+
 /// A claim taken in the caller's transaction, and what can still be done with it.
 struct Claimed<'a> {
     store: &'a PostgresStore,
     key: &'a Key,
     token: Token,
+    savepoint: Savepoint,
 }
 
 impl Claimed<'_> {
-    /// Records the result beside the body's writes.
+    /// Records the result beside the body's writes, and releases the call's savepoint.
     async fn complete(
         &self,
         connection: &mut PgConnection,
         record: Bytes,
         ttl: Duration,
     ) -> Result<(), Error> {
+        let statements = self.store.sql.transaction.complete_and_release(
+            &self.savepoint,
+            self.key,
+            bigint(self.token)?,
+            &record,
+            millis(ttl),
+        );
         let done = within(
             self.store.timeout,
-            sqlx::query(&self.store.sql.transaction.complete)
-                .bind(&self.key.as_bytes()[..])
-                .bind(bigint(self.token)?)
-                .bind(&record[..])
-                .bind(millis(ttl))
-                .execute(&mut *connection),
+            sqlx::Executor::fetch_all(&mut *connection, sqlx::raw_sql(&statements)),
         )
-        .await?;
-        if done.rows_affected() == 1 {
+        .await
+        .map_err(Failed::into_error)?;
+        if done.len() == 1 {
             Ok(())
         } else {
             Err(Error::store(
-                "the claim in this transaction is gone: did the body roll back to a savepoint taken before the call?",
+                "the claim in this transaction is gone: did the body roll back to a savepoint taken before the call? Roll the transaction back",
             ))
         }
     }
 
-    /// Rolls the claim and the body's writes back to the savepoint. A failure is logged: the
-    /// transaction is then unusable, and the caller's commit fails with it.
+    /// Rolls the claim and the body's writes back to the call's savepoint, and releases it.
     async fn roll_back(&self, connection: &mut PgConnection) {
-        let rolled_back = within(
-            self.store.timeout,
-            sqlx::query("ROLLBACK TO SAVEPOINT idem").execute(&mut *connection),
-        )
-        .await;
-        if let Err(err) = rolled_back {
-            tracing::error!(error = %err, "rolling back to the claim's savepoint failed; roll the transaction back");
+        end_savepoint(self.store, connection, &self.savepoint).await;
+    }
+}
+
+/// Why a statement of a transactional call failed.
+enum Failed {
+    /// PostgreSQL did not answer within the bound.
+    Timeout(Duration),
+    Sql(sqlx::Error),
+}
+
+impl fmt::Display for Failed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Timeout(timeout) => write!(f, "postgresql did not answer within {timeout:?}"),
+            Self::Sql(err) => err.fmt(f),
         }
     }
 }
 
-/// Runs a statement under `timeout`; the failures a caller can act on say how.
+impl Failed {
+    fn code(&self) -> Option<std::borrow::Cow<'_, str>> {
+        match self {
+            Self::Sql(err) => err.as_database_error().and_then(|db| db.code()),
+            Self::Timeout(_) => None,
+        }
+    }
+
+    /// Whether a message that began with `SAVEPOINT` got past it.
+    fn savepoint_taken(&self) -> bool {
+        !matches!(self.code().as_deref(), Some("25P02" | "25P01"))
+    }
+
+    /// The error a caller can act on, saying how.
+    fn into_error(self) -> Error {
+        let err = match self {
+            Self::Timeout(timeout) => {
+                return Error::store(format!(
+                    "postgresql did not answer within {timeout:?}; roll the transaction back"
+                ))
+            }
+            Self::Sql(err) => err,
+        };
+        if super::lock_not_available(&err) {
+            tracing::debug!(outcome = "rejected", "another transaction holds the key");
+            return Error::InProgress;
+        }
+        let code = err
+            .as_database_error()
+            .and_then(|db| db.code())
+            .map(|code| code.into_owned());
+        match code.as_deref() {
+            Some("40001") => Error::store(format!(
+                "{err}: under REPEATABLE READ or SERIALIZABLE, a concurrent call committed this key \
+                 after the transaction began; roll back and retry the transaction (it will replay)"
+            )),
+            Some("25P01") => Error::store(format!(
+                "{err}: `run_in_transaction` claims inside the caller's transaction; begin one and pass it"
+            )),
+            Some("25P02") => Error::store(format!(
+                "{err}: the transaction was already aborted by an earlier statement, and nothing was \
+                 claimed; roll it back"
+            )),
+            Some("42883") => Error::store(format!(
+                "{err}: the claim function is not visible on this connection; run \
+                 `PostgresStore::migrate()`, which creates it beside the table, or, if it ran, \
+                 name the table with its schema (`with_table(\"schema.table\")`) when that schema \
+                 is not on this connection's `search_path`"
+            )),
+            _ => Error::store(err),
+        }
+    }
+}
+
+/// Runs a statement under `timeout`.
 async fn within<T>(
     timeout: Duration,
     operation: impl std::future::Future<Output = Result<T, sqlx::Error>>,
-) -> Result<T, Error> {
-    let err = match tokio::time::timeout(timeout, operation).await {
-        Ok(Ok(done)) => return Ok(done),
-        Ok(Err(err)) => err,
-        Err(_) => {
-            return Err(Error::store(format!(
-                "postgresql did not answer within {timeout:?}; roll the transaction back"
-            )))
-        }
-    };
-    let code = err.as_database_error().and_then(|db| db.code());
-    Err(match code.as_deref() {
-        Some("55P03") => {
-            tracing::debug!(outcome = "rejected", "another transaction holds the key");
-            Error::InProgress
-        }
-        Some("40001") => Error::store(format!(
-            "{err}: under REPEATABLE READ or SERIALIZABLE, a concurrent call committed this key \
-             after the transaction began; roll back and retry the transaction (it will replay)"
-        )),
-        Some("25P01") => Error::store(format!(
-            "{err}: `run_in_transaction` claims inside the caller's transaction; begin one and pass it"
-        )),
-        Some("42883") => Error::store(format!(
-            "{err}: the claim function is missing; run `PostgresStore::migrate()`, which \
-             creates it beside the table"
-        )),
-        _ => Error::store(err),
-    })
+) -> Result<T, Failed> {
+    match tokio::time::timeout(timeout, operation).await {
+        Ok(result) => result.map_err(Failed::Sql),
+        Err(_) => Err(Failed::Timeout(timeout)),
+    }
 }
 
 /// Bytes as lowercase hex, for `decode(…, 'hex')`.

@@ -1,0 +1,184 @@
+//! The store's objects in the database (its table, index, token sequence and the claim
+//! function of transactions), and [`migrate`]: create what is absent, and on a current
+//! schema take no lock at all.
+
+use sqlx::PgPool;
+
+use super::transaction;
+use crate::Error;
+
+/// The names of one store's objects, quoted and qualified as statements use them, and the
+/// statements that create them.
+pub(super) struct Schema {
+    /// The table as the user named it (`name` or `schema.name`), for messages.
+    pub(super) table: String,
+    /// The table, quoted.
+    pub(super) quoted: String,
+    pub(super) sequence: String,
+    index: String,
+    pub(super) function: String,
+    /// The claim function's source, as `migrate` creates it: a function whose source
+    /// differs is replaced.
+    function_source: String,
+}
+
+impl Schema {
+    pub(super) fn new(schema: Option<&str>, name: &str) -> Self {
+        let table = match schema {
+            Some(schema) => format!("{schema}.{name}"),
+            None => name.to_string(),
+        };
+        let qualify = |object: &str| match schema {
+            Some(schema) => format!("\"{schema}\".\"{object}\""),
+            None => format!("\"{object}\""),
+        };
+        let quoted = qualify(name);
+        let sequence = qualify(&format!("{name}_token"));
+        let function = qualify(&format!("{name}_claim_in_transaction"));
+        let function_source = transaction::Statements::function_source(&quoted, &sequence);
+        Self {
+            table,
+            quoted,
+            sequence,
+            index: qualify(&format!("{name}_expires_at")),
+            function,
+            function_source,
+        }
+    }
+
+    /// What is there of the store's objects: the kind of each relation its names name
+    /// (`r` table, `S` sequence, `i` index, …), and the claim function's source. Catalog
+    /// reads only, which take no lock that a claim could wait behind.
+    async fn inspect(&self, pool: &PgPool) -> Result<Found, Error> {
+        let row: (
+            Option<String>,
+            Option<String>,
+            Option<String>,
+            Option<String>,
+        ) = sqlx::query_as(
+            "SELECT \
+                    (SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)), \
+                    (SELECT relkind::text FROM pg_class WHERE oid = to_regclass($2)), \
+                    (SELECT relkind::text FROM pg_class WHERE oid = to_regclass($3)), \
+                    (SELECT prosrc FROM pg_proc WHERE oid = to_regprocedure($4))",
+        )
+        .bind(&self.quoted)
+        .bind(&self.sequence)
+        .bind(&self.index)
+        .bind(format!("{}(bytea, bytea, bigint, text)", self.function))
+        .fetch_one(pool)
+        .await
+        .map_err(Error::store)?;
+        let found = Found {
+            table: row.0,
+            sequence: row.1,
+            index: row.2,
+            current_function: row.3.as_deref() == Some(self.function_source.as_str()),
+        };
+        self.refuse_clashes(&found)?;
+        Ok(found)
+    }
+
+    /// A name of ours taken by an object of another kind (a table named like another
+    /// store's token sequence, say) would make every call fail later: refused now.
+    fn refuse_clashes(&self, found: &Found) -> Result<(), Error> {
+        let clashes = [
+            (&found.table, &["r", "p"][..], &self.quoted, "table"),
+            (
+                &found.sequence,
+                &["S"][..],
+                &self.sequence,
+                "token sequence",
+            ),
+            (&found.index, &["i"][..], &self.index, "expiry index"),
+        ];
+        for (kind, expected, name, what) in clashes {
+            if let Some(kind) = kind.as_deref().filter(|k| !expected.contains(k)) {
+                return Err(Error::store(format!(
+                    "cannot migrate the idem table {}: its {what} would be {name}, which is already a {} \
+                     (another store's table or token sequence?); choose another table name with `with_table`",
+                    self.table,
+                    relation_kind(kind)
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The statements that create what `found` lacks.
+    fn missing(&self, found: &Found) -> Vec<String> {
+        let t = &self.quoted;
+        let mut statements = Vec::new();
+        if found.table.is_none() {
+            statements.push(format!(
+                "CREATE TABLE IF NOT EXISTS {t} (\
+                    key bytea PRIMARY KEY, \
+                    token bigint NOT NULL, \
+                    completed boolean NOT NULL, \
+                    fingerprint bytea, \
+                    value bytea, \
+                    expires_at timestamptz NOT NULL)"
+            ));
+        }
+        if found.index.is_none() {
+            // The index lives in the table's schema: its name is not qualified here.
+            let name = self.index.rsplit('.').next().unwrap_or(&self.index);
+            statements.push(format!(
+                "CREATE INDEX IF NOT EXISTS {name} ON {t} (expires_at)"
+            ));
+        }
+        if found.sequence.is_none() {
+            statements.push(format!("CREATE SEQUENCE IF NOT EXISTS {}", self.sequence));
+        }
+        if !found.current_function {
+            statements.push(transaction::Statements::function(
+                &self.function,
+                &self.function_source,
+            ));
+        }
+        statements
+    }
+}
+
+/// What [`Schema::inspect`] found.
+struct Found {
+    table: Option<String>,
+    sequence: Option<String>,
+    index: Option<String>,
+    current_function: bool,
+}
+
+fn relation_kind(relkind: &str) -> &'static str {
+    match relkind {
+        "r" | "p" => "table",
+        "S" => "sequence",
+        "i" | "I" => "index",
+        "v" => "view",
+        "m" => "materialized view",
+        "f" => "foreign table",
+        _ => "relation of another kind",
+    }
+}
+
+/// Creates what is absent of `schema`'s objects. On a current schema it only reads the
+/// catalogs: no DDL, so no lock that an open transaction's claim would hold it behind (and
+/// every later claim behind it). Several processes at once are serialised by a
+/// transaction-scoped advisory lock, and each looks again under it.
+pub(super) async fn migrate(pool: &PgPool, schema: &Schema) -> Result<(), Error> {
+    if schema.missing(&schema.inspect(pool).await?).is_empty() {
+        return Ok(());
+    }
+    let mut tx = pool.begin().await.map_err(Error::store)?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+        .bind(format!("idem.migrate.{}", schema.table))
+        .execute(&mut *tx)
+        .await
+        .map_err(Error::store)?;
+    for statement in schema.missing(&schema.inspect(pool).await?) {
+        sqlx::query(&statement)
+            .execute(&mut *tx)
+            .await
+            .map_err(Error::store)?;
+    }
+    tx.commit().await.map_err(Error::store)
+}
