@@ -1,6 +1,6 @@
 //! A queue consumer with at-least-once delivery whose effects happen exactly once.
 //!
-//! `cargo run --example consumer` (NATS with JetStream on 127.0.0.1:4222, PostgreSQL on
+//! `cargo run -p idem-examples --example consumer` (NATS with JetStream on 127.0.0.1:4222, PostgreSQL on
 //! 127.0.0.1:5432; `IDEM_NATS_URL` and `IDEM_POSTGRES_URL` point elsewhere).
 //!
 //! It publishes 200 orders to a JetStream stream and consumes them with a durable pull

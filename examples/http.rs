@@ -1,9 +1,9 @@
 //! A small payments API behind `Idempotency-Key`, with axum.
 //!
-//! `cargo run --example http` serves on 127.0.0.1:3000 with the in-memory store;
-//! `cargo run --example http -- --redis` keeps keys in Redis (`IDEM_REDIS_URL`, default
+//! `cargo run -p idem-examples --example http` serves on 127.0.0.1:3000 with the in-memory store;
+//! `cargo run -p idem-examples --example http -- --redis` keeps keys in Redis (`IDEM_REDIS_URL`, default
 //! `redis://127.0.0.1:6379`), so that several instances share them. Try it with curl (the
-//! README's "HTTP" section has a session). `cargo run --example http -- --demo` runs that
+//! README's "HTTP" section has a session). `cargo run -p idem-examples --example http -- --demo` runs that
 //! session against itself on a free port and exits.
 //!
 //! Keys are scoped per API key (the bearer token): the same `Idempotency-Key` from two

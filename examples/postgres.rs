@@ -2,7 +2,7 @@
 //! database. Provisions a tenant once, however many times the request is retried.
 //!
 //! Run it with PostgreSQL on 127.0.0.1:5432 (or `IDEM_POSTGRES_URL`):
-//! `cargo run --example postgres`.
+//! `cargo run -p idem-examples --example postgres`.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! processes, race on one key; the body runs once and both get its result.
 //!
 //! Run it with a Redis server on 127.0.0.1:6379 (or `IDEM_REDIS_URL`):
-//! `cargo run --example redis`.
+//! `cargo run -p idem-examples --example redis`.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;

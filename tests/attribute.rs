@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_runtime::{idempotent, Error, Fingerprint, MemoryStore};
-use idem_tests::Runs;
+use idem_tests::{Probe, Runs};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, PartialEq, Serialize, Deserialize)]
@@ -300,6 +300,143 @@ async fn cache_err_records_final_errors_and_releases_others() {
     );
     assert_eq!(may_decline(&store, 2, Ok(2), &runs).await, Ok(2));
     assert_eq!(runs.count(), 3);
+}
+
+/// An error type that holds the runtime's own error, and derives both serde traits as
+/// `cache_err` needs: `idem_runtime::Error` is `Serialize + Deserialize`.
+#[derive(Debug, Serialize, Deserialize)]
+enum ChargeError {
+    Declined(String),
+    Idem(Error),
+}
+
+impl From<Error> for ChargeError {
+    fn from(err: Error) -> Self {
+        Self::Idem(err)
+    }
+}
+
+fn is_final(err: &ChargeError) -> bool {
+    matches!(err, ChargeError::Declined(_))
+}
+
+#[idempotent(key = id, store = store, cache_err = is_final)]
+async fn charge_or_decline(store: &MemoryStore, id: u8, runs: &Runs) -> Result<u8, ChargeError> {
+    runs.hit();
+    Err(ChargeError::Declined(format!("card {id}")))
+}
+
+#[tokio::test]
+async fn cache_err_takes_an_error_type_that_holds_idem_runtime_error() {
+    let (store, runs) = (store(), Runs::default());
+    for _ in 0..2 {
+        let declined = charge_or_decline(&store, 7, &runs).await;
+        assert!(matches!(declined, Err(ChargeError::Declined(ref why)) if why == "card 7"));
+    }
+    assert_eq!(runs.count(), 1, "the declined charge was not replayed");
+}
+
+// --- optional keys --------------------------------------------------------------------
+
+#[idempotent(key = key, store = store, namespace = "optional.owned")]
+async fn maybe_keyed(
+    store: &Probe<MemoryStore>,
+    key: Option<String>,
+    runs: &Runs,
+) -> Result<usize, AppError> {
+    Ok(runs.hit())
+}
+
+#[idempotent(key = message.key, store = store, namespace = "optional.field")]
+async fn maybe_keyed_message(
+    store: &MemoryStore,
+    message: &Message,
+    runs: &Runs,
+) -> Result<usize, AppError> {
+    Ok(runs.hit())
+}
+
+#[idempotent(key = key, store = store, namespace = "optional.borrowed")]
+async fn maybe_keyed_by_reference(
+    store: &MemoryStore,
+    key: &Option<u64>,
+    runs: &Runs,
+) -> Result<usize, AppError> {
+    Ok(runs.hit())
+}
+
+#[idempotent(key = (tenant, key), store = store, namespace = "optional.in_a_tuple")]
+async fn option_in_a_tuple(
+    store: &MemoryStore,
+    tenant: u8,
+    key: Option<u64>,
+    runs: &Runs,
+) -> Result<usize, AppError> {
+    Ok(runs.hit())
+}
+
+struct Message {
+    key: Option<String>,
+}
+
+#[tokio::test]
+async fn an_absent_optional_key_runs_the_body_without_a_claim() {
+    let (store, runs) = (Probe::new(self::store()), Runs::default());
+    // `None`: every call runs, and nothing is claimed or recorded.
+    assert_eq!(maybe_keyed(&store, None, &runs).await, Ok(0));
+    assert_eq!(maybe_keyed(&store, None, &runs).await, Ok(1));
+    assert_eq!(store.claims(), 0, "an unkeyed call claimed a key");
+    // `Some`: keyed as usual.
+    let key = || Some("k1".to_string());
+    assert_eq!(maybe_keyed(&store, key(), &runs).await, Ok(2));
+    assert_eq!(maybe_keyed(&store, key(), &runs).await, Ok(2));
+    assert_eq!(runs.count(), 3);
+
+    // Through a field, and through a reference.
+    let (store, runs) = (self::store(), Runs::default());
+    let unkeyed = Message { key: None };
+    assert_eq!(maybe_keyed_message(&store, &unkeyed, &runs).await, Ok(0));
+    assert_eq!(maybe_keyed_message(&store, &unkeyed, &runs).await, Ok(1));
+    let keyed = Message {
+        key: Some("m1".into()),
+    };
+    assert_eq!(maybe_keyed_message(&store, &keyed, &runs).await, Ok(2));
+    assert_eq!(maybe_keyed_message(&store, &keyed, &runs).await, Ok(2));
+    assert_eq!(maybe_keyed_by_reference(&store, &None, &runs).await, Ok(3));
+    assert_eq!(maybe_keyed_by_reference(&store, &None, &runs).await, Ok(4));
+    assert_eq!(
+        maybe_keyed_by_reference(&store, &Some(9), &runs).await,
+        Ok(5)
+    );
+    assert_eq!(
+        maybe_keyed_by_reference(&store, &Some(9), &runs).await,
+        Ok(5)
+    );
+}
+
+#[tokio::test]
+async fn an_option_inside_a_tuple_is_part_of_a_key_that_is_always_there() {
+    let (store, runs) = (store(), Runs::default());
+    assert_eq!(option_in_a_tuple(&store, 1, None, &runs).await, Ok(0));
+    assert_eq!(option_in_a_tuple(&store, 1, None, &runs).await, Ok(0));
+    assert_eq!(option_in_a_tuple(&store, 1, Some(2), &runs).await, Ok(1));
+    assert_eq!(runs.count(), 2);
+}
+
+#[tokio::test]
+async fn a_present_optional_key_is_the_key_it_was_before_optional_keys() {
+    // Records written when an `Option` key was an ordinary value still replay.
+    let store = Probe::new(self::store());
+    let operation = idem_runtime::Operation::new("optional.owned");
+    let key = operation.key(&Some("old".to_string())).unwrap();
+    let first = operation
+        .run(&store, &key, None, async { Ok::<_, Error>(41_usize) })
+        .await
+        .unwrap();
+    assert!(!first.is_replayed());
+    let runs = Runs::default();
+    assert_eq!(maybe_keyed(&store, Some("old".into()), &runs).await, Ok(41));
+    assert_eq!(runs.count(), 0);
 }
 
 #[idempotent(key = id, store = store, in_flight = "reject", lease = Duration::from_secs(5), ttl = "1h30m")]

@@ -1,6 +1,7 @@
-//! The store conformance suite (`idem_runtime::testkit`) against every backend.
+//! The store conformance suite (`idem_runtime::store::testkit`) against every backend.
 
-use idem_runtime::{testkit, MemoryStore};
+use idem_runtime::store::testkit;
+use idem_runtime::MemoryStore;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_store_keeps_the_store_contract() {

@@ -4,7 +4,8 @@
 
 use std::sync::Arc;
 
-use idem_runtime::{testkit, Error, Operation, RedisStore};
+use idem_runtime::store::testkit;
+use idem_runtime::{Error, Operation, RedisStore};
 use idem_tests::{unavailable, PrivateRedisCluster, Runs};
 
 /// A cluster's masters, and the private cluster to keep alive while they are used.

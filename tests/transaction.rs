@@ -6,7 +6,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_runtime::{attempt, idempotent, Error, InFlight, Operation, Outcome, PostgresStore};
+use idem_runtime::{
+    attempt, idempotent, Error, InFlight, Operation, Outcome, PostgresStore, Token,
+};
 use idem_tests::scenarios::namespace;
 use idem_tests::{postgres_store, PrivatePostgres, Probe};
 use sqlx::postgres::{PgPool, PgPoolOptions};
@@ -820,11 +822,12 @@ async fn a_zombie_holders_fenced_write_is_refused() {
     let ledger = Ledger::new(store.pool().clone(), "fence").await;
     let op = Operation::new(namespace("fence")).lease(Duration::from_millis(300));
     let key = op.key(&"f-1").unwrap();
-    let fenced_write = |pool: PgPool, accounts: String, token: u64, note: &'static str| async move {
+    // The token binds as a `bigint` as it is.
+    let fenced_write = |pool: PgPool, accounts: String, token: Token, note: &'static str| async move {
         sqlx::query(&format!(
             "UPDATE {accounts} SET fence = $1, note = $2 WHERE id = 1 AND fence < $1"
         ))
-        .bind(token as i64)
+        .bind(token)
         .bind(note)
         .execute(&pool)
         .await
@@ -841,7 +844,7 @@ async fn a_zombie_holders_fenced_write_is_refused() {
         let (pool, accounts) = (ledger.pool.clone(), ledger.accounts.clone());
         tokio::spawn(async move {
             op.run(&store, &key, None, async move {
-                let token = attempt().expect("inside the body").token().get();
+                let token = attempt().expect("inside the body").token();
                 claimed.send(()).unwrap();
                 resume.await.unwrap();
                 Ok::<_, Error>(fenced_write(pool, accounts, token, "zombie").await)
@@ -856,7 +859,7 @@ async fn a_zombie_holders_fenced_write_is_refused() {
         .clone()
         .wait_timeout(Duration::from_secs(20))
         .run(&store, &key, None, async {
-            let token = attempt().unwrap().token().get();
+            let token = attempt().unwrap().token();
             Ok::<_, Error>(
                 fenced_write(ledger.pool.clone(), ledger.accounts.clone(), token, "new").await,
             )

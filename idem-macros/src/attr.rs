@@ -462,6 +462,38 @@ mod tests {
         assert_eq!(closest("timeout"), None);
     }
 
+    /// The reference table (the attribute's rustdoc and the README's): every argument the
+    /// parser takes has a row, every row's example parses, and no row names anything else.
+    #[test]
+    fn the_reference_table_is_the_parser_s() {
+        let table = include_str!("reference.md");
+        let mut documented = Vec::new();
+        for row in table.lines().filter(|l| l.starts_with("| `")) {
+            let example = row.split('`').nth(1).expect("a code span opens the row");
+            let name = example.split(" = ").next().unwrap();
+            let args: Args = syn::parse_str(example)
+                .unwrap_or_else(|e| panic!("`{example}` does not parse: {e}"));
+            assert!(args.errors.is_none(), "`{example}` is refused");
+            let set = match name {
+                "key" => args.key.is_some(),
+                "store" => args.store.is_some(),
+                "ttl" => args.ttl.is_some(),
+                "lease" => args.lease.is_some(),
+                "namespace" => args.namespace.is_some(),
+                "fingerprint" => args.fingerprint.is_some(),
+                "in_flight" => args.in_flight.is_some(),
+                "cache_err" => args.cache_err.is_some(),
+                "on_cancel" => args.on_cancel.is_some(),
+                "transaction" => args.transaction.is_some(),
+                "crate" => args.krate.is_some(),
+                other => panic!("the table documents `{other}`, which the parser does not take"),
+            };
+            assert!(set, "`{example}` did not set `{name}`");
+            documented.push(name);
+        }
+        assert_eq!(documented, NAMES, "the table's rows, in the parser's order");
+    }
+
     #[test]
     fn arguments_parse_and_errors_accumulate() {
         let args: Args = syn::parse_str(r#"key = a.b, ttl = "1h", in_flight = "reject""#).unwrap();

@@ -110,10 +110,19 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
         quote!(.cache_errors(#check))
     });
 
-    let key_value = args
-        .key
-        .as_ref()
-        .map(|value| quote_spanned!(value.span()=> #op.key(&(#value))));
+    // `Result<Option<Key>, Error>`: an `Option` value is an optional key.
+    let key_value = args.key.as_ref().map(|value| {
+        // `key = &opt` is `key = opt`: the key is taken by reference either way, and an
+        // `Option` behind a reference is still an optional key.
+        let value = unreferenced(value);
+        let derive = respan(quote!(#private::key), value.span());
+        let key = quote_spanned!(value.span()=> #derive(&#op, (&#private::KeyArg(&(#value))).__idem_key()));
+        // At the call site: one of the two traits is always unused, and must not say so.
+        quote!({
+            use #private::{OptionalKey as _, RequiredKey as _};
+            #key
+        })
+    });
     let fingerprint_value = match &args.fingerprint {
         Some(value) => {
             let value = quote_spanned!(value.span()=> #private::fingerprint(&(#value)));
@@ -220,6 +229,17 @@ fn parts(expr: &Expr) -> Vec<&Expr> {
     }
 }
 
+/// The value under any `&` and parentheses.
+fn unreferenced(expr: &Expr) -> &Expr {
+    match expr {
+        Expr::Reference(reference) if reference.mutability.is_none() => {
+            unreferenced(&reference.expr)
+        }
+        Expr::Paren(paren) => unreferenced(&paren.expr),
+        _ => expr,
+    }
+}
+
 /// Sets `span` on every token of a path.
 fn respan(path: TokenStream, span: Span) -> TokenStream {
     path.into_iter()
@@ -281,6 +301,7 @@ mod tests {
             "__idem_store",
             "__idem_owned",
             "__idem_order",
+            "__idem_key",
         ];
         assert!(!generated.is_empty());
         assert!(

@@ -1,5 +1,6 @@
-//! The `#[idempotent]` attribute. Use it through `idem_runtime::idempotent`, whose
-//! documentation describes every argument; this crate is an implementation detail.
+//! The `#[idempotent]` attribute. Use it through `idem_runtime::idempotent`, which
+//! re-exports it with examples; its arguments are documented on [`idempotent`] (the same
+//! table as the README's). This crate is an implementation detail.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -10,7 +11,9 @@ mod item;
 
 use proc_macro::TokenStream;
 
-/// Makes an `async fn` idempotent. See `idem_runtime::idempotent` for the arguments.
+/// # Arguments
+///
+#[doc = include_str!("reference.md")]
 #[proc_macro_attribute]
 pub fn idempotent(attr: TokenStream, item: TokenStream) -> TokenStream {
     expand::idempotent(attr.into(), item.into()).into()

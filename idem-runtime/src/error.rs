@@ -79,9 +79,115 @@ impl Error {
     }
 }
 
+impl Error {
+    /// The variant's stable name, as serialized: `in_progress`, `payload_mismatch`, `store`,
+    /// `codec`, `key` or `config`.
+    fn kind(&self) -> &'static str {
+        match self {
+            Self::InProgress => "in_progress",
+            Self::PayloadMismatch => "payload_mismatch",
+            Self::Store(_) => "store",
+            Self::Codec(_) => "codec",
+            Self::Key(_) => "key",
+            Self::Config(_) => "config",
+        }
+    }
+
+    fn source_text(&self) -> Option<String> {
+        match self {
+            Self::InProgress | Self::PayloadMismatch => None,
+            Self::Store(source)
+            | Self::Codec(source)
+            | Self::Key(source)
+            | Self::Config(source) => Some(source.to_string()),
+        }
+    }
+}
+
+/// The serialized form of an [`Error`]: its variant and, for those that have one, its
+/// source's message.
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(rename = "Error")]
+struct Serialized {
+    kind: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    source: Option<String>,
+}
+
+/// An `Error` serializes as `{"kind": "store", "source": "connection refused"}`, so that an
+/// error type holding one can derive `Serialize` and `Deserialize`, as `cache_err` needs.
+/// The source's chain is kept as its message only.
+///
+/// ```
+/// let err = idem_runtime::Error::store("connection refused");
+/// let json = serde_json::to_string(&err).unwrap();
+/// assert_eq!(json, r#"{"kind":"store","source":"connection refused"}"#);
+/// let back: idem_runtime::Error = serde_json::from_str(&json).unwrap();
+/// assert_eq!(back.to_string(), err.to_string());
+/// ```
+impl serde::Serialize for Error {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        Serialized {
+            kind: self.kind().to_owned(),
+            source: self.source_text(),
+        }
+        .serialize(serializer)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Error {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let Serialized { kind, source } = Serialized::deserialize(deserializer)?;
+        let source = || BoxError::from(source.clone().unwrap_or_default());
+        Ok(match kind.as_str() {
+            "in_progress" => Self::InProgress,
+            "payload_mismatch" => Self::PayloadMismatch,
+            "store" => Self::Store(source()),
+            "codec" => Self::Codec(source()),
+            "key" => Self::Key(source()),
+            "config" => Self::Config(source()),
+            other => {
+                return Err(serde::de::Error::unknown_variant(
+                    other,
+                    &[
+                        "in_progress",
+                        "payload_mismatch",
+                        "store",
+                        "codec",
+                        "key",
+                        "config",
+                    ],
+                ))
+            }
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_variant_survives_serialization() {
+        for err in [
+            Error::InProgress,
+            Error::PayloadMismatch,
+            Error::store("down"),
+            Error::codec("truncated"),
+            Error::Key("NaN".into()),
+            Error::config("too long"),
+        ] {
+            let json = serde_json::to_string(&err).unwrap();
+            let back: Error = serde_json::from_str(&json).unwrap();
+            assert_eq!(back.kind(), err.kind(), "{json}");
+            assert_eq!(back.to_string(), err.to_string(), "{json}");
+        }
+        let unknown = serde_json::from_str::<Error>(r#"{"kind":"gone"}"#).unwrap_err();
+        assert!(
+            unknown.to_string().contains("unknown variant `gone`"),
+            "{unknown}"
+        );
+    }
 
     fn assert_bounds<T: StdError + Send + Sync + 'static>() {}
 

@@ -80,6 +80,9 @@
 //! `500`: a recorded response that does not decode, a configuration out of range, or a
 //! response body that failed while it was read.
 //!
+//! Services answer their own [`Error`](crate::Error)s the same way with [`problem()`] (and,
+//! with the feature `axum`, by returning the error: it is an `IntoResponse`).
+//!
 //! No problem's `detail` carries an error's own text (a store's address, SQL, a library's
 //! message): those go to `tracing`.
 
@@ -97,5 +100,6 @@ pub use self::layer::{
     IdempotencyLayer, KeyScope, ScopeNotChosen, ScopeOf, ScopedBy, Unrecorded, Unscoped,
     DEFAULT_MAX_BODY, DEFAULT_NAMESPACE,
 };
+pub use self::problem::problem;
 pub use self::record::IDEMPOTENT_REPLAYED;
 pub use self::service::{IdempotencyService, ResponseFuture};

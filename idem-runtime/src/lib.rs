@@ -39,7 +39,7 @@
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
-#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[doc(hidden)]
 #[path = "private.rs"]
@@ -55,8 +55,6 @@ pub mod http;
 mod key;
 mod limits;
 pub mod store;
-#[cfg(feature = "testkit")]
-pub mod testkit;
 
 pub use crate::background::{drain, Undrained};
 pub use crate::codec::{CacheErrors, ErrorPolicy, ReleaseErrors};
@@ -68,17 +66,24 @@ pub use crate::flights::Flights;
 pub use crate::key::{Fingerprint, Key, FORMAT_VERSION};
 pub use crate::limits::{MAX_DURATION, MIN_LEASE};
 #[cfg(feature = "memory")]
+#[doc(inline)]
 pub use crate::store::memory::{MemoryStore, MemoryStoreBuilder};
 #[cfg(feature = "postgres")]
+#[doc(inline)]
 pub use crate::store::postgres::PostgresStore;
 #[cfg(feature = "redis")]
+#[doc(inline)]
 pub use crate::store::redis::RedisStore;
+#[doc(inline)]
 pub use crate::store::{Claim, Store, Token};
 
-/// Re-exported for implementors of [`Store`]: the trait is written with it.
-pub use async_trait::async_trait;
-/// Re-exported: record values are [`Bytes`].
-pub use bytes::Bytes;
+// For implementors of `Store`, documented in `store` where they belong; kept here too so
+// that `idem_runtime::{async_trait, Bytes}` go on working.
+#[cfg(feature = "testkit")]
+#[doc(hidden)]
+pub use crate::store::testkit;
+#[doc(hidden)]
+pub use crate::store::{async_trait, Bytes};
 
 /// Makes an `async fn` idempotent: the first call with a key runs the body and records its
 /// `Ok` value; every later call with that key, within the TTL, returns the recorded value
@@ -103,23 +108,8 @@ pub use bytes::Bytes;
 /// # }
 /// ```
 ///
-/// | argument | meaning | default |
-/// |---|---|---|
-/// | `key = <expr>` | **required.** Identifies one logical operation: an expression over the parameters whose type is `serde::Serialize` (a tuple for several). Evaluated once, by reference, before the body runs. | — |
-/// | `store = <expr>` | where claims and results live: `self.store`, `&*STORE`, `app.idem()`: any [`Store`] + `Clone`, or a reference to one. | [`default_store()`] |
-/// | `ttl = "24h"` or a `Duration` | how long a completed result is replayed. Literals: `ms`, `s`, `m`, `h`, `d`, combinable (`"1h30m"`), checked at compile time. | `"24h"` |
-/// | `lease = "30s"` or a `Duration` | how long a claim lives without renewal; renewed while the body runs. | `"30s"` |
-/// | `namespace = "billing.charge.v1"` | the stable name of the operation, part of every key. **Required on methods.** | `module_path!()::fn_name` |
-/// | `fingerprint = <expr>` | the request payload: same key with another fingerprint is [`Error::PayloadMismatch`]. | none |
-/// | `in_flight = "wait"` / `"reject"` | a concurrent duplicate waits and shares the outcome, or fails with [`Error::InProgress`]. | `"wait"` |
-/// | `cache_err = <path>` | a `fn(&E) -> bool`: errors it accepts are recorded and replayed (`E: Serialize + Deserialize`). | every `Err` releases |
-/// | `on_cancel = "release"` / `"complete"` | when the caller drops the future: release the key, or finish the body in the background (`'static` arguments only). | `"release"` |
-/// | `crate = "path"` | the path to `idem_runtime`, for crates that re-export it. | `::idem_runtime` |
-///
-/// The function must be an `async fn` returning `Result<T, E>` with
-/// `T: Serialize + DeserializeOwned + Send` and `E: From<idem_runtime::Error>`. Its
-/// attributes, docs, visibility, generics and `where` clauses are kept; the body runs as
-/// written (`?` and `return` included) inside the call that [`Operation::run`] makes.
+/// The arguments, below, are the same table as the README's: both are tested against the
+/// attribute's parser.
 #[cfg(feature = "macros")]
 #[doc(inline)]
 pub use idem_macros::idempotent;

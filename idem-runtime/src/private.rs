@@ -61,6 +61,18 @@ impl<T, E> IdemResult for Result<T, E> {
     }
 }
 
+/// What an `#[idempotent]` function's `Ok` type must be: one bound, with one message, for
+/// the two serde traits the record needs.
+#[diagnostic::on_unimplemented(
+    message = "`#[idempotent]` records the `Ok` value, so `{Self}` must be `Serialize` and `Deserialize`",
+    label = "`{Self}` is not `Serialize + Deserialize`",
+    note = "derive both: `#[derive(serde::Serialize, serde::Deserialize)]`; the value is recorded with serde_json and replayed to every retry"
+)]
+pub trait Recordable: Serialize + DeserializeOwned {}
+
+#[diagnostic::do_not_recommend]
+impl<T: Serialize + DeserializeOwned> Recordable for T {}
+
 /// Checks a `cache_err` predicate where it is written: its error type must be serializable.
 pub fn cache_err<E>(is_final: fn(&E) -> bool) -> fn(&E) -> bool
 where
@@ -74,23 +86,88 @@ pub fn fingerprint<V: Serialize + ?Sized>(payload: &V) -> Result<Fingerprint, Er
     Fingerprint::of(payload)
 }
 
+/// A `key = <expr>` value, wrapped so that the two `__idem_key` methods below can tell an
+/// `Option` apart at compile time: method resolution tries [`OptionalKey`] (on `KeyArg`)
+/// before [`RequiredKey`] (on `&KeyArg`), and only an `Option` (or a reference to one) has
+/// the former.
+pub struct KeyArg<'a, T: ?Sized>(pub &'a T);
+
+/// An optional key: `None` runs the body with no claim.
+pub trait OptionalKey<'a> {
+    /// The value to key on: the `Option` itself, or `None` when it is `None`.
+    type Value: ?Sized;
+    #[doc(hidden)]
+    fn __idem_key(&self) -> Option<&'a Self::Value>;
+}
+
+impl<'a, T> OptionalKey<'a> for KeyArg<'a, Option<T>> {
+    type Value = Option<T>;
+    fn __idem_key(&self) -> Option<&'a Option<T>> {
+        // Keyed on the `Option` itself, as before optional keys: recorded keys stay valid.
+        self.0.as_ref().map(|_| self.0)
+    }
+}
+
+impl<'a, T> OptionalKey<'a> for KeyArg<'a, &'a Option<T>> {
+    type Value = Option<T>;
+    fn __idem_key(&self) -> Option<&'a Option<T>> {
+        KeyArg(*self.0).__idem_key()
+    }
+}
+
+/// Every other key: always present.
+pub trait RequiredKey<'a> {
+    /// The value to key on.
+    type Value: ?Sized;
+    #[doc(hidden)]
+    fn __idem_key(&self) -> Option<&'a Self::Value>;
+}
+
+impl<'a, T: ?Sized> RequiredKey<'a> for &KeyArg<'a, T> {
+    type Value = T;
+    fn __idem_key(&self) -> Option<&'a T> {
+        Some(self.0)
+    }
+}
+
+/// The key of a `key = <expr>` value, `None` for an absent optional key.
+pub fn key<P, V: Serialize + ?Sized>(
+    operation: &Operation<P>,
+    value: Option<&V>,
+) -> Result<Option<Key>, Error> {
+    value.map(|value| operation.key(value)).transpose()
+}
+
 /// What every expansion does around its `Operation` call: the first error deriving the key
-/// or the fingerprint is the function's error (the body never runs); otherwise `call` runs
-/// with them, and its outcome becomes the function's bare return value.
-async fn call<R, Fut>(
-    key: Result<Key, Error>,
+/// or the fingerprint is the function's error (the body never runs); an absent optional key
+/// runs the body with no claim (`unkeyed`); otherwise `call` runs with them, and its outcome
+/// becomes the function's bare return value.
+async fn call<R, B, Fut, Un>(
+    key: Result<Option<Key>, Error>,
     fingerprint: Option<Result<Fingerprint, Error>>,
-    call: impl FnOnce(Key, Option<Fingerprint>) -> Fut,
+    body: B,
+    call: impl FnOnce(Key, Option<Fingerprint>, B) -> Fut,
+    unkeyed: impl FnOnce(B) -> Un,
 ) -> R
 where
     R: IdemResult,
     R::Err: From<Error>,
     Fut: Future<Output = Result<crate::Outcome<R::Ok>, R::Err>>,
+    Un: Future<Output = R>,
 {
-    let derived = key.and_then(|key| Ok((key, fingerprint.transpose()?)));
+    let derived = key.and_then(|key| match key {
+        Some(key) => Ok(Some((key, fingerprint.transpose()?))),
+        None => Ok(None),
+    });
     match derived {
-        Ok((key, fingerprint)) => {
-            R::from_result(call(key, fingerprint).await.map(crate::Outcome::into_inner))
+        Ok(Some((key, fingerprint))) => R::from_result(
+            call(key, fingerprint, body)
+                .await
+                .map(crate::Outcome::into_inner),
+        ),
+        Ok(None) => {
+            tracing::debug!(outcome = "unkeyed", "no key: the body ran without a claim");
+            unkeyed(body).await
         }
         Err(err) => R::from_result(Err(err.into())),
     }
@@ -102,22 +179,28 @@ where
 pub async fn run<P, S, R, F>(
     operation: &Operation<P>,
     store: &S,
-    key: Result<Key, Error>,
+    key: Result<Option<Key>, Error>,
     fingerprint: Option<Result<Fingerprint, Error>>,
     body: F,
 ) -> R
 where
     R: IdemResult,
-    R::Ok: Serialize + DeserializeOwned,
+    R::Ok: Recordable,
     R::Err: From<Error>,
     P: ErrorPolicy<R::Err>,
     S: Store + Clone,
     F: Future<Output = R>,
 {
-    call(key, fingerprint, |key, fingerprint| async move {
-        let body = async { body.await.into_result() };
-        operation.run(store, &key, fingerprint.as_ref(), body).await
-    })
+    call(
+        key,
+        fingerprint,
+        body,
+        |key, fingerprint, body| async move {
+            let body = async { body.await.into_result() };
+            operation.run(store, &key, fingerprint.as_ref(), body).await
+        },
+        |body| body,
+    )
     .await
 }
 
@@ -125,24 +208,30 @@ where
 pub async fn run_to_completion<P, S, R, F>(
     operation: &Operation<P>,
     store: &S,
-    key: Result<Key, Error>,
+    key: Result<Option<Key>, Error>,
     fingerprint: Option<Result<Fingerprint, Error>>,
     body: F,
 ) -> R
 where
     R: IdemResult,
-    R::Ok: Serialize + DeserializeOwned + Send + 'static,
+    R::Ok: Recordable + Send + 'static,
     R::Err: From<Error> + Send + 'static,
     P: ErrorPolicy<R::Err> + Clone + Send + Sync + 'static,
     S: Store + Clone,
     F: Future<Output = R> + Send + 'static,
 {
-    call(key, fingerprint, |key, fingerprint| async move {
-        let body = async { body.await.into_result() };
-        operation
-            .run_to_completion(store, &key, fingerprint.as_ref(), body)
-            .await
-    })
+    call(
+        key,
+        fingerprint,
+        body,
+        |key, fingerprint, body| async move {
+            let body = async { body.await.into_result() };
+            operation
+                .run_to_completion(store, &key, fingerprint.as_ref(), body)
+                .await
+        },
+        |body| body,
+    )
     .await
 }
 
@@ -152,24 +241,31 @@ pub async fn run_in_transaction<P, R, F>(
     operation: &Operation<P>,
     store: &crate::PostgresStore,
     connection: &mut sqlx::PgConnection,
-    key: Result<Key, Error>,
+    key: Result<Option<Key>, Error>,
     fingerprint: Option<Result<Fingerprint, Error>>,
     body: F,
 ) -> R
 where
     R: IdemResult,
-    R::Ok: Serialize + DeserializeOwned,
+    R::Ok: Recordable,
     R::Err: From<Error>,
     P: ErrorPolicy<R::Err>,
     F: AsyncFnOnce(&mut sqlx::PgConnection) -> R,
 {
-    call(key, fingerprint, |key, fingerprint| async move {
-        let body =
-            async move |connection: &mut sqlx::PgConnection| body(connection).await.into_result();
-        operation
-            .run_in_transaction(store, connection, &key, fingerprint.as_ref(), body)
-            .await
-    })
+    call(
+        key,
+        fingerprint,
+        (connection, body),
+        |key, fingerprint, (connection, body)| async move {
+            let body = async move |connection: &mut sqlx::PgConnection| {
+                body(connection).await.into_result()
+            };
+            operation
+                .run_in_transaction(store, connection, &key, fingerprint.as_ref(), body)
+                .await
+        },
+        |(connection, body)| body(connection),
+    )
     .await
 }
 

@@ -9,8 +9,9 @@
 //!     └─ release(token) ┘  └──────────────▶ in progress (new, larger token)
 //! ```
 //!
-//! Third-party backends implement [`Store`]; the `testkit` feature's conformance suite checks
-//! that an implementation keeps this contract.
+//! Third-party backends implement [`Store`] (with [`async_trait`](macro@async_trait) and [`Bytes`], re-exported
+//! here); the conformance suite in `testkit` (feature `testkit`) checks that an
+//! implementation keeps this contract.
 
 #[cfg(feature = "memory")]
 pub mod memory;
@@ -18,12 +19,16 @@ pub mod memory;
 pub mod postgres;
 #[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(feature = "testkit")]
+pub mod testkit;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use bytes::Bytes;
+/// Re-exported for implementors of [`Store`]: the trait is written with it.
+pub use async_trait::async_trait;
+/// Re-exported for implementors of [`Store`]: records are [`Bytes`].
+pub use bytes::Bytes;
 
 use crate::{Error, Fingerprint, Flights, Key};
 
@@ -41,6 +46,29 @@ impl Token {
     /// The raw value.
     pub const fn get(self) -> u64 {
         self.0
+    }
+}
+
+/// A token binds as a PostgreSQL `bigint` (feature `postgres`), for fenced writes such as
+/// `UPDATE … SET fence = $1 WHERE … AND fence < $1`. Tokens count claims from 1, so every
+/// one a store hands out fits; a raw token over `i64::MAX` is refused when bound, never
+/// wrapped into a negative one.
+#[cfg(feature = "postgres")]
+impl sqlx::Type<sqlx::Postgres> for Token {
+    fn type_info() -> sqlx::postgres::PgTypeInfo {
+        <i64 as sqlx::Type<sqlx::Postgres>>::type_info()
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl sqlx::Encode<'_, sqlx::Postgres> for Token {
+    fn encode_by_ref(
+        &self,
+        buf: &mut sqlx::postgres::PgArgumentBuffer,
+    ) -> Result<sqlx::encode::IsNull, sqlx::error::BoxDynError> {
+        let raw = i64::try_from(self.0)
+            .map_err(|_| format!("fencing token {} does not fit a bigint", self.0))?;
+        <i64 as sqlx::Encode<sqlx::Postgres>>::encode_by_ref(&raw, buf)
     }
 }
 

@@ -10,8 +10,18 @@ pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 pub const MAX_KEY_LEN: usize = 255;
 
 /// The key a request carries, as a request extension: a handler reads it (with axum,
-/// `Option<Extension<IdempotencyKey>>`) to know whether it runs under one.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+/// `Option<Extension<IdempotencyKey>>`) to know whether it runs under one. It serializes as
+/// its string, so it can be part of an `#[idempotent]` key:
+///
+/// ```
+/// # use idem_runtime::http::IdempotencyKey;
+/// # fn show(key: &IdempotencyKey) {
+/// // #[idempotent(key = (customer.id, key), …)]
+/// assert_eq!(serde_json::to_value(key).unwrap(), key.as_str());
+/// # }
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(transparent)]
 pub struct IdempotencyKey(String);
 
 impl IdempotencyKey {

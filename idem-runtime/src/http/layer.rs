@@ -218,7 +218,7 @@ impl<St: Store + Clone> IdempotencyLayer<St, ScopeNotChosen> {
                 record_header_if: Arc::new(|name: &HeaderName| name != SET_COOKIE),
                 on_unrecorded: None,
                 fingerprint: Arc::new(fingerprint::of_request),
-                retry_after: Duration::from_secs(1),
+                retry_after: super::problem::DEFAULT_RETRY_AFTER,
                 unknown_principal: UnknownPrincipal::Refuse,
             }),
         }

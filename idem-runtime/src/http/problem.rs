@@ -42,23 +42,28 @@ pub(super) enum Problem {
 }
 
 impl Problem {
-    /// The problem of an [`Error`] from the engine.
+    /// The problem of an [`Error`] from the engine, said in `tracing` too.
     pub(super) fn of(err: Error, retry_after: Duration) -> Self {
+        let problem = Self::classify(&err, retry_after);
+        match &problem {
+            Self::StoreDown => tracing::warn!(error = %err, "the store failed: answered 503"),
+            Self::BodyUnreadable => {
+                tracing::info!(error = %err, "the request could not be keyed: answered 400");
+            }
+            Self::Internal => tracing::error!(error = %err, "answered 500"),
+            _ => {}
+        }
+        problem
+    }
+
+    /// The problem of an [`Error`], and nothing else.
+    pub(super) fn classify(err: &Error, retry_after: Duration) -> Self {
         match err {
             Error::InProgress => Self::InFlight(retry_after),
             Error::PayloadMismatch => Self::PayloadMismatch,
-            Error::Store(err) => {
-                tracing::warn!(error = %err, "the store failed: answered 503");
-                Self::StoreDown
-            }
-            Error::Key(err) => {
-                tracing::info!(error = %err, "the request could not be keyed: answered 400");
-                Self::BodyUnreadable
-            }
-            other => {
-                tracing::error!(error = %other, "answered 500");
-                Self::Internal
-            }
+            Error::Store(_) => Self::StoreDown,
+            Error::Key(_) => Self::BodyUnreadable,
+            Error::Codec(_) | Error::Config(_) => Self::Internal,
         }
     }
 
@@ -143,6 +148,42 @@ impl Problem {
     }
 }
 
+/// The `application/problem+json` answer for an [`Error`]: the same status, `type`, title
+/// and detail the layer answers with, and `Retry-After: 1` on a `409`. The `detail` never
+/// carries the error's own text (a store's address, SQL): log `err` yourself if you want it.
+///
+/// | [`Error`] | status | `type` anchor |
+/// |---|---|---|
+/// | `InProgress` | `409` + `Retry-After` | `in-flight` |
+/// | `PayloadMismatch` | `422` | `key-reused` |
+/// | `Store` | `503` | `store-unavailable` |
+/// | `Key` | `400` | `body-unreadable` |
+/// | `Codec`, `Config` | `500` | `internal` |
+///
+/// ```
+/// use idem_runtime::http::problem;
+/// use idem_runtime::Error;
+///
+/// let answer = problem(&Error::PayloadMismatch);
+/// assert_eq!(answer.status(), 422);
+/// assert_eq!(answer.headers()["content-type"], "application/problem+json");
+/// ```
+///
+/// With the feature `axum`, [`Error`] is an `axum::response::IntoResponse` that answers this.
+pub fn problem(err: &Error) -> Response<Full<Bytes>> {
+    Problem::classify(err, DEFAULT_RETRY_AFTER).into_response()
+}
+
+/// The `Retry-After` of a `409`, unless a layer is told otherwise.
+pub(super) const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+#[cfg(feature = "axum")]
+impl axum::response::IntoResponse for Error {
+    fn into_response(self) -> axum::response::Response {
+        problem(&self).map(axum::body::Body::new)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use http_body_util::BodyExt;
@@ -162,6 +203,46 @@ mod tests {
             Problem::StoreDown,
             Problem::Internal,
         ]
+    }
+
+    #[tokio::test]
+    async fn every_error_has_its_problem_and_no_detail_carries_its_text() {
+        let secret = "postgres://app:hunter2@10.0.0.7/db";
+        let cases = [
+            (Error::InProgress, 409, "in-flight"),
+            (Error::PayloadMismatch, 422, "key-reused"),
+            (Error::store(secret), 503, "store-unavailable"),
+            (Error::Key(secret.into()), 400, "body-unreadable"),
+            (Error::codec(secret), 500, "internal"),
+            (Error::Config(secret.into()), 500, "internal"),
+        ];
+        for (err, status, anchor) in cases {
+            let response = problem(&err);
+            assert_eq!(response.status(), status, "{err}");
+            assert_eq!(
+                response.headers().get(RETRY_AFTER).is_some(),
+                status == 409,
+                "{err}"
+            );
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            let text = String::from_utf8(body.to_vec()).unwrap();
+            assert!(!text.contains("hunter2"), "{text}");
+            let problem: serde_json::Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(problem["type"], format!("{TYPES}#{anchor}"));
+            assert_eq!(problem["status"], status);
+        }
+    }
+
+    #[cfg(feature = "axum")]
+    #[tokio::test]
+    async fn an_error_is_an_axum_response() {
+        use axum::response::IntoResponse;
+        let response = Error::InProgress.into_response();
+        assert_eq!(response.status(), 409);
+        assert_eq!(response.headers()[RETRY_AFTER], "1");
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(problem["type"], format!("{TYPES}#in-flight"));
     }
 
     #[tokio::test]
