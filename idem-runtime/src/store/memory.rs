@@ -384,6 +384,18 @@ mod tests {
         );
     }
 
+    /// Claims a fresh `key`, and its token.
+    async fn acquired(store: &MemoryStore, key: &Key) -> Token {
+        match store
+            .claim(key, None, Duration::from_secs(30))
+            .await
+            .unwrap()
+        {
+            Claim::Acquired { token } => token,
+            other => panic!("a fresh key was not acquired: {other:?}"),
+        }
+    }
+
     #[tokio::test]
     async fn results_are_bounded_by_their_bytes_as_well_as_their_count() {
         // 3000 results of 256 KiB (750 MiB) in a store bounded to 4 MiB.
@@ -391,13 +403,7 @@ mod tests {
         let value = Bytes::from(vec![7_u8; 256 << 10]);
         for i in 0..3000_u32 {
             let key = Key::derive("bytes", &i).unwrap();
-            let Claim::Acquired { token } = store
-                .claim(&key, None, Duration::from_secs(30))
-                .await
-                .unwrap()
-            else {
-                panic!("a fresh key was not acquired");
-            };
+            let token = acquired(&store, &key).await;
             assert!(store
                 .complete(&key, token, value.clone(), Duration::from_secs(60))
                 .await
@@ -415,13 +421,7 @@ mod tests {
         // One result larger than the bound on its own is not recorded: the key is free.
         let huge = Bytes::from(vec![0_u8; 5 << 20]);
         let key = Key::derive("bytes", &"huge").unwrap();
-        let Claim::Acquired { token } = store
-            .claim(&key, None, Duration::from_secs(30))
-            .await
-            .unwrap()
-        else {
-            panic!("a fresh key was not acquired");
-        };
+        let token = acquired(&store, &key).await;
         assert!(store
             .complete(&key, token, huge, Duration::from_secs(60))
             .await
