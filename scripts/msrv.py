@@ -14,6 +14,7 @@ FEATURE_SETS = {
     "postgres": ["postgres"],
     "http": ["http"],
     "testkit": ["testkit"],
+    "metrics": ["metrics"],
     "all features": None,
 }
 

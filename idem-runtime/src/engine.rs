@@ -1,8 +1,10 @@
 //! Running a future idempotently: claim, run once, record, replay.
 
 pub(crate) mod attempt;
+mod call;
 mod held;
 
+use std::any::Any;
 use std::borrow::Cow;
 use std::future::Future;
 use std::hash::BuildHasher;
@@ -15,10 +17,13 @@ use serde::Serialize;
 use tokio::time::Instant;
 use tracing::Instrument;
 
+pub(crate) use self::call::Derived;
+use self::call::{Answer, Call};
 use self::held::Held;
+use crate::__private::IdemResult;
 use crate::codec::{self, ErrorPolicy, Json, ReleaseErrors, ValueCodec};
 use crate::flights::Landing;
-use crate::{background, limits, CacheErrors, Claim, Error, Fingerprint, Key, Store, Token};
+use crate::{background, limits, meter, CacheErrors, Claim, Error, Fingerprint, Key, Store, Token};
 
 /// How long a completed result is replayed unless told otherwise: 24 hours.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
@@ -96,12 +101,20 @@ impl<T> Outcome<T> {
 /// ```
 #[derive(Clone, Debug)]
 pub struct Operation<P = ReleaseErrors> {
-    namespace: Namespace,
+    pub(crate) settings: Settings,
+    pub(crate) errors: P,
+}
+
+/// Everything about an operation but its error policy: what the engine's core needs, so
+/// that the core is compiled once, in this crate, and not once per `#[idempotent]`
+/// function in the user's (issue 18, item 4).
+#[derive(Clone, Debug)]
+pub(crate) struct Settings {
+    pub(crate) namespace: Namespace,
     pub(crate) ttl: Duration,
     pub(crate) lease: Duration,
     pub(crate) in_flight: InFlight,
     pub(crate) wait_timeout: Option<Duration>,
-    pub(crate) errors: P,
 }
 
 impl Operation {
@@ -109,11 +122,13 @@ impl Operation {
     /// every key, so that renaming code never resets keys and two operations never share them.
     pub fn new(namespace: impl Into<Cow<'static, str>>) -> Self {
         Self {
-            namespace: Namespace::from(namespace.into()),
-            ttl: DEFAULT_TTL,
-            lease: DEFAULT_LEASE,
-            in_flight: InFlight::Wait,
-            wait_timeout: None,
+            settings: Settings {
+                namespace: Namespace::from(namespace.into()),
+                ttl: DEFAULT_TTL,
+                lease: DEFAULT_LEASE,
+                in_flight: InFlight::Wait,
+                wait_timeout: None,
+            },
             errors: ReleaseErrors,
         }
     }
@@ -123,7 +138,7 @@ impl<P> Operation<P> {
     /// How long a completed result is replayed (default [`DEFAULT_TTL`]).
     #[must_use]
     pub fn ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = ttl;
+        self.settings.ttl = ttl;
         self
     }
 
@@ -132,21 +147,21 @@ impl<P> Operation<P> {
     /// at most this long after its last renewal.
     #[must_use]
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
+        self.settings.lease = lease;
         self
     }
 
     /// What a call does when its key is in progress (default [`InFlight::Wait`]).
     #[must_use]
     pub fn in_flight(mut self, in_flight: InFlight) -> Self {
-        self.in_flight = in_flight;
+        self.settings.in_flight = in_flight;
         self
     }
 
     /// How long [`InFlight::Wait`] waits at most (default: the lease).
     #[must_use]
     pub fn wait_timeout(mut self, timeout: Duration) -> Self {
-        self.wait_timeout = Some(timeout);
+        self.settings.wait_timeout = Some(timeout);
         self
     }
 
@@ -165,11 +180,7 @@ impl<P> Operation<P> {
     /// ```
     pub fn cache_errors<F>(self, is_final: F) -> Operation<CacheErrors<F>> {
         Operation {
-            namespace: self.namespace,
-            ttl: self.ttl,
-            lease: self.lease,
-            in_flight: self.in_flight,
-            wait_timeout: self.wait_timeout,
+            settings: self.settings,
             errors: CacheErrors(is_final),
         }
     }
@@ -177,13 +188,13 @@ impl<P> Operation<P> {
     /// The same operation under another namespace.
     #[cfg(feature = "http")]
     pub(crate) fn renamed(mut self, namespace: impl Into<Cow<'static, str>>) -> Self {
-        self.namespace = Namespace::from(namespace.into());
+        self.settings.namespace = Namespace::from(namespace.into());
         self
     }
 
     /// The operation's namespace.
     pub fn namespace(&self) -> &str {
-        &self.namespace
+        &self.settings.namespace
     }
 
     /// Derives the key of `value` in this operation's namespace.
@@ -192,7 +203,7 @@ impl<P> Operation<P> {
     ///
     /// [`Error::Key`] when the value cannot be encoded deterministically (a NaN float).
     pub fn key<V: Serialize + ?Sized>(&self, value: &V) -> Result<Key, Error> {
-        Key::derive(&self.namespace, value)
+        Key::derive(&self.settings.namespace, value)
     }
 
     /// Runs `body` at most once per `key` and returns its result, or the recorded one.
@@ -212,13 +223,13 @@ impl<P> Operation<P> {
     /// [`Error::InProgress`], [`Error::PayloadMismatch`], [`Error::Store`] and [`Error::Codec`]
     /// (a recorded result that does not decode). None of them runs the body, except a
     /// [`Error::Codec`] on encoding the body's own result, which releases the key.
-    pub async fn run<S, T, E, F>(
-        &self,
-        store: &S,
+    pub fn run<'a, S, T, E, F>(
+        &'a self,
+        store: &'a S,
         key: &Key,
         fingerprint: Option<&Fingerprint>,
         body: F,
-    ) -> Result<Outcome<T>, E>
+    ) -> impl Future<Output = Result<Outcome<T>, E>> + use<'a, P, S, T, E, F>
     where
         S: Store + Clone,
         T: Serialize + DeserializeOwned,
@@ -226,20 +237,23 @@ impl<P> Operation<P> {
         P: ErrorPolicy<E>,
         F: Future<Output = Result<T, E>>,
     {
-        async {
-            match self.settle(store, key, fingerprint).await? {
-                Settled::Replay(record) => self.replay::<Json, _, _>(&record),
-                Settled::Run(token) => {
-                    let held =
-                        Held::new(store.clone(), *key, fingerprint.copied(), token, self.lease);
-                    // Boxed: the execution's state (guard, heartbeat, timers) would otherwise
-                    // be part of every call's future, and be copied with it on every replay.
-                    Box::pin(self.execute::<Json, _, _, _, _>(held, body)).await
-                }
-            }
-        }
-        .instrument(self.span(key))
-        .await
+        self.call::<Json, S, _, _, _>(store, Ok(Some((*key, fingerprint.copied()))), body, |o| o)
+    }
+
+    /// The call of `body` under `derived` in `store`, answered by `answer`: what
+    /// [`run`](Self::run) and every `#[idempotent]` function without `on_cancel` are.
+    pub(crate) fn call<'a, C, S, R, F, O>(
+        &'a self,
+        store: &'a S,
+        derived: Derived,
+        body: F,
+        answer: Answer<R, O>,
+    ) -> Call<'a, C, P, R, F, O>
+    where
+        S: Store + Clone,
+        R: IdemResult,
+    {
+        Call::new(self, store, derived, body, answer)
     }
 
     /// Like [`run`](Self::run), but if this future is dropped mid-body, the body runs to the
@@ -264,68 +278,192 @@ impl<P> Operation<P> {
         P: ErrorPolicy<E> + Clone + Send + Sync + 'static,
         F: Future<Output = Result<T, E>> + Send + 'static,
     {
-        self.run_to_completion_as::<Json, S, T, E, F>(store, key, fingerprint, body)
+        let derived = Ok(Some((*key, fingerprint.copied())));
+        self.run_to_completion_as::<Json, S, _, _>(store, derived, body)
             .await
     }
 
-    /// [`run_to_completion`](Self::run_to_completion), with values recorded by `C`: the
-    /// HTTP layer records responses in a format of its own through it.
-    pub(crate) async fn run_to_completion_as<C, S, T, E, F>(
+    /// [`run_to_completion`](Self::run_to_completion) under `derived`, with values recorded
+    /// by `C`: the HTTP layer records responses in a format of its own through it.
+    pub(crate) async fn run_to_completion_as<C, S, R, F>(
         &self,
         store: &S,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
+        derived: Derived,
         body: F,
-    ) -> Result<Outcome<T>, E>
+    ) -> Result<Outcome<R::Ok>, R::Err>
     where
-        C: ValueCodec<T> + 'static,
+        C: ValueCodec<R::Ok> + 'static,
         S: Store + Clone,
-        T: Send + 'static,
-        E: From<Error> + Send + 'static,
-        P: ErrorPolicy<E> + Clone + Send + Sync + 'static,
-        F: Future<Output = Result<T, E>> + Send + 'static,
+        R: IdemResult,
+        R::Ok: Send + 'static,
+        R::Err: From<Error> + Send + 'static,
+        P: ErrorPolicy<R::Err> + Clone + Send + Sync + 'static,
+        F: Future<Output = R> + Send + 'static,
     {
-        async {
-            // Checked before the claim: without a runtime the body could not be spawned.
-            let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
-                Error::config(
-                    "`on_cancel = \"complete\"` spawns the body: call it inside a tokio runtime",
-                )
-            })?;
-            let token = match self.settle(store, key, fingerprint).await? {
-                Settled::Replay(record) => return self.replay::<C, _, _>(&record),
-                Settled::Run(token) => token,
-            };
-            // Between the claim and the spawn there is no await point: once claimed, the
-            // guard lives in the task and releases the key if the task never runs.
-            let held = Held::new(store.clone(), *key, fingerprint.copied(), token, self.lease);
-            let operation = self.clone();
-            let task = background::spawn(
-                &runtime,
-                async move { operation.execute::<C, _, _, _, _>(held, body).await }
-                    .in_current_span(),
-            );
-            match task.await {
-                Ok(result) => result,
-                Err(join) => match join.try_into_panic() {
-                    Ok(panic) => std::panic::resume_unwind(panic),
-                    Err(_) => Err(Error::store("the runtime shut down while the body ran").into()),
-                },
+        let (key, fingerprint) = match derived {
+            Ok(Some(derived)) => derived,
+            Ok(None) => {
+                tracing::debug!(outcome = "unkeyed", "no key: the body ran without a claim");
+                return Ok(Outcome::Executed(body.await.into_result()?));
             }
+            Err(err) => return Err(err.into()),
+        };
+        let runtime = spawner()?;
+        let begun = match self
+            .settings
+            .replay_at_once(store, &key, fingerprint.as_ref())
+        {
+            Some(replay) => replay.map(Begun::Replay),
+            None => self.settings.begin(store, key, fingerprint).await,
+        };
+        let held = match begun? {
+            Begun::Replay(record) => return self.replay::<C, _, _>(&record),
+            Begun::Run(held) => held,
+        };
+        // Between the claim and the spawn there is no await point: once claimed, the guard
+        // lives in the task and releases the key if the task never runs.
+        let operation = self.clone();
+        let task = background::spawn(&runtime, async move {
+            Call::<C, P, R, F, _>::running(&operation, held, body, |o| o).await
+        });
+        match task.await {
+            Ok(result) => result,
+            Err(join) => Err(lost(join).into()),
         }
-        .instrument(self.span(key))
-        .await
     }
 
+    pub(crate) fn replay<C, T, E>(&self, record: &[u8]) -> Result<Outcome<T>, E>
+    where
+        C: ValueCodec<T>,
+        E: From<Error>,
+        P: ErrorPolicy<E>,
+    {
+        match codec::decode::<C, T, E, P>(record, &self.errors)? {
+            Ok(value) => Ok(Outcome::Replayed(value)),
+            Err(recorded) => Err(recorded),
+        }
+    }
+}
+
+/// A store as the core takes it: borrowed to settle, shared to hold a claim. Implemented
+/// for every store type, so that the core is not generic over it.
+trait Handle: Send + Sync {
+    fn get(&self) -> &dyn Store;
+
+    /// A store that already is an `Arc<dyn Store>` (the default store) is cloned; any other
+    /// is put in one (a first execution's only allocation of its own; a replay never gets
+    /// here).
+    fn shared(&self) -> Arc<dyn Store>;
+}
+
+impl<S: Store + Clone> Handle for S {
+    fn get(&self) -> &dyn Store {
+        self
+    }
+
+    fn shared(&self) -> Arc<dyn Store> {
+        match (self as &dyn Any).downcast_ref::<Arc<dyn Store>>() {
+            Some(shared) => Arc::clone(shared),
+            None => Arc::new(self.clone()),
+        }
+    }
+}
+
+/// What beginning a call ended with: a record to replay, or a claim to run the body under.
+enum Begun {
+    Replay(Bytes),
+    Run(Held),
+}
+
+/// The runtime an `on_cancel = "complete"` body is spawned on, checked before the claim:
+/// without one the body could not be spawned.
+fn spawner() -> Result<tokio::runtime::Handle, Error> {
+    tokio::runtime::Handle::try_current().map_err(|_| {
+        Error::config("`on_cancel = \"complete\"` spawns the body: call it inside a tokio runtime")
+    })
+}
+
+/// A spawned body that did not return: its panic goes on unwinding in the caller; a
+/// runtime that shut down under it is an error.
+fn lost(join: tokio::task::JoinError) -> Error {
+    match join.try_into_panic() {
+        Ok(panic) => std::panic::resume_unwind(panic),
+        Err(_) => Error::store("the runtime shut down while the body ran"),
+    }
+}
+
+impl Settings {
     /// The span of one call: the namespace and a short digest of the key, never its value.
     pub(crate) fn span(&self, key: &Key) -> tracing::Span {
         tracing::debug_span!("idempotent", namespace = %&*self.namespace, key = %key.short())
     }
 
-    /// Claims the key, or waits until there is a result to replay or a claim to take.
-    async fn settle<S: Store>(
+    /// The record to replay, if the store has it at hand (in memory) and no call of the key
+    /// is running here: the first step of [`settle`](Self::settle), taken without a future.
+    pub(crate) fn replay_at_once(
         &self,
-        store: &S,
+        store: &dyn Store,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Option<Result<Bytes, Error>> {
+        let started = meter::start();
+        if let Err(err) = limits::check(self.ttl, self.lease, self.wait_timeout) {
+            return Some(Err(err));
+        }
+        if store
+            .flights()
+            .is_some_and(|flights| flights.get(key).is_some())
+        {
+            return None;
+        }
+        let Claim::Completed {
+            value,
+            fingerprint: recorded,
+        } = store.peek(key)?
+        else {
+            return None;
+        };
+        let _entered = self.span(key).entered();
+        let replay = replayable(value, recorded.as_ref(), fingerprint);
+        meter::settled(&self.namespace, started, &replay, |_| true);
+        Some(replay)
+    }
+
+    /// [`settle`](Self::settle), in the call's span: the record to replay, or the claim,
+    /// held.
+    async fn begin(
+        &self,
+        store: &dyn Handle,
+        key: Key,
+        fingerprint: Option<Fingerprint>,
+    ) -> Result<Begun, Error> {
+        let span = self.span(&key);
+        let started = meter::start();
+        let settled = self
+            .settle(store.get(), &key, fingerprint.as_ref())
+            .instrument(span.clone())
+            .await;
+        meter::settled(&self.namespace, started, &settled, |settled| {
+            matches!(settled, Settled::Replay(_))
+        });
+        Ok(match settled? {
+            Settled::Replay(record) => Begun::Replay(record),
+            Settled::Run(token) => Begun::Run(Held::new(
+                store.shared(),
+                key,
+                fingerprint,
+                token,
+                self.lease,
+                span,
+                self.namespace.clone(),
+            )),
+        })
+    }
+
+    /// Claims the key, or waits until there is a result to replay or a claim to take.
+    async fn settle(
+        &self,
+        store: &dyn Store,
         key: &Key,
         fingerprint: Option<&Fingerprint>,
     ) -> Result<Settled, Error> {
@@ -388,9 +526,9 @@ impl<P> Operation<P> {
 
     /// The checks on a record found in progress: the fingerprint first, then whether the
     /// holder is this call's own enclosing call, then the policy.
-    pub(crate) fn found_in_progress<S: Store + ?Sized>(
+    pub(crate) fn found_in_progress(
         &self,
-        store: &S,
+        store: &dyn Store,
         key: &Key,
         holder: Option<&Fingerprint>,
         ours: Option<&Fingerprint>,
@@ -403,63 +541,6 @@ impl<P> Operation<P> {
         }
         Ok(())
     }
-
-    pub(crate) fn replay<C, T, E>(&self, record: &[u8]) -> Result<Outcome<T>, E>
-    where
-        C: ValueCodec<T>,
-        E: From<Error>,
-        P: ErrorPolicy<E>,
-    {
-        match codec::decode::<C, T, E, P>(record, &self.errors)? {
-            Ok(value) => Ok(Outcome::Replayed(value)),
-            Err(recorded) => Err(recorded),
-        }
-    }
-
-    /// Runs the body under a held claim, then records or releases.
-    async fn execute<C, S, T, E, F>(&self, held: Held<S>, body: F) -> Result<Outcome<T>, E>
-    where
-        C: ValueCodec<T>,
-        S: Store + Clone,
-        E: From<Error>,
-        P: ErrorPolicy<E>,
-        F: Future<Output = Result<T, E>>,
-    {
-        let started = Instant::now();
-        let result = held.run(body).await;
-        let elapsed_ms = started.elapsed().as_millis() as u64;
-        match result {
-            Ok(value) => match codec::encode_value::<C, T>(&value) {
-                Ok(record) => {
-                    held.complete(record, self.ttl).await;
-                    tracing::debug!(outcome = "executed", elapsed_ms);
-                    Ok(Outcome::Executed(value))
-                }
-                Err(codec) => {
-                    tracing::error!(outcome = "released", error = %codec, "the result cannot be recorded");
-                    held.release().await;
-                    Err(codec.into())
-                }
-            },
-            Err(err) => {
-                match self.errors.encode(&err) {
-                    Some(Ok(record)) => {
-                        held.complete(record, self.ttl).await;
-                        tracing::debug!(outcome = "executed", elapsed_ms, "recorded a final error");
-                    }
-                    Some(Err(codec)) => {
-                        tracing::error!(outcome = "released", error = %codec, "the final error cannot be recorded");
-                        held.release().await;
-                    }
-                    None => {
-                        held.release().await;
-                        tracing::debug!(outcome = "released", elapsed_ms, "the body failed");
-                    }
-                }
-                Err(err)
-            }
-        }
-    }
 }
 
 impl Settled {
@@ -469,10 +550,19 @@ impl Settled {
         recorded: Option<&Fingerprint>,
         ours: Option<&Fingerprint>,
     ) -> Result<Self, Error> {
-        check_fingerprint(recorded, ours)?;
-        tracing::debug!(outcome = "replayed");
-        Ok(Self::Replay(value))
+        replayable(value, recorded, ours).map(Self::Replay)
     }
+}
+
+/// A completed record, if its fingerprint is this call's.
+fn replayable(
+    value: Bytes,
+    recorded: Option<&Fingerprint>,
+    ours: Option<&Fingerprint>,
+) -> Result<Bytes, Error> {
+    check_fingerprint(recorded, ours)?;
+    tracing::debug!(outcome = "replayed");
+    Ok(value)
 }
 
 /// Waits before asking the store again about a key held by another process (backoff with
@@ -500,6 +590,17 @@ impl From<Cow<'static, str>> for Namespace {
         match name {
             Cow::Borrowed(name) => Self::Static(name),
             Cow::Owned(name) => Self::Shared(name.into()),
+        }
+    }
+}
+
+impl Namespace {
+    /// The namespace as a metric label, without copying it.
+    #[cfg(feature = "metrics")]
+    pub(crate) fn label(&self) -> ::metrics::SharedString {
+        match self {
+            Self::Static(name) => ::metrics::SharedString::const_str(name),
+            Self::Shared(name) => ::metrics::SharedString::from_shared(Arc::clone(name)),
         }
     }
 }

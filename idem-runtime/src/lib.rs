@@ -34,6 +34,8 @@
 //! - [`Operation::run_in_transaction`] (feature `postgres`): the claim, the body's writes and
 //!   the record in the caller's own PostgreSQL transaction, committed together.
 //! - [`attempt()`]: the key and fencing token of the claim a body runs under.
+//! - `metrics` (feature `metrics`): outcome counts and claim latency, by namespace, through
+//!   the `metrics` facade.
 //!
 //! See the repository README for the guarantees and how each is tested.
 
@@ -54,6 +56,9 @@ mod flights;
 pub mod http;
 mod key;
 mod limits;
+mod meter;
+#[cfg(feature = "metrics")]
+pub mod metrics;
 pub mod store;
 
 pub use crate::background::{drain, Undrained};

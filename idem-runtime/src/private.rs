@@ -6,6 +6,7 @@ use std::sync::Arc;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use crate::codec::Json;
 use crate::{Error, Fingerprint, Key, Store};
 pub use crate::{ErrorPolicy, InFlight, Operation};
 
@@ -138,51 +139,34 @@ pub fn key<P, V: Serialize + ?Sized>(
     value.map(|value| operation.key(value)).transpose()
 }
 
-/// What every expansion does around its `Operation` call: the first error deriving the key
-/// or the fingerprint is the function's error (the body never runs); an absent optional key
-/// runs the body with no claim (`unkeyed`); otherwise `call` runs with them, and its outcome
-/// becomes the function's bare return value.
-async fn call<R, B, Fut, Un>(
+/// The key and fingerprint an expansion derived: the first error deriving them is the
+/// function's error (the body never runs); an absent optional key runs the body with no
+/// claim.
+fn derived(
     key: Result<Option<Key>, Error>,
     fingerprint: Option<Result<Fingerprint, Error>>,
-    body: B,
-    call: impl FnOnce(Key, Option<Fingerprint>, B) -> Fut,
-    unkeyed: impl FnOnce(B) -> Un,
-) -> R
-where
-    R: IdemResult,
-    R::Err: From<Error>,
-    Fut: Future<Output = Result<crate::Outcome<R::Ok>, R::Err>>,
-    Un: Future<Output = R>,
-{
-    let derived = key.and_then(|key| match key {
+) -> crate::engine::Derived {
+    match key? {
         Some(key) => Ok(Some((key, fingerprint.transpose()?))),
         None => Ok(None),
-    });
-    match derived {
-        Ok(Some((key, fingerprint))) => R::from_result(
-            call(key, fingerprint, body)
-                .await
-                .map(crate::Outcome::into_inner),
-        ),
-        Ok(None) => {
-            tracing::debug!(outcome = "unkeyed", "no key: the body ran without a claim");
-            unkeyed(body).await
-        }
-        Err(err) => R::from_result(Err(err.into())),
     }
+}
+
+/// The bare return value of an `#[idempotent]` function.
+fn bare<R: IdemResult>(outcome: Result<crate::Outcome<R::Ok>, R::Err>) -> R {
+    R::from_result(outcome.map(crate::Outcome::into_inner))
 }
 
 /// `Operation::run`, after the key and fingerprint were derived (before the body borrowed
 /// its arguments), returning the bare value. Generic over the function's return type, so that
 /// a return type that is not a `Result` fails one bound, with its own message.
-pub async fn run<P, S, R, F>(
-    operation: &Operation<P>,
-    store: &S,
+pub fn run<'a, P, S, R, F>(
+    operation: &'a Operation<P>,
+    store: &'a S,
     key: Result<Option<Key>, Error>,
     fingerprint: Option<Result<Fingerprint, Error>>,
     body: F,
-) -> R
+) -> impl Future<Output = R> + use<'a, P, S, R, F>
 where
     R: IdemResult,
     R::Ok: Recordable,
@@ -191,17 +175,7 @@ where
     S: Store + Clone,
     F: Future<Output = R>,
 {
-    call(
-        key,
-        fingerprint,
-        body,
-        |key, fingerprint, body| async move {
-            let body = async { body.await.into_result() };
-            operation.run(store, &key, fingerprint.as_ref(), body).await
-        },
-        |body| body,
-    )
-    .await
+    operation.call::<Json, S, R, F, R>(store, derived(key, fingerprint), body, bare::<R>)
 }
 
 /// `Operation::run_to_completion`, as [`run`].
@@ -220,19 +194,11 @@ where
     S: Store + Clone,
     F: Future<Output = R> + Send + 'static,
 {
-    call(
-        key,
-        fingerprint,
-        body,
-        |key, fingerprint, body| async move {
-            let body = async { body.await.into_result() };
-            operation
-                .run_to_completion(store, &key, fingerprint.as_ref(), body)
-                .await
-        },
-        |body| body,
+    bare(
+        operation
+            .run_to_completion_as::<Json, S, R, F>(store, derived(key, fingerprint), body)
+            .await,
     )
-    .await
 }
 
 /// `Operation::run_in_transaction`, as [`run`]: `transaction = tx`.
@@ -252,21 +218,23 @@ where
     P: ErrorPolicy<R::Err>,
     F: AsyncFnOnce(&mut sqlx::PgConnection) -> R,
 {
-    call(
-        key,
-        fingerprint,
-        (connection, body),
-        |key, fingerprint, (connection, body)| async move {
+    match derived(key, fingerprint) {
+        Ok(Some((key, fingerprint))) => {
             let body = async move |connection: &mut sqlx::PgConnection| {
                 body(connection).await.into_result()
             };
-            operation
-                .run_in_transaction(store, connection, &key, fingerprint.as_ref(), body)
-                .await
-        },
-        |(connection, body)| body(connection),
-    )
-    .await
+            bare(
+                operation
+                    .run_in_transaction(store, connection, &key, fingerprint.as_ref(), body)
+                    .await,
+            )
+        }
+        Ok(None) => {
+            tracing::debug!(outcome = "unkeyed", "no key: the body ran without a claim");
+            body(connection).await
+        }
+        Err(err) => R::from_result(Err(err.into())),
+    }
 }
 
 /// The stores `transaction =` works with: PostgreSQL's.

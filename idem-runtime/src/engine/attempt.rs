@@ -2,7 +2,7 @@
 //! that keeps a call from waiting for its own enclosing call.
 
 use std::fmt;
-use std::future::Future;
+
 use std::sync::Arc;
 
 use crate::{Error, Flights, Key, Store, Token};
@@ -73,8 +73,17 @@ impl Attempt {
     }
 
     /// Runs `body` with this attempt as the current one.
-    pub(crate) fn scope<F: Future>(self, body: F) -> impl Future<Output = F::Output> {
+    #[cfg(any(test, feature = "postgres"))]
+    pub(crate) fn scope<F: std::future::Future>(
+        self,
+        body: F,
+    ) -> impl std::future::Future<Output = F::Output> {
         CURRENT.scope(self, body)
+    }
+
+    /// Runs `f` with this attempt as the current one: one poll of a body.
+    pub(crate) fn sync_scope<R>(self, f: impl FnOnce() -> R) -> R {
+        CURRENT.sync_scope(self, f)
     }
 
     fn chain(&self) -> impl Iterator<Item = &Frame> {

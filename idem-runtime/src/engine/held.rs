@@ -11,29 +11,27 @@
 //! that is gone.
 
 use std::future::{poll_fn, Future};
-use std::pin::pin;
+use std::pin::{pin, Pin};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Mutex, PoisonError};
-use std::task::Poll;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::attempt::Attempt;
 use super::backoff;
+use super::Namespace;
 use crate::background;
 use crate::flights::{FlightRef, Landing};
-use crate::{Fingerprint, Key, Store, Token};
+use crate::meter::{self, Event};
+use crate::{Error, Fingerprint, Key, Store, Token};
 
-pub(super) struct Held<S: Store + Clone> {
-    store: S,
-    key: Key,
-    token: Token,
-    lease: Duration,
-    /// When the lease runs out, as far as this process knows: pushed forward by each
-    /// renewal. Retries of the owed step stop there; the store refuses them after it anyway.
-    expires: Mutex<Instant>,
+pub(super) struct Held {
+    /// What the heartbeat shares with the guard.
+    claim: Arc<Lease>,
     /// This call's entry in the store's in-process registry, for its waiters.
     flight: Option<FlightRef>,
     attempt: Attempt,
@@ -42,7 +40,41 @@ pub(super) struct Held<S: Store + Clone> {
     detached: bool,
     /// How many attempts at the owed step failed so far.
     failures: AtomicU32,
+    /// When the body started, for the log of its outcome.
+    started: Instant,
+    /// The call's span: the body runs in it, and its end is logged in it.
+    span: tracing::Span,
+    /// The operation's namespace, for the metrics.
+    namespace: Namespace,
+    /// Whether the call's outcome was counted: by [`end`](Self::end), or, for a call
+    /// dropped mid-body, by the drop.
+    counted: bool,
 }
+
+/// The claim as the holder and its heartbeat share it.
+struct Lease {
+    /// The store, shared: every method of the guard is compiled once, whatever the store.
+    store: Arc<dyn Store>,
+    key: Key,
+    token: Token,
+    lease: Duration,
+    /// When the lease runs out, as far as this process knows: pushed forward by each
+    /// renewal. Retries of the owed step stop there; the store refuses them after it anyway.
+    expires: Mutex<Instant>,
+    /// The flight, told of each renewal, so that its waiters wait as long as the lease.
+    flight: Option<FlightRef>,
+}
+
+/// What a body ended with, as the record sees it: a value's encoding, or an error's, if the
+/// error policy records it.
+pub(super) enum Ending {
+    Value(Result<Bytes, Error>),
+    Error(Option<Result<Bytes, Error>>),
+}
+
+/// The heartbeat of a running body, from the first poll that found the body waiting: a
+/// body that returns at once never starts one.
+pub(super) type Beat = Option<Pin<Box<dyn Future<Output = ()> + Send>>>;
 
 /// What the holder still has to tell the store.
 enum Owed {
@@ -71,13 +103,15 @@ impl Owed {
     }
 }
 
-impl<S: Store + Clone> Held<S> {
+impl Held {
     pub(super) fn new(
-        store: S,
+        store: Arc<dyn Store>,
         key: Key,
         fingerprint: Option<Fingerprint>,
         token: Token,
         lease: Duration,
+        span: tracing::Span,
+        namespace: Namespace,
     ) -> Self {
         // Read after the claim returned: later than the store's own start of the lease, so
         // this errs towards trying too long, which the token makes harmless.
@@ -85,42 +119,221 @@ impl<S: Store + Clone> Held<S> {
         let flight = store
             .flights()
             .map(|flights| flights.start(key, fingerprint, expires));
-        let attempt = Attempt::enter(&store, key, token);
+        let attempt = Attempt::enter(&*store, key, token);
         Self {
-            store,
-            key,
-            token,
-            lease,
-            expires: Mutex::new(expires),
+            claim: Arc::new(Lease {
+                store,
+                key,
+                token,
+                lease,
+                expires: Mutex::new(expires),
+                flight: flight.clone(),
+            }),
             flight,
             attempt,
             owed: Owed::Release,
             detached: false,
             failures: AtomicU32::new(0),
+            started: Instant::now(),
+            span,
+            namespace,
+            counted: false,
         }
     }
 
-    /// Polls `body` to completion, as the current [`Attempt`], while renewing the lease.
-    pub(super) async fn run<F: Future>(&self, body: F) -> F::Output {
-        self.renewing(self.attempt.clone().scope(body)).await
+    /// One poll of the running body (`body` polls it), as the current [`Attempt`] and in
+    /// the call's span; while it waits, the heartbeat renews the lease.
+    pub(super) fn poll_body(
+        &self,
+        cx: &mut Context<'_>,
+        heartbeat: &mut Beat,
+        body: &mut dyn FnMut(&mut Context<'_>) -> Poll<()>,
+    ) -> Poll<()> {
+        let _entered = self.span.enter();
+        if self.attempt.clone().sync_scope(|| body(cx)).is_ready() {
+            return Poll::Ready(());
+        }
+        // The heartbeat never finishes; it only needs to be polled beside the body.
+        let _ = heartbeat
+            .get_or_insert_with(|| Box::pin(Arc::clone(&self.claim).heartbeat()))
+            .as_mut()
+            .poll(cx);
+        Poll::Pending
     }
 
     /// Polls `work` to completion while renewing the lease every third of it.
     async fn renewing<F: Future>(&self, work: F) -> F::Output {
         let mut work = pin!(work);
-        let mut heartbeat = pin!(self.heartbeat());
+        let mut heartbeat = pin!(Arc::clone(&self.claim).heartbeat());
         poll_fn(|cx| {
             if let Poll::Ready(output) = work.as_mut().poll(cx) {
                 return Poll::Ready(output);
             }
-            // The heartbeat never finishes; it only needs to be polled beside the work.
             let _ = heartbeat.as_mut().poll(cx);
             Poll::Pending
         })
         .await
     }
 
-    async fn heartbeat(&self) {
+    fn failures(&self) -> u32 {
+        self.failures.load(Ordering::Relaxed)
+    }
+
+    /// Records or releases, as the body's `ending` asks: the end of every execution.
+    ///
+    /// # Errors
+    ///
+    /// The [`Error::Codec`] of a value that cannot be recorded (the key is released): the
+    /// call fails with it.
+    pub(super) async fn end(mut self, ending: Ending, ttl: Duration) -> Result<(), Error> {
+        let span = self.span.clone();
+        let event = match ending {
+            Ending::Value(Ok(_)) | Ending::Error(Some(Ok(_))) => Event::Executed,
+            _ => Event::Released,
+        };
+        meter::count(&self.namespace, event);
+        self.counted = true;
+        let elapsed_ms = self.started.elapsed().as_millis() as u64;
+        async move {
+            match ending {
+                Ending::Value(Ok(record)) => {
+                    self.record(record, ttl).await;
+                    tracing::debug!(outcome = "executed", elapsed_ms);
+                }
+                Ending::Value(Err(codec)) => {
+                    tracing::error!(outcome = "released", error = %codec, "the result cannot be recorded");
+                    self.release().await;
+                    return Err(codec);
+                }
+                Ending::Error(Some(Ok(record))) => {
+                    self.record(record, ttl).await;
+                    tracing::debug!(outcome = "executed", elapsed_ms, "recorded a final error");
+                }
+                Ending::Error(Some(Err(codec))) => {
+                    tracing::error!(outcome = "released", error = %codec, "the final error cannot be recorded");
+                    self.release().await;
+                }
+                Ending::Error(None) => {
+                    self.release().await;
+                    tracing::debug!(outcome = "released", elapsed_ms, "the body failed");
+                }
+            }
+            Ok(())
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Records `record` under this claim, replayed for `ttl`, and hands it to the waiters.
+    async fn record(mut self, record: Bytes, ttl: Duration) {
+        self.owed = Owed::Complete { record, ttl };
+        self.finish().await;
+    }
+
+    /// Releases the claim so that the next call runs the body.
+    async fn release(mut self) {
+        self.owed = Owed::Release;
+        self.finish().await;
+    }
+
+    /// Tells the store what is owed, then lands the flight. The caller's own call tries
+    /// once: if the store fails, the guard is left owing, and its `Drop` retries in the
+    /// background while the lease lasts. A store outage then never holds the body's
+    /// outcome from its caller (nothing is gained by waiting: the key lapses with the lease
+    /// either way). In the background, failures are retried here, renewing the lease.
+    async fn finish(&mut self) {
+        let landing = if self.detached {
+            self.renewing(self.discharge()).await
+        } else {
+            match self.attempt().await {
+                Some(landing) => landing,
+                None => return,
+            }
+        };
+        self.owed = Owed::Nothing;
+        self.land(landing);
+    }
+
+    /// Retries the owed step until it is done or the lease runs out.
+    async fn discharge(&self) -> Landing {
+        // Retries end where the lease stood when the body returned: the renewals meanwhile
+        // keep the claim ours, but must not keep a failing store retried forever.
+        let deadline = self.claim.expires();
+        loop {
+            if let Some(landing) = self.attempt().await {
+                return landing;
+            }
+            let pause = backoff(self.failures());
+            if Instant::now() + pause >= deadline {
+                tracing::warn!(
+                    attempts = self.failures(),
+                    "{} failed until the lease ran out; the key is freed when it lapses",
+                    self.owed.what()
+                );
+                // The body ran once and this is its outcome: the concurrent calls waiting
+                // for it share it.
+                return self.owed.landing();
+            }
+            tokio::time::sleep(pause).await;
+        }
+    }
+
+    /// One attempt at the owed step: how the flight lands, or `None` if the store failed.
+    async fn attempt(&self) -> Option<Landing> {
+        let result = match &self.owed {
+            Owed::Complete { record, ttl } => {
+                self.claim
+                    .store
+                    .complete(&self.claim.key, self.claim.token, record.clone(), *ttl)
+                    .await
+            }
+            Owed::Release => {
+                self.claim
+                    .store
+                    .release(&self.claim.key, self.claim.token)
+                    .await
+            }
+            Owed::Nothing => return Some(Landing::Released),
+        };
+        let what = self.owed.what();
+        match result {
+            Ok(true) => Some(self.owed.landing()),
+            Ok(false) if self.failures() > 0 => {
+                // An earlier attempt may have landed before its answer was lost; or the key
+                // was taken over. Either way the store knows: the waiters ask it.
+                tracing::debug!(
+                    token = self.claim.token.get(),
+                    "{what}: the claim is no longer held after a failed attempt"
+                );
+                Some(Landing::Released)
+            }
+            Ok(false) => {
+                tracing::warn!(
+                    outcome = "lease lost",
+                    token = self.claim.token.get(),
+                    "{what}: the claim was taken over first; nothing was changed"
+                );
+                // Another holder owns the key now: the waiters ask the store, which has the
+                // one result every later call will see.
+                Some(Landing::Released)
+            }
+            Err(err) => {
+                let attempts = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
+                tracing::warn!(error = %err, attempts, "{what} failed; retrying");
+                None
+            }
+        }
+    }
+
+    fn land(&mut self, landing: Landing) {
+        if let (Some(flights), Some(flight)) = (self.claim.store.flights(), self.flight.take()) {
+            flights.land(&self.claim.key, &flight, landing);
+        }
+    }
+}
+
+impl Lease {
+    async fn heartbeat(self: Arc<Self>) {
         let period = self.lease / 3;
         let mut failures = 0;
         loop {
@@ -153,10 +366,6 @@ impl<S: Store + Clone> Held<S> {
         }
     }
 
-    fn failed(&self) -> u32 {
-        self.failures.load(Ordering::Relaxed)
-    }
-
     fn expires(&self) -> Instant {
         *self.expires.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -167,116 +376,19 @@ impl<S: Store + Clone> Held<S> {
             flight.extend(until);
         }
     }
-
-    /// Records `record` under this claim, replayed for `ttl`, and hands it to the waiters.
-    pub(super) async fn complete(mut self, record: Bytes, ttl: Duration) {
-        self.owed = Owed::Complete { record, ttl };
-        self.finish().await;
-    }
-
-    /// Releases the claim so that the next call runs the body.
-    pub(super) async fn release(mut self) {
-        self.owed = Owed::Release;
-        self.finish().await;
-    }
-
-    /// Tells the store what is owed, then lands the flight. The caller's own call tries
-    /// once: if the store fails, the guard is left owing, and its `Drop` retries in the
-    /// background while the lease lasts. A store outage then never holds the body's
-    /// outcome from its caller (nothing is gained by waiting: the key lapses with the lease
-    /// either way). In the background, failures are retried here, renewing the lease.
-    async fn finish(&mut self) {
-        let landing = if self.detached {
-            self.renewing(self.discharge()).await
-        } else {
-            match self.attempt().await {
-                Some(landing) => landing,
-                None => return,
-            }
-        };
-        self.owed = Owed::Nothing;
-        self.land(landing);
-    }
-
-    /// Retries the owed step until it is done or the lease runs out.
-    async fn discharge(&self) -> Landing {
-        // Retries end where the lease stood when the body returned: the renewals meanwhile
-        // keep the claim ours, but must not keep a failing store retried forever.
-        let deadline = self.expires();
-        loop {
-            if let Some(landing) = self.attempt().await {
-                return landing;
-            }
-            let pause = backoff(self.failed());
-            if Instant::now() + pause >= deadline {
-                tracing::warn!(
-                    attempts = self.failed(),
-                    "{} failed until the lease ran out; the key is freed when it lapses",
-                    self.owed.what()
-                );
-                // The body ran once and this is its outcome: the concurrent calls waiting
-                // for it share it.
-                return self.owed.landing();
-            }
-            tokio::time::sleep(pause).await;
-        }
-    }
-
-    /// One attempt at the owed step: how the flight lands, or `None` if the store failed.
-    async fn attempt(&self) -> Option<Landing> {
-        let result = match &self.owed {
-            Owed::Complete { record, ttl } => {
-                self.store
-                    .complete(&self.key, self.token, record.clone(), *ttl)
-                    .await
-            }
-            Owed::Release => self.store.release(&self.key, self.token).await,
-            Owed::Nothing => return Some(Landing::Released),
-        };
-        let what = self.owed.what();
-        match result {
-            Ok(true) => Some(self.owed.landing()),
-            Ok(false) if self.failed() > 0 => {
-                // An earlier attempt may have landed before its answer was lost; or the key
-                // was taken over. Either way the store knows: the waiters ask it.
-                tracing::debug!(
-                    token = self.token.get(),
-                    "{what}: the claim is no longer held after a failed attempt"
-                );
-                Some(Landing::Released)
-            }
-            Ok(false) => {
-                tracing::warn!(
-                    outcome = "lease lost",
-                    token = self.token.get(),
-                    "{what}: the claim was taken over first; nothing was changed"
-                );
-                // Another holder owns the key now: the waiters ask the store, which has the
-                // one result every later call will see.
-                Some(Landing::Released)
-            }
-            Err(err) => {
-                let attempts = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
-                tracing::warn!(error = %err, attempts, "{what} failed; retrying");
-                None
-            }
-        }
-    }
-
-    fn land(&mut self, landing: Landing) {
-        if let (Some(flights), Some(flight)) = (self.store.flights(), self.flight.take()) {
-            flights.land(&self.key, &flight, landing);
-        }
-    }
 }
 
-impl<S: Store + Clone> Drop for Held<S> {
+impl Drop for Held {
     /// The call was dropped (cancelled, or a panic unwinds through it) before it told the
     /// store: finish in the background, or, where no task can run, land at once.
     fn drop(&mut self) {
         let owed = std::mem::replace(&mut self.owed, Owed::Nothing);
         if matches!(owed, Owed::Nothing) {
             return;
+        }
+        if !self.counted {
+            // Dropped mid-body: the claim is released.
+            meter::count(&self.namespace, Event::Released);
         }
         let runtime = match tokio::runtime::Handle::try_current() {
             Ok(runtime) if !self.detached => runtime,
@@ -298,16 +410,16 @@ impl<S: Store + Clone> Drop for Held<S> {
             "the call was dropped; finishing in the background"
         );
         let mut rest = Held {
-            store: self.store.clone(),
-            key: self.key,
-            token: self.token,
-            lease: self.lease,
-            expires: Mutex::new(self.expires()),
+            claim: Arc::clone(&self.claim),
             flight: self.flight.take(),
             attempt: self.attempt.clone(),
             owed,
             detached: true,
-            failures: AtomicU32::new(self.failed()),
+            failures: AtomicU32::new(self.failures()),
+            started: self.started,
+            span: self.span.clone(),
+            namespace: self.namespace.clone(),
+            counted: true,
         };
         // If the runtime is shutting down, the task is dropped unrun, and `rest`'s own drop
         // lands the flight.

@@ -192,10 +192,9 @@ where
         async move {
             config
                 .operation
-                .run_to_completion_as::<HttpRecord, _, _, _, _>(
+                .run_to_completion_as::<HttpRecord, _, _, _>(
                     &config.store,
-                    &derived,
-                    Some(&fingerprint),
+                    Ok(Some((derived, Some(fingerprint)))),
                     handler,
                 )
                 .await

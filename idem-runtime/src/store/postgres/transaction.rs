@@ -42,7 +42,8 @@ use tracing::Instrument;
 use super::{millis, parse_claim, token as bigint, PostgresStore};
 use crate::codec::{self, ErrorPolicy, Json};
 use crate::engine::attempt::{self, Attempt};
-use crate::engine::{pause_before_polling, Settled};
+use crate::engine::{pause_before_polling, Settings, Settled};
+use crate::meter::{self, Event};
 use crate::{limits, Claim, Error, Fingerprint, InFlight, Key, Operation, Outcome, Token};
 
 /// The lock timeout of [`InFlight::Reject`]: long enough for a lock that is free, far too
@@ -244,10 +245,11 @@ impl<P> Operation<P> {
         P: ErrorPolicy<E>,
         F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
     {
-        let span = self.span(key);
+        let span = self.settings.span(key);
         async {
             let savepoint = Savepoint::new();
             let token = match self
+                .settings
                 .settle_in(store, connection, &savepoint, key, fingerprint)
                 .await?
             {
@@ -264,32 +266,37 @@ impl<P> Operation<P> {
             let result = attempt.scope(body(&mut *connection)).await;
             let recorded = match result {
                 Ok(value) => match codec::encode_value::<Json, T>(&value) {
-                    Ok(record) => tx.complete(connection, record, self.ttl).await.map(|()| Ok(value)),
+                    Ok(record) => tx.complete(connection, record, self.settings.ttl).await.map(|()| Ok(value)),
                     Err(codec) => {
                         tracing::error!(outcome = "released", error = %codec, "the result cannot be recorded");
                         Err(codec)
                     }
                 },
                 Err(err) => match self.errors.encode(&err) {
-                    Some(Ok(record)) => tx.complete(connection, record, self.ttl).await.map(|()| Err(err)),
+                    Some(Ok(record)) => tx.complete(connection, record, self.settings.ttl).await.map(|()| Err(err)),
                     Some(Err(codec)) => {
                         tracing::error!(outcome = "released", error = %codec, "the final error cannot be recorded");
+                        meter::count(&self.settings.namespace, Event::Released);
                         tx.roll_back(connection).await;
                         return Err(err);
                     }
                     None => {
                         tracing::debug!(outcome = "released", "the body failed; its writes are rolled back");
+                        meter::count(&self.settings.namespace, Event::Released);
                         tx.roll_back(connection).await;
                         return Err(err);
                     }
                 },
             };
+            let namespace = &self.settings.namespace;
             match recorded {
                 Ok(outcome) => {
+                    meter::count(namespace, Event::Executed);
                     tracing::debug!(outcome = "executed", "recorded in the caller's transaction");
                     outcome.map(Outcome::Executed)
                 }
                 Err(err) => {
+                    meter::count(namespace, Event::Released);
                     tx.roll_back(connection).await;
                     Err(err.into())
                 }
@@ -298,12 +305,33 @@ impl<P> Operation<P> {
         .instrument(span)
         .await
     }
+}
 
+impl Settings {
     /// Claims `key` in the transaction under `savepoint`: the record to replay, or the
     /// token of the claim. Only a claim keeps the savepoint; any other outcome ends it (a
     /// replay wrote nothing; a refused claim rolls back to it), so that a transaction of
     /// many calls does not nest one level deeper per call.
     async fn settle_in(
+        &self,
+        store: &PostgresStore,
+        connection: &mut PgConnection,
+        savepoint: &Savepoint,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<Settled, Error> {
+        let started = meter::start();
+        let settled = self
+            .settle_under(store, connection, savepoint, key, fingerprint)
+            .await;
+        meter::settled(&self.namespace, started, &settled, |settled| {
+            matches!(settled, Settled::Replay(_))
+        });
+        settled
+    }
+
+    /// [`settle_in`](Self::settle_in), unmeasured.
+    async fn settle_under(
         &self,
         store: &PostgresStore,
         connection: &mut PgConnection,

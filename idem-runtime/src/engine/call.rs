@@ -1,0 +1,255 @@
+//! One idempotent call as one future, split so that almost none of it is generic.
+//!
+//! Every `#[idempotent]` function instantiates the engine for its own types, in the user's
+//! crate, on every build. So the generic part is kept to what needs the types: polling the
+//! body in place (no copy of it into another future), encoding what it returned, decoding
+//! a replay, and answering. Claiming, waiting, renewing, recording and releasing are
+//! [`Phase`] and [`Held`] methods, compiled once (issue 18, item 4; `scripts/build_time.py`
+//! measures it).
+
+use std::future::Future;
+use std::marker::PhantomData;
+use std::mem;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
+use bytes::Bytes;
+use pin_project_lite::pin_project;
+
+use super::held::{Beat, Ending, Held};
+use super::{Begun, Handle, Operation, Outcome, Settings};
+use crate::__private::IdemResult;
+use crate::codec::{self, ErrorPolicy, ValueCodec};
+use crate::{Error, Fingerprint, Key};
+
+/// A derived key and fingerprint; `None` for an absent optional key; or the error that
+/// deriving them ended with.
+pub(crate) type Derived = Result<Option<(Key, Option<Fingerprint>)>, Error>;
+
+/// How a call hands back its outcome: as `Result<Outcome<T>, E>` ([`Operation::run`]), or
+/// as the bare return value of an `#[idempotent]` function.
+pub(crate) type Answer<R, O> =
+    fn(Result<Outcome<<R as IdemResult>::Ok>, <R as IdemResult>::Err>) -> O;
+
+pin_project! {
+    /// The future of one call.
+    pub(crate) struct Call<'a, C, P, R, F, O>
+    where
+        R: IdemResult,
+    {
+        operation: &'a Operation<P>,
+        #[pin]
+        body: F,
+        phase: Phase<'a>,
+        output: Option<Result<R::Ok, R::Err>>,
+        answer: Answer<R, O>,
+        codec: PhantomData<fn() -> C>,
+    }
+}
+
+impl<'a, C, P, R: IdemResult, F, O> Call<'a, C, P, R, F, O> {
+    /// A call of `body` under `derived`, in `store`.
+    pub(super) fn new(
+        operation: &'a Operation<P>,
+        store: &'a dyn Handle,
+        derived: Derived,
+        body: F,
+        answer: Answer<R, O>,
+    ) -> Self {
+        Self::at(operation, Phase::Start { store, derived }, body, answer)
+    }
+
+    /// A call whose key is claimed already (`on_cancel = "complete"`, in its task).
+    pub(super) fn running(
+        operation: &'a Operation<P>,
+        held: Held,
+        body: F,
+        answer: Answer<R, O>,
+    ) -> Self {
+        Self::at(operation, Phase::Running(held, None), body, answer)
+    }
+
+    fn at(operation: &'a Operation<P>, phase: Phase<'a>, body: F, answer: Answer<R, O>) -> Self {
+        Self {
+            operation,
+            body,
+            phase,
+            output: None,
+            answer,
+            codec: PhantomData,
+        }
+    }
+}
+
+impl<C, P, R, F, O> Future for Call<'_, C, P, R, F, O>
+where
+    C: ValueCodec<R::Ok>,
+    R: IdemResult,
+    R::Err: From<Error>,
+    P: ErrorPolicy<R::Err>,
+    F: Future<Output = R>,
+{
+    type Output = O;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<O> {
+        let this = self.project();
+        let operation = *this.operation;
+        let mut slot = Slot::<C, P, R, F> {
+            body: this.body,
+            output: this.output,
+            errors: &operation.errors,
+            codec: PhantomData,
+        };
+        let step = ready!(this.phase.advance(&operation.settings, cx, &mut slot));
+        let outcome = match step {
+            Step::Replay(record) => operation.replay::<C, _, _>(&record),
+            Step::Failed(err) => Err(err.into()),
+            Step::Executed => match this.output.take() {
+                Some(output) => output.map(Outcome::Executed),
+                None => unreachable!("a call is executed only once its body returned"),
+            },
+        };
+        Poll::Ready((this.answer)(outcome))
+    }
+}
+
+/// The body, its output once it returned, and how to encode that: what [`Phase`] sees of
+/// the call's types.
+pub(crate) trait Body {
+    /// Polls the body until it returns, then keeps its output.
+    fn poll_body(&mut self, cx: &mut Context<'_>) -> Poll<()>;
+
+    /// What the kept output asks of the record.
+    fn ending(&self) -> Ending;
+}
+
+struct Slot<'s, C, P, R: IdemResult, F> {
+    body: Pin<&'s mut F>,
+    output: &'s mut Option<Result<R::Ok, R::Err>>,
+    errors: &'s P,
+    codec: PhantomData<fn() -> C>,
+}
+
+impl<C, P, R, F> Body for Slot<'_, C, P, R, F>
+where
+    C: ValueCodec<R::Ok>,
+    R: IdemResult,
+    P: ErrorPolicy<R::Err>,
+    F: Future<Output = R>,
+{
+    fn poll_body(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.output.is_none() {
+            let output = ready!(self.body.as_mut().poll(cx));
+            *self.output = Some(output.into_result());
+        }
+        Poll::Ready(())
+    }
+
+    fn ending(&self) -> Ending {
+        match &*self.output {
+            Some(Ok(value)) => Ending::Value(codec::encode_value::<C, R::Ok>(value)),
+            Some(Err(err)) => Ending::Error(self.errors.encode(err)),
+            // Never asked before the body returned; releasing is the safe answer anyway.
+            None => Ending::Error(None),
+        }
+    }
+}
+
+/// Where a call is, apart from its types.
+pub(crate) enum Phase<'a> {
+    /// Not polled yet.
+    Start {
+        store: &'a dyn Handle,
+        derived: Derived,
+    },
+    /// Settling the claim: waiting for a concurrent call, or for the store.
+    Begin(Pin<Box<dyn Future<Output = Result<Begun, Error>> + Send + 'a>>),
+    /// No key: the body runs with no claim.
+    Unkeyed,
+    /// The body runs under the claim.
+    Running(Held, Beat),
+    /// Recording or releasing.
+    Ending(Pin<Box<dyn Future<Output = Result<(), Error>> + Send>>),
+    /// Answered.
+    Done,
+}
+
+/// Where a phase ended: the call's answer, short of its types.
+enum Step {
+    Replay(Bytes),
+    Failed(Error),
+    /// The body ran; its output is in the call.
+    Executed,
+}
+
+impl<'a> Phase<'a> {
+    /// Drives the call until it has its answer, or must wait. Each arm takes the phase
+    /// out, and puts back the one it waits in.
+    fn advance(
+        &mut self,
+        settings: &'a Settings,
+        cx: &mut Context<'_>,
+        body: &mut dyn Body,
+    ) -> Poll<Step> {
+        loop {
+            match mem::replace(self, Phase::Done) {
+                Phase::Start { store, derived } => match derived {
+                    Err(err) => return Poll::Ready(Step::Failed(err)),
+                    Ok(None) => {
+                        tracing::debug!(
+                            outcome = "unkeyed",
+                            "no key: the body ran without a claim"
+                        );
+                        *self = Phase::Unkeyed;
+                    }
+                    // A record in memory is replayed at once: no future, no allocation.
+                    Ok(Some((key, fingerprint))) => {
+                        match settings.replay_at_once(store.get(), &key, fingerprint.as_ref()) {
+                            Some(Ok(record)) => return Poll::Ready(Step::Replay(record)),
+                            Some(Err(err)) => return Poll::Ready(Step::Failed(err)),
+                            None => {
+                                let begin = settings.begin(store, key, fingerprint);
+                                *self = Phase::Begin(Box::pin(begin));
+                            }
+                        }
+                    }
+                },
+                Phase::Begin(mut begin) => match begin.as_mut().poll(cx) {
+                    Poll::Pending => {
+                        *self = Phase::Begin(begin);
+                        return Poll::Pending;
+                    }
+                    Poll::Ready(Ok(Begun::Run(held))) => *self = Phase::Running(held, None),
+                    Poll::Ready(Ok(Begun::Replay(record))) => {
+                        return Poll::Ready(Step::Replay(record))
+                    }
+                    Poll::Ready(Err(err)) => return Poll::Ready(Step::Failed(err)),
+                },
+                Phase::Unkeyed => {
+                    if body.poll_body(cx).is_pending() {
+                        *self = Phase::Unkeyed;
+                        return Poll::Pending;
+                    }
+                    return Poll::Ready(Step::Executed);
+                }
+                Phase::Running(held, mut heartbeat) => {
+                    let polled = held.poll_body(cx, &mut heartbeat, &mut |cx| body.poll_body(cx));
+                    if polled.is_pending() {
+                        *self = Phase::Running(held, heartbeat);
+                        return Poll::Pending;
+                    }
+                    *self = Phase::Ending(Box::pin(held.end(body.ending(), settings.ttl)));
+                }
+                Phase::Ending(mut end) => match end.as_mut().poll(cx) {
+                    Poll::Pending => {
+                        *self = Phase::Ending(end);
+                        return Poll::Pending;
+                    }
+                    Poll::Ready(Ok(())) => return Poll::Ready(Step::Executed),
+                    Poll::Ready(Err(codec)) => return Poll::Ready(Step::Failed(codec)),
+                },
+                Phase::Done => panic!("an idempotent call was polled after it returned"),
+            }
+        }
+    }
+}
