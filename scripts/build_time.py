@@ -8,6 +8,7 @@ copy. Prints every round, the medians and their ratio (with / without).
 
     python3 scripts/build_time.py            # 7 rounds
     python3 scripts/build_time.py --rounds 3 --check 1.3   # exits 1 above a ratio of 1.3
+    python3 scripts/build_time.py --rounds 0 --ir           # lines of LLVM IR of each copy
 
 The crates live in `target/build-time/` with their own target directory (shared by both
 copies, so that the dependencies build once), and build against the workspace's
@@ -141,10 +142,31 @@ def build(name):
     return time.perf_counter() - started
 
 
+def ir_lines(name):
+    """Lines inside function bodies of the copy's LLVM IR: the code generation it asks for."""
+    env = dict(os.environ, CARGO_TARGET_DIR=os.path.join(HERE, "target"), CARGO_TERM_COLOR="never")
+    path = os.path.join(HERE, f"{name}.ll")
+    subprocess.run(
+        ["cargo", "rustc", "--quiet", "--", f"--emit=llvm-ir={path}"],
+        cwd=crate(name), env=env, check=True,
+    )
+    lines, inside = 0, False
+    with open(path) as f:
+        for line in f:
+            if line.startswith("define "):
+                inside = True
+            elif line.startswith("}"):
+                inside = False
+            elif inside:
+                lines += 1
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--check", type=float, help="exit 1 when the median ratio exceeds this")
+    parser.add_argument("--ir", action="store_true", help="also count each copy's LLVM IR lines")
     args = parser.parse_args()
 
     variants = {"with": True, "without": False}
@@ -156,6 +178,12 @@ def main():
         shutil.copy(os.path.join(ROOT, "Cargo.lock"), os.path.join(crate(name), "Cargo.lock"))
         write(os.path.join(crate(name), "src", "main.rs"), source(annotated, 1))
         build(name)  # dependencies and the first full build: not measured
+
+    if args.ir:
+        for name in variants:
+            print(f"{name:>8}: {ir_lines(name):,} lines of LLVM IR in function bodies")
+    if args.rounds == 0:
+        return 0
 
     times = {name: [] for name in variants}
     print(f"{'round':>5}  {'with':>8}  {'without':>8}  ratio")

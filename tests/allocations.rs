@@ -1,5 +1,5 @@
-//! Key derivation does not touch the heap for keys without maps: a counting allocator,
-//! scoped to the test's own thread, proves it.
+//! Key derivation does not touch the heap for keys without maps, and a memory replay only
+//! for its metric keys: a counting allocator, scoped to the test's own thread, proves it.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -85,4 +85,47 @@ fn cloning_an_operation_allocates_nothing_whatever_its_namespace() {
     assert_eq!(n, 0, "cloning an operation allocated");
     assert_eq!(clones.0.namespace(), "tenant-42.charge.v1");
     assert_eq!(clones.1.namespace(), "billing.charge.v1");
+}
+
+#[test]
+fn a_memory_replay_is_answered_in_one_poll_without_allocating() {
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+
+    use idem_runtime::{Error, MemoryStore, Operation, Outcome};
+
+    let store = MemoryStore::new();
+    let op = Operation::new("billing.charge.v1");
+    let key = op.key(&42_u64).unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let first = runtime.block_on(op.run(&store, &key, None, async { Ok::<_, Error>(7_u64) }));
+    assert_eq!(first.unwrap(), Outcome::Executed(7));
+
+    // No runtime, one poll: the replay is answered synchronously, from memory. The first
+    // replay registers its log events' callsites with `tracing` (once per process); the
+    // second is the steady state.
+    let replay_once = || {
+        let mut replay =
+            std::pin::pin!(op.run(&store, &key, None, async { Ok::<_, Error>(8_u64) }));
+        replay
+            .as_mut()
+            .poll(&mut Context::from_waker(Waker::noop()))
+    };
+    let _ = replay_once();
+    let (n, polled) = allocations(replay_once);
+    assert!(
+        matches!(polled, Poll::Ready(Ok(Outcome::Replayed(7)))),
+        "{polled:?}"
+    );
+    // The one cost: this workspace's test build has the `metrics` feature on, and the
+    // `metrics` facade builds each key's labels on the heap, recorder or not: one for the
+    // outcome counter, one for the claim latency.
+    const METRIC_KEYS: usize = 2;
+    assert_eq!(
+        n, METRIC_KEYS,
+        "a memory replay of a u64 allocated beyond its metric keys"
+    );
 }

@@ -303,7 +303,7 @@ impl<P> Operation<P> {
         let (key, fingerprint) = match derived {
             Ok(Some(derived)) => derived,
             Ok(None) => {
-                tracing::debug!(outcome = "unkeyed", "no key: the body ran without a claim");
+                unkeyed();
                 return Ok(Outcome::Executed(body.await.into_result()?));
             }
             Err(err) => return Err(err.into()),
@@ -641,6 +641,11 @@ fn check_fingerprint(
         );
         Err(Error::PayloadMismatch)
     }
+}
+
+/// The log of a call without a key (an absent optional key): its body runs with no claim.
+pub(crate) fn unkeyed() {
+    tracing::debug!(outcome = "unkeyed", "no key: the body ran without a claim");
 }
 
 fn timed_out() -> Error {

@@ -230,7 +230,7 @@ where
             )
         }
         Ok(None) => {
-            tracing::debug!(outcome = "unkeyed", "no key: the body ran without a claim");
+            crate::engine::unkeyed();
             body(connection).await
         }
         Err(err) => R::from_result(Err(err.into())),

@@ -196,10 +196,7 @@ impl<'a> Phase<'a> {
                 Phase::Start { store, derived } => match derived {
                     Err(err) => return Poll::Ready(Step::Failed(err)),
                     Ok(None) => {
-                        tracing::debug!(
-                            outcome = "unkeyed",
-                            "no key: the body ran without a claim"
-                        );
+                        super::unkeyed();
                         *self = Phase::Unkeyed;
                     }
                     // A record in memory is replayed at once: no future, no allocation.
