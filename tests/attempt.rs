@@ -18,7 +18,7 @@ async fn the_body_sees_its_key_and_token_and_nothing_else_does() {
     let seen = op
         .run(&store, &key, None, async {
             let attempt = attempt().expect("a body runs under an attempt");
-            Ok::<_, Error>((attempt.key().to_hex(), attempt.token().get()))
+            Ok::<_, Error>((attempt.key().to_hex(), attempt.token().await?.get()))
         })
         .await
         .unwrap()
@@ -30,7 +30,7 @@ async fn the_body_sees_its_key_and_token_and_nothing_else_does() {
     store.remove(&key).await.unwrap();
     let again = op
         .run(&store, &key, None, async {
-            Ok::<_, Error>(attempt().unwrap().token().get())
+            Ok::<_, Error>(attempt().unwrap().token().await?.get())
         })
         .await
         .unwrap()
@@ -39,7 +39,7 @@ async fn the_body_sees_its_key_and_token_and_nothing_else_does() {
 
     // A replay runs no body, and tasks the body spawns are outside the attempt.
     let replay = op.run(&store, &key, None, async {
-        Ok::<_, Error>(attempt().unwrap().token().get())
+        Ok::<_, Error>(attempt().unwrap().token().await?.get())
     });
     assert_eq!(replay.await.unwrap(), Outcome::Replayed(again));
     let other = op.key(&2).unwrap();
@@ -50,6 +50,11 @@ async fn the_body_sees_its_key_and_token_and_nothing_else_does() {
         .await
         .unwrap();
     assert!(!spawned.into_inner());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zombies_fenced_write_is_refused_downstream() {
+    idem_tests::scenarios::zombie_fences_are_refused_downstream(MemoryStore::new()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -113,7 +113,7 @@ pub async fn stream(State(app): State<App>) -> axum::response::Response {
 
 /// `POST /whoami`: what the handler can read of the key and the claim.
 pub async fn whoami(key: Option<Extension<IdempotencyKey>>) -> String {
-    let attempt = idem_runtime::attempt().map(|a| a.token().get());
+    let attempt = idem_runtime::attempt().map(|a| a.key().to_hex());
     format!(
         "key={:?} attempt={}",
         key.map(|Extension(k)| k.as_str().to_string()),

@@ -312,6 +312,10 @@ impl<S: Store + Clone> Store for Probe<S> {
         self.apply(self.inner.renew(key, token, lease)).await
     }
 
+    async fn fence(&self, key: &Key, token: Token) -> Result<Option<Token>, Error> {
+        self.inner.fence(key, token).await
+    }
+
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
         self.inner.remove(key).await
     }
@@ -348,6 +352,10 @@ impl Store for Down {
     }
 
     async fn renew(&self, _: &Key, _: Token, _: Duration) -> Result<bool, Error> {
+        Err(Error::store(DOWN))
+    }
+
+    async fn fence(&self, _: &Key, _: Token) -> Result<Option<Token>, Error> {
         Err(Error::store(DOWN))
     }
 
@@ -879,6 +887,90 @@ pub mod scenarios {
             replay.await.unwrap(),
             Outcome::Replayed("owner".to_string())
         );
+    }
+
+    /// A downstream resource fenced by tokens: a write lands only with a token larger than
+    /// the last one that landed.
+    #[derive(Default)]
+    struct Fenced(std::sync::Mutex<(u64, &'static str)>);
+
+    impl Fenced {
+        fn write(&self, token: idem_runtime::Token, note: &'static str) -> bool {
+            let mut last = self.0.lock().unwrap();
+            if token.get() <= last.0 {
+                return false;
+            }
+            *last = (token.get(), note);
+            true
+        }
+    }
+
+    /// Two holders of one key, the first paused past its lease: the fencing token each gets
+    /// from `attempt().token()` lets the newer holder's downstream write land and refuses the
+    /// zombie's, whether the zombie took its token before it was taken over or asks after.
+    pub async fn zombie_fences_are_refused_downstream<S: Store + Clone>(store: S) {
+        let lease = Duration::from_millis(300);
+        let op = Operation::new(namespace("zombie-fence")).lease(lease);
+        let downstream = Arc::new(Fenced::default());
+        for asks_late in [false, true] {
+            let key = op.key(&asks_late).unwrap();
+            let (claimed, has_claimed) = tokio::sync::oneshot::channel();
+            let (taken_over, resume) = tokio::sync::oneshot::channel::<()>();
+            let zombie = {
+                let (op, store, downstream) =
+                    (op.clone(), Probe::frozen(store.clone()), downstream.clone());
+                tokio::spawn(async move {
+                    op.run(&store, &key, None, async move {
+                        let attempt = idem_runtime::attempt().expect("inside the body");
+                        let early = if asks_late {
+                            None
+                        } else {
+                            Some(attempt.token().await?)
+                        };
+                        let _ = claimed.send(early);
+                        let _ = resume.await;
+                        // Asked again, or for the first time, after the takeover. `None`:
+                        // a store that checks the claim refused to fence a lost one.
+                        let token = match attempt.token().await {
+                            Ok(token) => Some(token),
+                            Err(Error::Store(_)) if asks_late => None,
+                            Err(err) => return Err(err),
+                        };
+                        if let (Some(early), Some(token)) = (early, token) {
+                            assert_eq!(early, token, "one claim, one fence");
+                        }
+                        Ok(token.map(|token| downstream.write(token, "zombie")))
+                    })
+                    .await
+                })
+            };
+            let early = has_claimed.await.unwrap();
+            // Another process waits out the zombie's lease, takes the key over and writes.
+            let owner = op
+                .clone()
+                .wait_timeout(Duration::from_secs(20))
+                .run(&Probe::frozen(store.clone()), &key, None, async {
+                    let token = idem_runtime::attempt().unwrap().token().await?;
+                    Ok::<_, Error>((token.get(), downstream.write(token, "owner")))
+                })
+                .await
+                .unwrap();
+            let Outcome::Executed((owner_token, landed)) = owner else {
+                panic!("the owner must run its body: {owner:?}");
+            };
+            assert!(landed, "the owner's fenced write lands");
+            if let Some(early) = early {
+                assert!(owner_token > early.get(), "{owner_token} after {early:?}");
+            }
+            taken_over.send(()).unwrap();
+            let zombie = zombie.await.unwrap().unwrap().into_inner();
+            assert_ne!(
+                zombie,
+                Some(true),
+                "the zombie's fenced write must be refused"
+            );
+            assert_eq!(downstream.0.lock().unwrap().1, "owner");
+        }
     }
 
     /// The environment variable that hands the crash test's namespace to its child.

@@ -127,6 +127,14 @@ async fn a_holder_that_lost_its_lease_cannot_overwrite_the_new_owner() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zombies_fenced_write_is_refused_downstream() {
+    let Some(store) = postgres_store().await else {
+        return;
+    };
+    scenarios::zombie_fences_are_refused_downstream(store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_database_is_a_store_error_within_the_acquire_timeout() {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

@@ -49,6 +49,14 @@ async fn a_holder_that_lost_its_lease_cannot_overwrite_the_new_owner() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zombies_fenced_write_is_refused_downstream() {
+    let Some(store) = redis_store().await else {
+        return;
+    };
+    scenarios::zombie_fences_are_refused_downstream(store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connecting_to_a_closed_port_is_a_store_error_within_the_timeout() {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -62,6 +70,60 @@ async fn connecting_to_a_closed_port_is_a_store_error_within_the_timeout() {
     assert!(matches!(err, Error::Store(_)), "{err}");
     assert!(
         started.elapsed() < idem_runtime::store::redis::DEFAULT_TIMEOUT + Duration::from_secs(10)
+    );
+}
+
+/// A server that says it is Redis 6.2 (which refuses `SET` with both `NX` and `GET`): every
+/// command gets `+OK`, but `INFO`, which gets that version.
+async fn redis_6_2() -> std::net::SocketAddr {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let (read, mut write) = socket.into_split();
+                let mut lines = BufReader::new(read).lines();
+                // Each command is an array of bulk strings: `*n`, then `$len` and the word.
+                while let Ok(Some(header)) = lines.next_line().await {
+                    let Some(words) = header.strip_prefix('*').and_then(|n| n.parse().ok()) else {
+                        continue;
+                    };
+                    let mut name = String::new();
+                    for word in 0..words {
+                        let _length = lines.next_line().await;
+                        let text = lines.next_line().await.ok().flatten().unwrap_or_default();
+                        if word == 0 {
+                            name = text.to_ascii_uppercase();
+                        }
+                    }
+                    let reply = if name == "INFO" {
+                        let info = "# Server\r\nredis_version:6.2.14\r\n";
+                        format!("${}\r\n{info}\r\n", info.len())
+                    } else {
+                        "+OK\r\n".to_string()
+                    };
+                    if write.write_all(reply.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    address
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_older_than_redis_7_is_refused_at_connect() {
+    let address = redis_6_2().await;
+    let err = RedisStore::connect(&format!("redis://{address}"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Store(_)), "{err:?}");
+    let message = err.to_string();
+    assert!(
+        message.contains("Redis 7.0 or later") && message.contains("6.2.14"),
+        "{message}"
     );
 }
 

@@ -844,7 +844,7 @@ async fn a_zombie_holders_fenced_write_is_refused() {
         let (pool, accounts) = (ledger.pool.clone(), ledger.accounts.clone());
         tokio::spawn(async move {
             op.run(&store, &key, None, async move {
-                let token = attempt().expect("inside the body").token();
+                let token = attempt().expect("inside the body").token().await?;
                 claimed.send(()).unwrap();
                 resume.await.unwrap();
                 Ok::<_, Error>(fenced_write(pool, accounts, token, "zombie").await)
@@ -859,7 +859,7 @@ async fn a_zombie_holders_fenced_write_is_refused() {
         .clone()
         .wait_timeout(Duration::from_secs(20))
         .run(&store, &key, None, async {
-            let token = attempt().unwrap().token();
+            let token = attempt().unwrap().token().await?;
             Ok::<_, Error>(
                 fenced_write(ledger.pool.clone(), ledger.accounts.clone(), token, "new").await,
             )

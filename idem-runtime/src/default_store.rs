@@ -88,6 +88,10 @@ mod unset {
             Err(unset())
         }
 
+        async fn fence(&self, _: &Key, _: Token) -> Result<Option<Token>, Error> {
+            Err(unset())
+        }
+
         async fn remove(&self, _: &Key) -> Result<bool, Error> {
             Err(unset())
         }

@@ -32,8 +32,12 @@ pub use bytes::Bytes;
 
 use crate::{Error, Fingerprint, Flights, Key};
 
-/// A fencing token: strictly larger for every successful claim of the same key, so that a
-/// holder whose lease ran out can be told apart from the one that took the key over.
+/// A claim's token: different for every successful claim of the same key, so that a holder
+/// whose lease ran out can be told apart from the one that took the key over.
+///
+/// The same type carries a claim's *fencing* token ([`Store::fence`], and
+/// [`Attempt::token`](crate::Attempt::token) for a body), which is also strictly larger than
+/// the fencing token of every earlier claim of the key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Token(u64);
 
@@ -119,8 +123,12 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// If the record is absent, completed but past its TTL, or in progress with a lease that
     /// ran out, it becomes in progress with `fingerprint`, a lease of `lease` and a new token
-    /// larger than any earlier token of this key: [`Claim::Acquired`]. Otherwise nothing
-    /// changes and the live record is returned.
+    /// that differs from every earlier token of this key: [`Claim::Acquired`]. Otherwise
+    /// nothing changes and the live record is returned.
+    ///
+    /// A store whose claim tokens also grow (each larger than any earlier one of the key)
+    /// answers [`fence`](Store::fence) with the claim's own token; one whose tokens only
+    /// differ (a random nonce, so that a claim needs no clock) takes a fencing token there.
     ///
     /// # Errors
     ///
@@ -169,6 +177,21 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// [`Error::Store`] when the store cannot be reached or fails.
     async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error>;
+
+    /// The fencing token of the live claim `token`: strictly larger than the fencing token of
+    /// every earlier claim of `key` whose holder asked for one, so that downstream writes can
+    /// refuse a holder whose lease ran out (`… WHERE fence < $token`). Asking twice under one
+    /// claim gives the same token.
+    ///
+    /// Returns `Ok(None)` when the claim is no longer in progress under `token`. A store
+    /// whose claim tokens already grow may return `Ok(Some(token))` without looking: a lapsed
+    /// holder then gets its own, smaller token, which downstream fences refuse. There is no
+    /// default, so that a wrapper around another store cannot forget to forward it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot be reached or fails.
+    async fn fence(&self, key: &Key, token: Token) -> Result<Option<Token>, Error>;
 
     /// Deletes the record of `key` whatever its state (an administrative reset). Returns
     /// whether there was one. A holder of a removed claim can no longer complete it.
@@ -225,6 +248,10 @@ macro_rules! forward_store {
 
             async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
                 (**self).renew(key, token, lease).await
+            }
+
+            async fn fence(&self, key: &Key, token: Token) -> Result<Option<Token>, Error> {
+                (**self).fence(key, token).await
             }
 
             async fn remove(&self, key: &Key) -> Result<bool, Error> {

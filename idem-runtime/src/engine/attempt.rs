@@ -2,8 +2,7 @@
 //! that keeps a call from waiting for its own enclosing call.
 
 use std::fmt;
-
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::{Error, Flights, Key, Store, Token};
 
@@ -17,6 +16,9 @@ tokio::task_local! {
 /// over cannot overwrite the newer holder's effects:
 /// `UPDATE accounts SET …, fence = $token WHERE id = $id AND fence < $token`.
 ///
+/// The token is taken when the body first asks for it, so that a claim costs no clock
+/// reading on a store whose claims need none (Redis): bodies that never fence pay nothing.
+///
 /// ```
 /// use idem_runtime::{attempt, MemoryStore, Operation};
 ///
@@ -29,7 +31,7 @@ tokio::task_local! {
 /// let token = op
 ///     .run(&store, &key, None, async {
 ///         let attempt = attempt().expect("inside a body");
-///         Ok::<_, idem_runtime::Error>(attempt.token().get())
+///         Ok::<_, idem_runtime::Error>(attempt.token().await?.get())
 ///     })
 ///     .await?
 ///     .into_inner();
@@ -42,7 +44,10 @@ pub struct Attempt(Arc<Frame>);
 
 struct Frame {
     key: Key,
+    /// The claim's own token.
     token: Token,
+    /// Where the fencing token comes from.
+    fence: Fence,
     /// Which store the claim is in (its registry's address), so that the same key in
     /// another store is not mistaken for this one.
     store: usize,
@@ -50,12 +55,39 @@ struct Frame {
     enclosing: Option<Attempt>,
 }
 
+/// Where an attempt's fencing token comes from.
+enum Fence {
+    /// The claim's token is the fencing token (a transactional claim: from a sequence).
+    Claim,
+    /// The store takes one when the body first asks ([`Store::fence`]), kept for later asks.
+    Store {
+        store: Arc<dyn Store>,
+        taken: OnceLock<Token>,
+    },
+}
+
 impl Attempt {
-    /// The attempt of the body `store` runs for `key` under `token`, inside the current one.
-    pub(crate) fn enter<S: Store + ?Sized>(store: &S, key: Key, token: Token) -> Self {
+    /// The attempt of the body `store` runs for `key` under `token`, inside the current one;
+    /// its fencing token is taken from `store` when asked for.
+    pub(crate) fn enter(store: &Arc<dyn Store>, key: Key, token: Token) -> Self {
+        let fence = Fence::Store {
+            store: Arc::clone(store),
+            taken: OnceLock::new(),
+        };
+        Self::with_fence(&**store, key, token, fence)
+    }
+
+    /// Like [`enter`](Self::enter), for a claim whose token is already its fencing token.
+    #[cfg(any(test, feature = "postgres"))]
+    pub(crate) fn enter_fenced<S: Store + ?Sized>(store: &S, key: Key, token: Token) -> Self {
+        Self::with_fence(store, key, token, Fence::Claim)
+    }
+
+    fn with_fence<S: Store + ?Sized>(store: &S, key: Key, token: Token, fence: Fence) -> Self {
         Self(Arc::new(Frame {
             key,
             token,
+            fence,
             store: store_id(store),
             enclosing: attempt(),
         }))
@@ -66,10 +98,28 @@ impl Attempt {
         &self.0.key
     }
 
-    /// The claim's fencing token: strictly larger than the token of any earlier claim of
-    /// the same key.
-    pub fn token(&self) -> Token {
-        self.0.token
+    /// The claim's fencing token: strictly larger than the fencing token of any earlier
+    /// claim of the same key. The first ask may cost the store one round trip (Redis); later
+    /// asks under the same claim return the same token at once.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot be reached, or when this claim is no longer
+    /// held (its lease ran out, or the record was removed): the body must then not write
+    /// downstream, and returning the error ends the call without recording anything.
+    pub async fn token(&self) -> Result<Token, Error> {
+        let Fence::Store { store, taken } = &self.0.fence else {
+            return Ok(self.0.token);
+        };
+        if let Some(token) = taken.get() {
+            return Ok(*token);
+        }
+        match store.fence(&self.0.key, self.0.token).await? {
+            Some(token) => Ok(*taken.get_or_init(|| token)),
+            None => Err(Error::store(
+                "this call's claim is no longer held (its lease ran out or its record was removed): it takes no fencing token",
+            )),
+        }
     }
 
     /// Runs `body` with this attempt as the current one.
@@ -152,13 +202,13 @@ mod tests {
         let key = Key::derive("attempt", &1).unwrap();
         let other = Key::derive("attempt", &2).unwrap();
         assert!(!held_by_caller(&a, &key), "outside any attempt");
-        let outer = Attempt::enter(&a, key, Token::new(1));
+        let outer = Attempt::enter_fenced(&a, key, Token::new(1));
         outer
             .scope(async {
                 assert!(held_by_caller(&a, &key));
                 assert!(!held_by_caller(&b, &key), "the same key in another store");
                 assert!(!held_by_caller(&a, &other));
-                let inner = Attempt::enter(&b, other, Token::new(2));
+                let inner = Attempt::enter_fenced(&b, other, Token::new(2));
                 inner
                     .scope(async {
                         assert!(held_by_caller(&a, &key), "an enclosing call's key");

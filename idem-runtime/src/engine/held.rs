@@ -119,7 +119,7 @@ impl Held {
         let flight = store
             .flights()
             .map(|flights| flights.start(key, fingerprint, expires));
-        let attempt = Attempt::enter(&*store, key, token);
+        let attempt = Attempt::enter(&store, key, token);
         Self {
             claim: Arc::new(Lease {
                 store,

@@ -333,6 +333,12 @@ impl Store for MemoryStore {
             .is_some())
     }
 
+    /// Claim tokens already grow here (one counter per store): the claim's own token is its
+    /// fencing token.
+    async fn fence(&self, _: &Key, token: Token) -> Result<Option<Token>, Error> {
+        Ok(Some(token))
+    }
+
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
         let now = Instant::now();
         let mut claims = self.claims(key);

@@ -535,6 +535,12 @@ impl Store for PostgresStore {
             .await
     }
 
+    /// Claim tokens already grow here (they come from a sequence): the claim's own token is
+    /// its fencing token.
+    async fn fence(&self, _: &Key, token: Token) -> Result<Option<Token>, Error> {
+        Ok(Some(token))
+    }
+
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
         self.within(
             sqlx::query_scalar(&self.sql.remove)

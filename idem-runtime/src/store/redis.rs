@@ -1,32 +1,44 @@
 //! The distributed store, on Redis (standalone or cluster), with `redis`.
 //!
-//! The scripts use only `HMGET`, `HGET`, `HSET` with several fields, `PEXPIRE`, `TIME` and
-//! `DEL`, all in Redis since 4.0 and kept by Valkey. The tests run against Redis 7.0; Valkey is
-//! expected to work but is not tested here.
+//! It needs Redis 7.0 or later (for `SET … NX GET`); [`RedisStore::connect`] checks the
+//! server's version. Valkey keeps these commands and is expected to work, but is not tested
+//! here.
 //!
 //! # Layout
 //!
-//! One hash per record, at `<prefix>{<64 hex digits of the key>}` (the braces are a hash tag:
-//! every key of a record lives in one cluster slot), with the fields:
+//! One string per record, at `<prefix>{<64 hex digits of the key>}` (the braces are a hash
+//! tag: every key of a record lives in one cluster slot):
 //!
-//! | field | meaning |
-//! |---|---|
-//! | `s` | state: `p` in progress, `c` completed, `r` released |
-//! | `t` | the fencing token, in decimal |
-//! | `f` | the fingerprint (32 bytes), empty when none |
-//! | `v` | the recorded value, when completed |
+//! ```text
+//! in progress:  "p" | token (8 bytes) | fence (20 ASCII digits, all 0 until taken) | n | fingerprint (n bytes)
+//! completed:    "c" | n | fingerprint (n bytes) | value
+//! ```
 //!
-//! An absent or released record never holds a value, so a claim need not clear `v`.
-//! The hash's own expiry (`PEXPIRE`, judged by the server's clock) is the lease while in
-//! progress and the TTL once completed. A released record keeps its token until its lease
-//! lapses, so that the next claim's token is larger. Tokens are the server's `TIME` in
-//! microseconds, or the previous token plus one if that is larger: they grow even across
-//! records that expired.
+//! where `n` is one byte, 0 or 32. The key's own expiry (`PX`, judged by the server's clock)
+//! is the lease while in progress and the TTL once completed.
 //!
-//! Every operation is one Lua script, sent with `EVALSHA` (one round trip; the script is
-//! loaded again transparently after a `NOSCRIPT`), under a per-operation timeout.
+//! # Commands
+//!
+//! - **Claim, and so every replay:** one native `SET key <in progress> NX GET PX <lease>`.
+//!   It writes the claim if the key is absent (never, or expired, or released) and otherwise
+//!   returns the record that is there, unchanged. No script and no clock reading: the
+//!   claim's token is a nonce this process draws (64 bits, `SipHash` of a per-process random
+//!   key and a counter), so claims of one key differ without asking the server.
+//! - **Complete, release, renew:** a short script each, because Redis 7 has no native
+//!   compare-and-set: it acts only if the record still starts with `p` and this token.
+//! - **Fence** ([`Store::fence`], for [`Attempt::token`](crate::Attempt::token)): a script
+//!   that, while the claim is held, stamps the server's `TIME` in microseconds into the record
+//!   once and returns it. A later holder can only claim after this holder's record is gone,
+//!   and takes its own fence after its claim, so fences grow as long as the server's clock
+//!   does not go back (the assumption every expiry already makes).
+//! - **Remove:** a native `DEL`.
+//!
+//! Scripts are sent with `EVALSHA` (one round trip; loaded again transparently after a
+//! `NOSCRIPT`); every operation runs under a per-operation timeout.
 
 use std::fmt;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
@@ -46,39 +58,25 @@ pub const DEFAULT_PREFIX: &str = "idem:";
 /// The default time an operation may take before it fails with [`Error::Store`].
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3);
 
-static CLAIM: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-local record = redis.call('HMGET', KEYS[1], 's', 't', 'f', 'v')
-local state = record[1]
-if state == 'c' then
-    return {'c', record[3], record[4]}
-elseif state == 'p' then
-    return {'p', record[3]}
-end
-local now = redis.call('TIME')
-local token = tonumber(now[1]) * 1000000 + tonumber(now[2])
-local previous = tonumber(record[2])
-if previous and previous >= token then
-    token = previous + 1
-end
-token = string.format('%.0f', token)
-redis.call('HSET', KEYS[1], 's', 'p', 't', token, 'f', ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {'a', token}
-",
-    )
-});
+/// The oldest server this store works with: `SET` with both `NX` and `GET` came in 7.0.
+const MIN_VERSION: (u32, u32) = (7, 0);
+
+/// Bytes before the fingerprint of an in-progress record: state, token, fence, length.
+const HEAD: usize = 1 + 8 + FENCE_DIGITS + 1;
+const FENCE_DIGITS: usize = 20;
+const NO_FENCE: &[u8; FENCE_DIGITS] = b"00000000000000000000";
+
+// In every script, ARGV[1] is the holder's prefix: "p" and its 8-byte token; the
+// fingerprint and what follows start at byte 30 (Lua counts from 1).
 
 static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-local record = redis.call('HMGET', KEYS[1], 's', 't')
-if record[1] ~= 'p' or record[2] ~= ARGV[1] then
+local record = redis.call('GET', KEYS[1])
+if not record or string.sub(record, 1, 9) ~= ARGV[1] then
     return 0
 end
-redis.call('HSET', KEYS[1], 's', 'c', 'v', ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('SET', KEYS[1], 'c' .. string.sub(record, 30) .. ARGV[2], 'PX', ARGV[3])
 return 1
 ",
     )
@@ -87,11 +85,11 @@ return 1
 static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-local record = redis.call('HMGET', KEYS[1], 's', 't')
-if record[1] ~= 'p' or record[2] ~= ARGV[1] then
+local record = redis.call('GET', KEYS[1])
+if not record or string.sub(record, 1, 9) ~= ARGV[1] then
     return 0
 end
-redis.call('HSET', KEYS[1], 's', 'r')
+redis.call('DEL', KEYS[1])
 return 1
 ",
     )
@@ -100,8 +98,8 @@ return 1
 static RENEW: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-local record = redis.call('HMGET', KEYS[1], 's', 't')
-if record[1] ~= 'p' or record[2] ~= ARGV[1] then
+local record = redis.call('GET', KEYS[1])
+if not record or string.sub(record, 1, 9) ~= ARGV[1] then
     return 0
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -110,15 +108,20 @@ return 1
     )
 });
 
-static REMOVE: LazyLock<Script> = LazyLock::new(|| {
+static FENCE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-local state = redis.call('HGET', KEYS[1], 's')
-redis.call('DEL', KEYS[1])
-if state == 'p' or state == 'c' then
-    return 1
+local record = redis.call('GET', KEYS[1])
+if not record or string.sub(record, 1, 9) ~= ARGV[1] then
+    return false
 end
-return 0
+local fence = string.sub(record, 10, 29)
+if fence == '00000000000000000000' then
+    local now = redis.call('TIME')
+    fence = string.format('%020.0f', tonumber(now[1]) * 1000000 + tonumber(now[2]))
+    redis.call('SET', KEYS[1], ARGV[1] .. fence .. string.sub(record, 30), 'KEEPTTL')
+end
+return fence
 ",
     )
 });
@@ -195,8 +198,8 @@ impl RedisStore {
     ///
     /// # Errors
     ///
-    /// [`Error::Store`] when the URL is invalid or the server cannot be reached within
-    /// [`DEFAULT_TIMEOUT`].
+    /// [`Error::Store`] when the URL is invalid, the server cannot be reached within
+    /// [`DEFAULT_TIMEOUT`], or it is older than Redis 7.0.
     pub async fn connect(url: &str) -> Result<Self, Error> {
         let client = redis::Client::open(url).map_err(Error::store)?;
         let config = ConnectionManagerConfig::new()
@@ -209,15 +212,15 @@ impl RedisStore {
         )
         .await?
         .map_err(Error::store)?;
-        Ok(Self::from_manager(manager))
+        Self::from_manager(manager).checked().await
     }
 
     /// Connects to a Redis Cluster through any of its nodes (`redis://host:port` each).
     ///
     /// # Errors
     ///
-    /// [`Error::Store`] when a URL is invalid or the cluster cannot be reached within
-    /// [`DEFAULT_TIMEOUT`].
+    /// [`Error::Store`] when a URL is invalid, the cluster cannot be reached within
+    /// [`DEFAULT_TIMEOUT`], or a node it asks is older than Redis 7.0.
     pub async fn connect_cluster<'a>(
         nodes: impl IntoIterator<Item = &'a str>,
     ) -> Result<Self, Error> {
@@ -229,7 +232,34 @@ impl RedisStore {
         let connection = within(DEFAULT_TIMEOUT, client.get_async_connection())
             .await?
             .map_err(Error::store)?;
-        Ok(Self::from_cluster(connection))
+        Self::from_cluster(connection).checked().await
+    }
+
+    /// The store, once the server it talks to is new enough (the stores made from an
+    /// existing connection are not checked: an older server refuses the first claim with
+    /// a syntax error, as [`Error::Store`]).
+    async fn checked(self) -> Result<Self, Error> {
+        let mut connection = self.connection.clone();
+        let info: String = within(
+            self.timeout,
+            redis::cmd("INFO")
+                .arg("server")
+                .query_async(&mut connection),
+        )
+        .await?
+        .map_err(Error::store)?;
+        let version = info
+            .lines()
+            .find_map(|line| line.strip_prefix("redis_version:"))
+            .unwrap_or("unknown")
+            .trim();
+        let mut parts = version.split('.').map(|part| part.parse::<u32>().ok());
+        match (parts.next().flatten(), parts.next().flatten()) {
+            (Some(major), Some(minor)) if (major, minor) >= MIN_VERSION => Ok(self),
+            _ => Err(Error::store(format!(
+                "idem needs Redis 7.0 or later (for SET with NX and GET); the server runs {version}"
+            ))),
+        }
     }
 
     /// Uses an existing connection manager.
@@ -286,9 +316,24 @@ impl RedisStore {
         format!("{}{{{}}}", self.prefix, key.to_hex())
     }
 
-    /// Runs one script under the timeout: one round trip.
-    async fn invoke(&self, script: &Script, key: &Key, args: &[&[u8]]) -> Result<Value, Error> {
+    /// Sends one command under the timeout: one round trip.
+    async fn send(&self, command: &Cmd) -> Result<Value, Error> {
+        let mut connection = self.connection.clone();
+        within(self.timeout, connection.req_packed_command(command))
+            .await?
+            .map_err(Error::store)
+    }
+
+    /// Runs one of the holder's scripts under the timeout: one round trip.
+    async fn holder(
+        &self,
+        script: &Script,
+        key: &Key,
+        token: Token,
+        args: &[&[u8]],
+    ) -> Result<Value, Error> {
         let mut invocation = script.key(self.record(key));
+        invocation.arg(&holder(token)[..]);
         for arg in args {
             invocation.arg(*arg);
         }
@@ -299,12 +344,45 @@ impl RedisStore {
     }
 
     /// Runs a compare-and-set script: `1` applied, `0` refused.
-    async fn fenced(&self, script: &Script, key: &Key, args: &[&[u8]]) -> Result<bool, Error> {
-        match self.invoke(script, key, args).await? {
+    async fn fenced(
+        &self,
+        script: &Script,
+        key: &Key,
+        token: Token,
+        args: &[&[u8]],
+    ) -> Result<bool, Error> {
+        match self.holder(script, key, token, args).await? {
             Value::Int(applied) => Ok(applied == 1),
             other => Err(unexpected(&other)),
         }
     }
+}
+
+/// A claim's token: a nonce, different for every claim this process makes (a counter) and
+/// from every other process's (the hasher's keys are random per process).
+fn nonce() -> Token {
+    static SOURCE: LazyLock<(RandomState, AtomicU64)> =
+        LazyLock::new(|| (RandomState::new(), AtomicU64::new(0)));
+    let (keys, counter) = &*SOURCE;
+    Token::new(keys.hash_one(counter.fetch_add(1, Ordering::Relaxed)))
+}
+
+/// What a record of claim `token` starts with, in progress: `p` and the token.
+fn holder(token: Token) -> [u8; 9] {
+    let mut prefix = [b'p'; 9];
+    prefix[1..].copy_from_slice(&token.get().to_be_bytes());
+    prefix
+}
+
+/// A new in-progress record.
+fn in_progress(token: Token, fingerprint: Option<&Fingerprint>) -> Vec<u8> {
+    let fingerprint: &[u8] = fingerprint.map_or(&[], |f| f.as_bytes());
+    let mut record = Vec::with_capacity(HEAD + fingerprint.len());
+    record.extend_from_slice(&holder(token));
+    record.extend_from_slice(NO_FENCE);
+    record.push(u8::try_from(fingerprint.len()).unwrap_or(0));
+    record.extend_from_slice(fingerprint);
+    record
 }
 
 async fn within<T>(
@@ -317,8 +395,8 @@ async fn within<T>(
 }
 
 fn millis(duration: Duration) -> Vec<u8> {
-    // PEXPIRE needs at least 1 ms, and refuses (after the script's earlier writes) an expiry
-    // past its clock's range: clamped to the runtime's limit.
+    // PX and PEXPIRE need at least 1 ms, and refuse an expiry past the server clock's range:
+    // clamped to the runtime's limit.
     limits::clamp(duration)
         .as_millis()
         .max(1)
@@ -327,60 +405,51 @@ fn millis(duration: Duration) -> Vec<u8> {
 }
 
 fn unexpected(value: &Value) -> Error {
-    Error::store(format!("unexpected reply from an idem script: {value:?}"))
+    Error::store(format!("unexpected reply from redis: {value:?}"))
 }
 
-fn bytes(value: Value) -> Result<Vec<u8>, Error> {
-    match value {
-        Value::BulkString(bytes) => Ok(bytes),
-        Value::Nil => Ok(Vec::new()),
-        other => Err(unexpected(&other)),
-    }
+fn malformed(what: &str) -> Error {
+    Error::store(format!("a malformed idem record in redis: {what}"))
 }
 
-fn fingerprint(value: Value) -> Result<Option<Fingerprint>, Error> {
-    let raw = bytes(value)?;
-    if raw.is_empty() {
-        return Ok(None);
-    }
-    let raw: [u8; 32] = raw.try_into().map_err(|raw: Vec<u8>| {
-        Error::store(format!(
-            "a stored fingerprint has {} bytes, not 32",
-            raw.len()
-        ))
-    })?;
-    Ok(Some(Fingerprint::from_bytes(raw)))
-}
-
-fn parse_claim(reply: Value) -> Result<Claim, Error> {
-    let Value::Array(items) = reply else {
-        return Err(unexpected(&reply));
-    };
-    let mut items = items.into_iter();
-    let state = bytes(items.next().unwrap_or(Value::Nil))?;
-    let mut next = || items.next().unwrap_or(Value::Nil);
-    match state.as_slice() {
-        b"a" => {
-            let token = String::from_utf8(bytes(next())?)
-                .ok()
-                .and_then(|t| t.parse().ok())
-                .ok_or_else(|| Error::store("a claim returned a token that is not a number"))?;
-            Ok(Claim::Acquired {
-                token: Token::new(token),
-            })
+/// The fingerprint that starts `rest` (its length byte first), and what follows it.
+fn split_fingerprint(rest: &[u8]) -> Result<(Option<Fingerprint>, usize), Error> {
+    match rest.first() {
+        Some(0) => Ok((None, 1)),
+        Some(32) => {
+            let raw: [u8; 32] = rest
+                .get(1..33)
+                .and_then(|raw| raw.try_into().ok())
+                .ok_or_else(|| malformed("a truncated fingerprint"))?;
+            Ok((Some(Fingerprint::from_bytes(raw)), 33))
         }
-        b"p" => Ok(Claim::InProgress {
-            fingerprint: fingerprint(next())?,
-        }),
-        b"c" => {
-            let fingerprint = fingerprint(next())?;
-            let value = Bytes::from(bytes(next())?);
+        Some(n) => Err(malformed(&format!("a fingerprint of {n} bytes"))),
+        None => Err(malformed("no fingerprint length")),
+    }
+}
+
+/// What a claim found: nothing (the claim is ours) or the record that was there.
+fn parse_claim(reply: Value, token: Token) -> Result<Claim, Error> {
+    let record = match reply {
+        Value::Nil => return Ok(Claim::Acquired { token }),
+        Value::BulkString(record) => record,
+        other => return Err(unexpected(&other)),
+    };
+    match record.first() {
+        Some(b'p') => {
+            let rest = record
+                .get(HEAD - 1..)
+                .ok_or_else(|| malformed("a short claim"))?;
+            let (fingerprint, _) = split_fingerprint(rest)?;
+            Ok(Claim::InProgress { fingerprint })
+        }
+        Some(b'c') => {
+            let (fingerprint, used) = split_fingerprint(&record[1..])?;
+            // The value is the rest of the record: sliced, not copied.
+            let value = Bytes::from(record).slice(1 + used..);
             Ok(Claim::Completed { value, fingerprint })
         }
-        _ => Err(Error::store(format!(
-            "a claim returned the unknown state {:?}",
-            String::from_utf8_lossy(&state)
-        ))),
+        _ => Err(malformed("an unknown state")),
     }
 }
 
@@ -407,11 +476,16 @@ impl Store for RedisStore {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
     ) -> Result<Claim, Error> {
-        let fingerprint: &[u8] = fingerprint.map_or(&[], |f| f.as_bytes());
-        let reply = self
-            .invoke(&CLAIM, key, &[fingerprint, &millis(lease)])
-            .await?;
-        parse_claim(reply)
+        let token = nonce();
+        let mut command = redis::cmd("SET");
+        command
+            .arg(self.record(key))
+            .arg(in_progress(token, fingerprint))
+            .arg("NX")
+            .arg("GET")
+            .arg("PX")
+            .arg(millis(lease));
+        parse_claim(self.send(&command).await?, token)
     }
 
     async fn complete(
@@ -421,24 +495,37 @@ impl Store for RedisStore {
         value: Bytes,
         ttl: Duration,
     ) -> Result<bool, Error> {
-        let token = token.get().to_string();
-        self.fenced(&COMPLETE, key, &[token.as_bytes(), &value, &millis(ttl)])
+        self.fenced(&COMPLETE, key, token, &[&value, &millis(ttl)])
             .await
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
-        let token = token.get().to_string();
-        self.fenced(&RELEASE, key, &[token.as_bytes()]).await
+        self.fenced(&RELEASE, key, token, &[]).await
     }
 
     async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
-        let token = token.get().to_string();
-        self.fenced(&RENEW, key, &[token.as_bytes(), &millis(lease)])
-            .await
+        self.fenced(&RENEW, key, token, &[&millis(lease)]).await
+    }
+
+    async fn fence(&self, key: &Key, token: Token) -> Result<Option<Token>, Error> {
+        match self.holder(&FENCE, key, token, &[]).await? {
+            Value::Nil => Ok(None),
+            Value::BulkString(digits) => std::str::from_utf8(&digits)
+                .ok()
+                .and_then(|digits| digits.parse().ok())
+                .map(|fence| Some(Token::new(fence)))
+                .ok_or_else(|| malformed("a fence that is not a number")),
+            other => Err(unexpected(&other)),
+        }
     }
 
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
-        self.fenced(&REMOVE, key, &[]).await
+        let mut command = redis::cmd("DEL");
+        command.arg(self.record(key));
+        match self.send(&command).await? {
+            Value::Int(removed) => Ok(removed > 0),
+            other => Err(unexpected(&other)),
+        }
     }
 
     fn flights(&self) -> Option<&Flights> {

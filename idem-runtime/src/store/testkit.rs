@@ -1,7 +1,7 @@
 //! The store conformance suite (feature `testkit`).
 //!
-//! One suite checks every backend against the [`Store`] contract: atomic claims, fencing
-//! tokens that grow, compare-and-set completion, release and renewal, expiry of leases and
+//! One suite checks every backend against the [`Store`] contract: atomic claims, claim
+//! tokens that differ and fencing tokens that grow, compare-and-set completion, release and renewal, expiry of leases and
 //! results by the store's clock, and administrative removal. The author of a third-party
 //! backend runs it on theirs:
 //!
@@ -34,7 +34,7 @@ pub async fn conformance<S: Store + Clone>(store: &S) {
     claim_takes_an_absent_key(store, &keys).await;
     complete_records_and_replays(store, &keys).await;
     stale_tokens_change_nothing(store, &keys).await;
-    release_frees_the_key_with_a_larger_token(store, &keys).await;
+    release_frees_the_key_with_a_larger_fence(store, &keys).await;
     lapsed_lease_is_taken_over_and_fences_the_old_holder(store, &keys).await;
     renew_extends_the_lease(store, &keys).await;
     results_expire_after_their_ttl(store, &keys).await;
@@ -75,6 +75,23 @@ async fn acquire<S: Store>(store: &S, key: &Key, fp: Option<&Fingerprint>) -> To
     match store.claim(key, fp, LEASE).await {
         Ok(Claim::Acquired { token }) => token,
         other => panic!("claim of a free key must acquire it, got {other:?}"),
+    }
+}
+
+/// The fencing token of a claim that is still held; asking twice gives the same token.
+async fn fence<S: Store>(store: &S, key: &Key, token: Token) -> Token {
+    let first = store.fence(key, token).await.unwrap();
+    let again = store.fence(key, token).await.unwrap();
+    let fence = first.unwrap_or_else(|| panic!("a held claim must get a fencing token"));
+    assert_eq!(again, Some(fence), "asking twice must give the same fence");
+    fence
+}
+
+/// Whether a fence of a claim that is no longer held is refused, or smaller than `newer`.
+async fn fence_is_stale<S: Store>(store: &S, key: &Key, token: Token, newer: Token) -> bool {
+    match store.fence(key, token).await.unwrap() {
+        None => true,
+        Some(fence) => fence < newer,
     }
 }
 
@@ -160,9 +177,10 @@ async fn stale_tokens_change_nothing<S: Store>(store: &S, keys: &Keys) {
     assert!(!store.renew(&absent, token, LEASE).await.unwrap());
 }
 
-async fn release_frees_the_key_with_a_larger_token<S: Store>(store: &S, keys: &Keys) {
+async fn release_frees_the_key_with_a_larger_fence<S: Store>(store: &S, keys: &Keys) {
     let key = keys.fresh();
     let first = acquire(store, &key, None).await;
+    let first_fence = fence(store, &key, first).await;
     assert!(
         store.release(&key, first).await.unwrap(),
         "the holder's release must apply"
@@ -172,18 +190,35 @@ async fn release_frees_the_key_with_a_larger_token<S: Store>(store: &S, keys: &K
         "a second release must be refused"
     );
     let second = acquire(store, &key, None).await;
+    assert_ne!(second, first, "claim tokens must differ");
+    let second_fence = fence(store, &key, second).await;
     assert!(
-        second > first,
-        "tokens must grow: {second:?} after {first:?}"
+        second_fence > first_fence,
+        "fencing tokens must grow: {second_fence:?} after {first_fence:?}"
     );
+    assert!(
+        fence_is_stale(store, &key, first, second_fence).await,
+        "a released claim must get no fence, or a smaller one"
+    );
+    assert!(store.release(&key, second).await.unwrap());
 }
 
 async fn lapsed_lease_is_taken_over_and_fences_the_old_holder<S: Store>(store: &S, keys: &Keys) {
     let key = keys.fresh();
     let stale = acquire(store, &key, None).await;
+    let stale_fence = fence(store, &key, stale).await;
     tokio::time::sleep(LEASE + LEASE / 2).await;
     let owner = acquire(store, &key, Some(&fingerprint(2))).await;
-    assert!(owner > stale, "a takeover must get a larger token");
+    assert_ne!(owner, stale, "a takeover must get another token");
+    let owner_fence = fence(store, &key, owner).await;
+    assert!(
+        owner_fence > stale_fence,
+        "a takeover must get a larger fence"
+    );
+    assert!(
+        fence_is_stale(store, &key, stale, owner_fence).await,
+        "the lapsed holder must get no fence, or a smaller one"
+    );
 
     let ttl = Duration::from_secs(60);
     assert!(
@@ -232,6 +267,7 @@ async fn renew_extends_the_lease<S: Store>(store: &S, keys: &Keys) {
 async fn results_expire_after_their_ttl<S: Store>(store: &S, keys: &Keys) {
     let key = keys.fresh();
     let token = acquire(store, &key, None).await;
+    let first_fence = fence(store, &key, token).await;
     let ttl = Duration::from_millis(300);
     assert!(store
         .complete(&key, token, Bytes::from_static(b"v1"), ttl)
@@ -243,9 +279,10 @@ async fn results_expire_after_their_ttl<S: Store>(store: &S, keys: &Keys) {
     ));
     tokio::time::sleep(ttl * 2).await;
     let next = acquire(store, &key, None).await;
+    assert_ne!(next, token, "a claim after the TTL must get another token");
     assert!(
-        next > token,
-        "a claim after the TTL must acquire with a larger token"
+        fence(store, &key, next).await > first_fence,
+        "a claim after the TTL must get a larger fence"
     );
 }
 

@@ -262,7 +262,7 @@ impl<P> Operation<P> {
                 token,
                 savepoint,
             };
-            let attempt = Attempt::enter(store, *key, token);
+            let attempt = Attempt::enter_fenced(store, *key, token);
             let result = attempt.scope(body(&mut *connection)).await;
             let recorded = match result {
                 Ok(value) => match codec::encode_value::<Json, T>(&value) {
