@@ -245,6 +245,8 @@ fn postgres(rt: &Runtime) {
     ) else {
         return println!("postgresql: skipped ({url} unreachable)");
     };
+    // The store opens its second pool (completions) lazily, which needs the runtime.
+    let _runtime = rt.enter();
     let store = PostgresStore::from_pool(pool.clone())
         .with_table("idem_phases")
         .unwrap();
