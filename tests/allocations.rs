@@ -129,3 +129,49 @@ fn a_memory_replay_is_answered_in_one_poll_without_allocating() {
         "a memory replay of a u64 allocated beyond its metric keys"
     );
 }
+
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Named {
+    id: u64,
+    customer: String,
+}
+
+#[idem_runtime::idempotent(key = id, store = store, namespace = "billing.named.v1")]
+async fn named(store: &idem_runtime::MemoryStore, id: u64) -> Result<Named, idem_runtime::Error> {
+    Ok(Named {
+        id,
+        customer: "cus_0042".to_string(),
+    })
+}
+
+#[test]
+fn a_memory_replay_of_a_clone_type_allocates_only_the_clone() {
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+
+    let store = idem_runtime::MemoryStore::new();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let first = runtime.block_on(named(&store, 42)).unwrap();
+    let replay_once = || {
+        std::pin::pin!(named(&store, 42))
+            .as_mut()
+            .poll(&mut Context::from_waker(Waker::noop()))
+    };
+    let _ = replay_once();
+    let (n, polled) = allocations(replay_once);
+    assert!(
+        matches!(&polled, Poll::Ready(Ok(value)) if *value == first),
+        "{polled:?}"
+    );
+    // The metric keys (as above), and the clone of the one `String` in the value: the record
+    // is not decoded.
+    const METRIC_KEYS: usize = 2;
+    assert_eq!(
+        n,
+        METRIC_KEYS + 1,
+        "a memory replay allocated beyond its metric keys and the value's clone"
+    );
+}

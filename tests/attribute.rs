@@ -649,3 +649,24 @@ async fn fingerprint_values_match_the_runtime_api() {
         "replayed the record made through the runtime API"
     );
 }
+
+/// A success type that names a lifetime is replayed by decoding (it cannot be kept beside the
+/// record as itself); it compiles and replays like any other.
+#[idempotent(key = id, store = store, namespace = "attribute.borrowed")]
+async fn borrowed<'a>(store: &'a MemoryStore, id: u64) -> Result<std::borrow::Cow<'a, str>, Error> {
+    Ok(std::borrow::Cow::Owned(format!("receipt {id}")))
+}
+
+#[idempotent(key = id, store = store, namespace = "attribute.static_cow")]
+async fn static_cow(store: &MemoryStore, id: u64) -> Result<std::borrow::Cow<'static, str>, Error> {
+    Ok(std::borrow::Cow::Owned(format!("receipt {id}")))
+}
+
+#[tokio::test]
+async fn success_types_with_lifetimes_compile_and_replay() {
+    let store = MemoryStore::new();
+    assert_eq!(borrowed(&store, 1).await.unwrap(), "receipt 1");
+    assert_eq!(borrowed(&store, 1).await.unwrap(), "receipt 1");
+    assert_eq!(static_cow(&store, 2).await.unwrap(), "receipt 2");
+    assert_eq!(static_cow(&store, 2).await.unwrap(), "receipt 2");
+}

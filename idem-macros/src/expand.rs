@@ -1,10 +1,10 @@
 //! Generating the idempotent function: a thin call into `idem_runtime::__private`.
 
-use proc_macro2::{Delimiter, Group, Ident, Span, TokenStream};
-use quote::{quote, quote_spanned};
+use proc_macro2::{Delimiter, Group, Ident, Span, TokenStream, TokenTree};
+use quote::{quote, quote_spanned, ToTokens};
 use syn::ext::IdentExt;
 use syn::spanned::Spanned;
-use syn::{AttrStyle, Expr, ItemFn, ReturnType};
+use syn::{AttrStyle, Expr, ItemFn, ReturnType, Type};
 
 use crate::attr::{Args, Duration, InFlight, OnCancel};
 use crate::item;
@@ -165,15 +165,19 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
             }
         }
         None => {
-            let run = match args.on_cancel {
-                Some(OnCancel::Complete) => quote!(#private::run_to_completion),
-                _ => quote!(#private::run),
-            };
             // The whole call is spanned at the return type: a type error about `T` or `E`
             // points there.
-            let run = respan(run, output.span());
-            quote_spanned! {output.span()=>
-                #run::<_, _, #output, _>(&#op, #store_arg, #key, #fingerprint, async move #block).await
+            if args.on_cancel == Some(OnCancel::Complete) {
+                let run = respan(quote!(#private::run_to_completion), output.span());
+                quote_spanned! {output.span()=>
+                    #run::<_, _, #output, _>(&#op, #store_arg, #key, #fingerprint, async move #block).await
+                }
+            } else {
+                let run = respan(quote!(#private::run), output.span());
+                let typing = typing(output, &private);
+                quote_spanned! {output.span()=>
+                    #run::<_, _, #output, _, _>(&#op, #store_arg, #key, #fingerprint, async move #block, #typing).await
+                }
             }
         }
     };
@@ -240,6 +244,40 @@ fn unreferenced(expr: &Expr) -> &Expr {
     }
 }
 
+/// How a replay from a store in this process may hand back the success value itself: asked
+/// of the return type where it is known (a `Clone` type is kept and cloned; any other is
+/// decoded). A return type that names a lifetime other than `'static`, or a reference, is
+/// always decoded: the probe cannot tell a value that borrows from one that does not, and
+/// would fail to compile instead.
+fn typing(output: &Type, private: &TokenStream) -> TokenStream {
+    if borrows(output.to_token_stream()) {
+        return quote!(#private::NoTyping);
+    }
+    quote!({
+        use #private::{TypedByClone as _, TypedByCodec as _};
+        (&#private::TypeProbe::<#output>::new()).__idem_typing()
+    })
+}
+
+/// Whether type tokens hold a reference or a lifetime other than `'static`.
+fn borrows(tokens: TokenStream) -> bool {
+    let mut tokens = tokens.into_iter().peekable();
+    while let Some(token) = tokens.next() {
+        match token {
+            TokenTree::Punct(punct) if punct.as_char() == '&' => return true,
+            TokenTree::Punct(punct)
+                if punct.as_char() == '\''
+                    && !matches!(tokens.peek(), Some(TokenTree::Ident(name)) if name == "static") =>
+            {
+                return true;
+            }
+            TokenTree::Group(group) if borrows(group.stream()) => return true,
+            _ => {}
+        }
+    }
+    false
+}
+
 /// Sets `span` on every token of a path.
 fn respan(path: TokenStream, span: Span) -> TokenStream {
     path.into_iter()
@@ -302,6 +340,7 @@ mod tests {
             "__idem_owned",
             "__idem_order",
             "__idem_key",
+            "__idem_typing",
         ];
         assert!(!generated.is_empty());
         assert!(

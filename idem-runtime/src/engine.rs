@@ -18,11 +18,13 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 pub(crate) use self::call::Derived;
+pub use self::call::Typing;
 use self::call::{Answer, Call};
 use self::held::Held;
 use crate::__private::IdemResult;
 use crate::codec::{self, ErrorPolicy, Json, ReleaseErrors, ValueCodec};
 use crate::flights::Landing;
+use crate::store::Typed;
 use crate::{background, limits, meter, CacheErrors, Claim, Error, Fingerprint, Key, Store, Token};
 
 /// How long a completed result is replayed unless told otherwise: 24 hours.
@@ -253,7 +255,23 @@ impl<P> Operation<P> {
         S: Store + Clone,
         R: IdemResult,
     {
-        Call::new(self, store, derived, body, answer)
+        self.call_typed(store, derived, body, answer, None)
+    }
+
+    /// [`call`](Self::call), taking a replay's typed value where `typing` says how.
+    pub(crate) fn call_typed<'a, C, S, R, F, O>(
+        &'a self,
+        store: &'a S,
+        derived: Derived,
+        body: F,
+        answer: Answer<R, O>,
+        typing: Option<Typing<R::Ok>>,
+    ) -> Call<'a, C, P, R, F, O>
+    where
+        S: Store + Clone,
+        R: IdemResult,
+    {
+        Call::new(self, store, derived, body, answer, typing)
     }
 
     /// Like [`run`](Self::run), but if this future is dropped mid-body, the body runs to the
@@ -311,9 +329,9 @@ impl<P> Operation<P> {
         let runtime = spawner()?;
         let begun = match self
             .settings
-            .replay_at_once(store, &key, fingerprint.as_ref())
+            .replay_at_once(store, &key, fingerprint.as_ref(), false)
         {
-            Some(replay) => replay.map(Begun::Replay),
+            Some(replay) => replay.map(|(record, _)| Begun::Replay(record)),
             None => self.settings.begin(store, key, fingerprint).await,
         };
         let held = match begun? {
@@ -405,7 +423,8 @@ impl Settings {
         store: &dyn Store,
         key: &Key,
         fingerprint: Option<&Fingerprint>,
-    ) -> Option<Result<Bytes, Error>> {
+        typed: bool,
+    ) -> Option<Result<(Bytes, Option<Typed>), Error>> {
         let started = meter::start();
         if let Err(err) = limits::check(self.ttl, self.lease, self.wait_timeout) {
             return Some(Err(err));
@@ -416,17 +435,25 @@ impl Settings {
         {
             return None;
         }
-        let Claim::Completed {
-            value,
-            fingerprint: recorded,
-        } = store.peek(key)?
-        else {
-            return None;
+        // The value itself, kept beside the record, when the call can take it.
+        let (value, recorded, typed) = match store
+            .typed()
+            .filter(|_| typed)
+            .and_then(|s| s.peek_typed(key))
+        {
+            Some((typed, value, recorded)) => (value, recorded, Some(typed)),
+            None => match store.peek(key)? {
+                Claim::Completed {
+                    value,
+                    fingerprint: recorded,
+                } => (value, recorded, None),
+                _ => return None,
+            },
         };
         let _entered = self.span(key).entered();
         let replay = replayable(value, recorded.as_ref(), fingerprint);
         meter::settled(&self.namespace, started, &replay, |_| true);
-        Some(replay)
+        Some(replay.map(|value| (value, typed)))
     }
 
     /// [`settle`](Self::settle), in the call's span: the record to replay, or the claim,

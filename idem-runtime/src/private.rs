@@ -1,12 +1,14 @@
 //! What `#[idempotent]` expands to. Not a public API: no stability promise.
 
 use std::future::Future;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::codec::Json;
+pub use crate::engine::Typing;
 use crate::{Error, Fingerprint, Key, Store};
 pub use crate::{ErrorPolicy, InFlight, Operation};
 
@@ -157,16 +159,77 @@ fn bare<R: IdemResult>(outcome: Result<crate::Outcome<R::Ok>, R::Err>) -> R {
     R::from_result(outcome.map(crate::Outcome::into_inner))
 }
 
+/// Asks, where the function's return type `R` is known, whether its success type can be
+/// kept and replayed as itself (it is `Clone`): `(&TypeProbe::<R>::new()).__idem_typing()`
+/// is a [`Typing`] then, through [`TypedByClone`], and a [`NoTyping`] otherwise, through
+/// [`TypedByCodec`] (the method that needs one autoref fewer wins where its bounds hold).
+pub struct TypeProbe<R>(PhantomData<fn() -> R>);
+
+impl<R> TypeProbe<R> {
+    #[allow(clippy::new_without_default)]
+    pub const fn new() -> Self {
+        Self(PhantomData)
+    }
+}
+
+/// A success type that is replayed by decoding its record.
+pub struct NoTyping;
+
+pub trait TypedByClone {
+    type Typing;
+    fn __idem_typing(&self) -> Self::Typing;
+}
+
+impl<R> TypedByClone for TypeProbe<R>
+where
+    R: IdemResult,
+    R::Ok: Clone + Send + Sync + 'static,
+{
+    type Typing = Typing<R::Ok>;
+    fn __idem_typing(&self) -> Typing<R::Ok> {
+        Typing::cloned()
+    }
+}
+
+pub trait TypedByCodec {
+    fn __idem_typing(&self) -> NoTyping;
+}
+
+impl<R> TypedByCodec for &TypeProbe<R> {
+    fn __idem_typing(&self) -> NoTyping {
+        NoTyping
+    }
+}
+
+/// What [`run`] takes of a probe's answer.
+pub trait IntoTyping<T> {
+    fn into_typing(self) -> Option<Typing<T>>;
+}
+
+impl<T> IntoTyping<T> for NoTyping {
+    fn into_typing(self) -> Option<Typing<T>> {
+        None
+    }
+}
+
+impl<T> IntoTyping<T> for Typing<T> {
+    fn into_typing(self) -> Option<Typing<T>> {
+        Some(self)
+    }
+}
+
 /// `Operation::run`, after the key and fingerprint were derived (before the body borrowed
 /// its arguments), returning the bare value. Generic over the function's return type, so that
-/// a return type that is not a `Result` fails one bound, with its own message.
-pub fn run<'a, P, S, R, F>(
+/// a return type that is not a `Result` fails one bound, with its own message. `typing` says
+/// whether a replay from a store in this process may hand back the value itself.
+pub fn run<'a, P, S, R, F, Y>(
     operation: &'a Operation<P>,
     store: &'a S,
     key: Result<Option<Key>, Error>,
     fingerprint: Option<Result<Fingerprint, Error>>,
     body: F,
-) -> impl Future<Output = R> + use<'a, P, S, R, F>
+    typing: Y,
+) -> impl Future<Output = R> + use<'a, P, S, R, F, Y>
 where
     R: IdemResult,
     R::Ok: Recordable,
@@ -174,8 +237,10 @@ where
     P: ErrorPolicy<R::Err>,
     S: Store + Clone,
     F: Future<Output = R>,
+    Y: IntoTyping<R::Ok>,
 {
-    operation.call::<Json, S, R, F, R>(store, derived(key, fingerprint), body, bare::<R>)
+    let derived = derived(key, fingerprint);
+    operation.call_typed::<Json, S, R, F, R>(store, derived, body, bare::<R>, typing.into_typing())
 }
 
 /// `Operation::run_to_completion`, as [`run`].

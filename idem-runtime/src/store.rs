@@ -22,6 +22,7 @@ pub mod redis;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
+use std::any::Any;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -217,6 +218,37 @@ pub trait Store: Send + Sync + 'static {
     fn flights(&self) -> Option<&Flights> {
         None
     }
+
+    /// Not part of the public API: a store in this process that keeps each result's typed
+    /// value beside its encoding, so that a replay needs no decoding. `None` (the default)
+    /// for every other store.
+    #[doc(hidden)]
+    fn typed(&self) -> Option<&dyn TypedStore> {
+        None
+    }
+}
+
+/// A result's typed value, as a store in this process keeps it beside the encoding.
+#[doc(hidden)]
+pub type Typed = Arc<dyn Any + Send + Sync>;
+
+/// Not part of the public API: what a store that keeps typed values does besides [`Store`].
+#[doc(hidden)]
+pub trait TypedStore: Send + Sync {
+    /// [`Store::complete`], keeping `typed` beside `value`, in the same step: a replay that
+    /// finds this record's encoding finds exactly this value beside it.
+    fn complete_typed(
+        &self,
+        key: &Key,
+        token: Token,
+        value: Bytes,
+        ttl: Duration,
+        typed: Typed,
+    ) -> bool;
+
+    /// As [`Store::peek`], for a live completed record that has a typed value: the value,
+    /// the encoding and the fingerprint. `None` means "ask `peek`".
+    fn peek_typed(&self, key: &Key) -> Option<(Typed, Bytes, Option<Fingerprint>)>;
 }
 
 macro_rules! forward_store {
@@ -264,6 +296,10 @@ macro_rules! forward_store {
 
             fn flights(&self) -> Option<&Flights> {
                 (**self).flights()
+            }
+
+            fn typed(&self) -> Option<&dyn TypedStore> {
+                (**self).typed()
             }
         }
     )*};

@@ -11,6 +11,7 @@ use std::future::Future;
 use std::marker::PhantomData;
 use std::mem;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
@@ -20,6 +21,7 @@ use super::held::{Beat, Ending, Held};
 use super::{Begun, Handle, Operation, Outcome, Settings};
 use crate::__private::IdemResult;
 use crate::codec::{self, ErrorPolicy, ValueCodec};
+use crate::store::Typed;
 use crate::{Error, Fingerprint, Key};
 
 /// A derived key and fingerprint; `None` for an absent optional key; or the error that
@@ -30,6 +32,33 @@ pub(crate) type Derived = Result<Option<(Key, Option<Fingerprint>)>, Error>;
 /// as the bare return value of an `#[idempotent]` function.
 pub(crate) type Answer<R, O> =
     fn(Result<Outcome<<R as IdemResult>::Ok>, <R as IdemResult>::Err>) -> O;
+
+/// How a call keeps its success value beside the record, for a store in this process that
+/// keeps it, and takes it back on a replay: a clone instead of a decoding. Only for a
+/// `Clone` type, so it is chosen where the type is known (the macro's expansion); `None`
+/// decodes.
+pub struct Typing<T> {
+    keep: fn(&T) -> Typed,
+    take: fn(&Typed) -> Option<T>,
+}
+
+impl<T> Clone for Typing<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Typing<T> {}
+
+impl<T: Clone + Send + Sync + 'static> Typing<T> {
+    /// The typing of a `Clone` value: kept as an `Arc` of a clone, taken back by cloning.
+    pub(crate) fn cloned() -> Self {
+        Self {
+            keep: |value| Arc::new(value.clone()),
+            take: |typed| typed.downcast_ref::<T>().cloned(),
+        }
+    }
+}
 
 pin_project! {
     /// The future of one call.
@@ -43,6 +72,7 @@ pin_project! {
         phase: Phase<'a>,
         output: Option<Result<R::Ok, R::Err>>,
         answer: Answer<R, O>,
+        typing: Option<Typing<R::Ok>>,
         codec: PhantomData<fn() -> C>,
     }
 }
@@ -55,8 +85,11 @@ impl<'a, C, P, R: IdemResult, F, O> Call<'a, C, P, R, F, O> {
         derived: Derived,
         body: F,
         answer: Answer<R, O>,
+        typing: Option<Typing<R::Ok>>,
     ) -> Self {
-        Self::at(operation, Phase::Start { store, derived }, body, answer)
+        let mut call = Self::at(operation, Phase::Start { store, derived }, body, answer);
+        call.typing = typing;
+        call
     }
 
     /// A call whose key is claimed already (`on_cancel = "complete"`, in its task).
@@ -76,6 +109,7 @@ impl<'a, C, P, R: IdemResult, F, O> Call<'a, C, P, R, F, O> {
             phase,
             output: None,
             answer,
+            typing: None,
             codec: PhantomData,
         }
     }
@@ -94,15 +128,26 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<O> {
         let this = self.project();
         let operation = *this.operation;
+        let typing = *this.typing;
         let mut slot = Slot::<C, P, R, F> {
             body: this.body,
             output: this.output,
             errors: &operation.errors,
+            typing,
             codec: PhantomData,
         };
         let step = ready!(this.phase.advance(&operation.settings, cx, &mut slot));
         let outcome = match step {
-            Step::Replay(record) => operation.replay::<C, _, _>(&record),
+            Step::Replay(record, typed) => {
+                let taken = typed
+                    .zip(typing)
+                    .and_then(|(typed, typing)| (typing.take)(&typed));
+                match taken {
+                    Some(value) => Ok(Outcome::Replayed(value)),
+                    // Kept by a call of another type, or not kept: decoded.
+                    None => operation.replay::<C, _, _>(&record),
+                }
+            }
             Step::Failed(err) => Err(err.into()),
             Step::Executed => match this.output.take() {
                 Some(output) => output.map(Outcome::Executed),
@@ -119,14 +164,19 @@ pub(crate) trait Body {
     /// Polls the body until it returns, then keeps its output.
     fn poll_body(&mut self, cx: &mut Context<'_>) -> Poll<()>;
 
-    /// What the kept output asks of the record.
-    fn ending(&self) -> Ending;
+    /// What the kept output asks of the record; with the value itself if `keep_typed` (the
+    /// store keeps it) and the call can keep it.
+    fn ending(&self, keep_typed: bool) -> Ending;
+
+    /// Whether the call can take a replay's typed value instead of decoding it.
+    fn takes_typed(&self) -> bool;
 }
 
 struct Slot<'s, C, P, R: IdemResult, F> {
     body: Pin<&'s mut F>,
     output: &'s mut Option<Result<R::Ok, R::Err>>,
     errors: &'s P,
+    typing: Option<Typing<R::Ok>>,
     codec: PhantomData<fn() -> C>,
 }
 
@@ -145,13 +195,24 @@ where
         Poll::Ready(())
     }
 
-    fn ending(&self) -> Ending {
+    fn ending(&self, keep_typed: bool) -> Ending {
         match &*self.output {
-            Some(Ok(value)) => Ending::Value(codec::encode_value::<C, R::Ok>(value)),
+            Some(Ok(value)) => {
+                let encoded = codec::encode_value::<C, R::Ok>(value);
+                let typed = match self.typing {
+                    Some(typing) if keep_typed && encoded.is_ok() => Some((typing.keep)(value)),
+                    _ => None,
+                };
+                Ending::Value(encoded, typed)
+            }
             Some(Err(err)) => Ending::Error(self.errors.encode(err)),
             // Never asked before the body returned; releasing is the safe answer anyway.
             None => Ending::Error(None),
         }
+    }
+
+    fn takes_typed(&self) -> bool {
+        self.typing.is_some()
     }
 }
 
@@ -176,7 +237,8 @@ pub(crate) enum Phase<'a> {
 
 /// Where a phase ended: the call's answer, short of its types.
 enum Step {
-    Replay(Bytes),
+    /// A record to replay, and its typed value if the store kept one and the call takes it.
+    Replay(Bytes, Option<Typed>),
     Failed(Error),
     /// The body ran; its output is in the call.
     Executed,
@@ -201,8 +263,16 @@ impl<'a> Phase<'a> {
                     }
                     // A record in memory is replayed at once: no future, no allocation.
                     Ok(Some((key, fingerprint))) => {
-                        match settings.replay_at_once(store.get(), &key, fingerprint.as_ref()) {
-                            Some(Ok(record)) => return Poll::Ready(Step::Replay(record)),
+                        let typed = body.takes_typed();
+                        match settings.replay_at_once(
+                            store.get(),
+                            &key,
+                            fingerprint.as_ref(),
+                            typed,
+                        ) {
+                            Some(Ok((record, typed))) => {
+                                return Poll::Ready(Step::Replay(record, typed))
+                            }
                             Some(Err(err)) => return Poll::Ready(Step::Failed(err)),
                             None => {
                                 let begin = settings.begin(store, key, fingerprint);
@@ -218,7 +288,7 @@ impl<'a> Phase<'a> {
                     }
                     Poll::Ready(Ok(Begun::Run(held))) => *self = Phase::Running(held, None),
                     Poll::Ready(Ok(Begun::Replay(record))) => {
-                        return Poll::Ready(Step::Replay(record))
+                        return Poll::Ready(Step::Replay(record, None))
                     }
                     Poll::Ready(Err(err)) => return Poll::Ready(Step::Failed(err)),
                 },
@@ -235,7 +305,8 @@ impl<'a> Phase<'a> {
                         *self = Phase::Running(held, heartbeat);
                         return Poll::Pending;
                     }
-                    *self = Phase::Ending(Box::pin(held.end(body.ending(), settings.ttl)));
+                    let ending = body.ending(held.keeps_typed());
+                    *self = Phase::Ending(Box::pin(held.end(ending, settings.ttl)));
                 }
                 Phase::Ending(mut end) => match end.as_mut().poll(cx) {
                     Poll::Pending => {

@@ -27,6 +27,7 @@ use super::Namespace;
 use crate::background;
 use crate::flights::{FlightRef, Landing};
 use crate::meter::{self, Event};
+use crate::store::Typed;
 use crate::{Error, Fingerprint, Key, Store, Token};
 
 pub(super) struct Held {
@@ -65,10 +66,10 @@ struct Lease {
     flight: Option<FlightRef>,
 }
 
-/// What a body ended with, as the record sees it: a value's encoding, or an error's, if the
-/// error policy records it.
+/// What a body ended with, as the record sees it: a value's encoding (and the value itself,
+/// for a store that keeps it), or an error's, if the error policy records it.
 pub(super) enum Ending {
-    Value(Result<Bytes, Error>),
+    Value(Result<Bytes, Error>, Option<Typed>),
     Error(Option<Result<Bytes, Error>>),
 }
 
@@ -80,8 +81,12 @@ pub(super) type Beat = Option<Pin<Box<dyn Future<Output = ()> + Send>>>;
 enum Owed {
     /// The body runs, failed, panicked or was cancelled: free the key.
     Release,
-    /// The body's outcome is final: record it.
-    Complete { record: Bytes, ttl: Duration },
+    /// The body's outcome is final: record it (with its typed value, if the store keeps it).
+    Complete {
+        record: Bytes,
+        typed: Option<Typed>,
+        ttl: Duration,
+    },
     /// The store was told (or gave up on), and the flight landed.
     Nothing,
 }
@@ -188,7 +193,7 @@ impl Held {
     pub(super) async fn end(mut self, ending: Ending, ttl: Duration) -> Result<(), Error> {
         let span = self.span.clone();
         let event = match ending {
-            Ending::Value(Ok(_)) | Ending::Error(Some(Ok(_))) => Event::Executed,
+            Ending::Value(Ok(_), _) | Ending::Error(Some(Ok(_))) => Event::Executed,
             _ => Event::Released,
         };
         meter::count(&self.namespace, event);
@@ -196,17 +201,17 @@ impl Held {
         let elapsed_ms = self.started.elapsed().as_millis() as u64;
         async move {
             match ending {
-                Ending::Value(Ok(record)) => {
-                    self.record(record, ttl).await;
+                Ending::Value(Ok(record), typed) => {
+                    self.record(record, typed, ttl).await;
                     tracing::debug!(outcome = "executed", elapsed_ms);
                 }
-                Ending::Value(Err(codec)) => {
+                Ending::Value(Err(codec), _) => {
                     tracing::error!(outcome = "released", error = %codec, "the result cannot be recorded");
                     self.release().await;
                     return Err(codec);
                 }
                 Ending::Error(Some(Ok(record))) => {
-                    self.record(record, ttl).await;
+                    self.record(record, None, ttl).await;
                     tracing::debug!(outcome = "executed", elapsed_ms, "recorded a final error");
                 }
                 Ending::Error(Some(Err(codec))) => {
@@ -224,9 +229,14 @@ impl Held {
         .await
     }
 
+    /// Whether the store keeps a result's typed value beside its encoding.
+    pub(super) fn keeps_typed(&self) -> bool {
+        self.claim.store.typed().is_some()
+    }
+
     /// Records `record` under this claim, replayed for `ttl`, and hands it to the waiters.
-    async fn record(mut self, record: Bytes, ttl: Duration) {
-        self.owed = Owed::Complete { record, ttl };
+    async fn record(mut self, record: Bytes, typed: Option<Typed>, ttl: Duration) {
+        self.owed = Owed::Complete { record, typed, ttl };
         self.finish().await;
     }
 
@@ -281,11 +291,18 @@ impl Held {
     /// One attempt at the owed step: how the flight lands, or `None` if the store failed.
     async fn attempt(&self) -> Option<Landing> {
         let result = match &self.owed {
-            Owed::Complete { record, ttl } => {
-                self.claim
-                    .store
-                    .complete(&self.claim.key, self.claim.token, record.clone(), *ttl)
-                    .await
+            Owed::Complete { record, typed, ttl } => {
+                let (store, key, token) = (&self.claim.store, &self.claim.key, self.claim.token);
+                match (typed, store.typed()) {
+                    (Some(typed), Some(keeps)) => Ok(keeps.complete_typed(
+                        key,
+                        token,
+                        record.clone(),
+                        *ttl,
+                        Arc::clone(typed),
+                    )),
+                    _ => store.complete(key, token, record.clone(), *ttl).await,
+                }
             }
             Owed::Release => {
                 self.claim

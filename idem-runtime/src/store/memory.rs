@@ -14,6 +14,7 @@ use moka::Expiry;
 use tokio::time::Instant;
 
 use crate::key::KeyHasher;
+use crate::store::{Typed, TypedStore};
 use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
 /// The default number of completed results a [`MemoryStore`] keeps.
@@ -41,6 +42,11 @@ const ENTRY_OVERHEAD: u64 = 160;
 ///
 /// Leases follow `tokio::time`, so `tokio::time::pause` drives their expiry in tests. Result
 /// TTLs follow the cache's own clock (real time): a replay then reads no clock at all.
+///
+/// A result recorded by an `#[idempotent]` function whose success type is `Clone` is kept
+/// twice: encoded, as every store keeps it, and as the value itself, so that a replay hands
+/// back a clone instead of decoding. Both are made from one value in one step; the bytes
+/// bound counts the encoding only.
 ///
 /// Cloning is cheap and every clone shares the same records.
 ///
@@ -104,6 +110,8 @@ struct ClaimRecord {
 #[derive(Clone)]
 struct ResultRecord {
     value: Bytes,
+    /// The value itself, when the call that recorded it could keep it.
+    typed: Option<Typed>,
     fingerprint: Option<Fingerprint>,
     ttl: Duration,
 }
@@ -165,6 +173,44 @@ impl MemoryStore {
     /// the key's lock is safe.
     fn live_result(&self, key: &Key) -> Option<ResultRecord> {
         self.inner.results.get(key)
+    }
+
+    /// Completes the claim `token` of `key` with `value` (and its typed value): whether the
+    /// claim was held.
+    fn record(
+        &self,
+        key: &Key,
+        token: Token,
+        value: Bytes,
+        typed: Option<Typed>,
+        ttl: Duration,
+    ) -> bool {
+        let now = Instant::now();
+        let mut claims = self.claims(key);
+        let Some(claim) = claims.held(key, token, now) else {
+            return false;
+        };
+        let record = ResultRecord {
+            value,
+            typed,
+            fingerprint: claim.fingerprint,
+            ttl: limits::clamp(ttl),
+        };
+        if record.bytes() > self.inner.max_bytes {
+            // Never admitted: releasing the key says so to the next call, which runs.
+            tracing::warn!(
+                outcome = "unrecorded",
+                bytes = record.bytes(),
+                max_bytes = self.inner.max_bytes,
+                "the result is larger than the memory store's `max_bytes`: not recorded, the key is released"
+            );
+            claims.live.remove(key);
+            return true;
+        }
+        // The result is visible before the claim goes, and both under the key's lock.
+        self.inner.results.insert(*key, record);
+        claims.live.remove(key);
+        true
     }
 
     /// The claims of `key`'s shard, locked. Every step that moves a key between the claims
@@ -287,31 +333,7 @@ impl Store for MemoryStore {
         value: Bytes,
         ttl: Duration,
     ) -> Result<bool, Error> {
-        let now = Instant::now();
-        let mut claims = self.claims(key);
-        let Some(claim) = claims.held(key, token, now) else {
-            return Ok(false);
-        };
-        let record = ResultRecord {
-            value,
-            fingerprint: claim.fingerprint,
-            ttl: limits::clamp(ttl),
-        };
-        if record.bytes() > self.inner.max_bytes {
-            // Never admitted: releasing the key says so to the next call, which runs.
-            tracing::warn!(
-                outcome = "unrecorded",
-                bytes = record.bytes(),
-                max_bytes = self.inner.max_bytes,
-                "the result is larger than the memory store's `max_bytes`: not recorded, the key is released"
-            );
-            claims.live.remove(key);
-            return Ok(true);
-        }
-        // The result is visible before the claim goes, and both under the key's lock.
-        self.inner.results.insert(*key, record);
-        claims.live.remove(key);
-        Ok(true)
+        Ok(self.record(key, token, value, None, ttl))
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
@@ -353,6 +375,28 @@ impl Store for MemoryStore {
 
     fn flights(&self) -> Option<&Flights> {
         Some(&self.inner.flights)
+    }
+
+    fn typed(&self) -> Option<&dyn TypedStore> {
+        Some(self)
+    }
+}
+
+impl TypedStore for MemoryStore {
+    fn complete_typed(
+        &self,
+        key: &Key,
+        token: Token,
+        value: Bytes,
+        ttl: Duration,
+        typed: Typed,
+    ) -> bool {
+        self.record(key, token, value, Some(typed), ttl)
+    }
+
+    fn peek_typed(&self, key: &Key) -> Option<(Typed, Bytes, Option<Fingerprint>)> {
+        let record = self.live_result(key)?;
+        Some((record.typed?, record.value, record.fingerprint))
     }
 }
 

@@ -1,0 +1,115 @@
+//! A replay from the memory store hands the caller the recorded value itself, cloned, when
+//! the `#[idempotent]` function's success type is `Clone`: nothing is decoded. Every other
+//! replay decodes the record, and every one checks the fingerprint first.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use idem_runtime::{idempotent, Error, MemoryStore, Operation, Outcome};
+use serde::{Deserialize, Deserializer, Serialize};
+
+/// Defines a receipt type whose decodings are counted, each type with its own counter.
+macro_rules! counted {
+    ($name:ident, $decodes:ident $(, $derive:ident)*) => {
+        static $decodes: AtomicUsize = AtomicUsize::new(0);
+
+        #[derive(Debug, PartialEq $(, $derive)*)]
+        struct $name {
+            id: u64,
+            customer: String,
+        }
+
+        impl Serialize for $name {
+            fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                (self.id, &self.customer).serialize(serializer)
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+                $decodes.fetch_add(1, Ordering::SeqCst);
+                let (id, customer) = <(u64, String)>::deserialize(deserializer)?;
+                Ok(Self { id, customer })
+            }
+        }
+    };
+}
+
+counted!(Cloned, CLONED_DECODES, Clone);
+counted!(Uncloned, UNCLONED_DECODES);
+
+impl Cloned {
+    fn new(id: u64) -> Self {
+        Self {
+            id,
+            customer: "cus_0042".into(),
+        }
+    }
+}
+
+#[idempotent(key = id, fingerprint = amount, store = store, namespace = "typed.cloned")]
+async fn cloned(store: &MemoryStore, id: u64, amount: u64) -> Result<Cloned, Error> {
+    let _ = amount;
+    Ok(Cloned::new(id))
+}
+
+#[idempotent(key = id, store = store, namespace = "typed.uncloned")]
+async fn uncloned(store: &MemoryStore, id: u64) -> Result<Uncloned, Error> {
+    Ok(Uncloned {
+        id,
+        customer: "cus_0042".into(),
+    })
+}
+
+/// Another function under the same namespace and key as `cloned`, with another `Clone`
+/// type: the value kept beside the record is not its type, so it decodes.
+#[idempotent(key = id, fingerprint = amount, store = store, namespace = "typed.cloned")]
+async fn other_type(store: &MemoryStore, id: u64, amount: u64) -> Result<(u64, String), Error> {
+    let _ = amount;
+    Ok((id, "never run".into()))
+}
+
+#[tokio::test]
+async fn a_clone_type_is_replayed_without_decoding() {
+    let store = MemoryStore::new();
+    assert_eq!(cloned(&store, 1, 100).await.unwrap(), Cloned::new(1));
+    for _ in 0..3 {
+        assert_eq!(cloned(&store, 1, 100).await.unwrap(), Cloned::new(1));
+    }
+    assert_eq!(
+        CLONED_DECODES.load(Ordering::SeqCst),
+        0,
+        "a replay of a Clone type decoded its record"
+    );
+
+    // The fingerprint is checked on this path too, before any value is handed back.
+    let err = cloned(&store, 1, 999).await.unwrap_err();
+    assert!(matches!(err, Error::PayloadMismatch), "{err:?}");
+
+    // A caller of another type gets the record decoded, never the other type's value.
+    assert_eq!(
+        other_type(&store, 1, 100).await.unwrap(),
+        (1, "cus_0042".to_string())
+    );
+    // And the same value through `Operation::run`, which cannot know the type is `Clone`,
+    // is decoded as well.
+    let op = Operation::new("typed.cloned");
+    let key = op.key(&1_u64).unwrap();
+    let fingerprint = idem_runtime::Fingerprint::of(&100_u64).unwrap();
+    let replayed = op
+        .run(&store, &key, Some(&fingerprint), async {
+            Ok::<_, Error>(Cloned::new(2))
+        })
+        .await
+        .unwrap();
+    assert_eq!(replayed, Outcome::Replayed(Cloned::new(1)));
+    assert_eq!(CLONED_DECODES.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_type_that_is_not_clone_is_decoded() {
+    let store = MemoryStore::new();
+    let first = uncloned(&store, 7).await.unwrap();
+    let replayed = uncloned(&store, 7).await.unwrap();
+    assert_eq!(first, replayed);
+    assert_eq!(UNCLONED_DECODES.load(Ordering::SeqCst), 1);
+}
