@@ -15,7 +15,8 @@
 //! Beside the calls per second, each row gives the **server's own CPU time per call** over
 //! the same rounds: Redis's `INFO cpu` (user + system), and for PostgreSQL the CPU time of
 //! every `postgres` process on this machine (`/proc/<pid>/stat`: backends, WAL writer and
-//! the rest, all of which the calls make work for). It is steadier than wall time on a shared
+//! the rest, all of which the calls make work for, and the exited backends the postmaster
+//! reaped). It is steadier than wall time on a shared
 //! machine, and it is what bounds a server shared by many clients.
 
 use std::future::Future;
@@ -90,11 +91,16 @@ fn postgres_cpu() -> Option<f64> {
             continue;
         }
         let fields: Vec<&str> = rest.split(' ').collect();
-        // utime and stime are fields 14 and 15 of the line, 12 and 13 after `) `.
-        let (Some(user), Some(system)) = (fields.get(11), fields.get(12)) else {
+        // utime, stime, cutime and cstime are fields 14 to 17 of the line, 12 to 15 after
+        // `) `. A backend that exits takes its own time out of `/proc`, and the postmaster
+        // that reaps it gains it as `cutime` and `cstime`: the sum only grows.
+        let Some(times) = fields.get(11..15) else {
             continue;
         };
-        ticks += user.parse::<u64>().unwrap_or(0) + system.parse::<u64>().unwrap_or(0);
+        ticks += times
+            .iter()
+            .map(|t| t.parse::<u64>().unwrap_or(0))
+            .sum::<u64>();
         found = true;
     }
     found.then(|| ticks as f64 / TICKS)
