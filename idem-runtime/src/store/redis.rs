@@ -240,7 +240,7 @@ impl RedisStore {
     /// a syntax error, as [`Error::Store`]).
     async fn checked(self) -> Result<Self, Error> {
         let mut connection = self.connection.clone();
-        let info: String = within(
+        let info: Value = within(
             self.timeout,
             redis::cmd("INFO")
                 .arg("server")
@@ -248,16 +248,22 @@ impl RedisStore {
         )
         .await?
         .map_err(Error::store)?;
-        let version = info
-            .lines()
-            .find_map(|line| line.strip_prefix("redis_version:"))
-            .unwrap_or("unknown")
-            .trim();
-        let mut parts = version.split('.').map(|part| part.parse::<u32>().ok());
-        match (parts.next().flatten(), parts.next().flatten()) {
-            (Some(major), Some(minor)) if (major, minor) >= MIN_VERSION => Ok(self),
-            _ => Err(Error::store(format!(
-                "idem needs Redis 7.0 or later (for SET with NX and GET); the server runs {version}"
+        // One server answers with its text; a cluster connection asks every node and
+        // answers with a map of them: each must be new enough.
+        let mut versions = Vec::new();
+        collect_versions(&info, &mut versions);
+        let too_old = versions.iter().find(|version| {
+            let mut parts = version.split('.').map(|part| part.parse::<u32>().ok());
+            !matches!(
+                (parts.next().flatten(), parts.next().flatten()),
+                (Some(major), Some(minor)) if (major, minor) >= MIN_VERSION
+            )
+        });
+        match (too_old, versions.is_empty()) {
+            (None, false) => Ok(self),
+            (found, _) => Err(Error::store(format!(
+                "idem needs Redis 7.0 or later (for SET with NX and GET); the server runs {}",
+                found.map_or("an unknown version", String::as_str)
             ))),
         }
     }
@@ -355,6 +361,28 @@ impl RedisStore {
             Value::Int(applied) => Ok(applied == 1),
             other => Err(unexpected(&other)),
         }
+    }
+}
+
+/// The `redis_version` of every `INFO` text in `info`: one server's, or each node's.
+fn collect_versions(info: &Value, versions: &mut Vec<String>) {
+    match info {
+        Value::BulkString(text) => versions.extend(
+            String::from_utf8_lossy(text)
+                .lines()
+                .filter_map(|line| line.strip_prefix("redis_version:"))
+                .map(|version| version.trim().to_string()),
+        ),
+        Value::VerbatimString { text, .. } => {
+            collect_versions(&Value::BulkString(text.clone().into_bytes()), versions);
+        }
+        Value::Map(nodes) => nodes
+            .iter()
+            .for_each(|(_, node)| collect_versions(node, versions)),
+        Value::Array(nodes) => nodes
+            .iter()
+            .for_each(|node| collect_versions(node, versions)),
+        _ => {}
     }
 }
 
