@@ -435,18 +435,11 @@ impl Settings {
         {
             return None;
         }
-        // The value itself, kept beside the record, when the call can take it.
-        let (value, recorded, typed) = match store
-            .typed()
-            .filter(|_| typed)
-            .and_then(|s| s.peek_typed(key))
-        {
-            Some((typed, value, recorded)) => (value, recorded, Some(typed)),
+        // With the value itself kept beside the record, when the call can take it: one look.
+        let (typed, value, recorded) = match store.typed().filter(|_| typed) {
+            Some(keeps) => keeps.peek_typed(key)?,
             None => match store.peek(key)? {
-                Claim::Completed {
-                    value,
-                    fingerprint: recorded,
-                } => (value, recorded, None),
+                Claim::Completed { value, fingerprint } => (None, value, fingerprint),
                 _ => return None,
             },
         };

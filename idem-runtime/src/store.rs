@@ -246,9 +246,9 @@ pub trait TypedStore: Send + Sync {
         typed: Typed,
     ) -> bool;
 
-    /// As [`Store::peek`], for a live completed record that has a typed value: the value,
-    /// the encoding and the fingerprint. `None` means "ask `peek`".
-    fn peek_typed(&self, key: &Key) -> Option<(Typed, Bytes, Option<Fingerprint>)>;
+    /// As [`Store::peek`], with the typed value kept beside a live completed record, if any:
+    /// the value, the encoding and the fingerprint. `None`: no live completed record.
+    fn peek_typed(&self, key: &Key) -> Option<(Option<Typed>, Bytes, Option<Fingerprint>)>;
 }
 
 macro_rules! forward_store {

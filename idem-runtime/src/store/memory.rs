@@ -45,8 +45,8 @@ const ENTRY_OVERHEAD: u64 = 160;
 ///
 /// A result recorded by an `#[idempotent]` function whose success type is `Clone` is kept
 /// twice: encoded, as every store keeps it, and as the value itself, so that a replay hands
-/// back a clone instead of decoding. Both are made from one value in one step; the bytes
-/// bound counts the encoding only.
+/// back a clone instead of decoding. Both are made from one value in one step, and the bytes
+/// bound counts such a result twice (the encoding's length standing for the value's).
 ///
 /// Cloning is cheap and every clone shares the same records.
 ///
@@ -117,9 +117,12 @@ struct ResultRecord {
 }
 
 impl ResultRecord {
-    /// What the record weighs against [`MemoryStoreBuilder::max_bytes`].
+    /// What the record weighs against [`MemoryStoreBuilder::max_bytes`]: its encoding, and
+    /// as much again for a typed value kept beside it (its heap size is not known; the
+    /// encoding's length stands for it).
     fn bytes(&self) -> u64 {
-        self.value.len() as u64 + ENTRY_OVERHEAD
+        let copies = if self.typed.is_some() { 2 } else { 1 };
+        self.value.len() as u64 * copies + ENTRY_OVERHEAD
     }
 
     fn into_claim(self) -> Claim {
@@ -190,12 +193,16 @@ impl MemoryStore {
         let Some(claim) = claims.held(key, token, now) else {
             return false;
         };
-        let record = ResultRecord {
+        let mut record = ResultRecord {
             value,
             typed,
             fingerprint: claim.fingerprint,
             ttl: limits::clamp(ttl),
         };
+        if record.bytes() > self.inner.max_bytes {
+            // Kept encoded only, the one copy may fit: its replays then decode.
+            record.typed = None;
+        }
         if record.bytes() > self.inner.max_bytes {
             // Never admitted: releasing the key says so to the next call, which runs.
             tracing::warn!(
@@ -394,9 +401,9 @@ impl TypedStore for MemoryStore {
         self.record(key, token, value, Some(typed), ttl)
     }
 
-    fn peek_typed(&self, key: &Key) -> Option<(Typed, Bytes, Option<Fingerprint>)> {
+    fn peek_typed(&self, key: &Key) -> Option<(Option<Typed>, Bytes, Option<Fingerprint>)> {
         let record = self.live_result(key)?;
-        Some((record.typed?, record.value, record.fingerprint))
+        Some((record.typed, record.value, record.fingerprint))
     }
 }
 
@@ -410,6 +417,38 @@ mod tests {
             fingerprint: None,
             until,
         }
+    }
+
+    #[tokio::test]
+    async fn a_typed_result_weighs_twice_and_is_kept_encoded_when_twice_does_not_fit() {
+        let store = MemoryStore::builder()
+            .max_bytes(ENTRY_OVERHEAD + 150)
+            .build();
+        let typed = || -> Typed { Arc::new(7_u64) };
+        let (small, large) = (
+            Key::derive("typed", &1).unwrap(),
+            Key::derive("typed", &2).unwrap(),
+        );
+        let mut kept = Vec::new();
+        for (key, len) in [(&small, 70), (&large, 100)] {
+            let Ok(Claim::Acquired { token }) =
+                store.claim(key, None, Duration::from_secs(60)).await
+            else {
+                panic!("a fresh key is acquired");
+            };
+            let value = Bytes::from(vec![b'7'; len]);
+            assert!(store.complete_typed(key, token, value, Duration::from_secs(60), typed()));
+            kept.push(store.peek_typed(key).expect("recorded"));
+        }
+        assert!(
+            kept[0].0.is_some(),
+            "70 bytes twice fit in 150: the value is kept"
+        );
+        assert!(
+            kept[1].0.is_none(),
+            "100 bytes twice do not fit in 150: encoded only"
+        );
+        assert_eq!(kept[1].1.len(), 100, "and the encoding is recorded");
     }
 
     #[test]

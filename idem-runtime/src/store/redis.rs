@@ -69,48 +69,40 @@ const NO_FENCE: &[u8; FENCE_DIGITS] = b"00000000000000000000";
 // In every script, ARGV[1] is the holder's prefix: "p" and its 8-byte token; the
 // fingerprint and what follows start at byte 30 (Lua counts from 1).
 
-static COMPLETE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
+const COMPLETE_LUA: &str = r"
 local record = redis.call('GET', KEYS[1])
 if not record or string.sub(record, 1, 9) ~= ARGV[1] then
     return 0
 end
 redis.call('SET', KEYS[1], 'c' .. string.sub(record, 30) .. ARGV[2], 'PX', ARGV[3])
 return 1
-",
-    )
-});
+";
 
-static RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
+static COMPLETE: LazyLock<Script> = LazyLock::new(|| Script::new(COMPLETE_LUA));
+
+const RELEASE_LUA: &str = r"
 local record = redis.call('GET', KEYS[1])
 if not record or string.sub(record, 1, 9) ~= ARGV[1] then
     return 0
 end
 redis.call('DEL', KEYS[1])
 return 1
-",
-    )
-});
+";
 
-static RENEW: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
+static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(RELEASE_LUA));
+
+const RENEW_LUA: &str = r"
 local record = redis.call('GET', KEYS[1])
 if not record or string.sub(record, 1, 9) ~= ARGV[1] then
     return 0
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
-",
-    )
-});
+";
 
-static FENCE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
+static RENEW: LazyLock<Script> = LazyLock::new(|| Script::new(RENEW_LUA));
+
+const FENCE_LUA: &str = r"
 local record = redis.call('GET', KEYS[1])
 if not record or string.sub(record, 1, 9) ~= ARGV[1] then
     return false
@@ -122,9 +114,9 @@ if fence == '00000000000000000000' then
     redis.call('SET', KEYS[1], ARGV[1] .. fence .. string.sub(record, 30), 'KEEPTTL')
 end
 return fence
-",
-    )
-});
+";
+
+static FENCE: LazyLock<Script> = LazyLock::new(|| Script::new(FENCE_LUA));
 
 /// A store shared by every process that connects to the same Redis server or cluster.
 ///
@@ -331,7 +323,7 @@ impl RedisStore {
     }
 
     /// Runs one of the holder's scripts under the timeout: one round trip.
-    async fn holder(
+    async fn run_script(
         &self,
         script: &Script,
         key: &Key,
@@ -357,7 +349,7 @@ impl RedisStore {
         token: Token,
         args: &[&[u8]],
     ) -> Result<bool, Error> {
-        match self.holder(script, key, token, args).await? {
+        match self.run_script(script, key, token, args).await? {
             Value::Int(applied) => Ok(applied == 1),
             other => Err(unexpected(&other)),
         }
@@ -536,7 +528,7 @@ impl Store for RedisStore {
     }
 
     async fn fence(&self, key: &Key, token: Token) -> Result<Option<Token>, Error> {
-        match self.holder(&FENCE, key, token, &[]).await? {
+        match self.run_script(&FENCE, key, token, &[]).await? {
             Value::Nil => Ok(None),
             Value::BulkString(digits) => std::str::from_utf8(&digits)
                 .ok()
@@ -558,5 +550,34 @@ impl Store for RedisStore {
 
     fn flights(&self) -> Option<&Flights> {
         Some(&self.flights)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_scripts_read_the_layout_the_client_writes() {
+        // Lua counts from 1: the holder's prefix is bytes 1–9, the fence 10–29, and the
+        // fingerprint's length byte starts the rest, at 30.
+        let record = in_progress(Token::new(0x0102_0304_0506_0708), None);
+        assert_eq!(record.len(), HEAD);
+        assert_eq!(record[..9], holder(Token::new(0x0102_0304_0506_0708)));
+        assert_eq!(&record[9..HEAD - 1], NO_FENCE);
+        for source in [COMPLETE_LUA, RELEASE_LUA, RENEW_LUA, FENCE_LUA] {
+            assert!(
+                source.contains("string.sub(record, 1, 9) ~= ARGV[1]"),
+                "{source}"
+            );
+        }
+        for source in [COMPLETE_LUA, FENCE_LUA] {
+            assert!(
+                source.contains(&format!("string.sub(record, {})", HEAD)),
+                "{source}"
+            );
+        }
+        assert!(FENCE_LUA.contains(&format!("string.sub(record, 10, {})", HEAD - 1)));
+        assert!(FENCE_LUA.contains(&String::from_utf8_lossy(NO_FENCE).into_owned()));
     }
 }
