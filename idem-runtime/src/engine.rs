@@ -425,7 +425,6 @@ impl Settings {
         fingerprint: Option<&Fingerprint>,
         typed: bool,
     ) -> Option<Result<(Bytes, Option<Typed>), Error>> {
-        let started = meter::start();
         if let Err(err) = limits::check(self.ttl, self.lease, self.wait_timeout) {
             return Some(Err(err));
         }
@@ -445,7 +444,7 @@ impl Settings {
         };
         let _entered = self.span(key).entered();
         let replay = replayable(value, recorded.as_ref(), fingerprint);
-        meter::settled(&self.namespace, started, &replay, |_| true);
+        meter::settled_at_once(&self.namespace, &replay);
         Some(replay.map(|value| (value, typed)))
     }
 

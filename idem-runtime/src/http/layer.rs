@@ -217,7 +217,10 @@ impl<St: Store + Clone> IdempotencyLayer<St, ScopeNotChosen> {
                 record_if: Arc::new(|status: StatusCode| status.is_success()),
                 record_header_if: Arc::new(|name: &HeaderName| name != SET_COOKIE),
                 on_unrecorded: None,
-                fingerprint: Arc::new(fingerprint::of_request),
+                fingerprint: {
+                    let memo = fingerprint::Memo::new();
+                    Arc::new(move |parts: &Parts, body: &Bytes| memo.of_request(parts, body))
+                },
                 retry_after: super::problem::DEFAULT_RETRY_AFTER,
                 unknown_principal: UnknownPrincipal::Refuse,
             }),
