@@ -86,16 +86,6 @@ pub struct PostgresStore {
 /// The fewest connections the holders' pool may open, beside the store's pool.
 pub const HOLDER_CONNECTIONS: u32 = 2;
 
-/// How many connections the holders' pool may open beside a pool of `claims`.
-const fn holder_connections(claims: u32) -> u32 {
-    let quarter = claims.div_ceil(4);
-    if quarter > HOLDER_CONNECTIONS {
-        quarter
-    } else {
-        HOLDER_CONNECTIONS
-    }
-}
-
 /// The statements of one table, written once.
 struct Statements {
     schema: Schema,
@@ -295,18 +285,16 @@ impl PostgresStore {
     /// Uses an existing pool; its acquire timeout bounds how long an operation waits when the
     /// database is unreachable.
     ///
-    /// Completions, releases and renewals run on a pool of their own, opened only when
-    /// needed, of a quarter as many connections as `pool` at most (never fewer than
-    /// [`HOLDER_CONNECTIONS`]): a crowd of new claims waiting for `pool` can then never
-    /// starve a holder of its renewals until its lease lapses and another caller runs the
-    /// body again. Size the server for both: a pool of 64 opens at most 64 + 16 connections.
+    /// Completions, releases and renewals run on a pool of their own, with the same options
+    /// and as many connections at most as `pool` (never fewer than [`HOLDER_CONNECTIONS`]),
+    /// opened only when needed:
+    /// a crowd of new claims waiting for `pool` can then never starve a holder of its
+    /// renewals until its lease lapses and another caller runs the body again.
     pub fn from_pool(pool: PgPool) -> Self {
-        // What a holder owes is one short statement, sent once its body is done: a burst of
-        // holders queues briefly on a few connections, where as many connections as the
-        // claims had would double what the server must allow (a pool sized to the server's
-        // `max_connections` then fails its completions on connecting).
+        // As many as the store's pool: a burst of holders completing at once is as large
+        // as the burst of claims that made them.
         let holders = PgPoolOptions::new()
-            .max_connections(holder_connections(pool.options().get_max_connections()))
+            .max_connections(pool.options().get_max_connections().max(HOLDER_CONNECTIONS))
             .min_connections(0)
             .acquire_timeout(DEFAULT_ACQUIRE_TIMEOUT)
             .connect_lazy_with((*pool.connect_options()).clone());
@@ -598,17 +586,5 @@ mod tests {
         let sql = Statements::new("billing.idem").unwrap();
         assert!(sql.claim.contains("\"billing\".\"idem\""));
         assert!(sql.claim.contains("nextval('\"billing\".\"idem_token\"')"));
-    }
-
-    #[tokio::test]
-    async fn the_holders_pool_opens_a_quarter_of_the_claims_pool_at_least_two() {
-        for (claims, holders) in [(1, 2), (4, 2), (9, 3), (16, 4), (64, 16), (100, 25)] {
-            let pool = PgPoolOptions::new()
-                .max_connections(claims)
-                .connect_lazy("postgres://nobody@127.0.0.1:1/none")
-                .unwrap();
-            let store = PostgresStore::from_pool(pool);
-            assert_eq!(store.holders.options().get_max_connections(), holders);
-        }
     }
 }
