@@ -34,6 +34,8 @@ fn recorded<F: Future>(work: impl FnOnce() -> F) -> Recorded {
 struct Recorded {
     calls: BTreeMap<(String, String), u64>,
     claims: BTreeMap<String, usize>,
+    /// The claim latencies of each namespace, in seconds, in the order they were recorded.
+    latencies: BTreeMap<String, Vec<f64>>,
 }
 
 impl From<&Snapshotter> for Recorded {
@@ -55,6 +57,10 @@ impl From<&Snapshotter> for Recorded {
                 }
                 (CLAIM_DURATION, DebugValue::Histogram(samples)) => {
                     recorded.claims.insert(label("namespace"), samples.len());
+                    recorded.latencies.insert(
+                        label("namespace"),
+                        samples.iter().map(|sample| sample.into_inner()).collect(),
+                    );
                 }
                 (name, value) => panic!("unexpected metric {name}: {value:?}"),
             }
@@ -165,4 +171,21 @@ fn an_attribute_s_calls_are_counted_under_its_namespace_and_unkeyed_calls_not_at
     let counted: u64 = recorded.calls.values().sum();
     assert_eq!(counted, 2, "the unkeyed call is not counted: {recorded:?}");
     assert_eq!(recorded.claims.get(ns), Some(&2), "{recorded:?}");
+}
+
+#[test]
+fn a_replay_answered_at_once_from_memory_records_a_claim_latency_of_zero() {
+    let recorded = recorded(|| async {
+        let store = MemoryStore::new();
+        let op = Operation::new("metrics.at_once.v1");
+        let key = op.key(&"k").unwrap();
+        let first = op.run(&store, &key, None, body(1)).await.unwrap();
+        let again = op.run(&store, &key, None, body(1)).await.unwrap();
+        assert!(!first.is_replayed() && again.is_replayed());
+    });
+    let latencies = &recorded.latencies["metrics.at_once.v1"];
+    // The first execution's claim is timed; the replay, read from memory without a wait,
+    // is recorded as zero rather than timed.
+    assert_eq!(latencies.len(), 2, "{recorded:?}");
+    assert_eq!(latencies[1], 0.0, "{recorded:?}");
 }

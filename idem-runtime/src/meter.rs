@@ -78,9 +78,7 @@ pub(crate) fn settled<T>(
 /// first bucket, and reading the clock twice to measure it would cost the replay more than
 /// all of its own work but the key's hash and the cache lookup.
 pub(crate) fn settled_at_once<T>(namespace: &Namespace, result: &Result<T, crate::Error>) {
-    if cfg!(feature = "metrics") {
-        claimed(namespace, Duration::ZERO);
-    }
+    claimed(namespace, Duration::ZERO);
     decided(namespace, result, |_| true);
 }
 

@@ -27,7 +27,7 @@ pub(super) fn of_request(parts: &Parts, body: &Bytes) -> Result<Fingerprint, Err
     Fingerprint::of(&(method, target, 0_u8, Raw(body)))
 }
 
-/// The default fingerprint, remembering the latest ones of JSON requests by their bytes.
+/// The default fingerprint, remembering those of recent JSON requests by their bytes.
 ///
 /// A retry sends the bytes it sent the first time, and canonicalising them again would
 /// cost most of a replay (about 4 µs for 1 KiB, against one SHA-256 pass over the same
@@ -44,7 +44,8 @@ pub(super) struct Memo {
 /// A request's digest by its bytes, and its fingerprint.
 type Remembered = (Fingerprint, Fingerprint);
 
-/// How many requests a layer's memo remembers: about 72 bytes each.
+/// How many requests a layer's memo remembers at most (recent ones: a request takes the
+/// slot its digest names): about 72 bytes each.
 const MEMO_SLOTS: usize = 2048;
 
 impl Memo {
