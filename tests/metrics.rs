@@ -189,3 +189,38 @@ fn a_replay_answered_at_once_from_memory_records_a_claim_latency_of_zero() {
     assert_eq!(latencies.len(), 2, "{recorded:?}");
     assert_eq!(latencies[1], 0.0, "{recorded:?}");
 }
+
+#[test]
+fn many_namespaces_each_keep_their_own_counts() {
+    // More namespaces than a thread keeps the metric keys of, static and shared names
+    // alike, two with equal text held apart, called in turns: each call is counted under
+    // its own name, whichever keys were still cached.
+    let shared: Vec<String> = (0..20).map(|i| format!("metrics.many.{i}.v1")).collect();
+    let recorded = recorded(|| async {
+        let store = MemoryStore::new();
+        for round in 0..3_u32 {
+            for name in &shared {
+                // A new shared name each round: the cache can only match it by its text.
+                let op = Operation::new(name.clone());
+                let key = op.key(&round).unwrap();
+                let ran = op.run(&store, &key, None, body(round)).await.unwrap();
+                assert!(!ran.is_replayed());
+            }
+            let op = Operation::new("metrics.many.static.v1");
+            let key = op.key(&round).unwrap();
+            let ran = op.run(&store, &key, None, body(round)).await.unwrap();
+            assert!(!ran.is_replayed());
+        }
+    });
+    for name in &shared {
+        assert_eq!(recorded.count(name, "executed"), 3, "{name}: {recorded:?}");
+        assert_eq!(recorded.claims.get(name.as_str()), Some(&3), "{recorded:?}");
+    }
+    assert_eq!(
+        recorded.count("metrics.many.static.v1", "executed"),
+        3,
+        "{recorded:?}"
+    );
+    let counted: u64 = recorded.calls.values().sum();
+    assert_eq!(counted, 3 * 21, "{recorded:?}");
+}

@@ -622,6 +622,24 @@ impl Namespace {
             Self::Shared(name) => ::metrics::SharedString::from_shared(Arc::clone(name)),
         }
     }
+
+    /// Whether `other` is this very name: the same static string, or the same shared one.
+    /// Equal names held apart are not; a cache keyed by names can only miss on them.
+    #[cfg(feature = "metrics")]
+    pub(crate) fn is(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Static(a), Self::Static(b)) => std::ptr::eq(*a, *b),
+            (Self::Shared(a), Self::Shared(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+
+    /// Where the name's bytes are, to spread names over a cache's slots.
+    #[cfg(feature = "metrics")]
+    pub(crate) fn address(&self) -> usize {
+        let address = self.as_ptr() as usize;
+        address ^ (address >> 7) ^ (address >> 13)
+    }
 }
 
 impl std::fmt::Debug for Namespace {
