@@ -312,6 +312,63 @@ fn postgres(paths: &mut Paths, rt: &Runtime) {
                 .unwrap()
         }),
     );
+    // The floors of P8a and P8b under any design that keeps idem's guarantees, written by
+    // hand on the baselines' own table. A first execution must commit its claim before the
+    // body runs (else a crash forgets it and a retry runs the body beside it) and commit its
+    // result after: two commits where the baseline has one.
+    paths.pair(
+        "P8f floor of a first execution: INSERT + UPDATE vs INSERT",
+        on(rt, || async {
+            let key = hand_key(fresh(), "raw", 0);
+            sqlx::query("INSERT INTO idem_bench_raw VALUES ($1, NULL, now() + interval '1 minute') ON CONFLICT DO NOTHING")
+                .bind(&key[..])
+                .execute(&pool)
+                .await
+                .unwrap();
+            sqlx::query("UPDATE idem_bench_raw SET value = $2, expires_at = now() + interval '1 hour' WHERE key = $1")
+                .bind(&key[..])
+                .bind(&json)
+                .execute(&pool)
+                .await
+                .unwrap()
+        }),
+        on(rt, || async {
+            let key = hand_key(fresh(), "raw", 0);
+            sqlx::query("INSERT INTO idem_bench_raw VALUES ($1, $2, now() + interval '1 hour') ON CONFLICT DO NOTHING")
+                .bind(&key[..])
+                .bind(&json)
+                .execute(&pool)
+                .await
+                .unwrap()
+        }),
+    );
+    // A replay is the claim's statement finding a record: one round trip that reads the
+    // record or, if there is none, claims the key. The least such a statement is, with no
+    // token, fingerprint or expiry: it may write, so the server sets up the insert even
+    // when it only reads.
+    paths.pair(
+        "P8g floor of a replay: read-or-claim in one statement vs SELECT",
+        on(rt, || async {
+            sqlx::query_as::<_, (Option<Vec<u8>>,)>(
+                "WITH live AS (SELECT value FROM idem_bench_raw WHERE key = $1), \
+                 claimed AS (INSERT INTO idem_bench_raw \
+                    SELECT $1, NULL, now() + interval '1 minute' WHERE NOT EXISTS (SELECT 1 FROM live) \
+                    ON CONFLICT DO NOTHING RETURNING value) \
+                 SELECT value FROM live UNION ALL SELECT value FROM claimed",
+            )
+            .bind(&raw_key[..])
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }),
+        on(rt, || async {
+            sqlx::query_as::<_, (Vec<u8>,)>("SELECT value FROM idem_bench_raw WHERE key = $1")
+                .bind(&raw_key[..])
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }),
+    );
     transfers(paths, rt, &store, &pool);
     rt.block_on(async {
         let _ = store.purge_expired().await;
@@ -365,6 +422,25 @@ fn transfers(paths: &mut Paths, rt: &Runtime, store: &PostgresStore, pool: &sqlx
     paths.pair(
         "P12a transfer in a transaction, postgres",
         on(rt, in_transaction),
+        on(rt, || async {
+            let mut tx = pool.begin().await.unwrap();
+            let moved = transfer(&mut tx).await.unwrap();
+            tx.commit().await.unwrap();
+            moved
+        }),
+    );
+    // The floor of P12a: a claim must reach the server before the body runs, and the record
+    // after it, inside the caller's transaction: two more round trips, here empty ones.
+    paths.pair(
+        "P12f floor: the transaction with two empty round trips vs without",
+        on(rt, || async {
+            let mut tx = pool.begin().await.unwrap();
+            sqlx::query("SELECT 1").execute(&mut *tx).await.unwrap();
+            let moved = transfer(&mut tx).await.unwrap();
+            sqlx::query("SELECT 1").execute(&mut *tx).await.unwrap();
+            tx.commit().await.unwrap();
+            moved
+        }),
         on(rt, || async {
             let mut tx = pool.begin().await.unwrap();
             let moved = transfer(&mut tx).await.unwrap();
@@ -800,6 +876,14 @@ const PATHS: &[(&str, f64)] = &[
     ("P6 first execution, redis", 2.2),
     ("P8a first execution, postgres", 2.0),
     ("P8b replay, postgres", 1.1),
+    (
+        "P8f floor of a first execution: INSERT + UPDATE vs INSERT",
+        2.0,
+    ),
+    (
+        "P8g floor of a replay: read-or-claim in one statement vs SELECT",
+        1.1,
+    ),
     ("P9 key derivation", 1.3),
     ("P10 HTTP replay, memory, 1 KiB JSON", 1.3),
     ("P10b HTTP replay, fingerprint without the body", 1.3),
@@ -807,6 +891,10 @@ const PATHS: &[(&str, f64)] = &[
     ("P11 HTTP first execution, memory, 1 KiB JSON", 1.5),
     ("P12a transfer in a transaction, postgres", 1.4),
     ("P12b same, against the non-transactional store", 1.0),
+    (
+        "P12f floor: the transaction with two empty round trips vs without",
+        1.4,
+    ),
 ];
 
 /// Where criterion keeps its estimates: `$CRITERION_HOME`, else `<target>/criterion`.

@@ -175,14 +175,14 @@ where
         Ok(derived) => derived,
         Err(err) => return problem(Problem::of(err, config.retry_after)),
     };
-    parts.extensions.insert(key);
-    let request = Request::from_parts(parts, Either::Right(Full::new(body)));
-
     let (early, mut sent) = oneshot::channel();
     let handler = {
         let config = Arc::clone(&config);
         let mut inner = inner;
         async move {
+            // Built only when the handler runs: a replay never needs the request.
+            parts.extensions.insert(key);
+            let request = Request::from_parts(parts, Either::Right(Full::new(body)));
             let response = inner.call(request).await.map_err(Failure::Inner)?;
             config.keep(response, early).await
         }
