@@ -58,6 +58,7 @@ struct Frame {
 /// Where an attempt's fencing token comes from.
 enum Fence {
     /// The claim's token is the fencing token (a transactional claim: from a sequence).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     Claim,
     /// The store takes one when the body first asks ([`Store::fence`]), kept for later asks.
     Store {
@@ -78,7 +79,7 @@ impl Attempt {
     }
 
     /// Like [`enter`](Self::enter), for a claim whose token is already its fencing token.
-    #[cfg(any(test, feature = "postgres"))]
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn enter_fenced<S: Store + ?Sized>(store: &S, key: Key, token: Token) -> Self {
         Self::with_fence(store, key, token, Fence::Claim)
     }
@@ -123,7 +124,7 @@ impl Attempt {
     }
 
     /// Runs `body` with this attempt as the current one.
-    #[cfg(any(test, feature = "postgres"))]
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn scope<F: std::future::Future>(
         self,
         body: F,
