@@ -1,5 +1,6 @@
 //! Key derivation does not touch the heap for keys without maps, and a memory replay only
-//! for its metric keys: a counting allocator, scoped to the test's own thread, proves it.
+//! for the clone of its value: a counting allocator, scoped to the test's own thread,
+//! proves it.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
