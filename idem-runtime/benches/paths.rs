@@ -299,18 +299,20 @@ fn postgres(paths: &mut Paths, rt: &Runtime) {
         }),
     );
 
+    // P8b's baseline, and P8g's: the record read by its key.
+    let raw_select = || async {
+        sqlx::query_as::<_, (Vec<u8>,)>("SELECT value FROM idem_bench_raw WHERE key = $1")
+            .bind(&raw_key[..])
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
     paths.pair(
         "P8b replay, postgres",
         on(rt, || async {
             charge_postgres(&store, replay_id).await.unwrap()
         }),
-        on(rt, || async {
-            sqlx::query_as::<_, (Vec<u8>,)>("SELECT value FROM idem_bench_raw WHERE key = $1")
-                .bind(&raw_key[..])
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-        }),
+        on(rt, raw_select),
     );
     // The floors of P8a and P8b under any design that keeps idem's guarantees, written by
     // hand on the baselines' own table. A first execution must commit its claim before the
@@ -361,13 +363,7 @@ fn postgres(paths: &mut Paths, rt: &Runtime) {
             .await
             .unwrap()
         }),
-        on(rt, || async {
-            sqlx::query_as::<_, (Vec<u8>,)>("SELECT value FROM idem_bench_raw WHERE key = $1")
-                .bind(&raw_key[..])
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-        }),
+        on(rt, raw_select),
     );
     transfers(paths, rt, &store, &pool);
     rt.block_on(async {

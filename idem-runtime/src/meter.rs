@@ -15,7 +15,7 @@ pub(crate) enum Event {
 }
 
 impl Event {
-    /// Every event, in declaration order (the order of [`keys::Keys::calls`]).
+    /// Every event, in declaration order (each at its own index, `event as usize`).
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     const ALL: [Self; 5] = [
         Self::Executed,
@@ -51,7 +51,7 @@ impl Event {
 pub(crate) fn count(namespace: &Namespace, event: Event) {
     let keys = keys::of(namespace);
     ::metrics::with_recorder(|recorder| {
-        recorder.register_counter(&keys.calls[event as usize], &keys::METADATA)
+        recorder.register_counter(keys.call(event), &keys::METADATA)
     })
     .increment(1);
 }
@@ -60,7 +60,7 @@ pub(crate) fn count(namespace: &Namespace, event: Event) {
 #[cfg(feature = "metrics")]
 pub(crate) fn claimed(namespace: &Namespace, took: Duration) {
     let keys = keys::of(namespace);
-    ::metrics::with_recorder(|recorder| recorder.register_histogram(&keys.claim, &keys::METADATA))
+    ::metrics::with_recorder(|recorder| recorder.register_histogram(keys.claim(), &keys::METADATA))
         .record(took.as_secs_f64());
 }
 
@@ -69,7 +69,7 @@ pub(crate) fn claimed(namespace: &Namespace, took: Duration) {
 /// than its own bookkeeping (75 ns of 540 in the paths bench's P1b).
 #[cfg(feature = "metrics")]
 mod keys {
-    use std::cell::RefCell;
+    use std::cell::{OnceCell, RefCell};
     use std::rc::Rc;
 
     use metrics::{Key, Label, Level, Metadata};
@@ -82,48 +82,63 @@ mod keys {
     pub(super) static METADATA: Metadata<'static> =
         Metadata::new(module_path!(), Level::INFO, Some(module_path!()));
 
-    /// The keys of one namespace.
+    /// The keys of one namespace, each built when first used: a namespace made anew for
+    /// every call (which the cache can only miss) costs no more keys than it uses.
     pub(super) struct Keys {
+        namespace: Namespace,
         /// By [`Event`], in declaration order.
-        pub(super) calls: [Key; Event::ALL.len()],
-        pub(super) claim: Key,
+        calls: [OnceCell<Key>; Event::ALL.len()],
+        claim: OnceCell<Key>,
+    }
+
+    impl Keys {
+        fn new(namespace: &Namespace) -> Self {
+            Self {
+                namespace: namespace.clone(),
+                calls: Default::default(),
+                claim: OnceCell::new(),
+            }
+        }
+
+        fn label(&self) -> Label {
+            Label::new("namespace", self.namespace.label())
+        }
+
+        /// The counter's key for `event`.
+        pub(super) fn call(&self, event: Event) -> &Key {
+            self.calls[event as usize].get_or_init(|| {
+                Key::from_parts(
+                    CALLS,
+                    vec![self.label(), Label::new("outcome", event.as_str())],
+                )
+            })
+        }
+
+        /// The claim latency histogram's key.
+        pub(super) fn claim(&self) -> &Key {
+            self.claim
+                .get_or_init(|| Key::from_parts(CLAIM_DURATION, vec![self.label()]))
+        }
     }
 
     /// How many namespaces a thread keeps the keys of. A slot holds its namespace, so a
     /// shared name cannot be freed and its address reused by another while it is cached.
     const SLOTS: usize = 8;
 
-    /// A namespace and its keys.
-    type Slot = Option<(Namespace, Rc<Keys>)>;
-
     thread_local! {
-        static CACHE: RefCell<[Slot; SLOTS]> =
+        static CACHE: RefCell<[Option<Rc<Keys>>; SLOTS]> =
             const { RefCell::new([const { None }; SLOTS]) };
     }
 
-    /// The keys of `namespace`, from this thread's cache, or built (and cached) now.
+    /// The keys of `namespace`, from this thread's cache, or new (and cached) now.
     pub(super) fn of(namespace: &Namespace) -> Rc<Keys> {
         CACHE.with(|cache| {
             let slot = &mut cache.borrow_mut()[namespace.address() % SLOTS];
             match slot {
-                Some((cached, keys)) if cached.is(namespace) => Rc::clone(keys),
-                _ => {
-                    let keys = Rc::new(build(namespace));
-                    *slot = Some((namespace.clone(), Rc::clone(&keys)));
-                    keys
-                }
+                Some(keys) if keys.namespace.is(namespace) => Rc::clone(keys),
+                _ => Rc::clone(slot.insert(Rc::new(Keys::new(namespace)))),
             }
         })
-    }
-
-    fn build(namespace: &Namespace) -> Keys {
-        let label = || Label::new("namespace", namespace.label());
-        Keys {
-            calls: Event::ALL.map(|event| {
-                Key::from_parts(CALLS, vec![label(), Label::new("outcome", event.as_str())])
-            }),
-            claim: Key::from_parts(CLAIM_DURATION, vec![label()]),
-        }
     }
 }
 
