@@ -58,6 +58,37 @@ async fn migrations_from_many_processes_at_once_all_succeed() {
         .unwrap();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_needs_one_connection_only() {
+    // A migration holds its connection while it waits for the others' lock: if it asked
+    // the pool for a second one, 8 migrations on a pool of 8 could wait for each other
+    // until the pool timed out (seen under load). On a pool of one it never could.
+    if postgres_store().await.is_none() {
+        return;
+    }
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect(&postgres_url())
+        .await
+        .unwrap();
+    let table = format!("idem_one_connection_migrate_{}", std::process::id());
+    let store = PostgresStore::from_pool(pool.clone())
+        .with_table(&table)
+        .unwrap();
+    store.migrate().await.unwrap();
+    store.migrate().await.unwrap();
+    testkit::conformance(&store).await;
+    sqlx::query(&format!("DROP TABLE \"{table}\""))
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query(&format!("DROP SEQUENCE \"{table}_token\""))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn table_names_that_are_not_identifiers_are_refused() {
     let Some(store) = postgres_store().await else {

@@ -49,7 +49,7 @@ impl Schema {
     /// What is there of the store's objects: the kind of each relation its names name
     /// (`r` table, `S` sequence, `i` index, …), and the claim function's source. Catalog
     /// reads only, which take no lock that a claim could wait behind.
-    async fn inspect(&self, pool: &PgPool) -> Result<Found, Error> {
+    async fn inspect<'e>(&self, executor: impl sqlx::PgExecutor<'e>) -> Result<Found, Error> {
         let row: (
             Option<String>,
             Option<String>,
@@ -66,7 +66,7 @@ impl Schema {
         .bind(&self.sequence)
         .bind(&self.index)
         .bind(format!("{}(bytea, bytea, bigint, text)", self.function))
-        .fetch_one(pool)
+        .fetch_one(executor)
         .await
         .map_err(Error::store)?;
         let found = Found {
@@ -174,7 +174,9 @@ pub(super) async fn migrate(pool: &PgPool, schema: &Schema) -> Result<(), Error>
         .execute(&mut *tx)
         .await
         .map_err(Error::store)?;
-    for statement in schema.missing(&schema.inspect(pool).await?) {
+    // Looked at again on the transaction's own connection: a second one from the pool
+    // could wait forever, with every connection held by a migration queued on the lock.
+    for statement in schema.missing(&schema.inspect(&mut *tx).await?) {
         sqlx::query(&statement)
             .execute(&mut *tx)
             .await
