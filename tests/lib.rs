@@ -628,6 +628,18 @@ pub fn postgres_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
+/// Drops what `migrate` created for a store on `table` (a plain name, in the default
+/// schema): the table, its token sequence and its claim function.
+pub async fn drop_store_objects(pool: &sqlx::PgPool, table: &str) {
+    sqlx::raw_sql(&format!(
+        "DROP TABLE \"{table}\"; DROP SEQUENCE \"{table}_token\"; \
+         DROP FUNCTION \"{table}_claim_in_transaction\""
+    ))
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
 /// A migrated store on the database of [`postgres_url`], or `None` (skipped) when it is
 /// unreachable. Its pool has 8 connections, so that the tests of one binary, which run in
 /// parallel, stay within the server's `max_connections`.

@@ -7,7 +7,7 @@ use std::time::Duration;
 use idem_runtime::store::testkit;
 use idem_runtime::{Error, InFlight, Operation, Outcome, PostgresStore};
 use idem_tests::scenarios::{self, namespace};
-use idem_tests::{postgres_store, postgres_url, Probe, Runs};
+use idem_tests::{drop_store_objects, postgres_store, postgres_url, Probe, Runs};
 use sqlx::postgres::PgPoolOptions;
 use tokio::time::Instant;
 
@@ -47,15 +47,7 @@ async fn migrations_from_many_processes_at_once_all_succeed() {
         migration.await.unwrap().unwrap();
     }
     testkit::conformance(&store).await;
-    let pool = PgPoolOptions::new().connect(&postgres_url()).await.unwrap();
-    sqlx::query(&format!("DROP TABLE \"{table}\""))
-        .execute(&pool)
-        .await
-        .unwrap();
-    sqlx::query(&format!("DROP SEQUENCE \"{table}_token\""))
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_store_objects(store.pool(), &table).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -79,14 +71,7 @@ async fn a_migration_needs_one_connection_only() {
     store.migrate().await.unwrap();
     store.migrate().await.unwrap();
     testkit::conformance(&store).await;
-    sqlx::query(&format!("DROP TABLE \"{table}\""))
-        .execute(&pool)
-        .await
-        .unwrap();
-    sqlx::query(&format!("DROP SEQUENCE \"{table}_token\""))
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_store_objects(&pool, &table).await;
 }
 
 #[tokio::test]

@@ -10,7 +10,7 @@ use idem_runtime::{
     attempt, idempotent, Error, InFlight, Operation, Outcome, PostgresStore, Token,
 };
 use idem_tests::scenarios::namespace;
-use idem_tests::{postgres_store, PrivatePostgres, Probe};
+use idem_tests::{drop_store_objects, postgres_store, PrivatePostgres, Probe};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::{Connection, PgConnection};
 use tokio::sync::Barrier;
@@ -959,11 +959,7 @@ async fn a_store_migrated_before_transactions_existed_says_to_migrate() {
         .unwrap();
     tx.commit().await.unwrap();
     assert_eq!(ran, Outcome::Executed(1));
-    let _ = sqlx::raw_sql(&format!(
-        "DROP TABLE \"{table}\"; DROP SEQUENCE \"{table}_token\"; DROP FUNCTION \"{table}_claim_in_transaction\""
-    ))
-    .execute(store.pool())
-    .await;
+    drop_store_objects(store.pool(), &table).await;
 }
 
 #[tokio::test]

@@ -174,8 +174,9 @@ pub(super) async fn migrate(pool: &PgPool, schema: &Schema) -> Result<(), Error>
         .execute(&mut *tx)
         .await
         .map_err(Error::store)?;
-    // Looked at again on the transaction's own connection: a second one from the pool
-    // could wait forever, with every connection held by a migration queued on the lock.
+    // Looked at again on the transaction's own connection: asking the pool for a second
+    // one could wait until the pool timed out, with every connection held by a migration
+    // queued on the lock.
     for statement in schema.missing(&schema.inspect(&mut *tx).await?) {
         sqlx::query(&statement)
             .execute(&mut *tx)
