@@ -85,7 +85,7 @@ impl Key {
 
     /// The key as 64 lowercase hex digits, the form network stores use in their own keys.
     pub fn to_hex(&self) -> String {
-        hex(&self.0)
+        hex::encode(self.0)
     }
 
     /// The first 12 hex digits: enough to correlate log lines, never the raw key value.
@@ -186,8 +186,4 @@ impl fmt::Display for Short<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    Short(bytes).to_string()
 }

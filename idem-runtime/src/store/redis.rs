@@ -48,7 +48,7 @@ use redis::aio::{
     ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection,
 };
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
+use redis::{Cmd, Pipeline, RedisFuture, Script, ScriptInvocation, Value};
 
 use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
@@ -309,9 +309,17 @@ impl RedisStore {
         self
     }
 
-    /// The Redis key of a record.
-    fn record(&self, key: &Key) -> String {
-        format!("{}{{{}}}", self.prefix, key.to_hex())
+    /// The Redis key of a record: the prefix, then the key's hex digits in braces.
+    fn record(&self, key: &Key) -> Vec<u8> {
+        let mut digits = [0; 64];
+        // 64 digits always fit 32 bytes: the encoding cannot fail.
+        let _ = hex::encode_to_slice(key.as_bytes(), &mut digits);
+        let mut record = Vec::with_capacity(self.prefix.len() + digits.len() + 2);
+        record.extend_from_slice(self.prefix.as_bytes());
+        record.push(b'{');
+        record.extend_from_slice(&digits);
+        record.push(b'}');
+        record
     }
 
     /// Sends one command under the timeout: one round trip.
@@ -322,19 +330,16 @@ impl RedisStore {
             .map_err(Error::store)
     }
 
-    /// Runs one of the holder's scripts under the timeout: one round trip.
-    async fn run_script(
-        &self,
-        script: &Script,
-        key: &Key,
-        token: Token,
-        args: &[&[u8]],
-    ) -> Result<Value, Error> {
+    /// An invocation of one of the holder's scripts on `key`: its first argument is the
+    /// holder's prefix; the caller adds the rest.
+    fn script<'a>(&self, script: &'a Script, key: &Key, token: Token) -> ScriptInvocation<'a> {
         let mut invocation = script.key(self.record(key));
         invocation.arg(&holder(token)[..]);
-        for arg in args {
-            invocation.arg(*arg);
-        }
+        invocation
+    }
+
+    /// Runs a script invocation under the timeout: one round trip.
+    async fn run_script(&self, invocation: ScriptInvocation<'_>) -> Result<Value, Error> {
         let mut connection = self.connection.clone();
         within(self.timeout, invocation.invoke_async(&mut connection))
             .await?
@@ -342,14 +347,8 @@ impl RedisStore {
     }
 
     /// Runs a compare-and-set script: `1` applied, `0` refused.
-    async fn fenced(
-        &self,
-        script: &Script,
-        key: &Key,
-        token: Token,
-        args: &[&[u8]],
-    ) -> Result<bool, Error> {
-        match self.run_script(script, key, token, args).await? {
+    async fn fenced(&self, invocation: ScriptInvocation<'_>) -> Result<bool, Error> {
+        match self.run_script(invocation).await? {
             Value::Int(applied) => Ok(applied == 1),
             other => Err(unexpected(&other)),
         }
@@ -394,15 +393,30 @@ fn holder(token: Token) -> [u8; 9] {
     prefix
 }
 
-/// A new in-progress record.
-fn in_progress(token: Token, fingerprint: Option<&Fingerprint>) -> Vec<u8> {
+/// A new in-progress record (on the stack: a claim allocates no record of its own).
+fn in_progress(token: Token, fingerprint: Option<&Fingerprint>) -> InProgress {
     let fingerprint: &[u8] = fingerprint.map_or(&[], |f| f.as_bytes());
-    let mut record = Vec::with_capacity(HEAD + fingerprint.len());
-    record.extend_from_slice(&holder(token));
-    record.extend_from_slice(NO_FENCE);
-    record.push(u8::try_from(fingerprint.len()).unwrap_or(0));
-    record.extend_from_slice(fingerprint);
-    record
+    let mut bytes = [0; HEAD + 32];
+    bytes[..9].copy_from_slice(&holder(token));
+    bytes[9..HEAD - 1].copy_from_slice(NO_FENCE);
+    bytes[HEAD - 1] = u8::try_from(fingerprint.len()).unwrap_or(0);
+    let len = HEAD + fingerprint.len();
+    bytes[HEAD..len].copy_from_slice(fingerprint);
+    InProgress { bytes, len }
+}
+
+/// An in-progress record, as [`in_progress`] writes it.
+struct InProgress {
+    bytes: [u8; HEAD + 32],
+    len: usize,
+}
+
+impl std::ops::Deref for InProgress {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
 }
 
 async fn within<T>(
@@ -414,14 +428,12 @@ async fn within<T>(
         .map_err(|_| Error::store(format!("redis did not answer within {timeout:?}")))
 }
 
-fn millis(duration: Duration) -> Vec<u8> {
+fn millis(duration: Duration) -> u64 {
     // PX and PEXPIRE need at least 1 ms, and refuse an expiry past the server clock's range:
     // clamped to the runtime's limit.
-    limits::clamp(duration)
-        .as_millis()
+    u64::try_from(limits::clamp(duration).as_millis())
+        .unwrap_or(u64::MAX)
         .max(1)
-        .to_string()
-        .into_bytes()
 }
 
 fn unexpected(value: &Value) -> Error {
@@ -500,7 +512,7 @@ impl Store for RedisStore {
         let mut command = redis::cmd("SET");
         command
             .arg(self.record(key))
-            .arg(in_progress(token, fingerprint))
+            .arg(&*in_progress(token, fingerprint))
             .arg("NX")
             .arg("GET")
             .arg("PX")
@@ -515,20 +527,23 @@ impl Store for RedisStore {
         value: Bytes,
         ttl: Duration,
     ) -> Result<bool, Error> {
-        self.fenced(&COMPLETE, key, token, &[&value, &millis(ttl)])
-            .await
+        let mut invocation = self.script(&COMPLETE, key, token);
+        invocation.arg(&value[..]).arg(millis(ttl));
+        self.fenced(invocation).await
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
-        self.fenced(&RELEASE, key, token, &[]).await
+        self.fenced(self.script(&RELEASE, key, token)).await
     }
 
     async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
-        self.fenced(&RENEW, key, token, &[&millis(lease)]).await
+        let mut invocation = self.script(&RENEW, key, token);
+        invocation.arg(millis(lease));
+        self.fenced(invocation).await
     }
 
     async fn fence(&self, key: &Key, token: Token) -> Result<Option<Token>, Error> {
-        match self.run_script(&FENCE, key, token, &[]).await? {
+        match self.run_script(self.script(&FENCE, key, token)).await? {
             Value::Nil => Ok(None),
             Value::BulkString(digits) => std::str::from_utf8(&digits)
                 .ok()

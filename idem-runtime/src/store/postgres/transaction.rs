@@ -104,8 +104,8 @@ impl Statements {
              WHERE key = decode('{}', 'hex') AND token = {token} AND NOT completed RETURNING true; \
              RELEASE SAVEPOINT {savepoint}",
             self.table,
-            hex(record),
-            hex(key.as_bytes()),
+            hex::encode(record),
+            hex::encode(key.as_bytes()),
         )
     }
 
@@ -120,12 +120,12 @@ impl Statements {
         lock_timeout: &str,
     ) -> String {
         let fingerprint = fingerprint.map_or("NULL".to_string(), |f| {
-            format!("decode('{}', 'hex')", hex(f.as_bytes()))
+            format!("decode('{}', 'hex')", hex::encode(f.as_bytes()))
         });
         format!(
             "SAVEPOINT {savepoint}; SELECT * FROM {}(decode('{}', 'hex'), {fingerprint}, {lease}, '{lock_timeout}')",
             self.function,
-            hex(key.as_bytes()),
+            hex::encode(key.as_bytes()),
         )
     }
 
@@ -598,17 +598,6 @@ async fn within<T>(
         Ok(result) => result.map_err(Failed::Sql),
         Err(_) => Err(Failed::Timeout(timeout)),
     }
-}
-
-/// Bytes as lowercase hex, for `decode(…, 'hex')`.
-fn hex(bytes: &[u8]) -> String {
-    use std::fmt::Write;
-    bytes
-        .iter()
-        .fold(String::with_capacity(bytes.len() * 2), |mut out, byte| {
-            let _ = write!(out, "{byte:02x}");
-            out
-        })
 }
 
 /// A message of several statements (the simple query protocol), and the first row it returns.
