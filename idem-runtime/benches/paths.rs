@@ -223,24 +223,66 @@ fn redis(paths: &mut Paths, rt: &Runtime) {
         }),
     );
 
+    // P6's baseline, and P6f's.
+    let raw_set = || async {
+        let mut con = manager.clone();
+        let key = format!("idem-bench:raw:{}", fresh());
+        redis::cmd("SET")
+            .arg(&key)
+            .arg(&json)
+            .arg("NX")
+            .arg("PX")
+            .arg(60_000)
+            .query_async::<Option<String>>(&mut con)
+            .await
+            .unwrap()
+    };
     paths.pair(
         "P6 first execution, redis",
         on(rt, || async {
             charge_redis(&store, fresh()).await.unwrap()
         }),
+        on(rt, raw_set),
+    );
+    // The floor of P6 on Redis 7.0, written by hand: a claim that returns what is there
+    // (`SET NX GET PX`), then the result set only while the claim is still the holder's
+    // (a compare-and-set script: Redis 7 has no native one). Two round trips.
+    let complete = redis::Script::new(
+        "if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end \
+         redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1",
+    );
+    paths.pair(
+        "P6f floor of a first execution: claim + compare-and-set vs SET",
         on(rt, || async {
             let mut con = manager.clone();
-            let key = format!("idem-bench:raw:{}", fresh());
-            redis::cmd("SET")
+            let n = fresh();
+            let mut digits = [0; 64];
+            hex::encode_to_slice(hand_key(n, "raw", 0), &mut digits).unwrap();
+            let key = [&b"idem-bench:floor:{"[..], &digits, b"}"].concat();
+            let mut claim = [b'p'; 30];
+            claim[1..9].copy_from_slice(&n.to_be_bytes());
+            let found: Option<Vec<u8>> = redis::cmd("SET")
                 .arg(&key)
-                .arg(&json)
+                .arg(&claim[..])
                 .arg("NX")
+                .arg("GET")
                 .arg("PX")
+                .arg(30_000)
+                .query_async(&mut con)
+                .await
+                .unwrap();
+            assert!(found.is_none());
+            let record = [&b"c"[..], &json].concat();
+            complete
+                .key(&key)
+                .arg(&claim[..])
+                .arg(record)
                 .arg(60_000)
-                .query_async::<Option<String>>(&mut con)
+                .invoke_async::<i64>(&mut con)
                 .await
                 .unwrap()
         }),
+        on(rt, raw_set),
     );
 }
 
@@ -870,6 +912,10 @@ const PATHS: &[(&str, f64)] = &[
     ("P3 1000 callers, one key, 20 ms body", 1.2),
     ("P5 replay, redis", 1.1),
     ("P6 first execution, redis", 2.2),
+    (
+        "P6f floor of a first execution: claim + compare-and-set vs SET",
+        2.2,
+    ),
     ("P8a first execution, postgres", 2.0),
     ("P8b replay, postgres", 1.1),
     (
