@@ -244,43 +244,18 @@ fn redis(paths: &mut Paths, rt: &Runtime) {
         }),
         on(rt, raw_set),
     );
-    // The floor of P6 on Redis 7.0, written by hand: a claim that returns what is there
-    // (`SET NX GET PX`), then the result set only while the claim is still the holder's
-    // (a compare-and-set script: Redis 7 has no native one). Two round trips.
-    let complete = redis::Script::new(
-        "if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end \
-         redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1",
-    );
+    // The floor of P6 on Redis 7.0, written by hand: a claim that returns what is there,
+    // then the result set only while the claim is still the holder's. Two round trips.
     paths.pair(
         "P6f floor of a first execution: claim + compare-and-set vs SET",
         on(rt, || async {
             let mut con = manager.clone();
             let n = fresh();
-            let mut digits = [0; 64];
-            hex::encode_to_slice(hand_key(n, "raw", 0), &mut digits).unwrap();
-            let key = [&b"idem-bench:floor:{"[..], &digits, b"}"].concat();
-            let mut claim = [b'p'; 30];
-            claim[1..9].copy_from_slice(&n.to_be_bytes());
-            let found: Option<Vec<u8>> = redis::cmd("SET")
-                .arg(&key)
-                .arg(&claim[..])
-                .arg("NX")
-                .arg("GET")
-                .arg("PX")
-                .arg(30_000)
-                .query_async(&mut con)
+            let key = common::redis_floor::key(n);
+            assert!(common::redis_floor::claim(&mut con, &key, n)
                 .await
-                .unwrap();
-            assert!(found.is_none());
-            let record = [&b"c"[..], &json].concat();
-            complete
-                .key(&key)
-                .arg(&claim[..])
-                .arg(record)
-                .arg(60_000)
-                .invoke_async::<i64>(&mut con)
-                .await
-                .unwrap()
+                .is_none());
+            assert!(common::redis_floor::complete(&mut con, &key, n, &json).await);
         }),
         on(rt, raw_set),
     );

@@ -36,7 +36,7 @@ use std::time::Instant;
 use idem_runtime::{Error, Operation, PostgresStore, RedisStore, Store};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
-use self::common::receipt;
+use self::common::{receipt, redis_floor};
 
 mod common;
 
@@ -345,29 +345,6 @@ async fn compare<A, AF, B, BF>(
     );
 }
 
-/// The key of the Redis floors: a SHA-256 digest in hex, in a hash tag.
-fn floor_key(n: u64) -> Vec<u8> {
-    use sha2::{Digest, Sha256};
-    let mut digits = [0; 64];
-    hex::encode_to_slice(Sha256::digest(n.to_be_bytes()), &mut digits).unwrap();
-    [&b"floor:{"[..], &digits, b"}"].concat()
-}
-
-/// The in-progress record of the Redis floors: 30 bytes, with a token of the claim's own.
-fn floor_claim(n: u64) -> [u8; 30] {
-    let mut claim = [b'p'; 30];
-    claim[1..9].copy_from_slice(&n.to_be_bytes());
-    claim
-}
-
-/// The floors' completion: sets the record only while it is still the holder's claim.
-static FLOOR_COMPLETE: LazyLock<redis::Script> = LazyLock::new(|| {
-    redis::Script::new(
-        "if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end \
-         redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1",
-    )
-});
-
 /// The throughput rows of Redis; returns its server-cost rows.
 async fn redis() -> Vec<String> {
     let private = std::env::var("IDEM_REDIS_URL")
@@ -466,30 +443,10 @@ async fn redis() -> Vec<String> {
         move |n: u64| {
             let mut raw = raw.clone();
             async move {
-                let key = floor_key(n);
-                let claim = floor_claim(n);
-                let found: Option<Vec<u8>> = redis::cmd("SET")
-                    .arg(&key)
-                    .arg(&claim[..])
-                    .arg("NX")
-                    .arg("GET")
-                    .arg("PX")
-                    .arg(30_000)
-                    .query_async(&mut raw)
-                    .await
-                    .unwrap();
-                if found.is_none() {
-                    let mut record = b"c".to_vec();
-                    serde_json::to_writer(&mut record, &receipt(n)).unwrap();
-                    let done: i64 = FLOOR_COMPLETE
-                        .key(&key)
-                        .arg(&claim[..])
-                        .arg(record)
-                        .arg(60_000)
-                        .invoke_async(&mut raw)
-                        .await
-                        .unwrap();
-                    assert_eq!(done, 1);
+                let key = redis_floor::key(n);
+                if redis_floor::claim(&mut raw, &key, n).await.is_none() {
+                    let value = serde_json::to_vec(&receipt(n)).unwrap();
+                    assert!(redis_floor::complete(&mut raw, &key, n, &value).await);
                 }
             }
         }
@@ -508,17 +465,9 @@ async fn redis() -> Vec<String> {
             let mut raw = raw.clone();
             async move {
                 let n = REPLAYED + n % RECORDED;
-                let found: Option<Vec<u8>> = redis::cmd("SET")
-                    .arg(floor_key(n))
-                    .arg(&floor_claim(n)[..])
-                    .arg("NX")
-                    .arg("GET")
-                    .arg("PX")
-                    .arg(30_000)
-                    .query_async(&mut raw)
+                let record = redis_floor::claim(&mut raw, &redis_floor::key(n), n)
                     .await
-                    .unwrap();
-                let record = found.expect("recorded");
+                    .expect("recorded");
                 let _: common::Receipt = serde_json::from_slice(&record[1..]).unwrap();
             }
         }
