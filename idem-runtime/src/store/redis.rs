@@ -312,7 +312,7 @@ impl RedisStore {
     /// The Redis key of a record: the prefix, then the key's hex digits in braces.
     fn record(&self, key: &Key) -> Vec<u8> {
         let mut digits = [0; 64];
-        // 64 digits always fit 32 bytes: the encoding cannot fail.
+        // 32 bytes always fit 64 digits: the encoding cannot fail.
         let _ = hex::encode_to_slice(key.as_bytes(), &mut digits);
         let mut record = Vec::with_capacity(self.prefix.len() + digits.len() + 2);
         record.extend_from_slice(self.prefix.as_bytes());
