@@ -435,3 +435,142 @@ async fn purge_goes_in_batches_and_skips_rows_it_would_wait_for() {
         "the next purge gets it"
     );
 }
+
+/// A store on a pool of `size` whose connections carry `name` as their `application_name`,
+/// so that the server can count them.
+async fn named_store(size: u32, name: &str) -> PostgresStore {
+    let options = postgres_url()
+        .parse::<sqlx::postgres::PgConnectOptions>()
+        .unwrap()
+        .application_name(name);
+    let pool = PgPoolOptions::new()
+        .max_connections(size)
+        .acquire_timeout(Duration::from_secs(3))
+        .connect_with(options)
+        .await
+        .unwrap();
+    let store = PostgresStore::from_pool(pool);
+    store.migrate().await.unwrap();
+    store
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crowd_opens_no_more_connections_than_the_pool_and_the_renewals() {
+    // 400 first executions at once on a pool of 4: the completions share the store's pool
+    // (behind at most one pool's worth of claims), so the server never sees a second pool
+    // of the same size; pools keep what they opened, so counting afterwards sees the peak.
+    let Some(observer) = postgres_store().await else {
+        return;
+    };
+    const SIZE: u32 = 4;
+    let name = format!("idem_crowd_{}", std::process::id());
+    let store = named_store(SIZE, &name).await;
+    let op = Arc::new(Operation::new(namespace("crowd.connections")));
+    let runs = Runs::default();
+    let calls: Vec<_> = (0..400_u32)
+        .map(|n| {
+            let (op, store, runs) = (op.clone(), store.clone(), runs.clone());
+            tokio::spawn(async move {
+                let key = op.key(&(n, std::process::id())).unwrap();
+                // A crowded pool may answer `Error::Store` (no connection in time); the
+                // caller retries, as a client would.
+                loop {
+                    let runs = runs.clone();
+                    let call = op.run(&store, &key, None, async move {
+                        runs.hit();
+                        Ok::<_, Error>(n)
+                    });
+                    match call.await {
+                        Ok(value) => return value.into_inner(),
+                        Err(Error::Store(_)) => continue,
+                        Err(other) => panic!("{other}"),
+                    }
+                }
+            })
+        })
+        .collect();
+    for (n, call) in calls.into_iter().enumerate() {
+        assert_eq!(call.await.unwrap(), n as u32);
+    }
+    assert_eq!(runs.count(), 400);
+    idem_runtime::drain(Duration::from_secs(30)).await.unwrap();
+    let opened: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
+            .bind(&name)
+            .fetch_one(observer.pool())
+            .await
+            .unwrap();
+    let bound = SIZE + idem_runtime::store::postgres::RENEWAL_CONNECTIONS;
+    println!("a pool of {SIZE}, 400 first executions: {opened} connections (at most {bound})");
+    assert!(opened >= 1, "the store's connections are counted");
+    assert!(
+        opened <= i64::from(bound),
+        "{opened} connections for a pool of {SIZE}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_go_through_while_the_application_holds_every_connection() {
+    // The application's own transactions may take every connection of the store's pool for
+    // longer than a lease: the holder's renewals have connections of their own, so its key
+    // is still held when its first lease has run out.
+    let Some(other) = postgres_store().await else {
+        return;
+    };
+    let store = named_store(2, "idem_renewals").await;
+    let lease = Duration::from_millis(600);
+    let op = Arc::new(Operation::new(namespace("renewals.isolated")).lease(lease));
+    let key = op.key(&std::process::id()).unwrap();
+    let runs = Runs::default();
+    let (started_tx, started) = tokio::sync::oneshot::channel();
+    let (finish, finish_rx) = tokio::sync::oneshot::channel::<()>();
+    let call = {
+        let (op, store, key, runs) = (op.clone(), store.clone(), key, runs.clone());
+        tokio::spawn(async move {
+            op.run(&store, &key, None, async move {
+                runs.hit();
+                started_tx.send(()).unwrap();
+                finish_rx.await.unwrap();
+                Ok::<_, Error>(7_u32)
+            })
+            .await
+        })
+    };
+    started.await.unwrap();
+    let first_expiry: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM expires_at)::float8 FROM idem_records WHERE key = $1",
+    )
+    .bind(&key.as_bytes()[..])
+    .fetch_one(other.pool())
+    .await
+    .unwrap();
+    // The application takes both connections of the store's pool.
+    let held = (
+        store.pool().acquire().await.unwrap(),
+        store.pool().acquire().await.unwrap(),
+    );
+    // Until the server's clock passes the first lease's end.
+    loop {
+        let past: bool = sqlx::query_scalar("SELECT extract(epoch FROM now()) > $1")
+            .bind(first_expiry)
+            .fetch_one(other.pool())
+            .await
+            .unwrap();
+        if past {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Another process asks for the key: it is still held, by a renewed lease.
+    let claim = idem_runtime::Store::claim(&other, &key, None, lease)
+        .await
+        .unwrap();
+    assert!(
+        matches!(claim, idem_runtime::Claim::InProgress { .. }),
+        "the key was taken over while its holder's pool was busy: {claim:?}"
+    );
+    drop(held);
+    finish.send(()).unwrap();
+    assert_eq!(call.await.unwrap().unwrap().into_inner(), 7);
+    assert_eq!(runs.count(), 1);
+}

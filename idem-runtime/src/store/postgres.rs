@@ -33,6 +33,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
 use sqlx::Row;
+use tokio::sync::Semaphore;
 
 use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
@@ -73,18 +74,25 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3);
 /// ```
 #[derive(Clone)]
 pub struct PostgresStore {
+    /// The pool of every statement but renewals: claims, completions, releases, removals.
     pool: PgPool,
-    /// A small pool of its own for what holders owe (completions, releases, renewals), so
-    /// that they never queue behind new claims: to the others, a holder that cannot renew
-    /// is a dead one, and its key would be taken over and run twice.
-    holders: PgPool,
+    /// One permit per connection of `pool`, taken by an ordinary claim before it asks the
+    /// pool for a connection. The pool hands out connections in the order they were asked
+    /// for, so a holder's completion or release waits behind at most one pool's worth of
+    /// claims, however large the crowd of callers: the rest of the crowd waits here.
+    claims: Arc<Semaphore>,
+    /// A pool of its own for renewals, opened when a body first outlives a third of its
+    /// lease: to the others, a holder that cannot renew is a dead one, and its key would
+    /// be taken over and run twice. Isolated from `pool`, which the application may also
+    /// crowd with its own transactions.
+    renewals: PgPool,
     sql: Arc<Statements>,
     timeout: Duration,
     flights: Arc<Flights>,
 }
 
-/// The fewest connections the holders' pool may open, beside the store's pool.
-pub const HOLDER_CONNECTIONS: u32 = 2;
+/// How many connections the renewals' pool may open, beside the store's pool.
+pub const RENEWAL_CONNECTIONS: u32 = 2;
 
 /// The statements of one table, written once.
 struct Statements {
@@ -285,22 +293,24 @@ impl PostgresStore {
     /// Uses an existing pool; its acquire timeout bounds how long an operation waits when the
     /// database is unreachable.
     ///
-    /// Completions, releases and renewals run on a pool of their own, with the same options
-    /// and as many connections at most as `pool` (never fewer than [`HOLDER_CONNECTIONS`]),
-    /// opened only when needed:
-    /// a crowd of new claims waiting for `pool` can then never starve a holder of its
-    /// renewals until its lease lapses and another caller runs the body again.
+    /// Claims, completions and releases share `pool`, and a completion or a release waits
+    /// behind at most one pool's worth of new claims however many callers crowd in.
+    /// Renewals run on a pool of their own of at most [`RENEWAL_CONNECTIONS`], opened only
+    /// when a body first outlives a third of its lease, so that neither a crowd of claims
+    /// nor the application's own long transactions on `pool` can starve a holder of its
+    /// renewals until its lease lapses and another caller runs the body again. The server
+    /// sees at most the pool's connections plus [`RENEWAL_CONNECTIONS`].
     pub fn from_pool(pool: PgPool) -> Self {
-        // As many as the store's pool: a burst of holders completing at once is as large
-        // as the burst of claims that made them.
-        let holders = PgPoolOptions::new()
-            .max_connections(pool.options().get_max_connections().max(HOLDER_CONNECTIONS))
+        let size = pool.options().get_max_connections();
+        let renewals = PgPoolOptions::new()
+            .max_connections(RENEWAL_CONNECTIONS)
             .min_connections(0)
             .acquire_timeout(DEFAULT_ACQUIRE_TIMEOUT)
             .connect_lazy_with((*pool.connect_options()).clone());
         Self {
             pool,
-            holders,
+            claims: Arc::new(Semaphore::new(size.max(1) as usize)),
+            renewals,
             sql: Arc::new(Statements::of(None, DEFAULT_TABLE)),
             timeout: DEFAULT_TIMEOUT,
             flights: Arc::default(),
@@ -419,6 +429,7 @@ impl PostgresStore {
 
     async fn fenced(
         &self,
+        pool: &PgPool,
         statement: &str,
         key: &Key,
         token: Token,
@@ -434,7 +445,7 @@ impl PostgresStore {
         if let Some(millis) = millis {
             query = query.bind(millis);
         }
-        let done = self.within(query.execute(&self.holders)).await?;
+        let done = self.within(query.execute(pool)).await?;
         Ok(done.rows_affected() == 1)
     }
 }
@@ -474,6 +485,8 @@ impl Store for PostgresStore {
         // progress, so the attempts go on as long as the timeout allows.
         let deadline = tokio::time::Instant::now() + self.timeout;
         let claimed = tokio::time::timeout(self.timeout, async {
+            // The semaphore is never closed: the permit is always granted.
+            let _turn = self.claims.acquire().await;
             loop {
                 // The server's lock wait ends before the client's deadline: at 9/10 of
                 // what is left of it when the statement is sent.
@@ -517,6 +530,7 @@ impl Store for PostgresStore {
         ttl: Duration,
     ) -> Result<bool, Error> {
         self.fenced(
+            &self.pool,
             &self.sql.complete,
             key,
             token,
@@ -527,12 +541,20 @@ impl Store for PostgresStore {
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
-        self.fenced(&self.sql.release, key, token, None, None).await
+        self.fenced(&self.pool, &self.sql.release, key, token, None, None)
+            .await
     }
 
     async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
-        self.fenced(&self.sql.renew, key, token, Some(millis(lease)), None)
-            .await
+        self.fenced(
+            &self.renewals,
+            &self.sql.renew,
+            key,
+            token,
+            Some(millis(lease)),
+            None,
+        )
+        .await
     }
 
     /// Claim tokens already grow here (they come from a sequence): the claim's own token is
