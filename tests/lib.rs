@@ -320,6 +320,10 @@ impl<S: Store + Clone> Store for Probe<S> {
         self.inner.remove(key).await
     }
 
+    async fn lookup(&self, key: &Key) -> Result<Option<idem_runtime::Recorded>, Error> {
+        self.apply(self.inner.lookup(key)).await
+    }
+
     fn flights(&self) -> Option<&Flights> {
         if self.coalesces {
             self.inner.flights()
@@ -360,6 +364,10 @@ impl Store for Down {
     }
 
     async fn remove(&self, _: &Key) -> Result<bool, Error> {
+        Err(Error::store(DOWN))
+    }
+
+    async fn lookup(&self, _: &Key) -> Result<Option<idem_runtime::Recorded>, Error> {
         Err(Error::store(DOWN))
     }
 }

@@ -16,7 +16,9 @@ use bytes::Bytes;
 use criterion::Criterion;
 use http_body_util::{BodyExt, Full};
 use idem_runtime::http::IdempotencyLayer;
-use idem_runtime::{idempotent, Error, MemoryStore, Operation, PostgresStore, RedisStore};
+use idem_runtime::{
+    idempotent, Error, MemoryStore, Operation, PostgresStore, RedisStore, TieredStore,
+};
 use sha2::{Digest, Sha256};
 use tokio::runtime::Runtime;
 
@@ -73,6 +75,19 @@ async fn charge_redis(store: &RedisStore, order_id: u64) -> Result<Receipt, Benc
 
 #[idempotent(key = order_id, store = store, namespace = "bench.postgres")]
 async fn charge_postgres(store: &PostgresStore, order_id: u64) -> Result<Receipt, BenchError> {
+    Ok(receipt(order_id))
+}
+
+#[idempotent(key = order_id, store = store, namespace = "bench.tiered")]
+async fn charge_tiered(
+    store: &TieredStore<MemoryStore, PostgresStore>,
+    order_id: u64,
+) -> Result<Receipt, BenchError> {
+    Ok(receipt(order_id))
+}
+
+#[idempotent(key = order_id, store = store, namespace = "bench.memory")]
+async fn charge_memory(store: &MemoryStore, order_id: u64) -> Result<Receipt, BenchError> {
     Ok(receipt(order_id))
 }
 
@@ -330,6 +345,34 @@ fn postgres(paths: &mut Paths, rt: &Runtime) {
             charge_postgres(&store, replay_id).await.unwrap()
         }),
         on(rt, raw_select),
+    );
+    // P13: a PostgreSQL replay through a memory tier in front, against a memory store's
+    // replay and against the bare PostgreSQL replay of P8b. The tier's record was copied
+    // into its memory tier by the first replay.
+    let tiered = TieredStore::new(MemoryStore::new(), store.clone());
+    let memory = MemoryStore::new();
+    rt.block_on(async {
+        charge_tiered(&tiered, replay_id).await.unwrap();
+        assert!(charge_tiered(&tiered, replay_id).await.is_ok());
+        charge_memory(&memory, replay_id).await.unwrap();
+    });
+    paths.pair(
+        "P13a replay through a memory tier vs a memory replay",
+        on(rt, || async {
+            charge_tiered(&tiered, replay_id).await.unwrap()
+        }),
+        on(rt, || async {
+            charge_memory(&memory, replay_id).await.unwrap()
+        }),
+    );
+    paths.pair(
+        "P13b replay through a memory tier vs a PostgreSQL replay",
+        on(rt, || async {
+            charge_tiered(&tiered, replay_id).await.unwrap()
+        }),
+        on(rt, || async {
+            charge_postgres(&store, replay_id).await.unwrap()
+        }),
     );
     // The floors of P8a and P8b under any design that keeps idem's guarantees, written by
     // hand on the baselines' own table. A first execution must commit its claim before the
@@ -908,6 +951,11 @@ const PATHS: &[(&str, f64)] = &[
     ("P11 HTTP first execution, memory, 1 KiB JSON", 1.5),
     ("P12a transfer in a transaction, postgres", 1.4),
     ("P12b same, against the non-transactional store", 1.0),
+    ("P13a replay through a memory tier vs a memory replay", 1.2),
+    (
+        "P13b replay through a memory tier vs a PostgreSQL replay",
+        0.1,
+    ),
     (
         "P12f floor: the transaction with two empty round trips vs without",
         1.4,

@@ -80,7 +80,9 @@ pub use crate::store::postgres::PostgresStore;
 #[doc(inline)]
 pub use crate::store::redis::RedisStore;
 #[doc(inline)]
-pub use crate::store::{Claim, Store, Token};
+pub use crate::store::tiered::TieredStore;
+#[doc(inline)]
+pub use crate::store::{Claim, Recorded, Store, Token};
 
 // For implementors of `Store`, documented in `store` where they belong; kept here too so
 // that `idem_runtime::{async_trait, Bytes}` go on working.

@@ -21,6 +21,7 @@ pub mod postgres;
 pub mod redis;
 #[cfg(feature = "testkit")]
 pub mod testkit;
+pub mod tiered;
 
 use std::any::Any;
 use std::sync::Arc;
@@ -100,6 +101,33 @@ pub enum Claim {
         /// The fingerprint the record was claimed with.
         fingerprint: Option<Fingerprint>,
     },
+}
+
+/// A live completed record, as [`Store::lookup`] reads it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Recorded {
+    /// The recorded result, as passed to [`complete`](Store::complete).
+    pub value: Bytes,
+    /// The fingerprint the record was claimed with.
+    pub fingerprint: Option<Fingerprint>,
+    /// How long the record has left to live, by the store's clock, when the store can say.
+    pub expires_in: Option<Duration>,
+}
+
+impl Recorded {
+    /// A record, for store implementations.
+    pub fn new(
+        value: Bytes,
+        fingerprint: Option<Fingerprint>,
+        expires_in: Option<Duration>,
+    ) -> Self {
+        Self {
+            value,
+            fingerprint,
+            expires_in,
+        }
+    }
 }
 
 /// Where claims and recorded results live.
@@ -202,6 +230,18 @@ pub trait Store: Send + Sync + 'static {
     /// [`Error::Store`] when the store cannot be reached or fails.
     async fn remove(&self, key: &Key) -> Result<bool, Error>;
 
+    /// Reads the live completed record of `key` without claiming it, in one atomic step.
+    /// `Ok(None)`: no live completed record (absent, in progress, expired), or a store that
+    /// cannot read without claiming (the default). [`TieredStore`](crate::TieredStore) reads
+    /// its fast tier with it, and its durable store for the time a copy may live.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot be reached or fails.
+    async fn lookup(&self, key: &Key) -> Result<Option<Recorded>, Error> {
+        let _ = key;
+        Ok(None)
+    }
     /// A synchronous look at the record of `key`, for stores that hold their records in
     /// this process and can answer without I/O: `Some(Claim::Completed { .. })` for a live
     /// completed record lets a replay skip [`claim`](Store::claim). Any other answer, and
@@ -290,6 +330,9 @@ macro_rules! forward_store {
                 (**self).remove(key).await
             }
 
+            async fn lookup(&self, key: &Key) -> Result<Option<Recorded>, Error> {
+                (**self).lookup(key).await
+            }
             fn peek(&self, key: &Key) -> Option<Claim> {
                 (**self).peek(key)
             }

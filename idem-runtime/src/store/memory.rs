@@ -14,7 +14,7 @@ use moka::Expiry;
 use tokio::time::Instant;
 
 use crate::key::KeyHasher;
-use crate::store::{Typed, TypedStore};
+use crate::store::{Recorded, Typed, TypedStore};
 use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
 /// The default number of completed results a [`MemoryStore`] keeps.
@@ -374,6 +374,13 @@ impl Store for MemoryStore {
         let claim = claims.live.remove(key).filter(|claim| claim.until > now);
         let result = self.inner.results.remove(key);
         Ok(claim.is_some() || result.is_some())
+    }
+
+    /// Its records' remaining TTL is not known here: `expires_in` is `None`.
+    async fn lookup(&self, key: &Key) -> Result<Option<Recorded>, Error> {
+        Ok(self
+            .live_result(key)
+            .map(|record| Recorded::new(record.value, record.fingerprint, None)))
     }
 
     fn peek(&self, key: &Key) -> Option<Claim> {

@@ -35,6 +35,7 @@ use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
 use sqlx::Row;
 use tokio::sync::Semaphore;
 
+use crate::store::Recorded;
 use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
 mod schema;
@@ -104,6 +105,7 @@ struct Statements {
     release: String,
     renew: String,
     remove: String,
+    lookup: String,
     purge: String,
 }
 
@@ -139,6 +141,11 @@ impl Statements {
             remove: format!(
                 "WITH removed AS (DELETE FROM {t} WHERE key = $1 RETURNING expires_at > now() AS live) \
                  SELECT coalesce(bool_or(live), false) FROM removed"
+            ),
+            // Rounded down: the time a copy of the record may live must not exceed the row's.
+            lookup: format!(
+                "SELECT fingerprint, value, floor(extract(epoch FROM expires_at - now()) * 1000)::bigint \
+                 FROM {t} WHERE key = $1 AND completed AND expires_at > now()"
             ),
             // One batch: expired rows that no one holds a lock on (a claim taking an expired
             // key over, say) are skipped, never waited for.
@@ -570,6 +577,24 @@ impl Store for PostgresStore {
                 .fetch_one(&self.pool),
         )
         .await
+    }
+
+    async fn lookup(&self, key: &Key) -> Result<Option<Recorded>, Error> {
+        let row: Option<(Option<Vec<u8>>, Option<Vec<u8>>, i64)> = self
+            .within(
+                sqlx::query_as(&self.sql.lookup)
+                    .bind(&key.as_bytes()[..])
+                    .fetch_optional(&self.pool),
+            )
+            .await?;
+        let Some((fp, value, left)) = row else {
+            return Ok(None);
+        };
+        Ok(Some(Recorded::new(
+            Bytes::from(value.unwrap_or_default()),
+            fingerprint(fp)?,
+            Some(Duration::from_millis(u64::try_from(left).unwrap_or(0))),
+        )))
     }
 
     fn flights(&self) -> Option<&Flights> {

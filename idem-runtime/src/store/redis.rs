@@ -50,6 +50,7 @@ use redis::aio::{
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Script, ScriptInvocation, Value};
 
+use crate::store::Recorded;
 use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
 /// The default key prefix.
@@ -117,6 +118,17 @@ return fence
 ";
 
 static FENCE: LazyLock<Script> = LazyLock::new(|| Script::new(FENCE_LUA));
+
+const LOOKUP_LUA: &str = r"
+local record = redis.call('GET', KEYS[1])
+if not record or string.sub(record, 1, 1) ~= 'c' then
+    return false
+end
+return {record, redis.call('PTTL', KEYS[1])}
+";
+
+/// A completed record and the milliseconds it has left, read in one step.
+static LOOKUP: LazyLock<Script> = LazyLock::new(|| Script::new(LOOKUP_LUA));
 
 /// A store shared by every process that connects to the same Redis server or cluster.
 ///
@@ -551,6 +563,30 @@ impl Store for RedisStore {
                 .map(|fence| Some(Token::new(fence)))
                 .ok_or_else(|| malformed("a fence that is not a number")),
             other => Err(unexpected(&other)),
+        }
+    }
+
+    async fn lookup(&self, key: &Key) -> Result<Option<Recorded>, Error> {
+        let reply = self.run_script(LOOKUP.key(self.record(key))).await?;
+        let (record, left) = match reply {
+            Value::Nil => return Ok(None),
+            Value::Array(mut parts) if parts.len() == 2 => {
+                let left = parts.pop();
+                (parts.pop(), left)
+            }
+            other => return Err(unexpected(&other)),
+        };
+        let expires_in = match left {
+            Some(Value::Int(left)) => u64::try_from(left).ok().map(Duration::from_millis),
+            Some(other) => return Err(unexpected(&other)),
+            None => None,
+        };
+        match record.map(|record| parse_claim(record, Token::new(0))) {
+            Some(Ok(Claim::Completed { value, fingerprint })) => {
+                Ok(Some(Recorded::new(value, fingerprint, expires_in)))
+            }
+            Some(Ok(_)) | None => Err(malformed("a lookup that found no completed record")),
+            Some(Err(err)) => Err(err),
         }
     }
 

@@ -42,6 +42,7 @@ pub async fn conformance<S: Store + Clone>(store: &S) {
     records_keep_arbitrary_bytes(store, &keys).await;
     concurrent_claims_have_one_winner(store, &keys).await;
     keys_are_independent(store, &keys).await;
+    lookup_reads_completed_records_only(store, &keys).await;
 }
 
 /// Unique keys for one run of the suite.
@@ -382,4 +383,38 @@ async fn keys_are_independent<S: Store>(store: &S, keys: &Keys) {
         Claim::InProgress { fingerprint: None },
         "completing one key must not touch another"
     );
+}
+
+/// `lookup` never claims, sees only live completed records, and, when it answers, answers
+/// what was recorded, with at most the TTL left. A store that cannot read without claiming
+/// answers `None` throughout (the default).
+async fn lookup_reads_completed_records_only<S: Store>(store: &S, keys: &Keys) {
+    let key = keys.fresh();
+    assert_eq!(store.lookup(&key).await.unwrap(), None, "an absent key");
+    let fp = fingerprint(3);
+    let token = acquire(store, &key, Some(&fp)).await;
+    assert_eq!(
+        store.lookup(&key).await.unwrap(),
+        None,
+        "a claim in progress"
+    );
+    let value = Bytes::from_static(b"looked up");
+    let ttl = Duration::from_secs(60);
+    assert!(store
+        .complete(&key, token, value.clone(), ttl)
+        .await
+        .unwrap());
+    if let Some(found) = store.lookup(&key).await.unwrap() {
+        assert_eq!(found.value, value, "the recorded value");
+        assert_eq!(found.fingerprint, Some(fp), "the record's fingerprint");
+        if let Some(left) = found.expires_in {
+            assert!(left <= ttl, "{left:?} left of a TTL of {ttl:?}");
+        }
+    }
+    // A lookup of an absent key took nothing: the key is still free to claim.
+    let untouched = keys.fresh();
+    assert_eq!(store.lookup(&untouched).await.unwrap(), None);
+    acquire(store, &untouched, None).await;
+    assert!(store.remove(&key).await.unwrap());
+    assert_eq!(store.lookup(&key).await.unwrap(), None, "a removed record");
 }

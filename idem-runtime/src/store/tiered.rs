@@ -1,0 +1,264 @@
+//! A fast store in front of a durable one: "Redis (or memory) for speed, the database for
+//! durability", without serving a stale state.
+//!
+//! Claims, completions, releases, renewals and fences go to the durable store, which alone
+//! decides who runs. The fast tier only ever holds copies of completed records, each for at
+//! most the time its durable record has left, and a replay reads it first. Every answer from
+//! it carries the record's fingerprint, which the engine checks as it checks the durable
+//! store's. A fast tier that fails is skipped: the call goes on against the durable store.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::time::Instant;
+
+use super::Recorded;
+use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
+
+/// The lease of the claim through which a record is copied into the fast tier. A copy is
+/// two steps there (claim, complete), and one cut between them frees the key this soon;
+/// meanwhile the fast tier answers "in progress", which the tier reads as a miss.
+const COPY_LEASE: Duration = crate::MIN_LEASE;
+
+/// Copies with less time left than this are not made: a store rounds a TTL to its unit
+/// (a millisecond on Redis and PostgreSQL), and a copy must never outlive its original.
+const SHORTEST_COPY: Duration = Duration::from_millis(5);
+
+/// How many running claims remember their fingerprint for the copy their completion makes.
+/// Past it, a completion reads the fingerprint back from the durable store instead.
+const REMEMBERED_CLAIMS: usize = 65_536;
+
+/// A fast store `F` (memory, Redis) in front of a durable store `D` (PostgreSQL, Redis with
+/// persistence): replays read `F` first, and everything that decides who runs goes to `D`.
+///
+/// - Claims, completions, releases, renewals and fences go to `D`.
+/// - A completed record is copied into `F` when it is recorded here, and when a replay
+///   finds it in `D` (then `D` must say how long it has left: [`Store::lookup`]). A copy
+///   lives at most as long as the record in `D` has left, measured from before `D` was
+///   asked, so it never outlives it.
+/// - `F` never holds an in-progress state of a call: a running call is only ever in `D`.
+/// - [`remove`](Store::remove) removes from both.
+/// - A failing `F` is skipped (logged at `debug`): calls then go to `D` alone.
+///
+/// A record removed from `D` by another process (an administrative reset elsewhere) can
+/// still be replayed from this process's `F` until its copy expires: reset through a
+/// `TieredStore` on every process, or give `F` a short TTL by sharing one `F` (Redis).
+///
+/// ```no_run
+/// # #[cfg(all(feature = "memory", feature = "postgres"))]
+/// # async fn example() -> Result<(), idem_runtime::Error> {
+/// use idem_runtime::{MemoryStore, PostgresStore, TieredStore};
+///
+/// let durable = PostgresStore::connect("postgres://app@127.0.0.1/app").await?;
+/// durable.migrate().await?;
+/// let store = TieredStore::new(MemoryStore::new(), durable);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct TieredStore<F, D> {
+    fast: F,
+    durable: D,
+    /// The fingerprint of each claim held through this store, until it completes or is
+    /// released: the copy of its record into `F` must carry it.
+    claims: Arc<Mutex<Fingerprints>>,
+}
+
+/// The fingerprint each running claim was taken with.
+type Fingerprints = HashMap<(Key, Token), Option<Fingerprint>>;
+
+impl<F: Store, D: Store> TieredStore<F, D> {
+    /// `fast` in front of `durable`.
+    pub fn new(fast: F, durable: D) -> Self {
+        Self {
+            fast,
+            durable,
+            claims: Arc::default(),
+        }
+    }
+
+    /// The fast tier.
+    pub fn fast(&self) -> &F {
+        &self.fast
+    }
+
+    /// The durable store.
+    pub fn durable(&self) -> &D {
+        &self.durable
+    }
+
+    /// The fast tier's live completed record of `key`; `None` when it has none, or fails.
+    async fn read_fast(&self, key: &Key) -> Option<(Bytes, Option<Fingerprint>)> {
+        if let Some(Claim::Completed { value, fingerprint }) = self.fast.peek(key) {
+            return Some((value, fingerprint));
+        }
+        match self.fast.lookup(key).await {
+            Ok(found) => found.map(|record| (record.value, record.fingerprint)),
+            Err(err) => {
+                tracing::debug!(error = %err, "the fast tier failed; reading the durable store");
+                None
+            }
+        }
+    }
+
+    /// Copies a completed record into the fast tier, to expire by `expires` (never later
+    /// than the durable record). A failure leaves the fast tier without it, nothing more.
+    async fn copy(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        value: Bytes,
+        expires: Instant,
+    ) {
+        let ttl = expires.saturating_duration_since(Instant::now());
+        if ttl < SHORTEST_COPY {
+            return;
+        }
+        match self.fast.claim(key, fingerprint, COPY_LEASE).await {
+            Ok(Claim::Acquired { token }) => {
+                if let Err(err) = self.fast.complete(key, token, value, ttl).await {
+                    tracing::debug!(error = %err, "copying a record into the fast tier failed");
+                    // Frees the key at once, or at the end of the copy's short lease.
+                    let _ = self.fast.release(key, token).await;
+                }
+            }
+            // A copy is there already, or another one is being made.
+            Ok(_) => {}
+            Err(err) => {
+                tracing::debug!(error = %err, "copying a record into the fast tier failed")
+            }
+        }
+    }
+
+    fn claims(&self) -> std::sync::MutexGuard<'_, Fingerprints> {
+        self.claims.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[async_trait]
+impl<F: Store, D: Store> Store for TieredStore<F, D> {
+    async fn claim(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Claim, Error> {
+        if let Some((value, fingerprint)) = self.read_fast(key).await {
+            return Ok(Claim::Completed { value, fingerprint });
+        }
+        let claim = self.durable.claim(key, fingerprint, lease).await?;
+        match &claim {
+            Claim::Acquired { token } => {
+                let mut claims = self.claims();
+                if claims.len() < REMEMBERED_CLAIMS {
+                    claims.insert((*key, *token), fingerprint.copied());
+                }
+            }
+            Claim::Completed { .. } => {
+                // Worth a second round trip once per key: the next replays are the fast
+                // tier's. Only a durable store that says how long the record has left is
+                // copied from.
+                let asked = Instant::now();
+                if let Ok(Some(Recorded {
+                    value,
+                    fingerprint,
+                    expires_in: Some(left),
+                    ..
+                })) = self.durable.lookup(key).await
+                {
+                    self.copy(key, fingerprint.as_ref(), value, asked + left)
+                        .await;
+                }
+            }
+            Claim::InProgress { .. } => {}
+        }
+        Ok(claim)
+    }
+
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        // The durable record expires `ttl` after the durable store acts, which is after now.
+        let expires = Instant::now() + crate::limits::clamp(ttl);
+        let completed = self
+            .durable
+            .complete(key, token, value.clone(), ttl)
+            .await?;
+        let remembered = self.claims().remove(&(*key, token));
+        if completed {
+            let fingerprint = match remembered {
+                Some(fingerprint) => fingerprint,
+                // Not remembered (too many running claims): read back what was recorded.
+                None => match self.durable.lookup(key).await {
+                    Ok(Some(record)) => record.fingerprint,
+                    _ => return Ok(true),
+                },
+            };
+            self.copy(key, fingerprint.as_ref(), value, expires).await;
+        }
+        Ok(completed)
+    }
+
+    async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
+        let released = self.durable.release(key, token).await;
+        if released.is_ok() {
+            self.claims().remove(&(*key, token));
+        }
+        released
+    }
+
+    async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
+        self.durable.renew(key, token, lease).await
+    }
+
+    async fn fence(&self, key: &Key, token: Token) -> Result<Option<Token>, Error> {
+        self.durable.fence(key, token).await
+    }
+
+    /// Removes the record from both tiers: the fast one before and after the durable one,
+    /// so that a copy made from the durable record while it was being removed goes too.
+    /// A fast tier that fails is an error here, unlike everywhere else: a removal that
+    /// left a copy behind would go on replaying what was reset.
+    async fn remove(&self, key: &Key) -> Result<bool, Error> {
+        let fast = self.fast.remove(key).await?;
+        let durable = self.durable.remove(key).await?;
+        self.fast.remove(key).await?;
+        Ok(durable || fast)
+    }
+
+    async fn lookup(&self, key: &Key) -> Result<Option<Recorded>, Error> {
+        match self.read_fast(key).await {
+            Some((value, fingerprint)) => Ok(Some(Recorded::new(value, fingerprint, None))),
+            None => self.durable.lookup(key).await,
+        }
+    }
+
+    /// A completed copy in a fast tier that answers without I/O (memory): a replay then
+    /// takes no round trip at all.
+    fn peek(&self, key: &Key) -> Option<Claim> {
+        self.fast
+            .peek(key)
+            .filter(|claim| matches!(claim, Claim::Completed { .. }))
+    }
+
+    /// The durable store's: that is where calls run.
+    fn flights(&self) -> Option<&Flights> {
+        self.durable.flights()
+    }
+}
+
+impl<F: std::fmt::Debug, D: std::fmt::Debug> std::fmt::Debug for TieredStore<F, D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TieredStore")
+            .field("fast", &self.fast)
+            .field("durable", &self.durable)
+            .finish()
+    }
+}

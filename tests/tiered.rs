@@ -1,0 +1,212 @@
+//! `TieredStore`: a fast store in front of a durable one, on the real servers. The store
+//! contract over three pairs of tiers; a fingerprint mismatch answered from the fast tier;
+//! copies that never outlive their durable record; a fast tier that is down; a running call
+//! that is never in the fast tier.
+
+use std::time::Duration;
+
+use idem_runtime::store::testkit;
+use idem_runtime::{Claim, Error, Fingerprint, Key, MemoryStore, Operation, Store, TieredStore};
+use idem_tests::scenarios::namespace;
+use idem_tests::{postgres_store, redis_store, Down, Probe, Runs};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_over_postgres_keeps_the_store_contract() {
+    let Some(durable) = postgres_store().await else {
+        return;
+    };
+    testkit::conformance(&TieredStore::new(MemoryStore::new(), durable)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_over_postgres_keeps_the_store_contract() {
+    let (Some(fast), Some(durable)) = (redis_store().await, postgres_store().await) else {
+        return;
+    };
+    testkit::conformance(&TieredStore::new(fast, durable)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_over_redis_keeps_the_store_contract() {
+    let Some(durable) = redis_store().await else {
+        return;
+    };
+    testkit::conformance(&TieredStore::new(MemoryStore::new(), durable)).await;
+}
+
+/// Runs `op` on `key` through `store` with fingerprint `fp`, counting bodies in `runs`.
+async fn call<S: Store + Clone>(
+    op: &Operation,
+    store: &S,
+    key: &Key,
+    fp: u32,
+    runs: &Runs,
+) -> Result<(u32, bool), Error> {
+    let fingerprint = Fingerprint::of(&fp).unwrap();
+    let runs = runs.clone();
+    let outcome = op
+        .run(store, key, Some(&fingerprint), async move {
+            runs.hit();
+            Ok::<_, Error>(fp)
+        })
+        .await?;
+    let replayed = outcome.is_replayed();
+    Ok((outcome.into_inner(), replayed))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fingerprint_mismatch_is_answered_from_the_fast_tier() {
+    let Some(durable) = postgres_store().await else {
+        return;
+    };
+    let durable = Probe::new(durable);
+    let store = TieredStore::new(MemoryStore::new(), durable.clone());
+    let op = Operation::new(namespace("tiered.mismatch"));
+    let key = op.key(&std::process::id()).unwrap();
+    let runs = Runs::default();
+    assert_eq!(call(&op, &store, &key, 1, &runs).await.unwrap(), (1, false));
+    let claims = durable.claims();
+    // The copy is in the fast tier: the same payload replays, another one is refused, and
+    // neither reaches the durable store.
+    assert_eq!(call(&op, &store, &key, 1, &runs).await.unwrap(), (1, true));
+    let err = call(&op, &store, &key, 2, &runs).await.unwrap_err();
+    assert!(matches!(err, Error::PayloadMismatch), "{err}");
+    assert_eq!(durable.claims(), claims, "answered from the fast tier");
+    assert_eq!(runs.count(), 1);
+    // The fast tier's own answer carries the fingerprint the call was claimed with.
+    match store.fast().claim(&key, None, Duration::from_secs(1)).await {
+        Ok(Claim::Completed { fingerprint, .. }) => {
+            assert_eq!(fingerprint, Some(Fingerprint::of(&1_u32).unwrap()))
+        }
+        other => panic!("the fast tier holds the completed copy: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_never_outlives_its_durable_record() {
+    // Two ways into the fast tier: a completion through the tier, and a replay that finds
+    // the record in the durable store (recorded there by another process). Each record has
+    // a short TTL; once the durable store no longer has it, the fast tier must not either.
+    let (Some(pg), Some(redis)) = (postgres_store().await, redis_store().await) else {
+        return;
+    };
+    let ttl = Duration::from_millis(400);
+    let op = Operation::new(namespace("tiered.expiry")).ttl(ttl);
+    for (name, fast) in [
+        ("memory", Box::new(MemoryStore::new()) as Box<dyn Store>),
+        ("redis", Box::new(redis.clone())),
+    ] {
+        let store = TieredStore::new(std::sync::Arc::<dyn Store>::from(fast), pg.clone());
+        let runs = Runs::default();
+        let through_the_tier = op.key(&(name, 1, std::process::id())).unwrap();
+        call(&op, &store, &through_the_tier, 1, &runs)
+            .await
+            .unwrap();
+        let from_the_durable = op.key(&(name, 2, std::process::id())).unwrap();
+        call(&op, &pg, &from_the_durable, 1, &runs).await.unwrap();
+        assert_eq!(
+            call(&op, &store, &from_the_durable, 1, &runs)
+                .await
+                .unwrap(),
+            (1, true)
+        );
+        let keys = [
+            ("through the tier", through_the_tier),
+            ("from the durable store", from_the_durable),
+        ];
+        for (which, key) in &keys {
+            assert!(
+                store.fast().lookup(key).await.unwrap().is_some()
+                    || store.fast().peek(key).is_some(),
+                "{name}: the record {which} was copied into the fast tier"
+            );
+        }
+        for (which, key) in &keys {
+            // Until the durable record is gone: then the copy must be gone too.
+            while pg.lookup(key).await.unwrap().is_some() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert!(
+                store.fast().peek(key).is_none()
+                    && store.fast().lookup(key).await.unwrap().is_none(),
+                "{name}: the fast copy of the record {which} outlived the durable record"
+            );
+            // And the tier runs the body again, as the durable store would.
+            assert_eq!(call(&op, &store, key, 1, &runs).await.unwrap(), (1, false));
+        }
+        assert_eq!(runs.count(), 4, "{name}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fast_tier_that_is_down_degrades_to_the_durable_store() {
+    let Some(durable) = postgres_store().await else {
+        return;
+    };
+    let store = TieredStore::new(Down, durable);
+    let op = Operation::new(namespace("tiered.fast-down"));
+    let runs = Runs::default();
+    for n in 0..20_u32 {
+        let key = op.key(&(n, std::process::id())).unwrap();
+        assert_eq!(call(&op, &store, &key, n, &runs).await.unwrap(), (n, false));
+        assert_eq!(call(&op, &store, &key, n, &runs).await.unwrap(), (n, true));
+        let err = call(&op, &store, &key, n + 1, &runs).await.unwrap_err();
+        assert!(matches!(err, Error::PayloadMismatch), "{err}");
+    }
+    assert_eq!(runs.count(), 20, "each body once, with the fast tier down");
+    // A removal cannot tell whether the fast tier kept a copy: it fails, closed.
+    let key = op.key(&(0_u32, std::process::id())).unwrap();
+    assert!(matches!(store.remove(&key).await, Err(Error::Store(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_call_is_never_in_the_fast_tier() {
+    let (Some(fast), Some(durable)) = (redis_store().await, postgres_store().await) else {
+        return;
+    };
+    let store = TieredStore::new(fast.clone(), durable);
+    let op = std::sync::Arc::new(Operation::new(namespace("tiered.running")));
+    let key = op.key(&std::process::id()).unwrap();
+    let (started_tx, started) = tokio::sync::oneshot::channel();
+    let (finish, finish_rx) = tokio::sync::oneshot::channel::<()>();
+    let call = {
+        let (op, store) = (op.clone(), store.clone());
+        tokio::spawn(async move {
+            op.run(&store, &key, None, async move {
+                started_tx.send(()).unwrap();
+                finish_rx.await.unwrap();
+                Ok::<_, Error>(5_u32)
+            })
+            .await
+        })
+    };
+    started.await.unwrap();
+    assert_eq!(
+        fast.lookup(&key).await.unwrap(),
+        None,
+        "no record while running"
+    );
+    // Another process's tier sees the call in progress, from the durable store.
+    let other = TieredStore::new(MemoryStore::new(), store.durable().clone());
+    assert!(matches!(
+        other
+            .claim(&key, None, Duration::from_secs(1))
+            .await
+            .unwrap(),
+        Claim::InProgress { .. }
+    ));
+    finish.send(()).unwrap();
+    assert_eq!(call.await.unwrap().unwrap().into_inner(), 5);
+    let copy = fast
+        .lookup(&key)
+        .await
+        .unwrap()
+        .expect("copied once completed");
+    let original = store.durable().lookup(&key).await.unwrap().unwrap();
+    assert_eq!(copy.value, original.value);
+    assert_eq!(copy.fingerprint, original.fingerprint);
+    // Removing through the tier removes both.
+    assert!(store.remove(&key).await.unwrap());
+    assert_eq!(fast.lookup(&key).await.unwrap(), None);
+    assert_eq!(store.durable().lookup(&key).await.unwrap(), None);
+}
