@@ -210,3 +210,66 @@ async fn a_running_call_is_never_in_the_fast_tier() {
     assert_eq!(fast.lookup(&key).await.unwrap(), None);
     assert_eq!(store.durable().lookup(&key).await.unwrap(), None);
 }
+
+/// A fast tier that never answers: a stalled connection.
+#[derive(Clone)]
+struct Stalled;
+
+#[idem_runtime::async_trait]
+impl Store for Stalled {
+    async fn claim(&self, _: &Key, _: Option<&Fingerprint>, _: Duration) -> Result<Claim, Error> {
+        std::future::pending().await
+    }
+    async fn complete(
+        &self,
+        _: &Key,
+        _: idem_runtime::Token,
+        _: idem_runtime::Bytes,
+        _: Duration,
+    ) -> Result<bool, Error> {
+        std::future::pending().await
+    }
+    async fn release(&self, _: &Key, _: idem_runtime::Token) -> Result<bool, Error> {
+        std::future::pending().await
+    }
+    async fn renew(&self, _: &Key, _: idem_runtime::Token, _: Duration) -> Result<bool, Error> {
+        std::future::pending().await
+    }
+    async fn fence(
+        &self,
+        _: &Key,
+        _: idem_runtime::Token,
+    ) -> Result<Option<idem_runtime::Token>, Error> {
+        std::future::pending().await
+    }
+    async fn remove(&self, _: &Key) -> Result<bool, Error> {
+        std::future::pending().await
+    }
+    async fn lookup(&self, _: &Key) -> Result<Option<idem_runtime::Recorded>, Error> {
+        std::future::pending().await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_fast_tier_costs_its_timeout_not_the_call() {
+    let Some(durable) = postgres_store().await else {
+        return;
+    };
+    let store = TieredStore::new(Stalled, durable).with_fast_timeout(Duration::from_millis(50));
+    let op = Operation::new(namespace("tiered.stalled"));
+    let key = op.key(&std::process::id()).unwrap();
+    let runs = Runs::default();
+    // A hang detector, far above the fast tier's timeout, not a stopwatch.
+    let calls = async {
+        assert_eq!(call(&op, &store, &key, 1, &runs).await.unwrap(), (1, false));
+        assert_eq!(call(&op, &store, &key, 1, &runs).await.unwrap(), (1, true));
+    };
+    tokio::time::timeout(Duration::from_secs(30), calls)
+        .await
+        .expect("a stalled fast tier held the calls");
+    assert_eq!(runs.count(), 1);
+    let removal = tokio::time::timeout(Duration::from_secs(30), store.remove(&key))
+        .await
+        .expect("a stalled fast tier held the removal");
+    assert!(matches!(removal, Err(Error::Store(_))), "fails closed");
+}

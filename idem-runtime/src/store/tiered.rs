@@ -27,6 +27,14 @@ const COPY_LEASE: Duration = crate::MIN_LEASE;
 /// (a millisecond on Redis and PostgreSQL), and a copy must never outlive its original.
 const SHORTEST_COPY: Duration = Duration::from_millis(5);
 
+/// How long the fast tier may take over one step before the tier goes on without it
+/// (default; [`TieredStore::with_fast_timeout`]).
+pub const DEFAULT_FAST_TIMEOUT: Duration = Duration::from_millis(250);
+
+/// How long a removal waits for the fast tier at least: a removal is an administrative
+/// step that must not fail for a moment's slowness, only for a tier that is not there.
+const REMOVAL_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// How many running claims remember their fingerprint for the copy their completion makes.
 /// Past it, a completion reads the fingerprint back from the durable store instead.
 const REMEMBERED_CLAIMS: usize = 65_536;
@@ -65,6 +73,7 @@ pub struct TieredStore<F, D> {
     /// The fingerprint of each claim held through this store, until it completes or is
     /// released: the copy of its record into `F` must carry it.
     claims: Arc<Mutex<Fingerprints>>,
+    fast_timeout: Duration,
 }
 
 /// The fingerprint each running claim was taken with.
@@ -77,7 +86,26 @@ impl<F: Store, D: Store> TieredStore<F, D> {
             fast,
             durable,
             claims: Arc::default(),
+            fast_timeout: DEFAULT_FAST_TIMEOUT,
         }
+    }
+
+    /// Sets how long the fast tier may take over one step (a read, a copy) before the tier
+    /// goes on without it (default [`DEFAULT_FAST_TIMEOUT`]): a stalled fast tier then
+    /// costs a call this long at most, not its own store's timeout. A removal waits for it
+    /// longer (at least 3 s), and fails if it does not answer, as when it fails.
+    #[must_use]
+    pub fn with_fast_timeout(mut self, timeout: Duration) -> Self {
+        self.fast_timeout = timeout;
+        self
+    }
+
+    /// One step on the fast tier, within its timeout.
+    async fn on_fast<T>(
+        &self,
+        step: impl std::future::Future<Output = Result<T, Error>>,
+    ) -> Result<T, Error> {
+        within(self.fast_timeout, step).await
     }
 
     /// The fast tier.
@@ -95,7 +123,7 @@ impl<F: Store, D: Store> TieredStore<F, D> {
         if let Some(Claim::Completed { value, fingerprint }) = self.fast.peek(key) {
             return Some((value, fingerprint));
         }
-        match self.fast.lookup(key).await {
+        match self.on_fast(self.fast.lookup(key)).await {
             Ok(found) => found.map(|record| (record.value, record.fingerprint)),
             Err(err) => {
                 tracing::debug!(error = %err, "the fast tier failed; reading the durable store");
@@ -117,25 +145,43 @@ impl<F: Store, D: Store> TieredStore<F, D> {
         if ttl < SHORTEST_COPY {
             return;
         }
-        match self.fast.claim(key, fingerprint, COPY_LEASE).await {
-            Ok(Claim::Acquired { token }) => {
-                if let Err(err) = self.fast.complete(key, token, value, ttl).await {
-                    tracing::debug!(error = %err, "copying a record into the fast tier failed");
-                    // Frees the key at once, or at the end of the copy's short lease.
-                    let _ = self.fast.release(key, token).await;
+        let copied = self
+            .on_fast(async {
+                if let Claim::Acquired { token } =
+                    self.fast.claim(key, fingerprint, COPY_LEASE).await?
+                {
+                    if let Err(err) = self.fast.complete(key, token, value, ttl).await {
+                        // Frees the key at once, or at the end of the copy's short lease.
+                        let _ = self.fast.release(key, token).await;
+                        return Err(err);
+                    }
                 }
-            }
-            // A copy is there already, or another one is being made.
-            Ok(_) => {}
-            Err(err) => {
-                tracing::debug!(error = %err, "copying a record into the fast tier failed")
-            }
+                // Otherwise a copy is there already, or another one is being made.
+                Ok(())
+            })
+            .await;
+        if let Err(err) = copied {
+            tracing::debug!(error = %err, "copying a record into the fast tier failed");
         }
     }
 
     fn claims(&self) -> std::sync::MutexGuard<'_, Fingerprints> {
         self.claims.lock().unwrap_or_else(PoisonError::into_inner)
     }
+}
+
+/// `step`, failed with [`Error::Store`] if it takes longer than `timeout`.
+async fn within<T>(
+    timeout: Duration,
+    step: impl std::future::Future<Output = Result<T, Error>>,
+) -> Result<T, Error> {
+    tokio::time::timeout(timeout, step)
+        .await
+        .unwrap_or_else(|_| {
+            Err(Error::store(format!(
+                "the fast tier did not answer within {timeout:?}"
+            )))
+        })
 }
 
 #[async_trait]
@@ -224,12 +270,14 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
 
     /// Removes the record from both tiers: the fast one before and after the durable one,
     /// so that a copy made from the durable record while it was being removed goes too.
-    /// A fast tier that fails is an error here, unlike everywhere else: a removal that
-    /// left a copy behind would go on replaying what was reset.
+    /// A fast tier that fails (or does not answer within 3 s, or the fast timeout if
+    /// longer) is an error here, unlike everywhere else: a removal that left a copy behind
+    /// would go on replaying what was reset.
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
-        let fast = self.fast.remove(key).await?;
+        let bound = self.fast_timeout.max(REMOVAL_TIMEOUT);
+        let fast = within(bound, self.fast.remove(key)).await?;
         let durable = self.durable.remove(key).await?;
-        self.fast.remove(key).await?;
+        within(bound, self.fast.remove(key)).await?;
         Ok(durable || fast)
     }
 
@@ -259,6 +307,7 @@ impl<F: std::fmt::Debug, D: std::fmt::Debug> std::fmt::Debug for TieredStore<F, 
         f.debug_struct("TieredStore")
             .field("fast", &self.fast)
             .field("durable", &self.durable)
+            .field("fast_timeout", &self.fast_timeout)
             .finish()
     }
 }
