@@ -473,8 +473,8 @@ async fn a_crowd_opens_no_more_connections_than_the_pool_and_the_renewals() {
             tokio::spawn(async move {
                 let key = op.key(&(n, std::process::id())).unwrap();
                 // A crowded pool may answer `Error::Store` (no connection in time); the
-                // caller retries, as a client would.
-                loop {
+                // caller retries, as a client would, a bounded number of times.
+                for _ in 0..100 {
                     let runs = runs.clone();
                     let call = op.run(&store, &key, None, async move {
                         runs.hit();
@@ -486,6 +486,7 @@ async fn a_crowd_opens_no_more_connections_than_the_pool_and_the_renewals() {
                         Err(other) => panic!("{other}"),
                     }
                 }
+                panic!("call {n} failed 100 times with Error::Store")
             })
         })
         .collect();
@@ -518,7 +519,9 @@ async fn renewals_go_through_while_the_application_holds_every_connection() {
         return;
     };
     let store = named_store(2, "idem_renewals").await;
-    let lease = Duration::from_millis(600);
+    // Renewed every third of it, on connections opened for the first renewal: a second
+    // leaves a loaded machine room for both.
+    let lease = Duration::from_secs(1);
     let op = Arc::new(Operation::new(namespace("renewals.isolated")).lease(lease));
     let key = op.key(&std::process::id()).unwrap();
     let runs = Runs::default();

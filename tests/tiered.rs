@@ -90,18 +90,31 @@ async fn a_copy_never_outlives_its_durable_record() {
     let (Some(pg), Some(redis)) = (postgres_store().await, redis_store().await) else {
         return;
     };
-    let ttl = Duration::from_millis(400);
+    // Long enough that a loaded machine copies each record before it expires, short
+    // enough to wait out twice.
+    let ttl = Duration::from_secs(2);
     let op = Operation::new(namespace("tiered.expiry")).ttl(ttl);
     for (name, fast) in [
         ("memory", Box::new(MemoryStore::new()) as Box<dyn Store>),
         ("redis", Box::new(redis.clone())),
     ] {
         let store = TieredStore::new(std::sync::Arc::<dyn Store>::from(fast), pg.clone());
+        let copied = |key: Key| {
+            let store = store.clone();
+            async move {
+                store.fast().peek(&key).is_some()
+                    || store.fast().lookup(&key).await.unwrap().is_some()
+            }
+        };
         let runs = Runs::default();
         let through_the_tier = op.key(&(name, 1, std::process::id())).unwrap();
         call(&op, &store, &through_the_tier, 1, &runs)
             .await
             .unwrap();
+        assert!(
+            copied(through_the_tier).await,
+            "{name}: the record recorded through the tier was copied into the fast tier"
+        );
         let from_the_durable = op.key(&(name, 2, std::process::id())).unwrap();
         call(&op, &pg, &from_the_durable, 1, &runs).await.unwrap();
         assert_eq!(
@@ -110,17 +123,14 @@ async fn a_copy_never_outlives_its_durable_record() {
                 .unwrap(),
             (1, true)
         );
+        assert!(
+            copied(from_the_durable).await,
+            "{name}: the record replayed from the durable store was copied into the fast tier"
+        );
         let keys = [
             ("through the tier", through_the_tier),
             ("from the durable store", from_the_durable),
         ];
-        for (which, key) in &keys {
-            assert!(
-                store.fast().lookup(key).await.unwrap().is_some()
-                    || store.fast().peek(key).is_some(),
-                "{name}: the record {which} was copied into the fast tier"
-            );
-        }
         for (which, key) in &keys {
             // Until the durable record is gone: then the copy must be gone too.
             while pg.lookup(key).await.unwrap().is_some() {

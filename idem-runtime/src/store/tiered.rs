@@ -119,17 +119,16 @@ impl<F: Store, D: Store> TieredStore<F, D> {
     }
 
     /// The fast tier's live completed record of `key`; `None` when it has none, or fails.
-    async fn read_fast(&self, key: &Key) -> Option<(Bytes, Option<Fingerprint>)> {
+    async fn read_fast(&self, key: &Key) -> Option<Recorded> {
         if let Some(Claim::Completed { value, fingerprint }) = self.fast.peek(key) {
-            return Some((value, fingerprint));
+            return Some(Recorded::new(value, fingerprint, None));
         }
-        match self.on_fast(self.fast.lookup(key)).await {
-            Ok(found) => found.map(|record| (record.value, record.fingerprint)),
-            Err(err) => {
+        self.on_fast(self.fast.lookup(key))
+            .await
+            .unwrap_or_else(|err| {
                 tracing::debug!(error = %err, "the fast tier failed; reading the durable store");
                 None
-            }
-        }
+            })
     }
 
     /// Copies a completed record into the fast tier, to expire by `expires` (never later
@@ -192,8 +191,11 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
     ) -> Result<Claim, Error> {
-        if let Some((value, fingerprint)) = self.read_fast(key).await {
-            return Ok(Claim::Completed { value, fingerprint });
+        if let Some(copy) = self.read_fast(key).await {
+            return Ok(Claim::Completed {
+                value: copy.value,
+                fingerprint: copy.fingerprint,
+            });
         }
         let claim = self.durable.claim(key, fingerprint, lease).await?;
         match &claim {
@@ -253,11 +255,10 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
-        let released = self.durable.release(key, token).await;
-        if released.is_ok() {
-            self.claims().remove(&(*key, token));
-        }
-        released
+        // A claim being released is never completed: its fingerprint is not needed again,
+        // whether this attempt succeeds or the claim lapses.
+        self.claims().remove(&(*key, token));
+        self.durable.release(key, token).await
     }
 
     async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
@@ -283,7 +284,7 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
 
     async fn lookup(&self, key: &Key) -> Result<Option<Recorded>, Error> {
         match self.read_fast(key).await {
-            Some((value, fingerprint)) => Ok(Some(Recorded::new(value, fingerprint, None))),
+            Some(copy) => Ok(Some(copy)),
             None => self.durable.lookup(key).await,
         }
     }
