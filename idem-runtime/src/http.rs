@@ -87,6 +87,9 @@
 //! message): those go to `tracing`.
 
 mod body;
+#[cfg(feature = "client")]
+#[cfg_attr(docsrs, doc(cfg(feature = "client")))]
+pub mod client;
 mod fingerprint;
 mod header;
 mod layer;

@@ -30,7 +30,8 @@
 //! - [`Store`]: where claims and results live; [`MemoryStore`] is the embedded default.
 //! - [`Operation`]: runs a future at most once per key, with its policies.
 //! - [`Error`]: why a call did not produce a value of its own.
-//! - `http` (feature `http`): the `Idempotency-Key` header as a tower layer.
+//! - `http` (feature `http`): the `Idempotency-Key` header as a tower layer; `http::client`
+//!   (feature `client`): the client's half, one key per logical request and safe retries.
 //! - [`Operation::run_in_transaction`] (feature `postgres`): the claim, the body's writes and
 //!   the record in the caller's own PostgreSQL transaction, committed together.
 //! - [`attempt()`]: the key and fencing token of the claim a body runs under.

@@ -17,6 +17,11 @@ pub const MAX_KEY_LEN: usize = 255;
 pub struct IdempotencyKey(String);
 
 impl IdempotencyKey {
+    #[cfg(feature = "client")]
+    pub(super) fn new(key: String) -> Self {
+        Self(key)
+    }
+
     /// The key as the client sent it (a structured-field string unquoted and unescaped).
     pub fn as_str(&self) -> &str {
         &self.0

@@ -1,0 +1,545 @@
+//! The client's half (feature `client`): a tower layer for outgoing requests that gives each
+//! logical request one `Idempotency-Key`, resends that key on every retry, and retries only
+//! what is safe to retry.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! use std::time::Duration;
+//! use bytes::Bytes;
+//! use http_body_util::Full;
+//! use hyper_util::{client::legacy::Client, rt::TokioExecutor};
+//! use idem_runtime::http::client::{Delivery, IdempotencyKeyLayer, Retry};
+//! use tower::{ServiceBuilder, ServiceExt};
+//!
+//! let hyper_client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+//! let client = ServiceBuilder::new()
+//!     .layer(IdempotencyKeyLayer::new().retry(Retry::new().attempts(6).budget(Duration::from_secs(30))))
+//!     .service(hyper_client);
+//!
+//! let request = http::Request::post("http://127.0.0.1:3000/payments")
+//!     .header("content-type", "application/json")
+//!     .body(Full::<Bytes>::from(r#"{"amount":1000}"#))?;
+//! let response = client.oneshot(request).await?; // Err(..) once the budget is spent
+//! if let Some(delivery) = response.extensions().get::<Delivery>() {
+//!     // "key 0193… after 2 attempt(s), replayed": the first answer was lost on the way.
+//!     tracing::info!(%delivery, "payment created");
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! What a request gets:
+//!
+//! | request or answer | what the layer does |
+//! |---|---|
+//! | a method in the set (default `POST`, `PATCH`, see [`methods`](IdempotencyKeyLayer::methods)) without `Idempotency-Key` | adds a fresh UUIDv7, quoted as a structured-field string, used for this request only |
+//! | any request with `Idempotency-Key` | keeps the caller's key, and is retried like a `POST` |
+//! | a method outside the set, without a key | sent once, untouched (no key, no retry, no [`Delivery`]) |
+//! | a malformed `Idempotency-Key` (the server's rules) | [`Error::KeyMalformed`]; nothing is sent |
+//! | a body over [`max_body`](IdempotencyKeyLayer::max_body) (default 1 MiB) | [`Error::BodyTooLarge`]; nothing is sent |
+//! | a connection error, any error of the inner service, or an attempt over [`Retry::timeout`] | retried |
+//! | `409`, `429`, `502`, `503`, `504` | retried, no sooner than their `Retry-After` |
+//! | any other answer (`2xx`, `400`, `401`, `403`, `404`, `422`, `500`, …) | returned, with a [`Delivery`] extension |
+//! | attempts or [budget](Retry::budget) spent, or a `Retry-After` beyond the budget | [`Error::GaveUp`], with the key, the attempts and the last failure |
+//!
+//! Every retry of a request sends the same method, URI, headers and body bytes, so the
+//! server's fingerprint matches and it replays the first answer instead of running again.
+//! An error of the inner service is retried whatever it is: with the key, resending a request
+//! the server may have processed is safe, which is the point of the key.
+//!
+//! # Which clients
+//!
+//! The layer speaks `http` types: it wraps any `tower::Service<http::Request<Full<Bytes>>>`
+//! that is `Clone` — hyper-util's `Client`, a `tower::ServiceBuilder` stack around it, or an
+//! in-process service in tests. That is the client tower, axum and hyper users already have,
+//! and it keeps every retry inside one layer a stack can put where it wants (under a
+//! timeout, above tracing). reqwest's `Client` is a tower service of its own `Request` type;
+//! map requests with `reqwest::Request::try_from(http_request)` and responses with
+//! `http::Response::from(reqwest_response)` around it. We chose not to build on
+//! `reqwest-middleware`: it would tie the layer to one client and to its own middleware trait.
+
+use std::collections::hash_map::RandomState;
+use std::fmt;
+use std::future::{poll_fn, Future};
+use std::hash::{BuildHasher, Hasher};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use http::header::RETRY_AFTER;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode};
+use http_body::Body;
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use tokio::time::Instant;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use super::header::{self, IdempotencyKey, IDEMPOTENCY_KEY};
+use super::record::IDEMPOTENT_REPLAYED;
+use crate::BoxError;
+
+/// The request body the layer buffers by default, in bytes (1 MiB, the server's default).
+pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
+
+/// How a request is retried: at most [`attempts`](Retry::attempts) sends within a total
+/// [`budget`](Retry::budget) of time, waiting a jittered exponential backoff between them.
+#[derive(Clone, Debug)]
+pub struct Retry {
+    attempts: u32,
+    budget: Duration,
+    first_delay: Duration,
+    max_delay: Duration,
+    timeout: Option<Duration>,
+}
+
+impl Retry {
+    /// 4 attempts within 30 s; backoff from 100 ms up to 5 s; no timeout per attempt (the
+    /// budget bounds each one).
+    pub fn new() -> Self {
+        Self {
+            attempts: 4,
+            budget: Duration::from_secs(30),
+            first_delay: Duration::from_millis(100),
+            max_delay: Duration::from_secs(5),
+            timeout: None,
+        }
+    }
+
+    /// Sends a request once: the key is still added, nothing is retried.
+    pub fn never() -> Self {
+        Self::new().attempts(1)
+    }
+
+    /// The most sends of one request, the first included (at least 1).
+    pub fn attempts(mut self, attempts: u32) -> Self {
+        self.attempts = attempts.max(1);
+        self
+    }
+
+    /// The most time one request may take, every attempt and wait included. An attempt
+    /// still running when it is spent is cut, and the call fails with [`Error::GaveUp`].
+    pub fn budget(mut self, budget: Duration) -> Self {
+        self.budget = budget;
+        self
+    }
+
+    /// The backoff: the wait before the `n`-th retry is drawn uniformly from zero to
+    /// `first × 2ⁿ⁻¹`, capped at `max` ("full jitter", so that clients that failed together
+    /// do not retry together).
+    pub fn backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.first_delay = first;
+        self.max_delay = max.max(first);
+        self
+    }
+
+    /// The most time one attempt may take; a slower one is abandoned and retried.
+    pub fn timeout(mut self, per_attempt: Duration) -> Self {
+        self.timeout = Some(per_attempt);
+        self
+    }
+
+    /// The jittered wait before retry number `retry` (1 for the first).
+    fn delay(&self, retry: u32) -> Duration {
+        let doubling = 2u32.saturating_pow(retry.saturating_sub(1));
+        let ceiling = self
+            .first_delay
+            .saturating_mul(doubling)
+            .min(self.max_delay);
+        let nanos = u64::try_from(ceiling.as_nanos()).unwrap_or(u64::MAX);
+        match nanos.checked_add(1) {
+            Some(span) => Duration::from_nanos(random() % span),
+            None => ceiling,
+        }
+    }
+}
+
+impl Default for Retry {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A uniformly random `u64` from std's per-process random hash keys: enough for jitter,
+/// without a random-number crate.
+fn random() -> u64 {
+    let mut hasher = RandomState::new().build_hasher();
+    hasher.write_u64(0);
+    hasher.finish()
+}
+
+/// Adds an `Idempotency-Key` to outgoing requests and retries them safely; see the
+/// [module](self).
+#[derive(Clone, Debug)]
+pub struct IdempotencyKeyLayer {
+    config: Arc<Config>,
+}
+
+#[derive(Clone, Debug)]
+struct Config {
+    retry: Retry,
+    methods: Vec<Method>,
+    max_body: usize,
+}
+
+impl IdempotencyKeyLayer {
+    /// Keys for `POST` and `PATCH`, [`Retry::new()`], bodies up to [`DEFAULT_MAX_BODY`].
+    pub fn new() -> Self {
+        Self {
+            config: Arc::new(Config {
+                retry: Retry::new(),
+                methods: vec![Method::POST, Method::PATCH],
+                max_body: DEFAULT_MAX_BODY,
+            }),
+        }
+    }
+
+    /// How requests are retried.
+    pub fn retry(mut self, retry: Retry) -> Self {
+        Arc::make_mut(&mut self.config).retry = retry;
+        self
+    }
+
+    /// The methods that get a key when they have none (default `POST`, `PATCH`). A request
+    /// of another method is sent once, untouched, unless it carries its own key.
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        Arc::make_mut(&mut self.config).methods = methods.into_iter().collect();
+        self
+    }
+
+    /// The largest request body buffered for resending, in bytes; a larger one fails with
+    /// [`Error::BodyTooLarge`] before anything is sent.
+    pub fn max_body(mut self, bytes: usize) -> Self {
+        Arc::make_mut(&mut self.config).max_body = bytes;
+        self
+    }
+}
+
+impl Default for IdempotencyKeyLayer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<S> Layer<S> for IdempotencyKeyLayer {
+    type Service = IdempotencyKeyService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyKeyService {
+            inner,
+            config: Arc::clone(&self.config),
+        }
+    }
+}
+
+/// The service of an [`IdempotencyKeyLayer`].
+#[derive(Clone, Debug)]
+pub struct IdempotencyKeyService<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+/// How one logical request was delivered: a response extension of every request the layer
+/// keyed (`response.extensions().get::<Delivery>()`).
+#[derive(Clone, Debug)]
+pub struct Delivery {
+    key: IdempotencyKey,
+    attempts: u32,
+    replayed: bool,
+}
+
+impl Delivery {
+    /// The request's key (unquoted), the same on every attempt.
+    pub fn key(&self) -> &str {
+        self.key.as_str()
+    }
+
+    /// How many times the request was sent, the first included.
+    pub fn attempts(&self) -> u32 {
+        self.attempts
+    }
+
+    /// Whether the server answered with a recorded response (`Idempotent-Replayed: true`):
+    /// an earlier attempt was processed, and its answer is this one.
+    pub fn replayed(&self) -> bool {
+        self.replayed
+    }
+}
+
+/// Why a request got no response.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The request body is larger than the layer buffers; nothing was sent.
+    #[error("the request body is over the {limit}-byte limit buffered for retries; raise `max_body` or send less")]
+    BodyTooLarge {
+        /// The limit, [`IdempotencyKeyLayer::max_body`].
+        limit: usize,
+    },
+    /// The request body failed while it was read; nothing was sent.
+    #[error("the request body could not be read")]
+    Body(#[source] BoxError),
+    /// The request's own `Idempotency-Key` would be refused by the server; nothing was sent.
+    #[error("the request's `Idempotency-Key` is malformed: {0}")]
+    KeyMalformed(&'static str),
+    /// Every attempt the budget allowed failed in a way worth retrying. The server may have
+    /// processed the request: retry later **with the same key** to learn its outcome.
+    #[error("gave up on the request with key `{}` after {attempts} attempt(s): {last}", key.as_str())]
+    GaveUp {
+        /// The request's key.
+        key: IdempotencyKey,
+        /// How many times it was sent.
+        attempts: u32,
+        /// What the last attempt got.
+        #[source]
+        last: Failure,
+    },
+    /// A request the layer does not manage (a method outside the set, without a key)
+    /// failed in the inner service.
+    #[error("the request failed")]
+    Service(#[source] BoxError),
+}
+
+/// What a retried attempt got.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Failure {
+    /// An answer worth retrying: `409`, `429`, `502`, `503` or `504`.
+    #[error("the server answered {0}")]
+    Status(StatusCode),
+    /// The inner service failed: a connection refused or cut, a protocol error.
+    #[error("the request failed")]
+    Transport(#[source] BoxError),
+    /// The attempt took longer than [`Retry::timeout`] or than the budget had left.
+    #[error("the attempt timed out")]
+    TimedOut,
+}
+
+impl<S, B, ResBody> Service<Request<B>> for IdempotencyKeyService<S>
+where
+    S: Service<Request<Full<Bytes>>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Into<BoxError>,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+    ResBody: Send + 'static,
+{
+    type Response = Response<ResBody>;
+    type Error = Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<ResBody>, Error>> + Send>>;
+
+    /// Always ready: each attempt waits for a clone of the inner service to be ready.
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        Box::pin(deliver(
+            self.inner.clone(),
+            Arc::clone(&self.config),
+            request,
+        ))
+    }
+}
+
+async fn deliver<S, B, ResBody>(
+    mut inner: S,
+    config: Arc<Config>,
+    request: Request<B>,
+) -> Result<Response<ResBody>, Error>
+where
+    S: Service<Request<Full<Bytes>>, Response = Response<ResBody>>,
+    S::Error: Into<BoxError>,
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    let started = Instant::now();
+    let (mut parts, body) = request.into_parts();
+    let own_key = header::parse(&parts.headers).map_err(Error::KeyMalformed)?;
+    let body = buffer(body, config.max_body).await?;
+    let key = match own_key {
+        Some(key) => key,
+        None if config.methods.contains(&parts.method) => {
+            let key = uuid::Uuid::now_v7().hyphenated().to_string();
+            let value =
+                HeaderValue::try_from(format!("\"{key}\"")).expect("a UUID is printable ASCII");
+            parts
+                .headers
+                .insert(HeaderName::from_static(IDEMPOTENCY_KEY), value);
+            IdempotencyKey::new(key)
+        }
+        None => {
+            let request = Request::from_parts(parts, Full::new(body));
+            return send(&mut inner, request)
+                .await
+                .map_err(|error| Error::Service(error.into()));
+        }
+    };
+
+    let retry = &config.retry;
+    let deadline = started + retry.budget;
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let request = Request::from_parts(parts.clone(), Full::new(body.clone()));
+        let left = deadline.saturating_duration_since(Instant::now());
+        let limit = retry.timeout.map_or(left, |timeout| timeout.min(left));
+        let (failure, retry_after) =
+            match tokio::time::timeout(limit, send(&mut inner, request)).await {
+                Ok(Ok(mut response)) if !retryable(response.status()) => {
+                    let replayed = is_replayed(response.headers());
+                    response.extensions_mut().insert(Delivery {
+                        key,
+                        attempts,
+                        replayed,
+                    });
+                    return Ok(response);
+                }
+                Ok(Ok(response)) => (
+                    Failure::Status(response.status()),
+                    retry_after(response.headers()),
+                ),
+                Ok(Err(error)) => (Failure::Transport(error.into()), None),
+                Err(_elapsed) => (Failure::TimedOut, None),
+            };
+        let wait = retry
+            .delay(attempts)
+            .max(retry_after.unwrap_or(Duration::ZERO));
+        let resume = Instant::now() + wait;
+        if attempts >= retry.attempts || resume >= deadline {
+            return Err(Error::GaveUp {
+                key,
+                attempts,
+                last: failure,
+            });
+        }
+        tracing::debug!(
+            key = key.as_str(),
+            attempt = attempts,
+            failure = %failure,
+            wait_ms = wait.as_millis() as u64,
+            "idempotent request retried"
+        );
+        tokio::time::sleep_until(resume).await;
+    }
+}
+
+/// One attempt: waits for the service to be ready, then calls it.
+async fn send<S, ResBody>(
+    inner: &mut S,
+    request: Request<Full<Bytes>>,
+) -> Result<Response<ResBody>, S::Error>
+where
+    S: Service<Request<Full<Bytes>>, Response = Response<ResBody>>,
+{
+    poll_fn(|cx| inner.poll_ready(cx)).await?;
+    inner.call(request).await
+}
+
+async fn buffer<B>(body: B, limit: usize) -> Result<Bytes, Error>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(error) if error.is::<LengthLimitError>() => Err(Error::BodyTooLarge { limit }),
+        Err(error) => Err(Error::Body(error)),
+    }
+}
+
+/// The answers worth another attempt: the key's first request still runs (`409`), the
+/// server sheds load (`429`, `503`), or a gateway lost the server (`502`, `504`).
+fn retryable(status: StatusCode) -> bool {
+    matches!(
+        status,
+        StatusCode::CONFLICT
+            | StatusCode::TOO_MANY_REQUESTS
+            | StatusCode::BAD_GATEWAY
+            | StatusCode::SERVICE_UNAVAILABLE
+            | StatusCode::GATEWAY_TIMEOUT
+    )
+}
+
+fn is_replayed(headers: &HeaderMap) -> bool {
+    headers
+        .get(IDEMPOTENT_REPLAYED)
+        .is_some_and(|value| value.as_bytes().trim_ascii().eq_ignore_ascii_case(b"true"))
+}
+
+/// `Retry-After` as delay-seconds or an HTTP date (RFC 9110 §10.2.3); an unreadable value
+/// counts as absent.
+fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    let value = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    let date = httpdate::parse_http_date(value).ok()?;
+    Some(
+        date.duration_since(SystemTime::now())
+            .unwrap_or(Duration::ZERO),
+    )
+}
+
+impl fmt::Display for Delivery {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "key {} after {} attempt(s){}",
+            self.key.as_str(),
+            self.attempts,
+            if self.replayed { ", replayed" } else { "" }
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_is_jittered_below_a_doubling_capped_ceiling() {
+        let retry = Retry::new().backoff(Duration::from_millis(100), Duration::from_millis(350));
+        for _ in 0..200 {
+            assert!(retry.delay(1) <= Duration::from_millis(100));
+            assert!(retry.delay(2) <= Duration::from_millis(200));
+            assert!(retry.delay(3) <= Duration::from_millis(350));
+            assert!(retry.delay(40) <= Duration::from_millis(350));
+        }
+        let draws: std::collections::HashSet<_> = (0..50).map(|_| retry.delay(3)).collect();
+        assert!(draws.len() > 40, "the wait is drawn, not fixed: {draws:?}");
+    }
+
+    #[test]
+    fn retry_after_reads_seconds_and_dates() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(retry_after(&headers), None);
+        headers.insert(RETRY_AFTER, HeaderValue::from_static("3"));
+        assert_eq!(retry_after(&headers), Some(Duration::from_secs(3)));
+        let later = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(120));
+        headers.insert(RETRY_AFTER, HeaderValue::try_from(later).unwrap());
+        let wait = retry_after(&headers).unwrap();
+        assert!(
+            wait > Duration::from_secs(100) && wait <= Duration::from_secs(120),
+            "{wait:?}"
+        );
+        headers.insert(
+            RETRY_AFTER,
+            HeaderValue::from_static("Wed, 21 Oct 2015 07:28:00 GMT"),
+        );
+        assert_eq!(retry_after(&headers), Some(Duration::ZERO));
+        headers.insert(RETRY_AFTER, HeaderValue::from_static("soon"));
+        assert_eq!(retry_after(&headers), None);
+    }
+
+    #[test]
+    fn only_the_documented_answers_are_retried() {
+        for code in [409, 429, 502, 503, 504] {
+            assert!(retryable(StatusCode::from_u16(code).unwrap()), "{code}");
+        }
+        for code in [200, 201, 400, 401, 403, 404, 422, 500] {
+            assert!(!retryable(StatusCode::from_u16(code).unwrap()), "{code}");
+        }
+    }
+}

@@ -1,0 +1,593 @@
+//! The client's half: `IdempotencyKeyLayer` in front of an in-process service that answers
+//! from a script (what is retried, with which key and body), and end to end over real
+//! sockets against idem's own `IdempotencyLayer`, through a proxy that loses answers, cuts
+//! connections, stalls and delays.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::post;
+use axum::Router;
+use bytes::Bytes;
+use http::{Method, Request, Response};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use idem_runtime::http::client::{Delivery, Error, Failure, IdempotencyKeyLayer, Retry};
+use idem_runtime::http::IdempotencyLayer;
+use idem_runtime::{BoxError, MemoryStore};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tower::{Layer, Service, ServiceBuilder, ServiceExt};
+
+/// What the scripted service answers, attempt by attempt.
+#[derive(Clone)]
+enum Step {
+    Answer(u16, &'static [(&'static str, &'static str)]),
+    Fail,
+    Hang,
+}
+
+/// What one attempt carried.
+#[derive(Debug, Clone)]
+struct Seen {
+    method: Method,
+    key: Option<String>,
+    body: Bytes,
+}
+
+#[derive(Clone, Default)]
+struct Script {
+    steps: Arc<Mutex<VecDeque<Step>>>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+}
+
+impl Script {
+    fn new(steps: impl IntoIterator<Item = Step>) -> Self {
+        let script = Self::default();
+        script.steps.lock().unwrap().extend(steps);
+        script
+    }
+
+    fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    /// A service that records each request and answers with the next step (`200` once the
+    /// script is spent).
+    fn service(
+        &self,
+    ) -> impl Service<
+        Request<Full<Bytes>>,
+        Response = Response<Full<Bytes>>,
+        Error = BoxError,
+        Future = impl Send,
+    > + Clone
+           + Send
+           + 'static {
+        let script = self.clone();
+        tower::service_fn(move |request: Request<Full<Bytes>>| {
+            let script = script.clone();
+            async move {
+                let (parts, body) = request.into_parts();
+                let body = body.collect().await?.to_bytes();
+                script.seen.lock().unwrap().push(Seen {
+                    method: parts.method,
+                    key: parts
+                        .headers
+                        .get("idempotency-key")
+                        .map(|key| key.to_str().unwrap().to_string()),
+                    body,
+                });
+                let step = script.steps.lock().unwrap().pop_front();
+                match step.unwrap_or(Step::Answer(200, &[])) {
+                    Step::Answer(status, headers) => {
+                        let mut response = Response::builder().status(status);
+                        for (name, value) in headers {
+                            response = response.header(*name, *value);
+                        }
+                        Ok(response.body(Full::from("answer"))?)
+                    }
+                    Step::Fail => Err("connection reset by peer".into()),
+                    Step::Hang => std::future::pending().await,
+                }
+            }
+        })
+    }
+}
+
+fn fast() -> Retry {
+    Retry::new()
+        .attempts(6)
+        .backoff(Duration::from_millis(1), Duration::from_millis(5))
+}
+
+fn post_body(body: &'static str) -> Request<Full<Bytes>> {
+    Request::post("http://payments.test/charges")
+        .body(Full::from(body))
+        .unwrap()
+}
+
+fn delivery<B>(response: &Response<B>) -> Delivery {
+    response
+        .extensions()
+        .get::<Delivery>()
+        .cloned()
+        .expect("a keyed request has a Delivery")
+}
+
+#[tokio::test]
+async fn a_generated_key_is_resent_on_every_retry_and_never_reused() {
+    let script = Script::new([
+        Step::Answer(503, &[]),
+        Step::Fail,
+        Step::Answer(409, &[("retry-after", "0")]),
+        Step::Answer(201, &[("idempotent-replayed", "true")]),
+    ]);
+    let client = ServiceBuilder::new()
+        .layer(IdempotencyKeyLayer::new().retry(fast()))
+        .service(script.service());
+
+    let response = client
+        .clone()
+        .oneshot(post_body("{\"amount\":1000}"))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 201);
+    let delivered = delivery(&response);
+    assert_eq!((delivered.attempts(), delivered.replayed()), (4, true));
+
+    let seen = script.seen();
+    assert_eq!(seen.len(), 4);
+    let key = seen[0].key.clone().expect("the layer added a key");
+    // A UUIDv7, sent as a structured-field string.
+    assert_eq!(key.len(), 38, "{key}");
+    assert!(key.starts_with('"') && key.ends_with('"'), "{key}");
+    assert_eq!(&key[15..16], "7", "version 7: {key}");
+    assert_eq!(delivered.key(), &key[1..37]);
+    for attempt in &seen {
+        assert_eq!(attempt.key.as_deref(), Some(key.as_str()));
+        assert_eq!(attempt.body, "{\"amount\":1000}");
+        assert_eq!(attempt.method, Method::POST);
+    }
+
+    let next = client
+        .oneshot(post_body("{\"amount\":1000}"))
+        .await
+        .unwrap();
+    let next = delivery(&next);
+    assert_eq!((next.attempts(), next.replayed()), (1, false));
+    assert_ne!(
+        next.key(),
+        delivered.key(),
+        "a new logical request gets a new key"
+    );
+}
+
+#[tokio::test]
+async fn a_callers_key_is_kept_and_makes_any_method_retried() {
+    let script = Script::new([Step::Answer(502, &[]), Step::Answer(504, &[])]);
+    let client = IdempotencyKeyLayer::new()
+        .retry(fast())
+        .layer(script.service());
+    let request = Request::put("http://payments.test/orders/42")
+        .header("idempotency-key", "order-42-v1")
+        .body(Full::<Bytes>::from("{}"))
+        .unwrap();
+    let response = client.oneshot(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(delivery(&response).attempts(), 3);
+    assert_eq!(delivery(&response).key(), "order-42-v1");
+    let keys: Vec<_> = script.seen().into_iter().map(|seen| seen.key).collect();
+    assert_eq!(keys, vec![Some("order-42-v1".to_string()); 3]);
+}
+
+#[tokio::test]
+async fn client_errors_and_other_answers_are_returned_at_once() {
+    for status in [400, 401, 403, 404, 422, 500, 201] {
+        let script = Script::new([Step::Answer(status, &[])]);
+        let client = IdempotencyKeyLayer::new()
+            .retry(fast())
+            .layer(script.service());
+        let response = client.oneshot(post_body("{}")).await.unwrap();
+        assert_eq!(response.status(), status);
+        assert_eq!(delivery(&response).attempts(), 1, "{status}");
+        assert_eq!(script.seen().len(), 1, "{status} is never retried");
+    }
+}
+
+#[tokio::test]
+async fn a_method_outside_the_set_without_a_key_is_sent_once_untouched() {
+    let script = Script::new([Step::Answer(503, &[])]);
+    let client = IdempotencyKeyLayer::new()
+        .retry(fast())
+        .layer(script.service());
+    let request = Request::get("http://payments.test/charges")
+        .body(Full::<Bytes>::default())
+        .unwrap();
+    let response = client.oneshot(request).await.unwrap();
+    assert_eq!(response.status(), 503);
+    assert!(response.extensions().get::<Delivery>().is_none());
+    let seen = script.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].key, None);
+
+    // PUT is configured in, so it gets a key and is retried.
+    let script = Script::new([Step::Answer(503, &[])]);
+    let client = IdempotencyKeyLayer::new()
+        .methods([Method::POST, Method::PUT])
+        .retry(fast())
+        .layer(script.service());
+    let request = Request::put("http://payments.test/charges")
+        .body(Full::<Bytes>::default())
+        .unwrap();
+    let response = client.oneshot(request).await.unwrap();
+    assert_eq!(delivery(&response).attempts(), 2);
+}
+
+#[tokio::test]
+async fn a_body_over_the_limit_or_a_malformed_key_is_refused_before_anything_is_sent() {
+    let script = Script::new([]);
+    let client = IdempotencyKeyLayer::new()
+        .max_body(10)
+        .layer(script.service());
+    let error = client
+        .clone()
+        .oneshot(post_body("12345678901"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, Error::BodyTooLarge { limit: 10 }),
+        "{error:?}"
+    );
+    assert!(
+        error.to_string().contains("max_body"),
+        "the message names the fix: {error}"
+    );
+    assert!(script.seen().is_empty());
+
+    let request = Request::post("http://payments.test/charges")
+        .header("idempotency-key", "two words")
+        .body(Full::<Bytes>::default())
+        .unwrap();
+    let error = client.clone().oneshot(request).await.unwrap_err();
+    assert!(matches!(error, Error::KeyMalformed(_)), "{error:?}");
+    assert!(script.seen().is_empty());
+
+    let response = client.oneshot(post_body("1234567890")).await.unwrap();
+    assert_eq!(response.status(), 200, "a body at the limit is sent");
+}
+
+#[tokio::test]
+async fn an_attempt_over_its_timeout_is_abandoned_and_retried() {
+    let script = Script::new([Step::Hang, Step::Fail, Step::Answer(201, &[])]);
+    let client = IdempotencyKeyLayer::new()
+        .retry(fast().timeout(Duration::from_millis(20)))
+        .layer(script.service());
+    let response = client.oneshot(post_body("{}")).await.unwrap();
+    assert_eq!(response.status(), 201);
+    assert_eq!(delivery(&response).attempts(), 3);
+}
+
+#[tokio::test]
+async fn the_last_failure_is_a_typed_error_with_the_key() {
+    let script = Script::new([Step::Fail, Step::Fail]);
+    let client = IdempotencyKeyLayer::new()
+        .retry(fast().attempts(2))
+        .layer(script.service());
+    let error = client.oneshot(post_body("{}")).await.unwrap_err();
+    let Error::GaveUp {
+        key,
+        attempts,
+        last,
+    } = error
+    else {
+        panic!("{error:?}")
+    };
+    assert_eq!(attempts, 2);
+    assert!(matches!(last, Failure::Transport(_)), "{last:?}");
+    assert_eq!(
+        script.seen()[0].key.as_deref(),
+        Some(format!("\"{}\"", key.as_str()).as_str())
+    );
+}
+
+// ---- Over real sockets ----------------------------------------------------------------
+
+/// How many times each logical request's handler ran.
+#[derive(Clone, Default)]
+struct Executions(Arc<Mutex<HashMap<u64, u32>>>);
+
+/// `POST /payments`: counts the run of payment `n` and answers which run it was.
+async fn pay(State(executions): State<Executions>, body: Bytes) -> (StatusCode, String) {
+    let payment: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let n = payment["n"].as_u64().unwrap();
+    let run = {
+        let mut runs = executions.0.lock().unwrap();
+        let run = runs.entry(n).or_default();
+        *run += 1;
+        *run
+    };
+    (StatusCode::CREATED, format!(r#"{{"n":{n},"run":{run}}}"#))
+}
+
+async fn serve(router: Router) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    address
+}
+
+/// What the proxy does to one connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Fault {
+    /// Forwarded both ways.
+    None,
+    /// Forwarded both ways, the answer held back a few milliseconds.
+    Delay,
+    /// The request reaches the server, which processes it; its answer is thrown away and
+    /// the client's connection closed.
+    LoseAnswer,
+    /// Closed before anything is forwarded.
+    Refuse,
+    /// Part of the request is forwarded, then both sides are closed.
+    CutRequest,
+    /// The request is processed; the answer never comes, the connection stays open.
+    Stall,
+}
+
+/// A deterministic fault for connection number `n` (splitmix64).
+fn fault(n: u64) -> (Fault, u64) {
+    let mut z = n.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    let fault = match z % 100 {
+        0..=49 => Fault::None,
+        50..=61 => Fault::Delay,
+        62..=76 => Fault::LoseAnswer,
+        77..=85 => Fault::Refuse,
+        86..=93 => Fault::CutRequest,
+        _ => Fault::Stall,
+    };
+    (fault, z >> 32)
+}
+
+#[derive(Default)]
+struct Proxied {
+    connections: AtomicU64,
+    faults: Mutex<HashMap<Fault, u64>>,
+}
+
+async fn proxy(upstream: SocketAddr, proxied: Arc<Proxied>) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let (client, _) = listener.accept().await.unwrap();
+            let n = proxied.connections.fetch_add(1, Ordering::SeqCst);
+            let (fault, draw) = fault(n);
+            *proxied.faults.lock().unwrap().entry(fault).or_default() += 1;
+            tokio::spawn(relay(client, upstream, fault, draw));
+        }
+    });
+    address
+}
+
+async fn relay(mut client: TcpStream, upstream: SocketAddr, fault: Fault, draw: u64) {
+    if fault == Fault::Refuse {
+        return;
+    }
+    let mut server = TcpStream::connect(upstream).await.unwrap();
+    if fault == Fault::CutRequest {
+        let mut start = vec![0; 1 + (draw % 64) as usize];
+        if let Ok(read) = client.read(&mut start).await {
+            let _ = server.write_all(&start[..read]).await;
+        }
+        return;
+    }
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    let upward = tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
+    });
+    let mut answer = vec![0; 64 * 1024];
+    loop {
+        let read = match server_read.read(&mut answer).await {
+            Ok(0) | Err(_) => break,
+            Ok(read) => read,
+        };
+        match fault {
+            // The server has answered, so it processed the request: lose the answer.
+            Fault::LoseAnswer => break,
+            Fault::Stall => {
+                // Hold the connection open, answering nothing, until the client leaves.
+                let _ = upward.await;
+                return;
+            }
+            Fault::Delay => tokio::time::sleep(Duration::from_millis(draw % 20)).await,
+            _ => {}
+        }
+        if client_write.write_all(&answer[..read]).await.is_err() {
+            break;
+        }
+    }
+    upward.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_logical_request_runs_once_through_a_faulty_network() {
+    const REQUESTS: u64 = 1000;
+    const CONCURRENT: usize = 50;
+
+    let executions = Executions::default();
+    let router = Router::new()
+        .route("/payments", post(pay))
+        .with_state(executions.clone())
+        .layer(IdempotencyLayer::new(MemoryStore::new()).unscoped());
+    let server = serve(router).await;
+    let proxied = Arc::new(Proxied::default());
+    let address = proxy(server, Arc::clone(&proxied)).await;
+
+    // One connection per attempt, so that each attempt meets the proxy's fault for it.
+    let hyper_client = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(0)
+        .build_http::<Full<Bytes>>();
+    let client = ServiceBuilder::new()
+        .layer(
+            IdempotencyKeyLayer::new().retry(
+                Retry::new()
+                    .attempts(40)
+                    .budget(Duration::from_secs(300))
+                    .backoff(Duration::from_millis(5), Duration::from_millis(100))
+                    // A stalled answer never comes; a real one takes milliseconds.
+                    .timeout(Duration::from_secs(2)),
+            ),
+        )
+        .service(hyper_client);
+
+    let slots = Arc::new(Semaphore::new(CONCURRENT));
+    let mut calls = JoinSet::new();
+    for n in 0..REQUESTS {
+        let client = client.clone();
+        let slot = Arc::clone(&slots).acquire_owned().await.unwrap();
+        calls.spawn(async move {
+            let request = Request::post(format!("http://{address}/payments"))
+                .header("content-type", "application/json")
+                .body(Full::<Bytes>::from(format!(r#"{{"n":{n},"amount":1000}}"#)))
+                .unwrap();
+            let response = client.oneshot(request).await;
+            drop(slot);
+            let response = response.unwrap_or_else(|error| panic!("payment {n}: {error}"));
+            let status = response.status();
+            let delivered = delivery(&response);
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            assert_eq!(
+                status,
+                201,
+                "payment {n}: {}",
+                String::from_utf8_lossy(&body)
+            );
+            let answer: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(answer["n"], n, "payment {n} got another request's answer");
+            assert_eq!(answer["run"], 1, "payment {n}'s answer is its first run");
+            delivered
+        });
+    }
+
+    let (mut attempts, mut replays, mut retried) = (0, 0, 0);
+    while let Some(delivered) = calls.join_next().await {
+        let delivered = delivered.unwrap();
+        attempts += u64::from(delivered.attempts());
+        replays += u64::from(delivered.replayed());
+        retried += u64::from(delivered.attempts() > 1);
+    }
+    let runs = executions.0.lock().unwrap().clone();
+    let executed: u64 = runs.values().map(|&runs| u64::from(runs)).sum();
+    let faults = proxied.faults.lock().unwrap().clone();
+    println!(
+        "requests {REQUESTS}, attempts {attempts}, retried {retried}, replays {replays}, \
+         executions {executed}, connections {}, faults {faults:?}",
+        proxied.connections.load(Ordering::SeqCst)
+    );
+
+    assert_eq!(runs.len() as u64, REQUESTS, "every payment ran");
+    for (n, count) in &runs {
+        assert_eq!(*count, 1, "payment {n} ran {count} times");
+    }
+    assert_eq!(executed, REQUESTS);
+    assert!(attempts > REQUESTS, "the network lost attempts: {attempts}");
+    assert!(
+        replays > 0,
+        "some answers were lost after processing and replayed"
+    );
+}
+
+/// `POST /busy`: always `409`, as if the key's first request never finished.
+async fn busy(
+    State(seen): State<Arc<AtomicUsize>>,
+) -> (StatusCode, [(&'static str, &'static str); 1]) {
+    seen.fetch_add(1, Ordering::SeqCst);
+    (StatusCode::CONFLICT, [("retry-after", "0")])
+}
+
+/// `POST /later`: `409` with `Retry-After: 3600`.
+async fn later(
+    State(seen): State<Arc<AtomicUsize>>,
+) -> (StatusCode, [(&'static str, &'static str); 1]) {
+    seen.fetch_add(1, Ordering::SeqCst);
+    (StatusCode::CONFLICT, [("retry-after", "3600")])
+}
+
+#[tokio::test]
+async fn a_server_that_always_answers_409_meets_the_budget() {
+    let seen = Arc::new(AtomicUsize::new(0));
+    let router = Router::new()
+        .route("/busy", post(busy))
+        .route("/later", post(later))
+        .with_state(Arc::clone(&seen));
+    let server = serve(router).await;
+    let hyper_client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let post_to = |path: &str| {
+        Request::post(format!("http://{server}{path}"))
+            .body(Full::<Bytes>::from("{}"))
+            .unwrap()
+    };
+
+    // Out of attempts.
+    let client = IdempotencyKeyLayer::new()
+        .retry(fast().attempts(5))
+        .layer(hyper_client.clone());
+    let error = client.oneshot(post_to("/busy")).await.unwrap_err();
+    assert!(
+        matches!(
+            error,
+            Error::GaveUp {
+                attempts: 5,
+                last: Failure::Status(StatusCode::CONFLICT),
+                ..
+            }
+        ),
+        "{error:?}"
+    );
+    assert_eq!(seen.swap(0, Ordering::SeqCst), 5);
+
+    // Out of time: attempts are plenty, the budget is not.
+    let client = IdempotencyKeyLayer::new()
+        .retry(
+            Retry::new()
+                .attempts(10_000)
+                .budget(Duration::from_millis(300))
+                .backoff(Duration::from_millis(20), Duration::from_millis(20)),
+        )
+        .layer(hyper_client.clone());
+    let error = client.oneshot(post_to("/busy")).await.unwrap_err();
+    let Error::GaveUp {
+        attempts,
+        last: Failure::Status(StatusCode::CONFLICT),
+        ..
+    } = error
+    else {
+        panic!("{error:?}")
+    };
+    assert!(attempts < 10_000, "the budget stopped it: {attempts}");
+    assert_eq!(seen.swap(0, Ordering::SeqCst), attempts as usize);
+
+    // A `Retry-After` beyond the budget is not waited for.
+    let client = IdempotencyKeyLayer::new()
+        .retry(fast().budget(Duration::from_secs(60)))
+        .layer(hyper_client);
+    let error = client.oneshot(post_to("/later")).await.unwrap_err();
+    assert!(
+        matches!(error, Error::GaveUp { attempts: 1, .. }),
+        "{error:?}"
+    );
+    assert_eq!(seen.load(Ordering::SeqCst), 1);
+}
