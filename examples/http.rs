@@ -2,7 +2,9 @@
 //!
 //! `cargo run -p idem-examples --example http` serves on 127.0.0.1:3000 with the in-memory store;
 //! `cargo run -p idem-examples --example http -- --redis` keeps keys in Redis (`IDEM_REDIS_URL`, default
-//! `redis://127.0.0.1:6379`), so that several instances share them. Try it with curl (the
+//! `redis://127.0.0.1:6379`), so that several instances share them;
+//! `cargo run -p idem-examples --example http -- --sqlite idem.db` keeps them in one SQLite
+//! file, so that a restart (a deploy) still replays what was recorded. Try it with curl (the
 //! README's "HTTP" section has a session). `cargo run -p idem-examples --example http -- --demo` runs that
 //! session against itself on a free port and exits.
 //!
@@ -18,7 +20,7 @@ use axum::http::StatusCode;
 use axum::routing::post;
 use axum::{Extension, Json, Router};
 use idem_runtime::http::{IdempotencyKey, IdempotencyLayer};
-use idem_runtime::{MemoryStore, RedisStore, Store};
+use idem_runtime::{MemoryStore, RedisStore, SqliteStore, Store};
 use serde::{Deserialize, Serialize};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -78,7 +80,19 @@ fn app<St: Store + Clone>(store: St, charges: Arc<AtomicU64>) -> Router {
 async fn main() -> Result<(), BoxError> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let charges = Arc::new(AtomicU64::new(0));
-    let router = if args.iter().any(|a| a == "--redis") {
+    let sqlite = args
+        .iter()
+        .position(|a| a == "--sqlite")
+        .map(|at| {
+            args.get(at + 1)
+                .ok_or("--sqlite needs a file: --sqlite idem.db")
+        })
+        .transpose()?;
+    let router = if let Some(file) = sqlite {
+        let store = SqliteStore::open(file).await?;
+        store.migrate().await?;
+        app(store, charges.clone())
+    } else if args.iter().any(|a| a == "--redis") {
         let url =
             std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
         app(RedisStore::connect(&url).await?, charges.clone())

@@ -80,6 +80,9 @@ pub use crate::store::postgres::PostgresStore;
 #[cfg(feature = "redis")]
 #[doc(inline)]
 pub use crate::store::redis::RedisStore;
+#[cfg(feature = "sqlite")]
+#[doc(inline)]
+pub use crate::store::sqlite::SqliteStore;
 #[doc(inline)]
 pub use crate::store::tiered::TieredStore;
 #[doc(inline)]

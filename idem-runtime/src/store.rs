@@ -19,6 +19,10 @@ pub mod memory;
 pub mod postgres;
 #[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+mod sql;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 pub mod tiered;

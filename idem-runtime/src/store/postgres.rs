@@ -35,8 +35,10 @@ use sqlx::postgres::{PgPool, PgPoolOptions, PgRow};
 use sqlx::Row;
 use tokio::sync::Semaphore;
 
+pub use crate::store::sql::Purger;
+use crate::store::sql::{fingerprint, is_identifier, millis};
 use crate::store::Recorded;
-use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
+use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
 mod schema;
 mod transaction;
@@ -203,27 +205,13 @@ fn ordinary_claim(t: &str, sequence: &str) -> String {
 
 /// A table or schema name: a plain identifier, so that it can never inject SQL.
 fn validate(identifier: &str) -> Result<&str, Error> {
-    let mut chars = identifier.chars();
-    let valid = identifier.len() <= 50
-        && chars
-            .next()
-            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
-    if valid {
+    if is_identifier(identifier) {
         Ok(identifier)
     } else {
         Err(Error::store(format!(
             "invalid table name {identifier:?}: use letters, digits and `_` (at most 50, not starting with a digit), optionally `schema.table`"
         )))
     }
-}
-
-/// A duration in milliseconds, clamped to the runtime's limit: `now() + interval` must not
-/// overflow.
-fn millis(duration: Duration) -> i64 {
-    i64::try_from(limits::clamp(duration).as_millis())
-        .unwrap_or(i64::MAX)
-        .max(1)
 }
 
 /// A lock wait that ran out (`lock_timeout`), also when PostgreSQL reports it as a cancel
@@ -242,19 +230,6 @@ fn lock_not_available(err: &sqlx::Error) -> bool {
 fn token(token: Token) -> Result<i64, Error> {
     i64::try_from(token.get())
         .map_err(|_| Error::store("a fencing token out of PostgreSQL's bigint range"))
-}
-
-fn fingerprint(raw: Option<Vec<u8>>) -> Result<Option<Fingerprint>, Error> {
-    raw.map(|raw| {
-        let raw: [u8; 32] = raw.try_into().map_err(|raw: Vec<u8>| {
-            Error::store(format!(
-                "a stored fingerprint has {} bytes, not 32",
-                raw.len()
-            ))
-        })?;
-        Ok(Fingerprint::from_bytes(raw))
-    })
-    .transpose()
 }
 
 fn parse_claim(row: &PgRow) -> Result<Claim, Error> {
@@ -416,11 +391,9 @@ impl PostgresStore {
     /// the next interval.
     pub fn purge_every(&self, interval: Duration) -> Purger {
         let store = self.clone();
-        let task = tokio::spawn(async move {
-            let mut ticks = tokio::time::interval(interval);
-            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                ticks.tick().await;
+        Purger::every(interval, move || {
+            let store = store.clone();
+            async move {
                 match store.purge_expired().await {
                     Ok(purged) => {
                         tracing::debug!(purged, table = store.table(), "purged expired records")
@@ -430,8 +403,7 @@ impl PostgresStore {
                     }
                 }
             }
-        });
-        Purger(task)
+        })
     }
 
     async fn fenced(
@@ -454,17 +426,6 @@ impl PostgresStore {
         }
         let done = self.within(query.execute(pool)).await?;
         Ok(done.rows_affected() == 1)
-    }
-}
-
-/// Stops the purge task of [`PostgresStore::purge_every`] when dropped.
-#[derive(Debug)]
-#[must_use = "the purge task stops when this guard is dropped"]
-pub struct Purger(tokio::task::JoinHandle<()>);
-
-impl Drop for Purger {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 

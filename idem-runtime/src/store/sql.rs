@@ -1,0 +1,68 @@
+//! What the SQL stores share (features `postgres` and `sqlite`): table names, durations and
+//! fingerprints as columns, and the purge task.
+
+use std::future::Future;
+use std::time::Duration;
+
+use crate::{limits, Error, Fingerprint};
+
+/// A table or schema name: a plain identifier, so that it can never inject SQL.
+pub(crate) fn is_identifier(identifier: &str) -> bool {
+    let mut chars = identifier.chars();
+    identifier.len() <= 50
+        && chars
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+/// A duration in milliseconds, clamped to the runtime's limit: `now + duration` must not
+/// overflow.
+pub(crate) fn millis(duration: Duration) -> i64 {
+    i64::try_from(limits::clamp(duration).as_millis())
+        .unwrap_or(i64::MAX)
+        .max(1)
+}
+
+/// A fingerprint column: 32 bytes, or NULL.
+pub(crate) fn fingerprint(raw: Option<Vec<u8>>) -> Result<Option<Fingerprint>, Error> {
+    raw.map(|raw| {
+        let raw: [u8; 32] = raw.try_into().map_err(|raw: Vec<u8>| {
+            Error::store(format!(
+                "a stored fingerprint has {} bytes, not 32",
+                raw.len()
+            ))
+        })?;
+        Ok(Fingerprint::from_bytes(raw))
+    })
+    .transpose()
+}
+
+/// Stops the purge task of a store's `purge_every` when dropped.
+#[derive(Debug)]
+#[must_use = "the purge task stops when this guard is dropped"]
+pub struct Purger(tokio::task::JoinHandle<()>);
+
+impl Purger {
+    /// Runs `purge` every `interval` on the current tokio runtime.
+    pub(crate) fn every<F, Fut>(interval: Duration, purge: F) -> Self
+    where
+        F: Fn() -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send,
+    {
+        Self(tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(interval);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticks.tick().await;
+                purge().await;
+            }
+        }))
+    }
+}
+
+impl Drop for Purger {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}

@@ -1,0 +1,511 @@
+//! The durable embedded store: one SQLite file, with `sqlx` (feature `sqlite`).
+//!
+//! # Schema
+//!
+//! [`SqliteStore::migrate`] switches the file to WAL and creates, if absent (`idem_records`
+//! is the default name):
+//!
+//! ```sql
+//! CREATE TABLE idem_records (
+//!     key         BLOB    PRIMARY KEY NOT NULL,  -- sha256 of (version, namespace, key value)
+//!     token       INTEGER NOT NULL,              -- fencing token, from idem_records_token
+//!     completed   INTEGER NOT NULL,              -- 0: in progress; 1: completed
+//!     fingerprint BLOB,                          -- 32 bytes, or NULL
+//!     value       BLOB,                          -- the recorded result, once completed
+//!     expires_at  INTEGER NOT NULL               -- lease end or result expiry, Unix ms
+//! ) WITHOUT ROWID;
+//! CREATE INDEX idem_records_expires_at ON idem_records (expires_at);
+//! CREATE TABLE idem_records_token (id INTEGER PRIMARY KEY CHECK (id = 1), last INTEGER NOT NULL);
+//! ```
+//!
+//! Expiry is judged by SQLite's clock (`julianday('now')`), the host's: every process on
+//! the file reads the same one. A claim first reads the key's live row, which in WAL mode
+//! waits for no writer (a replay or a held key writes nothing); otherwise it takes the key
+//! in a `BEGIN IMMEDIATE` transaction, which holds the file's write lock from its first
+//! statement, so two processes can never both take one key. Tokens come from a one-row
+//! counter table in the same transaction: they grow across rows, processes and restarts.
+//! Every other operation is one statement. Expired rows are deleted by
+//! [`purge_expired`](SqliteStore::purge_expired) or the task of
+//! [`purge_every`](SqliteStore::purge_every); until then an expired row counts as absent.
+//!
+//! Commits are durable (`synchronous = FULL` with [`open`](SqliteStore::open)): a result the
+//! caller was given survives a power loss, so its retry replays it.
+
+use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
+    SqliteSynchronous,
+};
+use sqlx::Row;
+
+pub use crate::store::sql::Purger;
+use crate::store::sql::{fingerprint, is_identifier, millis};
+use crate::store::Recorded;
+use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
+
+/// The default table name.
+pub const DEFAULT_TABLE: &str = "idem_records";
+
+/// The default time an operation may take, waiting for the file's write lock and for a
+/// pooled connection included, before it fails with [`Error::Store`].
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// How many connections [`SqliteStore::open`] pools: readers run side by side in WAL mode,
+/// writers take turns on the file's lock.
+pub const DEFAULT_CONNECTIONS: u32 = 8;
+
+/// How many expired rows one purge statement deletes: writers wait for the file's lock, so
+/// each batch is kept short.
+const PURGE_BATCH: i64 = 1000;
+
+/// SQLite's clock in Unix milliseconds; one value for the whole statement.
+const NOW: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)";
+
+/// A store in one SQLite file, shared by every process on the host that opens it, and kept
+/// across restarts: durability without a server.
+///
+/// Cloning is cheap; clones share the pool and the in-process registry of running calls.
+///
+/// ```no_run
+/// use idem_runtime::SqliteStore;
+///
+/// # async fn example() -> Result<(), idem_runtime::Error> {
+/// let store = SqliteStore::open("idem.db").await?; // created if absent
+/// store.migrate().await?; // WAL, and the table if it is absent
+/// let _purger = store.purge_every(std::time::Duration::from_secs(600));
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+    sql: Arc<Statements>,
+    timeout: Duration,
+    flights: Arc<Flights>,
+}
+
+/// The statements of one table, written once.
+struct Statements {
+    table: String,
+    create: [String; 4],
+    live: String,
+    next_token: String,
+    take: String,
+    complete: String,
+    release: String,
+    renew: String,
+    remove: String,
+    lookup: String,
+    purge: String,
+}
+
+impl Statements {
+    fn new(table: &str) -> Result<Self, Error> {
+        let name = validate(table)?;
+        let t = format!("\"{name}\"");
+        let counter = format!("\"{name}_token\"");
+        let index = format!("\"{name}_expires_at\"");
+        Ok(Self {
+            table: name.to_string(),
+            create: [
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {t} (\
+                        key BLOB PRIMARY KEY NOT NULL, \
+                        token INTEGER NOT NULL, \
+                        completed INTEGER NOT NULL, \
+                        fingerprint BLOB, \
+                        value BLOB, \
+                        expires_at INTEGER NOT NULL) WITHOUT ROWID"
+                ),
+                format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (expires_at)"),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {counter} (\
+                        id INTEGER PRIMARY KEY CHECK (id = 1), last INTEGER NOT NULL)"
+                ),
+                format!("INSERT OR IGNORE INTO {counter} (id, last) VALUES (1, 0)"),
+            ],
+            live: format!(
+                "SELECT token, completed, fingerprint, value FROM {t} \
+                 WHERE key = ?1 AND expires_at > {NOW}"
+            ),
+            next_token: format!("UPDATE {counter} SET last = last + 1 WHERE id = 1 RETURNING last"),
+            take: format!(
+                "INSERT INTO {t} (key, token, completed, fingerprint, value, expires_at) \
+                 VALUES (?1, ?2, 0, ?3, NULL, {NOW} + ?4) \
+                 ON CONFLICT (key) DO UPDATE SET token = excluded.token, completed = 0, \
+                 fingerprint = excluded.fingerprint, value = NULL, expires_at = excluded.expires_at"
+            ),
+            complete: format!(
+                "UPDATE {t} SET completed = 1, value = ?3, expires_at = {NOW} + ?4 \
+                 WHERE key = ?1 AND token = ?2 AND NOT completed AND expires_at > {NOW}"
+            ),
+            release: format!(
+                "DELETE FROM {t} WHERE key = ?1 AND token = ?2 AND NOT completed AND expires_at > {NOW}"
+            ),
+            renew: format!(
+                "UPDATE {t} SET expires_at = {NOW} + ?3 \
+                 WHERE key = ?1 AND token = ?2 AND NOT completed AND expires_at > {NOW}"
+            ),
+            remove: format!("DELETE FROM {t} WHERE key = ?1 RETURNING expires_at > {NOW}"),
+            lookup: format!(
+                "SELECT fingerprint, value, expires_at - {NOW} FROM {t} \
+                 WHERE key = ?1 AND completed AND expires_at > {NOW}"
+            ),
+            purge: format!(
+                "DELETE FROM {t} WHERE key IN \
+                 (SELECT key FROM {t} WHERE expires_at <= {NOW} LIMIT ?1)"
+            ),
+        })
+    }
+}
+
+/// A table name: a plain identifier, so that it can never inject SQL.
+fn validate(identifier: &str) -> Result<&str, Error> {
+    if is_identifier(identifier) {
+        Ok(identifier)
+    } else {
+        Err(Error::store(format!(
+            "invalid table name {identifier:?}: use letters, digits and `_` (at most 50, not starting with a digit)"
+        )))
+    }
+}
+
+fn token(token: Token) -> Result<i64, Error> {
+    i64::try_from(token.get()).map_err(|_| Error::store("a fencing token out of SQLite's range"))
+}
+
+/// The claim a live row answers: the key is held or completed.
+fn held(row: &SqliteRow) -> Result<Claim, Error> {
+    let completed: bool = row.try_get(1).map_err(Error::store)?;
+    let fp = fingerprint(row.try_get(2).map_err(Error::store)?)?;
+    Ok(if completed {
+        let value: Option<Vec<u8>> = row.try_get(3).map_err(Error::store)?;
+        Claim::Completed {
+            value: Bytes::from(value.unwrap_or_default()),
+            fingerprint: fp,
+        }
+    } else {
+        Claim::InProgress { fingerprint: fp }
+    })
+}
+
+impl SqliteStore {
+    /// Opens (creating it if absent) the SQLite file at `path`, in WAL mode with durable
+    /// commits, with a pool of [`DEFAULT_CONNECTIONS`], using the table [`DEFAULT_TABLE`].
+    /// Call [`migrate`](Self::migrate) before the first use.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the file cannot be opened or created.
+    pub async fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
+        let options = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Full)
+            .busy_timeout(DEFAULT_TIMEOUT);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(DEFAULT_CONNECTIONS)
+            .acquire_timeout(DEFAULT_TIMEOUT)
+            .connect_with(options)
+            .await
+            .map_err(Error::store)?;
+        Ok(Self::from_pool(pool))
+    }
+
+    /// Uses an existing pool. [`migrate`](Self::migrate) switches its file to WAL (a
+    /// setting the file keeps); give its connections a `busy_timeout` so that a writer
+    /// waits for another process's write instead of failing at once.
+    pub fn from_pool(pool: SqlitePool) -> Self {
+        Self {
+            pool,
+            sql: Arc::new(Statements::new(DEFAULT_TABLE).expect("the default name is valid")),
+            timeout: DEFAULT_TIMEOUT,
+            flights: Arc::default(),
+        }
+    }
+
+    /// Sets how long one operation may take, waiting for the file's write lock and for a
+    /// pooled connection included, before it fails with [`Error::Store`] (default
+    /// [`DEFAULT_TIMEOUT`]). The body never runs after such a failure.
+    #[must_use]
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Uses the table `table` instead of [`DEFAULT_TABLE`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the name is not a plain identifier: names are checked, never
+    /// quoted into SQL as they come.
+    pub fn with_table(mut self, table: &str) -> Result<Self, Error> {
+        self.sql = Arc::new(Statements::new(table)?);
+        Ok(self)
+    }
+
+    /// The pool this store runs its statements on.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// The table this store uses.
+    pub fn table(&self) -> &str {
+        &self.sql.table
+    }
+
+    /// Switches the file to WAL, and creates the table, its index and its token counter if
+    /// they are absent. Safe to run from several processes at once: the creation is one
+    /// `BEGIN IMMEDIATE` transaction.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the file cannot be written.
+    pub async fn migrate(&self) -> Result<(), Error> {
+        self.within(async {
+            sqlx::query("PRAGMA journal_mode = WAL")
+                .execute(&self.pool)
+                .await?;
+            let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+            for statement in &self.sql.create {
+                sqlx::query(statement).execute(&mut *tx).await?;
+            }
+            tx.commit().await
+        })
+        .await
+    }
+
+    /// Deletes every expired row (lapsed claims, results past their TTL), in batches of
+    /// 1000. Returns how many.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the file cannot be written.
+    pub async fn purge_expired(&self) -> Result<u64, Error> {
+        let mut purged = 0;
+        loop {
+            let done = self
+                .within(
+                    sqlx::query(&self.sql.purge)
+                        .bind(PURGE_BATCH)
+                        .execute(&self.pool),
+                )
+                .await?;
+            purged += done.rows_affected();
+            if done.rows_affected() < PURGE_BATCH as u64 {
+                return Ok(purged);
+            }
+        }
+    }
+
+    /// Runs [`purge_expired`](Self::purge_expired) every `interval` on the current tokio
+    /// runtime, until the returned guard is dropped. A failed purge is logged and retried at
+    /// the next interval.
+    pub fn purge_every(&self, interval: Duration) -> Purger {
+        let store = self.clone();
+        Purger::every(interval, move || {
+            let store = store.clone();
+            async move {
+                match store.purge_expired().await {
+                    Ok(purged) => {
+                        tracing::debug!(purged, table = store.table(), "purged expired records")
+                    }
+                    Err(err) => {
+                        tracing::warn!(error = %err, table = store.table(), "purging expired records failed")
+                    }
+                }
+            }
+        })
+    }
+
+    /// Runs one operation under the timeout.
+    async fn within<T>(
+        &self,
+        operation: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<T, Error> {
+        match tokio::time::timeout(self.timeout, operation).await {
+            Ok(result) => result.map_err(Error::store),
+            Err(_) => Err(Error::store(format!(
+                "sqlite did not answer within {:?}",
+                self.timeout
+            ))),
+        }
+    }
+
+    /// Takes the key if no live row holds it: under the file's write lock, so that no other
+    /// process's claim can slip in between the look and the write.
+    async fn take(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Result<Token, SqliteRow>, sqlx::Error> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        if let Some(row) = sqlx::query(&self.sql.live)
+            .bind(&key.as_bytes()[..])
+            .fetch_optional(&mut *tx)
+            .await?
+        {
+            return Ok(Err(row)); // the transaction rolls back when dropped
+        }
+        let token: i64 = sqlx::query_scalar(&self.sql.next_token)
+            .fetch_one(&mut *tx)
+            .await?;
+        sqlx::query(&self.sql.take)
+            .bind(&key.as_bytes()[..])
+            .bind(token)
+            .bind(fingerprint.map(|f| &f.as_bytes()[..]))
+            .bind(millis(lease))
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(Ok(Token::new(token.unsigned_abs())))
+    }
+
+    async fn fenced(
+        &self,
+        statement: &str,
+        key: &Key,
+        token: Token,
+        value: Option<&[u8]>,
+        millis: Option<i64>,
+    ) -> Result<bool, Error> {
+        let mut query = sqlx::query(statement)
+            .bind(&key.as_bytes()[..])
+            .bind(self::token(token)?);
+        if let Some(value) = value {
+            query = query.bind(value);
+        }
+        if let Some(millis) = millis {
+            query = query.bind(millis);
+        }
+        let done = self.within(query.execute(&self.pool)).await?;
+        Ok(done.rows_affected() == 1)
+    }
+}
+
+impl fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqliteStore")
+            .field("table", &self.sql.table)
+            .field("timeout", &self.timeout)
+            .field("pool_size", &self.pool.size())
+            .finish()
+    }
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn claim(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Claim, Error> {
+        self.within(async {
+            // A replay, or a key someone holds: answered by a read, which waits for no writer.
+            let live = sqlx::query(&self.sql.live)
+                .bind(&key.as_bytes()[..])
+                .fetch_optional(&self.pool)
+                .await?;
+            match live {
+                Some(row) => Ok(Err(row)),
+                None => self.take(key, fingerprint, lease).await,
+            }
+        })
+        .await?
+        .map_or_else(|row| held(&row), |token| Ok(Claim::Acquired { token }))
+    }
+
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        self.fenced(
+            &self.sql.complete,
+            key,
+            token,
+            Some(&value),
+            Some(millis(ttl)),
+        )
+        .await
+    }
+
+    async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
+        self.fenced(&self.sql.release, key, token, None, None).await
+    }
+
+    async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
+        self.fenced(&self.sql.renew, key, token, None, Some(millis(lease)))
+            .await
+    }
+
+    /// Claim tokens already grow here (they come from the counter table): the claim's own
+    /// token is its fencing token.
+    async fn fence(&self, _: &Key, token: Token) -> Result<Option<Token>, Error> {
+        Ok(Some(token))
+    }
+
+    async fn remove(&self, key: &Key) -> Result<bool, Error> {
+        let live: Option<bool> = self
+            .within(
+                sqlx::query_scalar(&self.sql.remove)
+                    .bind(&key.as_bytes()[..])
+                    .fetch_optional(&self.pool),
+            )
+            .await?;
+        Ok(live.unwrap_or(false))
+    }
+
+    async fn lookup(&self, key: &Key) -> Result<Option<Recorded>, Error> {
+        let row: Option<(Option<Vec<u8>>, Option<Vec<u8>>, i64)> = self
+            .within(
+                sqlx::query_as(&self.sql.lookup)
+                    .bind(&key.as_bytes()[..])
+                    .fetch_optional(&self.pool),
+            )
+            .await?;
+        let Some((fp, value, left)) = row else {
+            return Ok(None);
+        };
+        Ok(Some(Recorded::new(
+            Bytes::from(value.unwrap_or_default()),
+            fingerprint(fp)?,
+            Some(Duration::from_millis(u64::try_from(left).unwrap_or(0))),
+        )))
+    }
+
+    fn flights(&self) -> Option<&Flights> {
+        Some(&self.flights)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_names_are_identifiers_only() {
+        assert!(Statements::new(DEFAULT_TABLE).is_ok());
+        for bad in [
+            "",
+            "1table",
+            "idem records",
+            "t\"; DROP TABLE x; --",
+            "main.t",
+            &"x".repeat(51),
+        ] {
+            assert!(Statements::new(bad).is_err(), "{bad:?} was accepted");
+        }
+    }
+}

@@ -1,0 +1,296 @@
+//! `SqliteStore` on real files: the store contract, two OS processes on one file, a holder
+//! SIGKILLed mid-body, a record that outlives the process that wrote it, zombies, purging.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_runtime::store::testkit;
+use idem_runtime::MemoryStore;
+use idem_runtime::{Error, Operation, Outcome, SqliteStore, Store, TieredStore};
+use idem_tests::scenarios::{self, namespace};
+use idem_tests::Runs;
+
+/// Hands a child process its database file.
+const FILE: &str = "IDEM_SQLITE_FILE";
+/// Hands a child process its namespace.
+const NAMESPACE: &str = "IDEM_SQLITE_NAMESPACE";
+
+/// A fresh file of its own for one test.
+fn fresh_file(test: &str) -> PathBuf {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("sqlite-{test}-{}-{nanos}.db", std::process::id()))
+}
+
+async fn open(path: &std::path::Path) -> SqliteStore {
+    let store = SqliteStore::open(path).await.unwrap();
+    store.migrate().await.unwrap();
+    store
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_store_keeps_the_store_contract() {
+    let store = open(&fresh_file("contract")).await;
+    testkit::conformance(&store).await;
+    let named = store.with_table("idem_other").unwrap();
+    named.migrate().await.unwrap();
+    named.migrate().await.unwrap(); // idempotent
+    testkit::conformance(&named).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_memory_tier_over_sqlite_keeps_the_store_contract() {
+    let durable = open(&fresh_file("tiered")).await;
+    testkit::conformance(&TieredStore::new(MemoryStore::new(), durable)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_file_is_in_wal_mode_and_names_are_checked() {
+    let store = open(&fresh_file("wal")).await;
+    let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(mode, "wal");
+    for bad in ["idem records", "x\"; DROP TABLE y; --", "main.idem"] {
+        let err = store.clone().with_table(bad).unwrap_err();
+        assert!(matches!(err, Error::Store(_)), "{bad:?}: {err:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_pools_on_one_file_run_one_body_for_400_callers() {
+    let path = fresh_file("two-pools");
+    scenarios::two_stores_200_callers_each(open(&path).await, open(&path).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zombie_cannot_overwrite_the_new_owner() {
+    let store = open(&fresh_file("zombie")).await;
+    scenarios::zombie_cannot_overwrite_the_new_owner(store.clone()).await;
+    scenarios::zombie_fences_are_refused_downstream(store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purging_deletes_expired_rows_only() {
+    let store = open(&fresh_file("purge")).await;
+    let op = Operation::new(namespace("purge")).ttl(Duration::from_millis(200));
+    let short = op.key(&"short").unwrap();
+    let _ = op
+        .run(&store, &short, None, async { Ok::<_, Error>(1_u32) })
+        .await
+        .unwrap();
+    let long = Operation::new(namespace("purge-long"));
+    let kept = long.key(&"long").unwrap();
+    let _ = long
+        .run(&store, &kept, None, async { Ok::<_, Error>(2_u32) })
+        .await
+        .unwrap();
+    // Wait, by SQLite's own clock, until the short record has expired.
+    while store.lookup(&short).await.unwrap().is_some() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(store.purge_expired().await.unwrap(), 1);
+    assert_eq!(store.purge_expired().await.unwrap(), 0);
+    assert!(
+        store.lookup(&kept).await.unwrap().is_some(),
+        "a live record stays"
+    );
+}
+
+// ---- Several processes ---------------------------------------------------------------
+
+/// Starts this test binary's ignored test `child` as a process of its own.
+fn child(test: &str, file: &std::path::Path, namespace: &str) -> std::process::Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            test,
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(FILE, file)
+        .env(NAMESPACE, namespace)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// What follows `prefix` on each line a child printed it (the test harness may have
+/// started the line with its own `test … `).
+fn lines_after(output: &str, prefix: &str) -> Vec<String> {
+    output
+        .lines()
+        .filter_map(|line| {
+            line.find(prefix)
+                .map(|at| line[at + prefix.len()..].to_string())
+        })
+        .collect()
+}
+
+const CALLERS: usize = 250;
+
+/// The child of the two-process test: 250 callers on one key once the parent says go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run by two_processes_on_one_file_run_one_body_for_500_callers, in a child process"]
+async fn one_key_child() {
+    let store = open(std::path::Path::new(&std::env::var(FILE).unwrap())).await;
+    let op = Arc::new(
+        Operation::new(std::env::var(NAMESPACE).unwrap()).wait_timeout(Duration::from_secs(60)),
+    );
+    let key = op.key(&"order-1").unwrap();
+    println!("ready");
+    let mut go = String::new();
+    std::io::stdin().read_line(&mut go).unwrap();
+    let runs = Runs::default();
+    let mut calls = Vec::new();
+    for _ in 0..CALLERS {
+        let (op, store, runs) = (op.clone(), store.clone(), runs.clone());
+        calls.push(tokio::spawn(async move {
+            op.run(&store, &key, None, async move {
+                runs.hit();
+                // Long enough for the other process's callers to find the key held.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                Ok::<_, Error>(format!("receipt-of-{}", std::process::id()))
+            })
+            .await
+        }));
+    }
+    for call in calls {
+        println!("value {}", call.await.unwrap().unwrap().into_inner());
+    }
+    println!("runs {}", runs.count());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_on_one_file_run_one_body_for_500_callers() {
+    let file = fresh_file("two-processes");
+    open(&file).await; // migrated once, before either child starts
+    let namespace = namespace("two-processes");
+    let mut children: Vec<_> = (0..2)
+        .map(|_| child("one_key_child", &file, &namespace))
+        .collect();
+    let mut outputs = Vec::new();
+    let mut readers = Vec::new();
+    for process in &mut children {
+        let mut stdout = BufReader::new(process.stdout.take().unwrap());
+        let mut line = String::new();
+        while !line.contains("ready") {
+            line.clear();
+            assert!(
+                stdout.read_line(&mut line).unwrap() > 0,
+                "the child ended before it was ready"
+            );
+        }
+        readers.push(stdout);
+    }
+    // Both are ready: let them go together.
+    for process in &mut children {
+        process.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    }
+    for (process, mut stdout) in children.into_iter().zip(readers) {
+        let output = tokio::task::spawn_blocking(move || {
+            let mut output = String::new();
+            std::io::Read::read_to_string(&mut stdout, &mut output).unwrap();
+            let mut process = process;
+            assert!(
+                process.wait().unwrap().success(),
+                "a child failed:\n{output}"
+            );
+            output
+        })
+        .await
+        .unwrap();
+        outputs.push(output);
+    }
+    let runs: usize = outputs
+        .iter()
+        .flat_map(|output| lines_after(output, "runs "))
+        .map(|runs| runs.parse::<usize>().unwrap())
+        .sum();
+    let values: Vec<String> = outputs
+        .iter()
+        .flat_map(|output| lines_after(output, "value "))
+        .collect();
+    println!(
+        "{} callers in 2 processes, {runs} body run(s)",
+        values.len()
+    );
+    assert_eq!(values.len(), 2 * CALLERS, "every caller answered");
+    assert_eq!(runs, 1, "one body for 500 callers in two processes");
+    assert!(
+        values.iter().all(|value| *value == values[0]),
+        "every caller got the one body's value"
+    );
+}
+
+/// The child of the crash test, in its own process, on the crash test's file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run by a_holder_killed_mid_body_is_taken_over_after_its_lease, in a child process"]
+async fn crash_child() {
+    scenarios::crash_child(open(&crash_file()).await).await;
+}
+
+/// The crash test's file: the child must find it without being told (the scenario starts
+/// it); namespaces keep runs apart.
+fn crash_file() -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("sqlite-crash.db")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_killed_mid_body_is_taken_over_after_its_lease() {
+    scenarios::crash_frees_the_key_after_the_lease(open(&crash_file()).await, "crash_child").await;
+}
+
+/// The child of the restart test: records a result and exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "run by a_result_outlives_the_process_that_recorded_it, in a child process"]
+async fn record_child() {
+    let store = open(std::path::Path::new(&std::env::var(FILE).unwrap())).await;
+    let op = Operation::new(std::env::var(NAMESPACE).unwrap());
+    let key = op.key(&"charge-7").unwrap();
+    let outcome = op
+        .run(&store, &key, None, async {
+            Ok::<_, Error>(format!("receipt-of-{}", std::process::id()))
+        })
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Executed(_)), "{outcome:?}");
+    println!("recorded {}", outcome.into_inner());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_outlives_the_process_that_recorded_it() {
+    let file = fresh_file("restart");
+    let namespace = namespace("restart");
+    let process = child("record_child", &file, &namespace);
+    let output = tokio::task::spawn_blocking(move || process.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).to_string();
+    assert!(
+        output.status.success(),
+        "the recording process failed:\n{stdout}"
+    );
+    let recorded = lines_after(&stdout, "recorded ");
+    assert_eq!(recorded.len(), 1, "{stdout}");
+
+    // A new process (this one) on the same file: the retry replays, the body never runs.
+    let store = open(&file).await;
+    let op = Operation::new(namespace);
+    let key = op.key(&"charge-7").unwrap();
+    let retry = op
+        .run(&store, &key, None, async {
+            Ok::<_, Error>("charged again".to_string())
+        })
+        .await
+        .unwrap();
+    assert_eq!(retry, Outcome::Replayed(recorded[0].clone()));
+}
