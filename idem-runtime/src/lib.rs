@@ -27,7 +27,9 @@
 //! The pieces:
 //! - [`idempotent`]: the attribute, sugar over [`Operation`].
 //! - [`Key`] and [`Fingerprint`]: deterministic sha256 digests of `Serialize` values.
-//! - [`Store`]: where claims and results live; [`MemoryStore`] is the embedded default.
+//! - [`Store`]: where claims and results live; [`MemoryStore`] is the embedded default;
+//!   `RedisStore`, `PostgresStore` and `SqliteStore` (features `redis`, `postgres`, `sqlite`)
+//!   are shared and durable; [`TieredStore`] puts a fast store in front of a durable one.
 //! - [`Operation`]: runs a future at most once per key, with its policies.
 //! - [`Error`]: why a call did not produce a value of its own.
 //! - `http` (feature `http`): the `Idempotency-Key` header as a tower layer; `http::client`
