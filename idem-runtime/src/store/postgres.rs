@@ -36,7 +36,7 @@ use sqlx::Row;
 use tokio::sync::Semaphore;
 
 pub use crate::store::sql::Purger;
-use crate::store::sql::{fingerprint, is_identifier, millis};
+use crate::store::sql::{self, fingerprint, is_identifier, millis, LookupRow};
 use crate::store::Recorded;
 use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
@@ -319,13 +319,7 @@ impl PostgresStore {
         &self,
         operation: impl std::future::Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T, Error> {
-        match tokio::time::timeout(self.timeout, operation).await {
-            Ok(result) => result.map_err(Error::store),
-            Err(_) => Err(Error::store(format!(
-                "postgresql did not answer within {:?}",
-                self.timeout
-            ))),
-        }
+        sql::within("postgresql", self.timeout, operation).await
     }
 
     /// Uses the table `table` (`name` or `schema.name`) instead of [`DEFAULT_TABLE`].
@@ -391,18 +385,9 @@ impl PostgresStore {
     /// the next interval.
     pub fn purge_every(&self, interval: Duration) -> Purger {
         let store = self.clone();
-        Purger::every(interval, move || {
+        Purger::every(interval, self.table().to_string(), move || {
             let store = store.clone();
-            async move {
-                match store.purge_expired().await {
-                    Ok(purged) => {
-                        tracing::debug!(purged, table = store.table(), "purged expired records")
-                    }
-                    Err(err) => {
-                        tracing::warn!(error = %err, table = store.table(), "purging expired records failed")
-                    }
-                }
-            }
+            async move { store.purge_expired().await }
         })
     }
 
@@ -541,21 +526,14 @@ impl Store for PostgresStore {
     }
 
     async fn lookup(&self, key: &Key) -> Result<Option<Recorded>, Error> {
-        let row: Option<(Option<Vec<u8>>, Option<Vec<u8>>, i64)> = self
+        let row: Option<LookupRow> = self
             .within(
                 sqlx::query_as(&self.sql.lookup)
                     .bind(&key.as_bytes()[..])
                     .fetch_optional(&self.pool),
             )
             .await?;
-        let Some((fp, value, left)) = row else {
-            return Ok(None);
-        };
-        Ok(Some(Recorded::new(
-            Bytes::from(value.unwrap_or_default()),
-            fingerprint(fp)?,
-            Some(Duration::from_millis(u64::try_from(left).unwrap_or(0))),
-        )))
+        sql::recorded(row)
     }
 
     fn flights(&self) -> Option<&Flights> {

@@ -4,6 +4,9 @@
 use std::future::Future;
 use std::time::Duration;
 
+use bytes::Bytes;
+
+use crate::store::Recorded;
 use crate::{limits, Error, Fingerprint};
 
 /// A table or schema name: a plain identifier, so that it can never inject SQL.
@@ -38,24 +41,58 @@ pub(crate) fn fingerprint(raw: Option<Vec<u8>>) -> Result<Option<Fingerprint>, E
     .transpose()
 }
 
+/// The row of a `lookup` statement (fingerprint, value, milliseconds left) as a [`Recorded`].
+pub(crate) type LookupRow = (Option<Vec<u8>>, Option<Vec<u8>>, i64);
+
+pub(crate) fn recorded(row: Option<LookupRow>) -> Result<Option<Recorded>, Error> {
+    let Some((fp, value, left)) = row else {
+        return Ok(None);
+    };
+    Ok(Some(Recorded::new(
+        Bytes::from(value.unwrap_or_default()),
+        fingerprint(fp)?,
+        Some(Duration::from_millis(u64::try_from(left).unwrap_or(0))),
+    )))
+}
+
+/// Runs one operation of `database` under `timeout`.
+pub(crate) async fn within<T>(
+    database: &str,
+    timeout: Duration,
+    operation: impl Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, Error> {
+    match tokio::time::timeout(timeout, operation).await {
+        Ok(result) => result.map_err(Error::store),
+        Err(_) => Err(Error::store(format!(
+            "{database} did not answer within {timeout:?}"
+        ))),
+    }
+}
+
 /// Stops the purge task of a store's `purge_every` when dropped.
 #[derive(Debug)]
 #[must_use = "the purge task stops when this guard is dropped"]
 pub struct Purger(tokio::task::JoinHandle<()>);
 
 impl Purger {
-    /// Runs `purge` every `interval` on the current tokio runtime.
-    pub(crate) fn every<F, Fut>(interval: Duration, purge: F) -> Self
+    /// Runs `purge` of `table` every `interval` on the current tokio runtime; a failed
+    /// purge is logged and retried at the next interval.
+    pub(crate) fn every<F, Fut>(interval: Duration, table: String, purge: F) -> Self
     where
         F: Fn() -> Fut + Send + 'static,
-        Fut: Future<Output = ()> + Send,
+        Fut: Future<Output = Result<u64, Error>> + Send,
     {
         Self(tokio::spawn(async move {
             let mut ticks = tokio::time::interval(interval);
             ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 ticks.tick().await;
-                purge().await;
+                match purge().await {
+                    Ok(purged) => tracing::debug!(purged, table, "purged expired records"),
+                    Err(err) => {
+                        tracing::warn!(error = %err, table, "purging expired records failed")
+                    }
+                }
             }
         }))
     }
