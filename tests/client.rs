@@ -3,6 +3,9 @@
 //! sockets against idem's own `IdempotencyLayer`, through a proxy that loses answers, cuts
 //! connections, stalls and delays.
 
+#[path = "http_support.rs"]
+mod support;
+
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -283,6 +286,56 @@ async fn an_attempt_over_its_timeout_is_abandoned_and_retried() {
     assert_eq!(delivery(&response).attempts(), 3);
 }
 
+/// On tokio's paused clock, as above: the waits are measured on a clock only the test moves.
+#[tokio::test(start_paused = true)]
+async fn a_retry_waits_for_retry_after_and_the_budget_cuts_an_attempt() {
+    let script = Script::new([
+        Step::Answer(429, &[("retry-after", "5")]),
+        Step::Answer(201, &[]),
+    ]);
+    let client = IdempotencyKeyLayer::new()
+        .retry(fast())
+        .layer(script.service());
+    let started = tokio::time::Instant::now();
+    let response = client.oneshot(post_body("{}")).await.unwrap();
+    assert_eq!(delivery(&response).attempts(), 2);
+    assert!(
+        started.elapsed() >= Duration::from_secs(5),
+        "retried after {:?}, before its Retry-After",
+        started.elapsed()
+    );
+
+    // No per-attempt timeout: the budget alone ends an attempt that never answers.
+    let script = Script::new([Step::Hang]);
+    let client = IdempotencyKeyLayer::new()
+        .retry(fast().budget(Duration::from_secs(1)))
+        .layer(script.service());
+    let error = client.oneshot(post_body("{}")).await.unwrap_err();
+    assert!(
+        matches!(
+            error,
+            Error::GaveUp {
+                attempts: 1,
+                last: Failure::TimedOut,
+                ..
+            }
+        ),
+        "{error:?}"
+    );
+
+    // `Retry::never()`: keyed, sent once.
+    let script = Script::new([Step::Answer(503, &[])]);
+    let client = IdempotencyKeyLayer::new()
+        .retry(Retry::never())
+        .layer(script.service());
+    let error = client.oneshot(post_body("{}")).await.unwrap_err();
+    assert!(
+        matches!(error, Error::GaveUp { attempts: 1, .. }),
+        "{error:?}"
+    );
+    assert!(script.seen()[0].key.is_some());
+}
+
 #[tokio::test]
 async fn the_last_failure_is_a_typed_error_with_the_key() {
     let script = Script::new([Step::Fail, Step::Fail]);
@@ -323,13 +376,6 @@ async fn pay(State(executions): State<Executions>, body: Bytes) -> (StatusCode, 
         *run
     };
     (StatusCode::CREATED, format!(r#"{{"n":{n},"run":{run}}}"#))
-}
-
-async fn serve(router: Router) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
-    address
 }
 
 /// What the proxy does to one connection.
@@ -439,7 +485,7 @@ async fn every_logical_request_runs_once_through_a_faulty_network() {
         .route("/payments", post(pay))
         .with_state(executions.clone())
         .layer(IdempotencyLayer::new(MemoryStore::new()).unscoped());
-    let server = serve(router).await;
+    let server = support::serve(router).await;
     let proxied = Arc::new(Proxied::default());
     let address = proxy(server, Arc::clone(&proxied)).await;
 
@@ -544,7 +590,7 @@ async fn a_server_that_always_answers_409_meets_the_budget() {
                 seen: Arc::clone(&seen),
                 retry_after,
             });
-        (serve(router).await, seen)
+        (support::serve(router).await, seen)
     };
     let hyper_client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     let post_to = |server: SocketAddr| {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use idem_runtime::store::testkit;
 use idem_runtime::MemoryStore;
-use idem_runtime::{Error, Operation, Outcome, SqliteStore, Store, TieredStore};
+use idem_runtime::{Claim, Error, Operation, Outcome, SqliteStore, Store, TieredStore};
 use idem_tests::scenarios::{self, namespace};
 use idem_tests::Runs;
 
@@ -57,10 +57,75 @@ async fn the_file_is_in_wal_mode_and_names_are_checked() {
         .await
         .unwrap();
     assert_eq!(mode, "wal");
+    let synchronous: i64 = sqlx::query_scalar("PRAGMA synchronous")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(
+        synchronous, 2,
+        "FULL: a commit is on disk before it returns"
+    );
     for bad in ["idem records", "x\"; DROP TABLE y; --", "main.idem"] {
         let err = store.clone().with_table(bad).unwrap_err();
         assert!(matches!(err, Error::Store(_)), "{bad:?}: {err:?}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_reads_while_another_process_holds_the_write_lock() {
+    let file = fresh_file("write-lock");
+    let store = open(&file).await;
+    let op = Operation::new(namespace("write-lock"));
+    let recorded = op.key(&"recorded").unwrap();
+    let _ = op
+        .run(&store, &recorded, None, async { Ok::<_, Error>(7_u32) })
+        .await
+        .unwrap();
+
+    // Another process's writer holds the file's write lock for as long as the test needs.
+    let other = open(&file).await;
+    let mut writer = other.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+    sqlx::query("DELETE FROM idem_records WHERE key = x'00'")
+        .execute(&mut *writer)
+        .await
+        .unwrap();
+
+    let store = store.with_timeout(Duration::from_secs(30));
+    let replay = op
+        .run(&store, &recorded, None, async { Ok::<_, Error>(8_u32) })
+        .await
+        .unwrap();
+    assert_eq!(replay, Outcome::Replayed(7), "a replay takes no write lock");
+
+    // A first execution needs the lock: it waits for the writer, then runs.
+    let first = {
+        let (op, store) = (op.clone(), store.clone());
+        tokio::spawn(async move {
+            let key = op.key(&"first").unwrap();
+            op.run(&store, &key, None, async { Ok::<_, Error>(9_u32) })
+                .await
+        })
+    };
+    writer.rollback().await.unwrap();
+    assert_eq!(first.await.unwrap().unwrap(), Outcome::Executed(9));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_from_many_pools_at_once_all_succeed() {
+    let file = fresh_file("migrations");
+    let mut stores = Vec::new();
+    for _ in 0..8 {
+        stores.push(SqliteStore::open(&file).await.unwrap());
+    }
+    let migrations: Vec<_> = stores
+        .iter()
+        .cloned()
+        .map(|store| tokio::spawn(async move { store.migrate().await }))
+        .collect();
+    for migration in migrations {
+        migration.await.unwrap().unwrap();
+    }
+    testkit::conformance(&stores[0]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -293,4 +358,19 @@ async fn a_result_outlives_the_process_that_recorded_it() {
         .await
         .unwrap();
     assert_eq!(retry, Outcome::Replayed(recorded[0].clone()));
+
+    // The token counter outlived the process too: the next claim's token is past the
+    // recording process's.
+    let next = op.key(&"charge-8").unwrap();
+    let Claim::Acquired { token } = store
+        .claim(&next, None, Duration::from_secs(5))
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key is claimed")
+    };
+    assert!(
+        token.get() > 1,
+        "token {token:?} after the first process took token 1"
+    );
 }

@@ -106,12 +106,17 @@ struct Statements {
 }
 
 impl Statements {
+    /// The statements of `table`, after checking the name.
     fn new(table: &str) -> Result<Self, Error> {
-        let name = validate(table)?;
+        Ok(Self::of(validate(table)?))
+    }
+
+    /// The statements of a checked table name.
+    fn of(name: &str) -> Self {
         let t = format!("\"{name}\"");
         let counter = format!("\"{name}_token\"");
         let index = format!("\"{name}_expires_at\"");
-        Ok(Self {
+        Self {
             table: name.to_string(),
             create: [
                 format!(
@@ -161,7 +166,7 @@ impl Statements {
                 "DELETE FROM {t} WHERE key IN \
                  (SELECT key FROM {t} WHERE expires_at <= {NOW} LIMIT ?1)"
             ),
-        })
+        }
     }
 }
 
@@ -225,7 +230,7 @@ impl SqliteStore {
     pub fn from_pool(pool: SqlitePool) -> Self {
         Self {
             pool,
-            sql: Arc::new(Statements::new(DEFAULT_TABLE).expect("the default name is valid")),
+            sql: Arc::new(Statements::of(DEFAULT_TABLE)),
             timeout: DEFAULT_TIMEOUT,
             flights: Arc::default(),
         }
