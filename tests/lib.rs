@@ -38,6 +38,8 @@ pub struct Probe<S> {
     gate: Option<Gate>,
     /// Seeded failures and delays of every operation but `remove`.
     faults: Option<Faults>,
+    /// Prints `renewed` on stdout after each renewal the store accepted, for a parent process.
+    announces_renewals: bool,
     /// How many of the next `renew` calls fail.
     failing_renewals: Arc<AtomicUsize>,
     /// How many of the next `complete` calls fail (before the gate, if there is one).
@@ -134,6 +136,7 @@ impl<S> Probe<S> {
             records: true,
             gate: None,
             faults: None,
+            announces_renewals: false,
             failing_renewals: Arc::default(),
             failing_completes: Arc::default(),
             completes: Runs::default(),
@@ -190,6 +193,16 @@ impl<S> Probe<S> {
                     "injected: the store acted, the answer was lost",
                 ))
             }
+        }
+    }
+
+    /// Forwards everything, and prints `renewed` after each accepted renewal: a child
+    /// process tells its parent that its lease was just extended.
+    pub fn announcing_renewals(inner: S) -> Self {
+        Self {
+            announces_renewals: true,
+            coalesces: false,
+            ..Self::new(inner)
         }
     }
 
@@ -309,7 +322,11 @@ impl<S: Store + Clone> Store for Probe<S> {
         {
             return Err(Error::store("injected: the renewal failed"));
         }
-        self.apply(self.inner.renew(key, token, lease)).await
+        let renewed = self.apply(self.inner.renew(key, token, lease)).await;
+        if self.announces_renewals && matches!(renewed, Ok(true)) {
+            println!("renewed");
+        }
+        renewed
     }
 
     async fn fence(&self, key: &Key, token: Token) -> Result<Option<Token>, Error> {
@@ -991,6 +1008,87 @@ pub mod scenarios {
             );
             assert_eq!(downstream.0.lock().unwrap().1, "owner");
         }
+    }
+
+    /// The child of [`a_crashed_holder_frees_its_key_within_seconds`]: claims the key with
+    /// the default lease, prints `claimed`, renews (printing `renewed` each time) and hangs
+    /// until it is killed.
+    pub async fn default_lease_crash_child<S: Store + Clone>(store: S) {
+        let namespace = std::env::var(CRASH_NAMESPACE).expect("run by the crash test");
+        let op = Operation::new(namespace);
+        let key = op.key(&"crash").unwrap();
+        let _ = op
+            .run(&Probe::announcing_renewals(store), &key, None, async {
+                println!("claimed");
+                std::future::pending::<()>().await;
+                Ok::<_, Error>(0_u32)
+            })
+            .await;
+    }
+
+    /// What a user gets from the defaults after a crash: the test `child` of this test binary
+    /// claims a key with the default lease and renews it; it is SIGKILLed right after a
+    /// renewal (the worst moment: a whole lease left), and a retry of the key from this
+    /// process must run its body within 10 s of the kill. Returns how long that took.
+    pub async fn a_crashed_holder_frees_its_key_within_seconds<S: Store + Clone>(
+        store: S,
+        child: &str,
+    ) -> Duration {
+        let namespace = namespace("default_lease_crash");
+        let mut process = Command::new(std::env::current_exe().unwrap())
+            .args(["--ignored", "--exact", child, "--nocapture"])
+            .env(CRASH_NAMESPACE, &namespace)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = process.stdout.take().unwrap();
+        let (lines, mut seen) = tokio::sync::mpsc::unbounded_channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if lines.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut wait_for = async |what: &str| loop {
+            let line = tokio::time::timeout(Duration::from_secs(60), seen.recv()).await;
+            match line.expect("the child stalled").expect("the child exited") {
+                line if line.contains(what) => return,
+                _ => continue,
+            }
+        };
+        wait_for("claimed").await;
+        wait_for("renewed").await;
+        process.kill().unwrap(); // SIGKILL: no destructor, no release
+        let killed = Instant::now();
+        process.wait().unwrap();
+
+        let op = Operation::new(namespace);
+        let key = op.key(&"crash").unwrap();
+        let rejected = op
+            .clone()
+            .in_flight(InFlight::Reject)
+            .run(&store, &key, None, async { Ok::<_, Error>(1_u32) })
+            .await;
+        assert!(
+            matches!(rejected, Err(Error::InProgress)),
+            "the key is still held right after the kill: {rejected:?}"
+        );
+        // The retry waits as long as it must, so that a key stuck past 10 s shows as a
+        // measured time, not as a timeout.
+        let retried = op
+            .wait_timeout(Duration::from_secs(60))
+            .run(&store, &key, None, async { Ok::<_, Error>(2_u32) })
+            .await
+            .unwrap();
+        let elapsed = killed.elapsed();
+        assert_eq!(retried, Outcome::Executed(2));
+        println!("a holder SIGKILLed right after a renewal: its key ran again {elapsed:?} later");
+        assert!(
+            elapsed <= Duration::from_secs(10),
+            "the default lease must free a crashed holder's key within 10 s: {elapsed:?}"
+        );
+        elapsed
     }
 
     /// The environment variable that hands the crash test's namespace to its child.

@@ -30,8 +30,14 @@ use crate::{background, limits, meter, CacheErrors, Claim, Error, Fingerprint, K
 /// How long a completed result is replayed unless told otherwise: 24 hours.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 
-/// How long a claim lives without renewal unless told otherwise: 30 seconds.
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// How long a claim lives without renewal unless told otherwise: 8 seconds.
+///
+/// A holder renews its claim every quarter of the lease (2 s) while its body runs, so a body
+/// may run for hours; the lease only bounds how long a crashed holder's key stays locked: a
+/// retry after a SIGKILL runs within 8 s of the last renewal. Each renewal may be up to 6 s
+/// late (a starved runtime, a slow store) before a live holder can be taken over. See the
+/// README's "Sizing the lease" for what a shorter or longer one costs.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(8);
 
 /// What a call does when it finds its key in progress.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -145,7 +151,7 @@ impl<P> Operation<P> {
     }
 
     /// How long a claim lives without renewal (default [`DEFAULT_LEASE`]). The claim is
-    /// renewed every third of it while the body runs; a crashed holder's claim is free again
+    /// renewed every quarter of it while the body runs; a crashed holder's claim is free again
     /// at most this long after its last renewal.
     #[must_use]
     pub fn lease(mut self, lease: Duration) -> Self {

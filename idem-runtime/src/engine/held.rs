@@ -30,6 +30,9 @@ use crate::meter::{self, Event};
 use crate::store::Typed;
 use crate::{Error, Fingerprint, Key, Store, Token};
 
+/// How many times a holder renews its claim per lease while the body runs.
+const RENEWALS_PER_LEASE: u32 = 4;
+
 pub(super) struct Held {
     /// What the heartbeat shares with the guard.
     claim: Arc<Lease>,
@@ -166,7 +169,7 @@ impl Held {
         Poll::Pending
     }
 
-    /// Polls `work` to completion while renewing the lease every third of it.
+    /// Polls `work` to completion while renewing the lease every quarter of it.
     async fn renewing<F: Future>(&self, work: F) -> F::Output {
         let mut work = pin!(work);
         let mut heartbeat = pin!(Arc::clone(&self.claim).heartbeat());
@@ -351,10 +354,12 @@ impl Held {
 
 impl Lease {
     async fn heartbeat(self: Arc<Self>) {
-        let period = self.lease / 3;
+        // A quarter: a renewal may then be three periods late, or fail for that long, before
+        // the lease lapses under a live holder.
+        let period = self.lease / RENEWALS_PER_LEASE;
         let mut failures = 0;
         loop {
-            // After a failure, try again soon: three missed periods lose the lease.
+            // After a failure, try again soon: four missed periods lose the lease.
             let pause = if failures == 0 {
                 period
             } else {

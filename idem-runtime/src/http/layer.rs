@@ -309,7 +309,7 @@ impl<St: Clone, Sc: Clone> IdempotencyLayer<St, Sc> {
         self.with(|c| c.operation = c.operation.clone().ttl(ttl))
     }
 
-    /// How long a claim lives without renewal while the handler runs (default 30 s).
+    /// How long a claim lives without renewal while the handler runs (default 8 s).
     pub fn lease(self, lease: Duration) -> Self {
         self.with(|c| c.operation = c.operation.clone().lease(lease))
     }

@@ -84,7 +84,7 @@ pub struct PostgresStore {
     /// for, so a holder's completion or release waits behind at most one pool's worth of
     /// claims, however large the crowd of callers: the rest of the crowd waits here.
     claims: Arc<Semaphore>,
-    /// A pool of its own for renewals, opened when a body first outlives a third of its
+    /// A pool of its own for renewals, opened when a body first outlives a quarter of its
     /// lease: to the others, a holder that cannot renew is a dead one, and its key would
     /// be taken over and run twice. Isolated from `pool`, which the application may also
     /// crowd with its own transactions.
@@ -278,7 +278,7 @@ impl PostgresStore {
     /// Claims, completions and releases share `pool`, and a completion or a release waits
     /// behind at most one pool's worth of new claims however many callers crowd in.
     /// Renewals run on a pool of their own of at most [`RENEWAL_CONNECTIONS`], opened only
-    /// when a body first outlives a third of its lease, so that neither a crowd of claims
+    /// when a body first outlives a quarter of its lease, so that neither a crowd of claims
     /// nor the application's own long transactions on `pool` can starve a holder of its
     /// renewals until its lease lapses and another caller runs the body again. The server
     /// sees at most the pool's connections plus [`RENEWAL_CONNECTIONS`].
