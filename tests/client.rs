@@ -35,6 +35,10 @@ use tower::{Layer, Service, ServiceBuilder, ServiceExt};
 enum Step {
     Answer(u16, &'static [(&'static str, &'static str)]),
     Fail,
+    /// The connection is refused: nothing reaches the server.
+    Refuse,
+    /// An `application/problem+json` answer with this status and body.
+    Problem(u16, &'static str),
     Hang,
 }
 
@@ -99,10 +103,32 @@ impl Script {
                         Ok(response.body(Full::from("answer"))?)
                     }
                     Step::Fail => Err("connection reset by peer".into()),
+                    Step::Refuse => Err(Box::new(std::io::Error::from(
+                        std::io::ErrorKind::ConnectionRefused,
+                    )) as BoxError),
+                    Step::Problem(status, body) => Ok(Response::builder()
+                        .status(status)
+                        .header("content-type", "application/problem+json")
+                        .body(Full::from(body))?),
                     Step::Hang => std::future::pending().await,
                 }
             }
         })
+    }
+}
+
+/// A request body that never ends: no frame, and no end, ever.
+struct Endless;
+
+impl http_body::Body for Endless {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        std::task::Poll::Pending
     }
 }
 
@@ -308,7 +334,7 @@ async fn a_retry_waits_for_retry_after_and_the_budget_cuts_an_attempt() {
     // No per-attempt timeout: the budget alone ends an attempt that never answers.
     let script = Script::new([Step::Hang]);
     let client = IdempotencyKeyLayer::new()
-        .retry(fast().budget(Duration::from_secs(1)))
+        .retry(fast().no_timeout().budget(Duration::from_secs(1)))
         .layer(script.service());
     let error = client.oneshot(post_body("{}")).await.unwrap_err();
     assert!(
@@ -347,6 +373,7 @@ async fn the_last_failure_is_a_typed_error_with_the_key() {
         key,
         attempts,
         last,
+        ..
     } = error
     else {
         panic!("{error:?}")
@@ -357,6 +384,165 @@ async fn the_last_failure_is_a_typed_error_with_the_key() {
         script.seen()[0].key.as_deref(),
         Some(format!("\"{}\"", key.as_str()).as_str())
     );
+}
+
+/// Every duration a server or a caller can hand the layer, however absurd, ends in an
+/// answer or a typed error, never a panic (`Instant + Duration` overflows).
+#[tokio::test(start_paused = true)]
+async fn no_duration_from_a_server_or_a_caller_panics() {
+    // A `Retry-After` of u64::MAX seconds: beyond any budget.
+    let script = Script::new([Step::Answer(
+        503,
+        &[("retry-after", "18446744073709551615")],
+    )]);
+    let client = IdempotencyKeyLayer::new()
+        .retry(fast())
+        .layer(script.service());
+    let error = client.oneshot(post_body("{}")).await.unwrap_err();
+    assert!(
+        matches!(error, Error::GaveUp { attempts: 1, .. }),
+        "{error:?}"
+    );
+
+    // A budget of `Duration::MAX`: no deadline at all.
+    let script = Script::new([Step::Answer(503, &[]), Step::Answer(201, &[])]);
+    let client = IdempotencyKeyLayer::new()
+        .retry(fast().budget(Duration::MAX))
+        .layer(script.service());
+    let response = client.oneshot(post_body("{}")).await.unwrap();
+    assert_eq!(delivery(&response).attempts(), 2);
+
+    // A backoff of `Duration::MAX` within a budget: the wait is cut to the budget's end.
+    let script = Script::new([Step::Answer(503, &[]), Step::Answer(201, &[])]);
+    let client = IdempotencyKeyLayer::new()
+        .retry(
+            Retry::new()
+                .budget(Duration::from_secs(20))
+                .backoff(Duration::MAX, Duration::MAX),
+        )
+        .layer(script.service());
+    let response = client.oneshot(post_body("{}")).await.unwrap();
+    assert_eq!(delivery(&response).attempts(), 2);
+
+    // A per-attempt timeout of `Duration::MAX`: the budget cuts the attempt.
+    let script = Script::new([Step::Hang]);
+    let client = IdempotencyKeyLayer::new()
+        .retry(fast().timeout(Duration::MAX).budget(Duration::from_secs(1)))
+        .layer(script.service());
+    let error = client.oneshot(post_body("{}")).await.unwrap_err();
+    assert!(
+        matches!(
+            error,
+            Error::GaveUp {
+                last: Failure::TimedOut,
+                ..
+            }
+        ),
+        "{error:?}"
+    );
+}
+
+/// A backoff drawn past the deadline is shortened: the last attempt gets what the budget
+/// has left instead of the request giving up early.
+#[tokio::test(start_paused = true)]
+async fn the_last_backoff_is_shortened_to_the_budget() {
+    let script = Script::new([Step::Answer(503, &[]), Step::Answer(201, &[])]);
+    let client = IdempotencyKeyLayer::new()
+        .retry(
+            Retry::new()
+                .budget(Duration::from_secs(3))
+                .backoff(Duration::from_secs(3600), Duration::from_secs(3600)),
+        )
+        .layer(script.service());
+    let started = tokio::time::Instant::now();
+    let response = client.oneshot(post_body("{}")).await.unwrap();
+    assert_eq!(response.status(), 201);
+    assert_eq!(delivery(&response).attempts(), 2);
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+/// A server that refuses connections (it is restarting) cannot spend a small attempt count:
+/// refusals sent nothing, and only the budget bounds them.
+#[tokio::test(start_paused = true)]
+async fn refused_connections_do_not_spend_the_attempts() {
+    let script = Script::new(std::iter::repeat_n(Step::Refuse, 12).chain([Step::Answer(201, &[])]));
+    let client = IdempotencyKeyLayer::new()
+        .retry(fast().attempts(2))
+        .layer(script.service());
+    let response = client.oneshot(post_body("{}")).await.unwrap();
+    assert_eq!(response.status(), 201);
+    assert_eq!(delivery(&response).attempts(), 1, "refusals sent nothing");
+    assert_eq!(script.seen().len(), 13);
+
+    // Refused until the budget is spent: the budget alone ends it.
+    let script = Script::new(std::iter::repeat_n(Step::Refuse, 100_000));
+    let client = IdempotencyKeyLayer::new()
+        .retry(fast().attempts(2).budget(Duration::from_secs(2)))
+        .layer(script.service());
+    let error = client.oneshot(post_body("{}")).await.unwrap_err();
+    let Error::GaveUp { attempts, last, .. } = error else {
+        panic!("{error:?}")
+    };
+    assert_eq!(attempts, 0);
+    assert!(matches!(last, Failure::Transport(_)), "{last:?}");
+}
+
+/// A request body that never ends is bounded by the budget, and the error says that nothing
+/// was sent.
+#[tokio::test(start_paused = true)]
+async fn a_request_body_that_never_ends_is_bounded_by_the_budget() {
+    let script = Script::new([]);
+    let client = IdempotencyKeyLayer::new()
+        .retry(fast().budget(Duration::from_secs(2)))
+        .layer(script.service());
+    let request = Request::post("http://payments.test/charges")
+        .body(Endless)
+        .unwrap();
+    let error = client.oneshot(request).await.unwrap_err();
+    assert!(matches!(error, Error::BodyTimedOut { .. }), "{error:?}");
+    assert!(error.to_string().contains("nothing was sent"), "{error}");
+    assert!(script.seen().is_empty());
+}
+
+/// `GaveUp` says what gave up once, keeps the last failure as its source, and keeps the
+/// server's problem (`type`, `title`, `detail`).
+#[tokio::test(start_paused = true)]
+async fn giving_up_shows_its_cause_once_and_keeps_the_servers_problem() {
+    const PROBLEM: &str = r#"{"type":"https://example.test/problems#in-flight","title":"Request in flight","status":409,"detail":"the first request with this key is still running; retry in 5 s"}"#;
+    let script = Script::new([Step::Problem(409, PROBLEM), Step::Problem(409, PROBLEM)]);
+    let client = IdempotencyKeyLayer::new()
+        .retry(fast().attempts(2))
+        .layer(script.service());
+    let error = client.oneshot(post_body("{}")).await.unwrap_err();
+    let shown = error.to_string();
+    assert!(
+        shown.starts_with("gave up on the request with key `"),
+        "{shown}"
+    );
+    assert!(shown.ends_with("after 2 attempt(s)"), "{shown}");
+    let source = std::error::Error::source(&error)
+        .expect("the last failure")
+        .to_string();
+    assert_eq!(source, "the server answered 409 Conflict");
+    assert!(!shown.contains(&source), "the cause is shown once: {shown}");
+    let Error::GaveUp {
+        problem: Some(problem),
+        ..
+    } = error
+    else {
+        panic!("the problem is kept: {error:?}")
+    };
+    assert_eq!(
+        problem.kind.as_deref(),
+        Some("https://example.test/problems#in-flight")
+    );
+    assert_eq!(problem.title.as_deref(), Some("Request in flight"));
+    assert_eq!(problem.status, Some(409));
+    assert!(problem.detail.unwrap().contains("still running"));
 }
 
 // ---- Over real sockets ----------------------------------------------------------------

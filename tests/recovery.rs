@@ -166,3 +166,166 @@ async fn live_holders_keep_their_keys_with_the_default_lease() {
     let memory = live_holders_are_never_taken_over(MemoryStore::new());
     tokio::join!(redis, postgres, sqlite, memory);
 }
+
+// ---- A client through a server that is SIGKILLed mid-request and restarted ---------------
+
+/// Hands the server child its database file, its port, and whether its handler hangs.
+const SERVER_FILE: &str = "IDEM_RECOVERY_SERVER_FILE";
+const SERVER_PORT: &str = "IDEM_RECOVERY_SERVER_PORT";
+const SERVER_HANGS: &str = "IDEM_RECOVERY_SERVER_HANGS";
+
+/// A payments server on `SqliteStore` behind `IdempotencyLayer`, as a real process: prints
+/// `listening` once it accepts, `executing` when its handler starts and `effect` when the
+/// handler's effect is done. With `SERVER_HANGS` set, the handler never finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the server of a_client_with_default_retry_outlasts_a_server_crash_and_restart"]
+async fn server_child() {
+    use axum::routing::post;
+    use idem_runtime::http::IdempotencyLayer;
+
+    let file = std::env::var(SERVER_FILE).unwrap();
+    let port: u16 = std::env::var(SERVER_PORT).unwrap().parse().unwrap();
+    let hangs = std::env::var(SERVER_HANGS).is_ok();
+    let store = SqliteStore::open(&file).await.unwrap();
+    store.migrate().await.unwrap();
+    let pay = move || async move {
+        println!("executing");
+        if hangs {
+            std::future::pending::<()>().await;
+        }
+        println!("effect");
+        (axum::http::StatusCode::CREATED, "paid")
+    };
+    let router = axum::Router::new()
+        .route("/payments", post(pay))
+        .layer(IdempotencyLayer::new(store).unscoped());
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .unwrap();
+    println!("listening");
+    axum::serve(listener, router).await.unwrap();
+}
+
+/// A server process started as [`server_child`], with its stdout read line by line.
+struct Server {
+    process: std::process::Child,
+    lines: tokio::sync::mpsc::UnboundedReceiver<String>,
+}
+
+impl Server {
+    async fn start(file: &std::path::Path, port: u16, hangs: bool) -> Self {
+        use std::io::{BufRead, BufReader};
+        use std::process::{Command, Stdio};
+
+        let mut command = Command::new(std::env::current_exe().unwrap());
+        command
+            .args(["--ignored", "--exact", "server_child", "--nocapture"])
+            .env(SERVER_FILE, file)
+            .env(SERVER_PORT, port.to_string())
+            .stdout(Stdio::piped());
+        if hangs {
+            command.env(SERVER_HANGS, "1");
+        }
+        let mut process = command.spawn().unwrap();
+        let stdout = process.stdout.take().unwrap();
+        let (send, lines) = tokio::sync::mpsc::unbounded_channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if send.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut server = Self { process, lines };
+        server.wait_for("listening").await;
+        server
+    }
+
+    /// Waits for a line containing `what`.
+    async fn wait_for(&mut self, what: &str) {
+        loop {
+            let line = tokio::time::timeout(Duration::from_secs(60), self.lines.recv()).await;
+            if line
+                .expect("the server stalled")
+                .expect("the server exited")
+                .contains(what)
+            {
+                return;
+            }
+        }
+    }
+
+    /// SIGKILL, then every line it printed that contains `what`.
+    fn kill(mut self, what: &str) -> usize {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+        let mut count = 0;
+        while let Ok(line) = self.lines.try_recv() {
+            count += usize::from(line.contains(what));
+        }
+        count
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+    }
+}
+
+/// The default client (`Retry::new()`) sends a payment; the server is SIGKILLed while its
+/// handler runs, and restarted 2 s later on the same file and port. The client's budget
+/// outlasts the outage and the dead holder's lease: the payment is delivered, with one
+/// effect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_with_default_retry_outlasts_a_server_crash_and_restart() {
+    use http_body_util::Full;
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+    use idem_runtime::http::client::{Delivery, IdempotencyKeyLayer};
+    use tower::{Layer, ServiceExt};
+
+    let file = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "recovery-server-{}-{}.db",
+        std::process::id(),
+        namespace("server")
+    ));
+    let port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let mut first = Server::start(&file, port, true).await;
+    let client = IdempotencyKeyLayer::new()
+        .layer(Client::builder(TokioExecutor::new()).build_http::<Full<bytes::Bytes>>());
+    let request = http::Request::post(format!("http://127.0.0.1:{port}/payments"))
+        .header("content-type", "application/json")
+        .body(Full::<bytes::Bytes>::from(r#"{"amount":1000}"#))
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    let delivered = tokio::spawn(client.oneshot(request));
+
+    first.wait_for("executing").await;
+    let first_effects = first.kill("effect");
+    // The outage: a restart takes a moment; the client meets refused connections meanwhile.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let second = Server::start(&file, port, false).await;
+
+    let response = delivered
+        .await
+        .unwrap()
+        .expect("delivered within the default budget");
+    let elapsed = started.elapsed();
+    let delivery = response.extensions().get::<Delivery>().cloned().unwrap();
+    assert_eq!(response.status(), 201);
+    let second_effects = second.kill("effect");
+    println!(
+        "delivered after {elapsed:?} in {} attempt(s) through a SIGKILL and a restart",
+        delivery.attempts()
+    );
+    assert_eq!(first_effects + second_effects, 1, "one effect");
+    assert!(
+        delivery.attempts() >= 2,
+        "the first attempt died with its server"
+    );
+}

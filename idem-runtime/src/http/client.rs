@@ -36,15 +36,41 @@
 //! | a method outside the set, without a key | sent once, untouched (no key, no retry, no [`Delivery`]) |
 //! | a malformed `Idempotency-Key` (the server's rules) | [`Error::KeyMalformed`]; nothing is sent |
 //! | a body over [`max_body`](IdempotencyKeyLayer::max_body) (default 1 MiB) | [`Error::BodyTooLarge`]; nothing is sent |
-//! | a connection error, any error of the inner service, or an attempt over [`Retry::timeout`] | retried |
+//! | a request body that does not arrive within the [budget](Retry::budget) | [`Error::BodyTimedOut`]; nothing is sent |
+//! | a refused connection (nothing was sent) | retried until the budget is spent, without counting against [`attempts`](Retry::attempts) |
+//! | any other error of the inner service, or an attempt over [`Retry::timeout`] (10 s by default) | retried |
 //! | `409`, `429`, `502`, `503`, `504` | retried, no sooner than their `Retry-After` |
 //! | any other answer (`2xx`, `400`, `401`, `403`, `404`, `422`, `500`, …) | returned, with a [`Delivery`] extension |
-//! | attempts or [budget](Retry::budget) spent, or a `Retry-After` beyond the budget | [`Error::GaveUp`], with the key, the attempts and the last failure |
+//! | attempts or [budget](Retry::budget) spent, or a `Retry-After` beyond the budget | [`Error::GaveUp`], with the key, the attempts, the last failure and the last problem the server explained it with |
 //!
 //! Every retry of a request sends the same method, URI, headers and body bytes, so the
 //! server's fingerprint matches and it replays the first answer instead of running again.
 //! An error of the inner service is retried whatever it is: with the key, resending a request
 //! the server may have processed is safe, which is the point of the key.
+//!
+//! # Recovering from a server crash
+//!
+//! The defaults are sized against the server's: a server's claim on a key whose holder
+//! crashed lapses within its lease (8 s by default, `idem_runtime::DEFAULT_LEASE`), and a
+//! `409` for a held key carries a `Retry-After` of the time the lease has left. [`Retry::new`]
+//! spends up to 30 s, cuts each attempt at 10 s, and does not count refused connections
+//! (a restarting server) against its attempts, so a request whose server was killed
+//! mid-request and restarted is retried until the server runs it, or replays it. A budget
+//! shorter than the server's lease plus its restart time cannot outlast a crash: see the
+//! README's "Sizing the lease".
+//!
+//! # Where timeouts and retries may sit
+//!
+//! The key lives for one call of this layer: every retry *inside* it resends it. So:
+//! - **per-attempt timeouts** go inside, with [`Retry::timeout`] or a timeout layer between
+//!   this layer and the client;
+//! - **a timeout or a retry around this layer** (a `tower::timeout` above it, or your own
+//!   loop calling it again) starts a new logical request with a new key, which the server
+//!   runs again. To retry above the layer, give the request its own `Idempotency-Key`
+//!   (kept as it is, see the table), or resend [`Delivery::key`].
+//! - A response whose body fails mid-read (a connection cut after the headers) is returned
+//!   as it came: read [`Delivery::key`] from its extensions and resend the request with that
+//!   key; the server replays the recorded answer.
 //!
 //! # Which clients
 //!
@@ -84,6 +110,9 @@ pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
 
 /// How a request is retried: at most [`attempts`](Retry::attempts) sends within a total
 /// [`budget`](Retry::budget) of time, waiting a jittered exponential backoff between them.
+///
+/// No duration overflows: a budget, backoff or `Retry-After` too large for the clock means
+/// "no deadline" or "beyond the budget", never a panic.
 #[derive(Clone, Debug)]
 pub struct Retry {
     attempts: u32,
@@ -94,15 +123,16 @@ pub struct Retry {
 }
 
 impl Retry {
-    /// 4 attempts within 30 s; backoff from 100 ms up to 5 s; no timeout per attempt (the
-    /// budget bounds each one).
+    /// As many attempts as fit in 30 s; backoff from 100 ms up to 5 s; each attempt cut at
+    /// 10 s. The budget outlasts a server's default crash recovery (its 8 s lease and a
+    /// restart); see the [module](self).
     pub fn new() -> Self {
         Self {
-            attempts: 4,
+            attempts: u32::MAX,
             budget: Duration::from_secs(30),
             first_delay: Duration::from_millis(100),
             max_delay: Duration::from_secs(5),
-            timeout: None,
+            timeout: Some(Duration::from_secs(10)),
         }
     }
 
@@ -111,14 +141,18 @@ impl Retry {
         Self::new().attempts(1)
     }
 
-    /// The most sends of one request, the first included (at least 1).
+    /// The most sends of one request, the first included (at least 1; by default, as many
+    /// as the budget allows). A connection the server refused sent nothing and does not
+    /// count: a restarting server cannot spend the attempts before it is back.
     pub fn attempts(mut self, attempts: u32) -> Self {
         self.attempts = attempts.max(1);
         self
     }
 
-    /// The most time one request may take, every attempt and wait included. An attempt
-    /// still running when it is spent is cut, and the call fails with [`Error::GaveUp`].
+    /// The most time one request may take, reading its body, every attempt and wait
+    /// included. An attempt still running when it is spent is cut, and the call fails with
+    /// [`Error::GaveUp`]. A backoff that would pass it is shortened, so that the last
+    /// attempt gets what is left.
     pub fn budget(mut self, budget: Duration) -> Self {
         self.budget = budget;
         self
@@ -133,9 +167,16 @@ impl Retry {
         self
     }
 
-    /// The most time one attempt may take; a slower one is abandoned and retried.
+    /// The most time one attempt may take (default 10 s); a slower one is abandoned and
+    /// retried.
     pub fn timeout(mut self, per_attempt: Duration) -> Self {
         self.timeout = Some(per_attempt);
+        self
+    }
+
+    /// No per-attempt timeout: only the budget cuts an attempt.
+    pub fn no_timeout(mut self) -> Self {
+        self.timeout = None;
         self
     }
 
@@ -279,20 +320,33 @@ pub enum Error {
     /// The request body failed while it was read; nothing was sent.
     #[error("the request body could not be read")]
     Body(#[source] BoxError),
+    /// The request body did not arrive within the budget; nothing was sent.
+    #[error("the request body did not arrive within the {budget:?} budget; nothing was sent")]
+    BodyTimedOut {
+        /// The budget, [`Retry::budget`].
+        budget: Duration,
+    },
     /// The request's own `Idempotency-Key` would be refused by the server; nothing was sent.
     #[error("the request's `Idempotency-Key` is malformed: {0}")]
     KeyMalformed(&'static str),
     /// Every attempt the budget allowed failed in a way worth retrying. The server may have
     /// processed the request: retry later **with the same key** to learn its outcome.
-    #[error("gave up on the request with key `{}` after {attempts} attempt(s): {last}", key.as_str())]
+    ///
+    /// Its `Display` says what gave up; the last failure is its
+    /// [`source`](std::error::Error::source), printed by error reporters that walk the chain
+    /// (`anyhow`'s `{:#}`), never twice.
+    #[error("gave up on the request with key `{}` after {attempts} attempt(s)", key.as_str())]
     GaveUp {
         /// The request's key.
         key: IdempotencyKey,
-        /// How many times it was sent.
+        /// How many times it was sent (refused connections, which sent nothing, aside).
         attempts: u32,
         /// What the last attempt got.
         #[source]
         last: Failure,
+        /// The last `application/problem+json` answer's `type`, `title` and `detail`, if
+        /// the server explained a retried answer with one.
+        problem: Option<Problem>,
     },
     /// A request the layer does not manage (a method outside the set, without a key)
     /// failed in the inner service.
@@ -308,12 +362,43 @@ pub enum Failure {
     #[error("the server answered {0}")]
     Status(StatusCode),
     /// The inner service failed: a connection refused or cut, a protocol error.
-    #[error("the request failed")]
+    #[error("no answer from the server")]
     Transport(#[source] BoxError),
     /// The attempt took longer than [`Retry::timeout`] or than the budget had left.
     #[error("the attempt timed out")]
     TimedOut,
 }
+
+/// An RFC 9457 problem a server explained a retried answer with
+/// (`application/problem+json`): its `type`, `title`, `status` and `detail` members.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Problem {
+    /// `type`: a URI naming the kind of problem.
+    pub kind: Option<String>,
+    /// `title`: its short summary.
+    pub title: Option<String>,
+    /// `status`: the HTTP status the server meant.
+    pub status: Option<u16>,
+    /// `detail`: what happened to this request.
+    pub detail: Option<String>,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut parts = [self.title.as_deref(), self.detail.as_deref()]
+            .into_iter()
+            .flatten();
+        match (parts.next(), parts.next()) {
+            (Some(first), Some(second)) => write!(f, "{first}: {second}"),
+            (Some(only), None) => f.write_str(only),
+            _ => f.write_str(self.kind.as_deref().unwrap_or("a problem")),
+        }
+    }
+}
+
+/// The largest problem+json body the layer reads from a retried answer.
+const MAX_PROBLEM: usize = 16 * 1024;
 
 impl<S, B, ResBody> Service<Request<B>> for IdempotencyKeyService<S>
 where
@@ -323,7 +408,9 @@ where
     B: Body + Send + 'static,
     B::Data: Send,
     B::Error: Into<BoxError>,
-    ResBody: Send + 'static,
+    ResBody: Body + Send + 'static,
+    ResBody::Data: Send,
+    ResBody::Error: Into<BoxError>,
 {
     type Response = Response<ResBody>;
     type Error = Error;
@@ -353,11 +440,19 @@ where
     S::Error: Into<BoxError>,
     B: Body,
     B::Error: Into<BoxError>,
+    ResBody: Body,
+    ResBody::Error: Into<BoxError>,
 {
-    let started = Instant::now();
+    let retry = &config.retry;
+    // `None`: a budget too long for the clock, which is no deadline at all.
+    let deadline = Instant::now().checked_add(retry.budget);
     let (mut parts, body) = request.into_parts();
     let own_key = header::parse(&parts.headers).map_err(Error::KeyMalformed)?;
-    let body = buffer(body, config.max_body).await?;
+    let body = within(deadline, buffer(body, config.max_body))
+        .await
+        .ok_or(Error::BodyTimedOut {
+            budget: retry.budget,
+        })??;
     let key = match own_key {
         Some(key) => key,
         None if config.methods.contains(&parts.method) => {
@@ -377,52 +472,182 @@ where
         }
     };
 
-    let retry = &config.retry;
-    let deadline = started + retry.budget;
-    let mut attempts = 0;
+    // Sends that may have reached the server, and tries of any kind (for the backoff).
+    let (mut attempts, mut tries) = (0_u32, 0_u32);
+    let mut problem = None;
     loop {
-        attempts += 1;
+        tries += 1;
         let request = Request::from_parts(parts.clone(), Full::new(body.clone()));
-        let left = deadline.saturating_duration_since(Instant::now());
-        let limit = retry.timeout.map_or(left, |timeout| timeout.min(left));
-        let (failure, retry_after) =
-            match tokio::time::timeout(limit, send(&mut inner, request)).await {
-                Ok(Ok(mut response)) if !retryable(response.status()) => {
-                    let replayed = is_replayed(response.headers());
-                    response.extensions_mut().insert(Delivery {
-                        key,
-                        attempts,
-                        replayed,
-                    });
-                    return Ok(response);
+        let attempt_deadline = match retry.timeout {
+            Some(timeout) => earliest(deadline, Instant::now().checked_add(timeout)),
+            None => deadline,
+        };
+        let sent = within(attempt_deadline, send(&mut inner, request))
+            .await
+            .map(|sent| sent.map_err(Into::<BoxError>::into));
+        let (failure, retry_after) = match sent {
+            Some(Ok(mut response)) if !retryable(response.status()) => {
+                let replayed = is_replayed(response.headers());
+                response.extensions_mut().insert(Delivery {
+                    key,
+                    attempts: attempts + 1,
+                    replayed,
+                });
+                return Ok(response);
+            }
+            Some(Ok(response)) => {
+                attempts += 1;
+                let after = retry_after(response.headers());
+                let status = response.status();
+                if let Some(explained) = read_problem(response, attempt_deadline).await {
+                    problem = Some(explained);
                 }
-                Ok(Ok(response)) => (
-                    Failure::Status(response.status()),
-                    retry_after(response.headers()),
-                ),
-                Ok(Err(error)) => (Failure::Transport(error.into()), None),
-                Err(_elapsed) => (Failure::TimedOut, None),
-            };
-        let wait = retry
-            .delay(attempts)
-            .max(retry_after.unwrap_or(Duration::ZERO));
-        let resume = Instant::now() + wait;
-        if attempts >= retry.attempts || resume >= deadline {
-            return Err(Error::GaveUp {
-                key,
-                attempts,
-                last: failure,
-            });
-        }
+                (Failure::Status(status), after)
+            }
+            Some(Err(error)) => {
+                if !refused(&*error) {
+                    attempts += 1;
+                }
+                (Failure::Transport(error), None)
+            }
+            None => {
+                attempts += 1;
+                (Failure::TimedOut, None)
+            }
+        };
+        let now = Instant::now();
+        let resume = match (attempts < retry.attempts)
+            .then(|| resume_at(retry, tries, retry_after, now, deadline))
+        {
+            Some(Some(resume)) => resume,
+            _ => {
+                return Err(Error::GaveUp {
+                    key,
+                    attempts,
+                    last: failure,
+                    problem,
+                })
+            }
+        };
         tracing::debug!(
             key = key.as_str(),
             attempt = attempts,
             failure = %failure,
-            wait_ms = wait.as_millis() as u64,
+            wait_ms = resume.saturating_duration_since(now).as_millis() as u64,
             "idempotent request retried"
         );
         tokio::time::sleep_until(resume).await;
     }
+}
+
+/// When to send again after try number `tries`, or `None` to give up: after the jittered
+/// backoff, and no sooner than the server's `Retry-After`. A `Retry-After` past the deadline
+/// gives up (the server will not be ready in time); a backoff past it is shortened so that
+/// one last attempt gets what is left (see [`LAST_ATTEMPT`]).
+fn resume_at(
+    retry: &Retry,
+    tries: u32,
+    retry_after: Option<Duration>,
+    now: Instant,
+    deadline: Option<Instant>,
+) -> Option<Instant> {
+    let not_before = match retry_after {
+        Some(after) => Some(now.checked_add(after)?),
+        None => None,
+    };
+    if let (Some(not_before), Some(deadline)) = (not_before, deadline) {
+        if not_before >= deadline {
+            return None;
+        }
+    }
+    let backoff = now.checked_add(retry.delay(tries));
+    let resume = match (backoff, not_before) {
+        (Some(backoff), Some(not_before)) => backoff.max(not_before),
+        (Some(backoff), None) => backoff,
+        (None, _) => deadline?,
+    };
+    let Some(deadline) = deadline else {
+        return Some(resume);
+    };
+    if now >= deadline {
+        return None;
+    }
+    if resume < deadline {
+        return Some(resume);
+    }
+    // Shortened once: the attempt it starts leaves less than `last_attempt`, so a failure
+    // of that one gives up instead of spinning at the deadline.
+    let last_attempt = LAST_ATTEMPT
+        .min(retry.budget / 10)
+        .min(retry.timeout.unwrap_or(LAST_ATTEMPT));
+    let start = deadline.checked_sub(last_attempt)?;
+    (start >= now).then(|| start.max(not_before.unwrap_or(start)))
+}
+
+/// What the last attempt of a budget is left, when a backoff would pass the deadline: a
+/// second, or a tenth of the budget, or the per-attempt timeout, whichever is least.
+const LAST_ATTEMPT: Duration = Duration::from_secs(1);
+
+/// `future`'s output, or `None` if `deadline` passed first (never, without a deadline).
+async fn within<F: Future>(deadline: Option<Instant>, future: F) -> Option<F::Output> {
+    match deadline {
+        Some(deadline) => tokio::time::timeout_at(deadline, future).await.ok(),
+        None => Some(future.await),
+    }
+}
+
+/// The earlier of two deadlines, either of which may be absent.
+fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// Whether the connection was refused: the request never left, and a server that is
+/// restarting refuses until it is back.
+fn refused(error: &(dyn std::error::Error + 'static)) -> bool {
+    std::iter::successors(Some(error), |error| error.source()).any(|error| {
+        error
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
+    })
+}
+
+/// The problem a retried answer explains itself with, when it is `application/problem+json`
+/// and arrives whole, in time and within [`MAX_PROBLEM`] bytes.
+async fn read_problem<ResBody>(
+    response: Response<ResBody>,
+    deadline: Option<Instant>,
+) -> Option<Problem>
+where
+    ResBody: Body,
+    ResBody::Error: Into<BoxError>,
+{
+    let is_problem = response
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.trim_start().starts_with("application/problem+json"));
+    if !is_problem {
+        return None;
+    }
+    let collected = within(
+        deadline,
+        Limited::new(response.into_body(), MAX_PROBLEM).collect(),
+    );
+    let bytes = collected.await?.ok()?.to_bytes();
+    let json: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
+    let text = |member: &str| json.get(member)?.as_str().map(str::to_owned);
+    Some(Problem {
+        kind: text("type"),
+        title: text("title"),
+        status: json
+            .get("status")
+            .and_then(serde_json::Value::as_u64)
+            .and_then(|status| u16::try_from(status).ok()),
+        detail: text("detail"),
+    })
 }
 
 /// One attempt: waits for the service to be ready, then calls it.
