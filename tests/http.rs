@@ -200,6 +200,48 @@ async fn a_retry_while_the_first_runs_is_a_409_or_waits_for_it() {
     }
 }
 
+/// A `409` says when the holder's lease ends, by the store's clock, as `Retry-After` and in
+/// its problem's detail, on every store that can say: not the layer's fixed 1 s.
+async fn a_409_says_when_the_lease_ends<St: idem_runtime::Store + Clone>(store: St) {
+    let lease = std::time::Duration::from_secs(30);
+    let app = App::default();
+    let client = server_with(&app, layer(store).lease(lease)).await;
+    let first = {
+        let client = client.clone();
+        tokio::spawn(async move { client.post("/slow", "k", "{}").await })
+    };
+    app.entered.notified().await;
+    let second = client.post("/slow", "k", "{}").await;
+    assert_eq!(second.status, StatusCode::CONFLICT);
+    let after: u64 = second.headers["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    // Rounded up from what the lease has left: 30 s, less what a busy machine took since.
+    assert!((20..=30).contains(&after), "Retry-After: {after}");
+    let detail = second.problem()["detail"].as_str().unwrap().to_string();
+    assert!(detail.contains(&format!("in {after} s")), "{detail}");
+    app.open();
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_409_carries_the_holders_remaining_lease_as_retry_after() {
+    a_409_says_when_the_lease_ends(MemoryStore::new()).await;
+    if let Some(store) = redis_store().await {
+        a_409_says_when_the_lease_ends(store).await;
+    }
+    if let Some(store) = postgres_store().await {
+        a_409_says_when_the_lease_ends(store).await;
+    }
+    let file = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("http-409-{}.db", namespace("sqlite")));
+    let sqlite = idem_runtime::SqliteStore::open(&file).await.unwrap();
+    sqlite.migrate().await.unwrap();
+    a_409_says_when_the_lease_ends(sqlite).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_response_that_is_not_recorded_releases_the_key() {
     // A status `record_if` refuses: returned, and the retry runs.

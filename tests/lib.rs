@@ -341,6 +341,10 @@ impl<S: Store + Clone> Store for Probe<S> {
         self.apply(self.inner.lookup(key)).await
     }
 
+    async fn lease_left(&self, key: &Key) -> Result<Option<Duration>, Error> {
+        self.apply(self.inner.lease_left(key)).await
+    }
+
     fn flights(&self) -> Option<&Flights> {
         if self.coalesces {
             self.inner.flights()

@@ -19,7 +19,30 @@ pub enum Error {
     /// Another call holds the key: `in_flight = "reject"` was chosen, a waiting call gave up
     /// after its wait timeout, or the holder is this call's own enclosing call (a body that
     /// calls its own operation with its own key), which would otherwise wait for itself.
-    /// The body did not run. Retry later (HTTP 409).
+    /// The body did not run. Retry later (HTTP 409): when the holder's lease ends, which
+    /// [`Store::lease_left`](crate::Store::lease_left) tells by the store's clock (the HTTP
+    /// layer sends it as `Retry-After`).
+    ///
+    /// ```
+    /// use idem_runtime::{Error, InFlight, MemoryStore, Operation, Store};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Error> {
+    /// let store = MemoryStore::new();
+    /// let op = Operation::new("billing.charge.v1").in_flight(InFlight::Reject);
+    /// let key = op.key(&"order-17")?;
+    /// let held = op.run(&store, &key, None, async {
+    ///     // A duplicate while this body runs is refused, and told when to come back.
+    ///     let duplicate = op.run(&store, &key, None, async { Ok::<_, Error>(2) }).await;
+    ///     assert!(matches!(duplicate, Err(Error::InProgress)));
+    ///     let left = store.lease_left(&key).await?;
+    ///     assert!(left.is_some_and(|left| left <= idem_runtime::DEFAULT_LEASE));
+    ///     Ok::<_, Error>(1)
+    /// });
+    /// # let _ = held.await;
+    /// # Ok(())
+    /// # }
+    /// ```
     #[error("another call with this idempotency key is in progress")]
     InProgress,
 

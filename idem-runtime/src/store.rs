@@ -246,6 +246,19 @@ pub trait Store: Send + Sync + 'static {
         let _ = key;
         Ok(None)
     }
+    /// How long the live in-progress claim of `key` has left before its lease runs out, by
+    /// the store's clock: when a call that found the key held ([`Error::InProgress`]) may
+    /// come back. The HTTP layer's `409` says it as `Retry-After`. `Ok(None)`: no live
+    /// claim (absent, completed, lapsed), or a store that cannot say (the default).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot be reached or fails.
+    async fn lease_left(&self, key: &Key) -> Result<Option<Duration>, Error> {
+        let _ = key;
+        Ok(None)
+    }
+
     /// A synchronous look at the record of `key`, for stores that hold their records in
     /// this process and can answer without I/O: `Some(Claim::Completed { .. })` for a live
     /// completed record lets a replay skip [`claim`](Store::claim). Any other answer, and
@@ -336,6 +349,10 @@ macro_rules! forward_store {
 
             async fn lookup(&self, key: &Key) -> Result<Option<Recorded>, Error> {
                 (**self).lookup(key).await
+            }
+
+            async fn lease_left(&self, key: &Key) -> Result<Option<Duration>, Error> {
+                (**self).lease_left(key).await
             }
             fn peek(&self, key: &Key) -> Option<Claim> {
                 (**self).peek(key)

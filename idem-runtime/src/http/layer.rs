@@ -321,7 +321,9 @@ impl<St: Clone, Sc: Clone> IdempotencyLayer<St, Sc> {
         self.with(|c| c.operation = c.operation.clone().in_flight(in_flight))
     }
 
-    /// The `Retry-After` of a `409` (default 1 s).
+    /// The `Retry-After` of a `409` when the store cannot say how long the holder's lease
+    /// has left (default 1 s); a store that can ([`Store::lease_left`](crate::Store::lease_left))
+    /// answers with that, rounded up to whole seconds.
     pub fn retry_after(self, after: Duration) -> Self {
         self.with(|c| c.retry_after = after)
     }

@@ -103,11 +103,11 @@ impl Problem {
                 "The request body is too large",
                 format!("requests with an `Idempotency-Key` may carry at most {limit} bytes"),
             ),
-            Self::InFlight(_) => (
+            Self::InFlight(after) => (
                 StatusCode::CONFLICT,
                 "in-flight",
                 "A request with this Idempotency-Key is in progress",
-                "the first request with this key has not finished; retry after the `Retry-After` delay to get its response".to_string(),
+                format!("the first request with this key has not finished; retry with the same key in {} s (`Retry-After`) to get its response", after.as_secs().max(1)),
             ),
             Self::PayloadMismatch => (
                 StatusCode::UNPROCESSABLE_ENTITY,

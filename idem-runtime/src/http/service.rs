@@ -5,6 +5,7 @@ use std::future::{poll_fn, Future};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -18,7 +19,7 @@ use super::header;
 use super::layer::{Config, KeyScope, ScopeOf, UnknownPrincipal, Unrecorded};
 use super::problem::Problem;
 use super::record::{HttpRecord, Recorded};
-use crate::{BoxError, Error, Outcome, Store};
+use crate::{BoxError, Error, Key, Outcome, Store};
 
 /// The future of [`IdempotencyService`]'s responses.
 pub type ResponseFuture<B, E> =
@@ -239,6 +240,9 @@ where
             Err(_) => problem(Problem::Internal),
         },
         Err(Failure::BodyFailed) => problem(Problem::Internal),
+        Err(Failure::Idem(Error::InProgress)) => {
+            problem(Problem::InFlight(config.come_back(&derived).await))
+        }
         Err(Failure::Idem(err)) => problem(Problem::of(err, config.retry_after)),
     }
 }
@@ -253,6 +257,22 @@ where
 {
     let response = inner.call(request.map(Either::Left)).await?;
     Ok(response.map(ResponseBody::inner))
+}
+
+impl<St: Store, Sc> Config<St, Sc> {
+    /// When a request whose key is held may come back: when the holder's lease ends, by
+    /// the store's clock, rounded up to a whole second (at least one); the configured
+    /// `retry_after` when the store cannot say or fails to.
+    async fn come_back(&self, key: &Key) -> Duration {
+        match self.store.lease_left(key).await {
+            Ok(Some(left)) => Duration::from_secs(left.as_millis().div_ceil(1000).max(1) as u64),
+            Ok(None) => self.retry_after,
+            Err(err) => {
+                tracing::debug!(error = %err, "the holder's lease could not be read for Retry-After");
+                self.retry_after
+            }
+        }
+    }
 }
 
 impl<St, Sc> Config<St, Sc> {

@@ -383,6 +383,16 @@ impl Store for MemoryStore {
             .map(|record| Recorded::new(record.value, record.fingerprint, None)))
     }
 
+    async fn lease_left(&self, key: &Key) -> Result<Option<Duration>, Error> {
+        let now = Instant::now();
+        let claims = self.claims(key);
+        Ok(claims
+            .live
+            .get(key)
+            .and_then(|claim| claim.until.checked_duration_since(now))
+            .filter(|left| !left.is_zero()))
+    }
+
     fn peek(&self, key: &Key) -> Option<Claim> {
         self.live_result(key).map(ResultRecord::into_claim)
     }

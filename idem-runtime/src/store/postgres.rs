@@ -108,6 +108,7 @@ struct Statements {
     renew: String,
     remove: String,
     lookup: String,
+    lease_left: String,
     purge: String,
 }
 
@@ -148,6 +149,11 @@ impl Statements {
             lookup: format!(
                 "SELECT fingerprint, value, floor(extract(epoch FROM expires_at - now()) * 1000)::bigint \
                  FROM {t} WHERE key = $1 AND completed AND expires_at > now()"
+            ),
+            // Rounded up: a client told to come back then finds the lease over.
+            lease_left: format!(
+                "SELECT ceil(extract(epoch FROM expires_at - now()) * 1000)::bigint \
+                 FROM {t} WHERE key = $1 AND NOT completed AND expires_at > now()"
             ),
             // One batch: expired rows that no one holds a lock on (a claim taking an expired
             // key over, say) are skipped, never waited for.
@@ -534,6 +540,17 @@ impl Store for PostgresStore {
             )
             .await?;
         sql::recorded(row)
+    }
+
+    async fn lease_left(&self, key: &Key) -> Result<Option<Duration>, Error> {
+        let left: Option<i64> = self
+            .within(
+                sqlx::query_scalar(&self.sql.lease_left)
+                    .bind(&key.as_bytes()[..])
+                    .fetch_optional(&self.pool),
+            )
+            .await?;
+        Ok(sql::left(left))
     }
 
     fn flights(&self) -> Option<&Flights> {

@@ -130,6 +130,17 @@ return {record, redis.call('PTTL', KEYS[1])}
 /// A completed record and the milliseconds it has left, read in one step.
 static LOOKUP: LazyLock<Script> = LazyLock::new(|| Script::new(LOOKUP_LUA));
 
+const LEASE_LEFT_LUA: &str = r"
+local record = redis.call('GET', KEYS[1])
+if not record or string.sub(record, 1, 1) ~= 'p' then
+    return false
+end
+return redis.call('PTTL', KEYS[1])
+";
+
+/// The milliseconds an in-progress record's lease has left.
+static LEASE_LEFT: LazyLock<Script> = LazyLock::new(|| Script::new(LEASE_LEFT_LUA));
+
 /// A store shared by every process that connects to the same Redis server or cluster.
 ///
 /// Cloning is cheap; clones share the connection and the in-process registry of running
@@ -587,6 +598,17 @@ impl Store for RedisStore {
             }
             Some(Ok(_)) | None => Err(malformed("a lookup that found no completed record")),
             Some(Err(err)) => Err(err),
+        }
+    }
+
+    async fn lease_left(&self, key: &Key) -> Result<Option<Duration>, Error> {
+        match self.run_script(LEASE_LEFT.key(self.record(key))).await? {
+            Value::Nil => Ok(None),
+            Value::Int(left) => Ok(u64::try_from(left)
+                .ok()
+                .filter(|left| *left > 0)
+                .map(Duration::from_millis)),
+            other => Err(unexpected(&other)),
         }
     }
 

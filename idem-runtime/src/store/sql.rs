@@ -55,6 +55,14 @@ pub(crate) fn recorded(row: Option<LookupRow>) -> Result<Option<Recorded>, Error
     )))
 }
 
+/// The milliseconds a `lease_left` statement read, as a duration; none for no live claim.
+pub(crate) fn left(millis: Option<i64>) -> Option<Duration> {
+    millis
+        .and_then(|millis| u64::try_from(millis).ok())
+        .filter(|millis| *millis > 0)
+        .map(Duration::from_millis)
+}
+
 /// Runs one operation of `database` under `timeout`.
 pub(crate) async fn within<T>(
     database: &str,

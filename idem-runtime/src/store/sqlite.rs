@@ -102,6 +102,7 @@ struct Statements {
     renew: String,
     remove: String,
     lookup: String,
+    lease_left: String,
     purge: String,
 }
 
@@ -161,6 +162,10 @@ impl Statements {
             lookup: format!(
                 "SELECT fingerprint, value, expires_at - {NOW} FROM {t} \
                  WHERE key = ?1 AND completed AND expires_at > {NOW}"
+            ),
+            lease_left: format!(
+                "SELECT expires_at - {NOW} FROM {t} \
+                 WHERE key = ?1 AND NOT completed AND expires_at > {NOW}"
             ),
             purge: format!(
                 "DELETE FROM {t} WHERE key IN \
@@ -466,6 +471,17 @@ impl Store for SqliteStore {
             )
             .await?;
         sql::recorded(row)
+    }
+
+    async fn lease_left(&self, key: &Key) -> Result<Option<Duration>, Error> {
+        let left: Option<i64> = self
+            .within(
+                sqlx::query_scalar(&self.sql.lease_left)
+                    .bind(&key.as_bytes()[..])
+                    .fetch_optional(&self.pool),
+            )
+            .await?;
+        Ok(sql::left(left))
     }
 
     fn flights(&self) -> Option<&Flights> {

@@ -43,6 +43,7 @@ pub async fn conformance<S: Store + Clone>(store: &S) {
     concurrent_claims_have_one_winner(store, &keys).await;
     keys_are_independent(store, &keys).await;
     lookup_reads_completed_records_only(store, &keys).await;
+    lease_left_is_the_live_claims_only(store, &keys).await;
 }
 
 /// Unique keys for one run of the suite.
@@ -417,4 +418,37 @@ async fn lookup_reads_completed_records_only<S: Store>(store: &S, keys: &Keys) {
     acquire(store, &untouched, None).await;
     assert!(store.remove(&key).await.unwrap());
     assert_eq!(store.lookup(&key).await.unwrap(), None, "a removed record");
+}
+
+/// `lease_left` answers for a live claim only, with at most its lease; a store that cannot
+/// say answers `None` throughout.
+async fn lease_left_is_the_live_claims_only<S: Store>(store: &S, keys: &Keys) {
+    let key = keys.fresh();
+    let left = |key: Key| async move { store.lease_left(&key).await.unwrap() };
+    assert_eq!(left(key).await, None, "lease_left of an absent key");
+    let token = acquire(store, &key, None).await;
+    let held = left(key).await;
+    if let Some(held) = held {
+        assert!(
+            !held.is_zero() && held <= LEASE,
+            "lease_left of a fresh claim must be within its lease: {held:?}"
+        );
+    }
+    assert!(store
+        .complete(&key, token, Bytes::from_static(b"v"), LEASE)
+        .await
+        .unwrap());
+    assert_eq!(left(key).await, None, "lease_left of a completed record");
+
+    let released = keys.fresh();
+    let token = acquire(store, &released, None).await;
+    assert!(store.release(&released, token).await.unwrap());
+    assert_eq!(left(released).await, None, "lease_left of a released claim");
+    if held.is_none() {
+        return;
+    }
+    let lapsed = keys.fresh();
+    acquire(store, &lapsed, None).await;
+    tokio::time::sleep(LEASE + Duration::from_millis(100)).await;
+    assert_eq!(left(lapsed).await, None, "lease_left of a lapsed claim");
 }

@@ -289,6 +289,11 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
         }
     }
 
+    /// The durable store's: claims live there alone.
+    async fn lease_left(&self, key: &Key) -> Result<Option<Duration>, Error> {
+        self.durable.lease_left(key).await
+    }
+
     /// A completed copy in a fast tier that answers without I/O (memory): a replay then
     /// takes no round trip at all.
     fn peek(&self, key: &Key) -> Option<Claim> {
