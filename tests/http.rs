@@ -256,13 +256,33 @@ async fn a_response_that_is_not_recorded_releases_the_key() {
     assert!(client.post("/flaky", "k", "{}").await.replayed());
     assert_eq!(app.runs(), 2);
 
-    // A body over the recording limit: returned whole, not recorded.
+    // A body over the recording limit: returned whole, not recorded; the key completes
+    // without it, so a retry is told `410 Gone` and the handler does not run twice.
     let app = App::default();
     let client = server_with(&app, layer(MemoryStore::new()).max_recorded_body(16)).await;
     let big = client.post("/payments", "k", r#"{"amount":100}"#).await;
     assert_eq!(big.status, StatusCode::CREATED);
     assert!(big.body.len() > 16);
     let again = client.post("/payments", "k", r#"{"amount":100}"#).await;
+    assert_eq!(again.status, StatusCode::GONE);
+    assert!(again.problem()["type"].as_str().unwrap().ends_with("#gone"));
+    let mismatch = client.post("/payments", "k", r#"{"amount":101}"#).await;
+    assert_eq!(
+        mismatch.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "still fingerprinted"
+    );
+    assert_eq!(app.runs(), 1);
+
+    // Today's behaviour, asked for by name: the key is released and the retry runs.
+    let app = App::default();
+    let rerun = layer(MemoryStore::new())
+        .max_recorded_body(16)
+        .release_unrecorded();
+    let client = server_with(&app, rerun).await;
+    client.post("/payments", "k", r#"{"amount":100}"#).await;
+    let again = client.post("/payments", "k", r#"{"amount":100}"#).await;
+    assert_eq!(again.status, StatusCode::CREATED);
     assert!(!again.replayed());
     assert_eq!(app.runs(), 2);
 }

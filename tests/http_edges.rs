@@ -422,7 +422,33 @@ async fn a_stream_over_the_recording_limit_is_sent_and_said_out_loud() {
         *unrecorded.lock().unwrap(),
         [Unrecorded::TooLarge { limit: 8 }]
     );
-    // The key was released: the retry runs the handler.
+    // The key completed without its response: the retry is told `410`, and the handler
+    // does not run again.
+    let retry = client
+        .send(Method::POST, "/chunks", &[("idempotency-key", "big")], "")
+        .await;
+    assert_eq!(retry.status, StatusCode::GONE);
+    assert_eq!(feed.runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_unrecorded_runs_an_unrecorded_stream_again() {
+    let (feed, chunks_in) = Feed::new();
+    let router = Router::new()
+        .route("/chunks", post(chunks))
+        .with_state(feed.clone())
+        .layer(
+            unscoped(MemoryStore::new())
+                .max_recorded_body(8)
+                .release_unrecorded(),
+        );
+    let client = Client_::new(serve(router).await);
+    chunks_in.send(Bytes::from_static(b"0123456789")).unwrap();
+    drop(chunks_in);
+    let first = client
+        .send(Method::POST, "/chunks", &[("idempotency-key", "big")], "")
+        .await;
+    assert_eq!(first.status, StatusCode::CREATED);
     let retry = client
         .send(Method::POST, "/chunks", &[("idempotency-key", "big")], "")
         .await;
@@ -537,7 +563,7 @@ async fn no_problem_body_carries_internal_text() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_result_over_the_memory_stores_byte_bound_is_not_recorded() {
+async fn a_result_over_the_memory_stores_byte_bound_is_gone_not_run_again() {
     let app = App::default();
     let store = MemoryStore::builder().max_bytes(64 * 1024).build();
     let client = server_with(&app, layer(store).max_recorded_body(1 << 20)).await;
@@ -545,15 +571,32 @@ async fn a_result_over_the_memory_stores_byte_bound_is_not_recorded() {
     let first = client.post("/payments", "large", &big).await;
     assert_eq!(first.status, StatusCode::CREATED);
     let retry = client.post("/payments", "large", &big).await;
-    assert!(!retry.replayed(), "a result over max_bytes was kept");
-    assert_eq!(app.runs(), 2);
-    // A small one still is.
+    assert_eq!(
+        retry.status,
+        StatusCode::GONE,
+        "a result over max_bytes answers 410"
+    );
+    assert!(retry.problem()["type"].as_str().unwrap().ends_with("#gone"));
+    assert_eq!(app.runs(), 1, "and never runs again");
+    // A small one is kept.
     let small = client.post("/payments", "small", "{}").await;
     assert!(client
         .post("/payments", "small", "{}")
         .await
         .same_as(&small));
-    assert_eq!(app.runs(), 3);
+    assert_eq!(app.runs(), 2);
+
+    // A store told to run evicted keys again does so.
+    let app = App::default();
+    let store = MemoryStore::builder()
+        .max_bytes(64 * 1024)
+        .rerun_evicted()
+        .build();
+    let client = server_with(&app, layer(store).max_recorded_body(1 << 20)).await;
+    client.post("/payments", "large", &big).await;
+    let retry = client.post("/payments", "large", &big).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(app.runs(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -44,6 +44,9 @@ pub struct Probe<S> {
     failing_renewals: Arc<AtomicUsize>,
     /// How many of the next `complete` calls fail (before the gate, if there is one).
     failing_completes: Arc<AtomicUsize>,
+    /// How many of the next claims are applied by the store and then fail, their reply
+    /// lost.
+    lost_claim_replies: Arc<AtomicUsize>,
     claims: Runs,
     /// `complete` calls.
     completes: Runs,
@@ -139,6 +142,7 @@ impl<S> Probe<S> {
             announces_renewals: false,
             failing_renewals: Arc::default(),
             failing_completes: Arc::default(),
+            lost_claim_replies: Arc::default(),
             completes: Runs::default(),
             claims: Runs::default(),
         }
@@ -204,6 +208,14 @@ impl<S> Probe<S> {
             coalesces: false,
             ..Self::new(inner)
         }
+    }
+
+    /// A store that applies the next `n` claims and then loses their replies (a timeout
+    /// after the store acted): the caller sees a failure, the store holds its claim.
+    pub fn loses_claim_replies(inner: S, n: usize) -> Self {
+        let probe = Self::new(inner);
+        probe.lost_claim_replies.store(n, Ordering::SeqCst);
+        probe
     }
 
     /// A store whose next `n` renewals fail, as a store that is briefly unreachable.
@@ -278,6 +290,30 @@ impl<S: Store + Clone> Store for Probe<S> {
     ) -> Result<Claim, Error> {
         self.claims.hit();
         self.apply(self.inner.claim(key, fp, lease)).await
+    }
+
+    async fn claim_with_nonce(
+        &self,
+        key: &Key,
+        fp: Option<&Fingerprint>,
+        lease: Duration,
+        nonce: u64,
+    ) -> Result<Claim, Error> {
+        self.claims.hit();
+        let claimed = self
+            .apply(self.inner.claim_with_nonce(key, fp, lease, nonce))
+            .await;
+        let failing = |n: usize| n.checked_sub(1);
+        if self
+            .lost_claim_replies
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, failing)
+            .is_ok()
+        {
+            return Err(Error::store(
+                "injected: the store claimed, the reply was lost",
+            ));
+        }
+        claimed
     }
 
     async fn complete(

@@ -329,3 +329,52 @@ async fn a_client_with_default_retry_outlasts_a_server_crash_and_restart() {
         "the first attempt died with its server"
     );
 }
+
+// ---- A claim whose reply was lost ------------------------------------------------------
+
+/// The store applies the claim and its reply is lost: the call claims again with the same
+/// nonce, finds its own claim, and runs at once, instead of failing and leaving its key held
+/// for a whole lease (30 s here) against the caller's own retry.
+async fn a_lost_claim_reply_is_recognised<S: idem_runtime::Store + Clone>(store: S) {
+    let lease = Duration::from_secs(30);
+    let op = Operation::new(namespace("lost_reply")).lease(lease);
+    let key = op.key(&"order-17").unwrap();
+    let probe = idem_tests::Probe::loses_claim_replies(store.clone(), 1);
+    let runs = Runs::default();
+    let started = tokio::time::Instant::now();
+    let out = op
+        .clone()
+        .in_flight(InFlight::Reject)
+        .run(&probe, &key, None, async {
+            runs.hit();
+            Ok::<_, Error>("charged".to_string())
+        })
+        .await
+        .unwrap();
+    assert_eq!(out, Outcome::Executed("charged".to_string()));
+    assert_eq!(probe.claims(), 2, "one lost reply, one claim that found it");
+    assert!(started.elapsed() < lease / 2, "{:?}", started.elapsed());
+    // Recorded under the recognised claim: a later call replays it.
+    let again = op
+        .run(&store, &key, None, async {
+            runs.hit();
+            Ok::<_, Error>("twice".to_string())
+        })
+        .await
+        .unwrap();
+    assert_eq!(again, Outcome::Replayed("charged".to_string()));
+    assert_eq!(runs.count(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_claim_reply_is_recognised_on_every_shared_store() {
+    if let Some(store) = redis_store().await {
+        a_lost_claim_reply_is_recognised(store).await;
+    }
+    if let Some(store) = postgres_store().await {
+        a_lost_claim_reply_is_recognised(store).await;
+    }
+    a_lost_claim_reply_is_recognised(sqlite_store().await).await;
+    let tiered = idem_runtime::TieredStore::new(MemoryStore::new(), sqlite_store().await);
+    a_lost_claim_reply_is_recognised(tiered).await;
+}

@@ -1,7 +1,7 @@
 //! How results are recorded: one tag byte, then the value's encoding.
 //!
 //! The tag tells a recorded value from a recorded error (`e`, only with an [`ErrorPolicy`]
-//! that caches errors), so the presence of a record, never its content, says that the
+//! that caches errors) and from a completion whose result was not kept (`g`, [`GONE`]), so the presence of a record, never its content, says that the
 //! operation completed: `()`, `0`, `false`, `None` and `[]` replay like any value. Values are
 //! `serde_json` ([`Json`], tag `v`) unless a surface records its own format (the HTTP layer's
 //! responses, tag `h`): the engine runs with either, through [`ValueCodec`].
@@ -14,6 +14,12 @@ use crate::Error;
 
 const VALUE: u8 = b'v';
 const ERROR: u8 = b'e';
+const GONE_TAG: u8 = b'g';
+
+/// The record of a call that completed but whose result is not kept (too large, or
+/// evicted from memory): every store keeps it like any record, and its replay is
+/// [`Error::Gone`], never a second run.
+pub(crate) const GONE: &[u8] = &[GONE_TAG];
 
 /// What a record decodes to: the recorded `Ok` value, or a recorded error.
 pub(crate) type Replayed<T, E> = Result<T, E>;
@@ -65,6 +71,7 @@ where
     P: ErrorPolicy<E> + ?Sized,
 {
     match record.split_first() {
+        Some((&GONE_TAG, _)) => Err(Error::Gone),
         Some((&ERROR, json)) => policy.decode(json).map(Err),
         Some((&tag, payload)) if tag == C::TAG => C::decode(payload).map(Ok),
         Some((&(VALUE | HTTP), _)) => Err(Error::codec(
@@ -173,6 +180,15 @@ mod tests {
 
         let err = decode::<Json, u32, String, _>(&record, &ReleaseErrors).unwrap_err();
         assert!(matches!(err, Error::Codec(_)), "{err}");
+    }
+
+    #[test]
+    fn a_gone_record_replays_as_gone_whatever_the_type() {
+        let err = decode::<Json, u64, (), _>(GONE, &ReleaseErrors).unwrap_err();
+        assert!(matches!(err, Error::Gone), "{err}");
+        let policy = CacheErrors(|_: &String| true);
+        let err = decode::<Json, String, String, _>(GONE, &policy).unwrap_err();
+        assert!(matches!(err, Error::Gone), "{err}");
     }
 
     #[test]

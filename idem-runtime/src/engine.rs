@@ -193,6 +193,15 @@ impl<P> Operation<P> {
         }
     }
 
+    /// The same operation with another error policy.
+    #[cfg(feature = "http")]
+    pub(crate) fn with_errors<Q>(self, errors: Q) -> Operation<Q> {
+        Operation {
+            settings: self.settings,
+            errors,
+        }
+    }
+
     /// The same operation under another namespace.
     #[cfg(feature = "http")]
     pub(crate) fn renamed(mut self, namespace: impl Into<Cow<'static, str>>) -> Self {
@@ -500,6 +509,8 @@ impl Settings {
                 .get_or_insert_with(|| Instant::now() + self.wait_timeout.unwrap_or(self.lease))
         };
         let mut polls = 0_u32;
+        // Drawn at the first claim, and sent with every claim of this call.
+        let mut nonce = None;
         loop {
             let flight = store.flights().and_then(|flights| flights.get(key));
             // A flight whose holder stopped renewing is not waited for: the store decides.
@@ -529,7 +540,8 @@ impl Settings {
                     // The enclosing call's claim may be uncommitted in its transaction, where
                     // a claim would wait for the very call that waits for it.
                     attempt::refuse_recursion(store, key)?;
-                    store.claim(key, fingerprint, self.lease).await?
+                    let nonce = *nonce.get_or_insert_with(self::nonce);
+                    self.claim(store, key, fingerprint, nonce).await?
                 }
             };
             match claim {
@@ -545,6 +557,33 @@ impl Settings {
                     pause_before_polling(wait_until(&mut deadline), polls).await?;
                     polls += 1;
                 }
+            }
+        }
+    }
+
+    /// Claims `key`, and claims it again after a store failure, up to [`CLAIM_TRIES`] in
+    /// all: the failure may be a reply lost after the store applied the claim, which the
+    /// same `nonce` finds as this call's own. After the last failure the call fails closed.
+    async fn claim(
+        &self,
+        store: &dyn Store,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        nonce: u64,
+    ) -> Result<Claim, Error> {
+        let mut failures = 0;
+        loop {
+            match store
+                .claim_with_nonce(key, fingerprint, self.lease, nonce)
+                .await
+            {
+                Err(Error::Store(err)) if failures + 1 < CLAIM_TRIES => {
+                    failures += 1;
+                    tracing::debug!(error = %err, failures, "the claim failed; claiming again with its nonce");
+                    // Boxed: the slow path's timer stays out of the state of every call.
+                    Box::pin(tokio::time::sleep(backoff(failures))).await;
+                }
+                claimed => return claimed,
             }
         }
     }
@@ -601,6 +640,19 @@ pub(crate) async fn pause_before_polling(deadline: Instant, polls: u32) -> Resul
     Box::pin(tokio::time::sleep_until(deadline.min(now + backoff(polls)))).await;
     Ok(())
 }
+
+/// A claim's nonce ([`Store::claim_with_nonce`]): 64 bits from a per-process random key
+/// (SipHash) and a counter, so that no two calls of any process draw the same one but by
+/// chance, with no random-number crate and no lock.
+pub(crate) fn nonce() -> u64 {
+    static SOURCE: std::sync::LazyLock<(std::hash::RandomState, std::sync::atomic::AtomicU64)> =
+        std::sync::LazyLock::new(Default::default);
+    let (keys, counter) = &*SOURCE;
+    keys.hash_one(counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+}
+
+/// How many times a call sends its claim when the store fails, the first included.
+const CLAIM_TRIES: u32 = 3;
 
 /// An operation's name: a static string, or a shared one, so that cloning an operation (as
 /// every spawned body does) never allocates.

@@ -8,8 +8,8 @@ pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 /// Why an idempotent call did not produce a value of its own.
 ///
 /// Every variant says whether the body ran. The body is never run by a call that returns
-/// [`Error::InProgress`], [`Error::PayloadMismatch`], [`Error::Store`], [`Error::Key`] or
-/// [`Error::Config`];
+/// [`Error::InProgress`], [`Error::PayloadMismatch`], [`Error::Gone`], [`Error::Store`],
+/// [`Error::Key`] or [`Error::Config`];
 /// [`Error::Codec`] says in its message which side (encode or decode) failed.
 ///
 /// The HTTP analogue in each doc line is what a service usually answers with.
@@ -62,6 +62,14 @@ pub enum Error {
     #[error("idempotency record codec failed: {0}")]
     Codec(#[source] BoxError),
 
+    /// The key completed within its TTL, but its result can no longer be replayed: the
+    /// store evicted it (the memory store under its bounds), it was larger than the store
+    /// keeps, or an HTTP response was over the recording limit. The body did **not** run
+    /// again: a second run could repeat an effect (a charge) without a word. Look the
+    /// outcome up elsewhere, or use a new key for a new operation (HTTP 410).
+    #[error("the idempotency key completed, but its result can no longer be replayed")]
+    Gone,
+
     /// The key or fingerprint value could not be encoded deterministically (for example a
     /// NaN float). The body did not run (HTTP 400).
     #[error("the idempotency key could not be encoded: {0}")]
@@ -103,12 +111,13 @@ impl Error {
 }
 
 impl Error {
-    /// The variant's stable name, as serialized: `in_progress`, `payload_mismatch`, `store`,
-    /// `codec`, `key` or `config`.
+    /// The variant's stable name, as serialized: `in_progress`, `payload_mismatch`, `gone`,
+    /// `store`, `codec`, `key` or `config`.
     fn kind(&self) -> &'static str {
         match self {
             Self::InProgress => "in_progress",
             Self::PayloadMismatch => "payload_mismatch",
+            Self::Gone => "gone",
             Self::Store(_) => "store",
             Self::Codec(_) => "codec",
             Self::Key(_) => "key",
@@ -118,7 +127,7 @@ impl Error {
 
     fn source_text(&self) -> Option<String> {
         match self {
-            Self::InProgress | Self::PayloadMismatch => None,
+            Self::InProgress | Self::PayloadMismatch | Self::Gone => None,
             Self::Store(source)
             | Self::Codec(source)
             | Self::Key(source)
@@ -165,6 +174,7 @@ impl<'de> serde::Deserialize<'de> for Error {
         Ok(match kind.as_str() {
             "in_progress" => Self::InProgress,
             "payload_mismatch" => Self::PayloadMismatch,
+            "gone" => Self::Gone,
             "store" => Self::Store(source()),
             "codec" => Self::Codec(source()),
             "key" => Self::Key(source()),
@@ -175,6 +185,7 @@ impl<'de> serde::Deserialize<'de> for Error {
                     &[
                         "in_progress",
                         "payload_mismatch",
+                        "gone",
                         "store",
                         "codec",
                         "key",
@@ -195,6 +206,7 @@ mod tests {
         for err in [
             Error::InProgress,
             Error::PayloadMismatch,
+            Error::Gone,
             Error::store("down"),
             Error::codec("truncated"),
             Error::Key("NaN".into()),
@@ -205,9 +217,9 @@ mod tests {
             assert_eq!(back.kind(), err.kind(), "{json}");
             assert_eq!(back.to_string(), err.to_string(), "{json}");
         }
-        let unknown = serde_json::from_str::<Error>(r#"{"kind":"gone"}"#).unwrap_err();
+        let unknown = serde_json::from_str::<Error>(r#"{"kind":"lost"}"#).unwrap_err();
         assert!(
-            unknown.to_string().contains("unknown variant `gone`"),
+            unknown.to_string().contains("unknown variant `lost`"),
             "{unknown}"
         );
     }

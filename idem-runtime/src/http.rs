@@ -31,7 +31,9 @@
 //! | a retry with the same payload | the recorded response, plus `Idempotent-Replayed: true`; the handler does not run |
 //! | the same key with another method, path, query or body | `422` |
 //! | a retry while the first still runs | `409` with `Retry-After`, or, with [`InFlight::Wait`](crate::InFlight::Wait), the first response once it is ready |
-//! | a response not recorded (status refused, body over the limit, trailers) | returned as it is; the key is released, so a retry runs; a `2xx` among them is a `warn!` event and calls [`on_unrecorded`](IdempotencyLayer::on_unrecorded) |
+//! | a response whose status [`record_if`](IdempotencyLayer::record_if) refuses (an error) | returned as it is; the key is released, so a retry runs |
+//! | a recordable response that cannot be recorded (body over [`max_recorded_body`](IdempotencyLayer::max_recorded_body), trailers, a body that failed) | returned as it is; the key is recorded as completed without its response, so a retry gets `410` and the handler never runs twice ([`release_unrecorded`](IdempotencyLayer::release_unrecorded) releases it instead); a `warn!` event, and [`on_unrecorded`](IdempotencyLayer::on_unrecorded) is called |
+//! | a retry of a key whose response is gone (not kept, or evicted by the store) | `410`; the handler does not run |
 //! | a request body over the limit (default 1 MiB) | `413`; the handler does not run |
 //! | the store is down | `503`; the handler does not run |
 //! | the client disconnects while the handler runs | the handler runs to the end and its response is recorded: the retry replays it |
@@ -72,6 +74,12 @@
 //!
 //! ## key-reused
 //! `422`: the key was used with another method, path, query or body.
+//!
+//! ## gone
+//! `410`: the key's first request completed, but its response was not kept (over the
+//! recording limit, or evicted from a memory store under its bounds). The handler is not run
+//! again, since its effect may not be repeatable. Look the outcome up another way; use a
+//! new key only for a new operation.
 //!
 //! ## store-unavailable
 //! `503`: the store could not be reached; the request was not processed.

@@ -174,6 +174,28 @@ pub trait Store: Send + Sync + 'static {
         lease: Duration,
     ) -> Result<Claim, Error>;
 
+    /// [`claim`](Store::claim), tagged with `nonce`: a number the caller draws once per
+    /// call (64 random bits) and sends again with every retry of the same claim. A key in
+    /// progress under a claim made with the same nonce is the caller's own claim, whose
+    /// reply was lost (a timeout after the store applied it): it is answered
+    /// [`Claim::Acquired`] with that claim's token, instead of leaving the caller to wait
+    /// out its own lease. The default forgets the nonce: such a key then stays held until
+    /// its lease lapses.
+    ///
+    /// # Errors
+    ///
+    /// As [`claim`](Store::claim).
+    async fn claim_with_nonce(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+        nonce: u64,
+    ) -> Result<Claim, Error> {
+        let _ = nonce;
+        self.claim(key, fingerprint, lease).await
+    }
+
     /// Records `value` as the result of the claim `token`, replayed for `ttl`.
     ///
     /// Returns `Ok(false)`, changing nothing, when the record is no longer in progress under
@@ -319,6 +341,16 @@ macro_rules! forward_store {
                 lease: Duration,
             ) -> Result<Claim, Error> {
                 (**self).claim(key, fingerprint, lease).await
+            }
+
+            async fn claim_with_nonce(
+                &self,
+                key: &Key,
+                fingerprint: Option<&Fingerprint>,
+                lease: Duration,
+                nonce: u64,
+            ) -> Result<Claim, Error> {
+                (**self).claim_with_nonce(key, fingerprint, lease, nonce).await
             }
 
             async fn complete(

@@ -13,7 +13,7 @@ use http::{Method, StatusCode};
 use tower_layer::Layer;
 
 use super::fingerprint;
-use super::service::IdempotencyService;
+use super::service::{IdempotencyService, UnkeptPolicy};
 use crate::{Error, Fingerprint, InFlight, Operation, Store};
 
 /// The namespace of the layer's keys unless [`IdempotencyLayer::namespace`] sets one.
@@ -57,7 +57,7 @@ pub(super) type FingerprintFn =
 pub(super) struct Config<St, Sc> {
     pub(super) store: St,
     pub(super) scope: Sc,
-    pub(super) operation: Operation,
+    pub(super) operation: Operation<UnkeptPolicy>,
     pub(super) methods: Vec<Method>,
     pub(super) required: bool,
     pub(super) max_body: usize,
@@ -79,8 +79,10 @@ pub(super) enum UnknownPrincipal {
     PassThrough,
 }
 
-/// Why a response the layer would have recorded was sent unrecorded, its key released so
-/// that a retry runs the handler again: what [`IdempotencyLayer::on_unrecorded`] is told.
+/// Why a response the layer would have recorded was sent unrecorded (its key completes
+/// without it, so a retry gets `410`; or, with
+/// [`release_unrecorded`](IdempotencyLayer::release_unrecorded), is released): what
+/// [`IdempotencyLayer::on_unrecorded`] is told.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Unrecorded {
@@ -209,7 +211,9 @@ impl<St: Store + Clone> IdempotencyLayer<St, ScopeNotChosen> {
             config: Arc::new(Config {
                 store,
                 scope: ScopeNotChosen,
-                operation: Operation::new(DEFAULT_NAMESPACE).in_flight(InFlight::Reject),
+                operation: Operation::new(DEFAULT_NAMESPACE)
+                    .in_flight(InFlight::Reject)
+                    .with_errors(UnkeptPolicy::default()),
                 methods: vec![Method::POST, Method::PATCH],
                 required: false,
                 max_body: DEFAULT_MAX_BODY,
@@ -349,15 +353,28 @@ impl<St: Clone, Sc: Clone> IdempotencyLayer<St, Sc> {
     /// The largest response body recorded (default [`DEFAULT_MAX_BODY`]). A body whose
     /// length is known is read whole before the response is sent; one whose length is not
     /// (a stream, or a middleware inside this layer that maps frames, such as compression)
-    /// is recorded as it is sent. A larger one is sent unrecorded and releases the key: a
-    /// `warn!` event and [`on_unrecorded`](Self::on_unrecorded) say so.
+    /// is recorded as it is sent. A larger one is sent unrecorded, and its key completes
+    /// without it: a retry gets `410 Gone`, never a second run of the handler. A `warn!`
+    /// event and [`on_unrecorded`](Self::on_unrecorded) say so.
     pub fn max_recorded_body(self, bytes: usize) -> Self {
         self.with(|c| c.max_recorded_body = bytes)
     }
 
+    /// A recordable response that cannot be recorded (over
+    /// [`max_recorded_body`](Self::max_recorded_body), trailers, a body that failed)
+    /// releases its key, so that a retry runs the handler **again**, instead of answering
+    /// `410 Gone`. Only for handlers whose effects are safe to repeat.
+    pub fn release_unrecorded(self) -> Self {
+        self.with(|c| {
+            c.operation.errors.release = true;
+        })
+    }
+
     /// Called for each response that `record_if` accepted but that could not be recorded
-    /// (too large, trailers, a body that failed): its key was released, so a retry runs
-    /// the handler again. A hook to count and alert on; each case is also a `warn!` event.
+    /// (too large, trailers, a body that failed): its key completed without it, so a retry
+    /// gets `410` (or, with [`release_unrecorded`](Self::release_unrecorded), was released,
+    /// so a retry runs the handler again). A hook to count and alert on; each case is also
+    /// a `warn!` event.
     ///
     /// ```
     /// use std::sync::atomic::{AtomicU64, Ordering};

@@ -35,6 +35,8 @@ pub(super) enum Problem {
     InFlight(Duration),
     /// 422: the key was used with another request.
     PayloadMismatch,
+    /// 410: the key's request completed, but its response was not kept.
+    Gone,
     /// 503: the store failed; the handler did not run.
     StoreDown,
     /// 500: a record that does not decode, a misconfiguration, a failed response body.
@@ -61,6 +63,7 @@ impl Problem {
         match err {
             Error::InProgress => Self::InFlight(retry_after),
             Error::PayloadMismatch => Self::PayloadMismatch,
+            Error::Gone => Self::Gone,
             Error::Store(_) => Self::StoreDown,
             Error::Key(_) => Self::BodyUnreadable,
             Error::Codec(_) | Error::Config(_) => Self::Internal,
@@ -115,6 +118,12 @@ impl Problem {
                 "Idempotency-Key reused with another request",
                 "this key was used before with a different method, path, query or body; use a new key for a new operation".to_string(),
             ),
+            Self::Gone => (
+                StatusCode::GONE,
+                "gone",
+                "The response of this Idempotency-Key is gone",
+                "the first request with this key completed, but its response could not be kept (too large, or evicted); it is not run again, so its effect is not repeated. Use a new key only for a new operation".to_string(),
+            ),
             Self::StoreDown => (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-unavailable",
@@ -156,6 +165,7 @@ impl Problem {
 /// |---|---|---|
 /// | `InProgress` | `409` + `Retry-After` | `in-flight` |
 /// | `PayloadMismatch` | `422` | `key-reused` |
+/// | `Gone` | `410` | `gone` |
 /// | `Store` | `503` | `store-unavailable` |
 /// | `Key` | `400` | `body-unreadable` |
 /// | `Codec`, `Config` | `500` | `internal` |
@@ -200,6 +210,7 @@ mod tests {
             Problem::BodyTooLarge(1024),
             Problem::InFlight(Duration::from_secs(1)),
             Problem::PayloadMismatch,
+            Problem::Gone,
             Problem::StoreDown,
             Problem::Internal,
         ]
@@ -211,6 +222,7 @@ mod tests {
         let cases = [
             (Error::InProgress, 409, "in-flight"),
             (Error::PayloadMismatch, 422, "key-reused"),
+            (Error::Gone, 410, "gone"),
             (Error::store(secret), 503, "store-unavailable"),
             (Error::Key(secret.into()), 400, "body-unreadable"),
             (Error::codec(secret), 500, "internal"),

@@ -19,6 +19,7 @@ use super::header;
 use super::layer::{Config, KeyScope, ScopeOf, UnknownPrincipal, Unrecorded};
 use super::problem::Problem;
 use super::record::{HttpRecord, Recorded};
+use crate::codec::{self, ErrorPolicy};
 use crate::{BoxError, Error, Key, Outcome, Store};
 
 /// The future of [`IdempotencyService`]'s responses.
@@ -87,12 +88,14 @@ where
 }
 
 /// Why the handler's outcome is not a response to record.
-enum Failure<E, RB> {
-    /// Returned as it is, and the key released: a status `record_if` refuses, a body whose
-    /// known length is over the limit.
+pub(super) enum Failure<E, RB> {
+    /// Returned as it is, and the key released: a status `record_if` refuses.
     NotRecorded(Response<RB>),
+    /// Returned as it is, but not kept: a recordable response whose known length is over
+    /// the limit. The key completes without it ([`UnkeptPolicy`]).
+    Unkept(Response<RB>),
     /// Sent while it was recorded (through [`Early`]), and then not recordable: the key
-    /// was released.
+    /// completes without it ([`UnkeptPolicy`]).
     Sent,
     /// The inner service failed.
     Inner(E),
@@ -100,6 +103,32 @@ enum Failure<E, RB> {
     BodyFailed,
     /// The engine answered instead of the handler.
     Idem(Error),
+}
+
+/// The layer's error policy: a recordable response that could not be kept (over the limit,
+/// trailers, a body that failed) completes its key with the [`GONE`](codec::GONE) record,
+/// so that a retry gets `410` instead of running the handler again, unless the layer was
+/// told to [`release_unrecorded`](super::IdempotencyLayer::release_unrecorded). Every other
+/// failure releases the key.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct UnkeptPolicy {
+    pub(super) release: bool,
+}
+
+impl<E, RB> ErrorPolicy<Failure<E, RB>> for UnkeptPolicy {
+    fn encode(&self, err: &Failure<E, RB>) -> Option<Result<Bytes, Error>> {
+        let unkept = matches!(
+            err,
+            Failure::Unkept(_) | Failure::Sent | Failure::BodyFailed
+        );
+        (unkept && !self.release).then(|| Ok(Bytes::from_static(codec::GONE)))
+    }
+
+    fn decode(&self, _: &[u8]) -> Result<Failure<E, RB>, Error> {
+        Err(Error::codec(
+            "an HTTP record holds an error, which the layer never records",
+        ))
+    }
 }
 
 /// Where the handler's task sends a response that is recorded while it is sent, so that
@@ -232,7 +261,9 @@ where
             Ok(recorded.into_response(false).map(ResponseBody::full))
         }
         Ok(Outcome::Replayed(recorded)) => Ok(recorded.into_response(true).map(ResponseBody::full)),
-        Err(Failure::NotRecorded(response)) => Ok(response.map(ResponseBody::inner)),
+        Err(Failure::NotRecorded(response) | Failure::Unkept(response)) => {
+            Ok(response.map(ResponseBody::inner))
+        }
         Err(Failure::Inner(err)) => Err(err),
         // Sent before the engine finished: the response is waiting in the channel.
         Err(Failure::Sent) => match sent.try_recv() {
@@ -311,7 +342,7 @@ impl<St, Sc> Config<St, Sc> {
         }
         if hint.exact().is_some() {
             self.unrecorded(Unrecorded::TooLarge { limit });
-            return Err(Failure::NotRecorded(response));
+            return Err(Failure::Unkept(response));
         }
         let (parts, body) = response.into_parts();
         let (status, headers) = (parts.status, parts.headers.clone());
@@ -334,10 +365,17 @@ impl<St, Sc> Config<St, Sc> {
 
     /// A response that should have been recorded was not: said loudly.
     fn unrecorded(&self, why: Unrecorded) {
-        tracing::warn!(
-            outcome = "unrecorded",
-            "{why}: the response was sent unrecorded and its key released, so a retry runs the handler again"
-        );
+        if self.operation.errors.release {
+            tracing::warn!(
+                outcome = "unrecorded",
+                "{why}: the response was sent unrecorded and its key released, so a retry runs the handler again"
+            );
+        } else {
+            tracing::warn!(
+                outcome = "unrecorded",
+                "{why}: the response was sent unrecorded; its key completes without it, so a retry gets 410 Gone"
+            );
+        }
         if let Some(hook) = &self.on_unrecorded {
             hook(&why);
         }

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use moka::notification::RemovalCause;
 use moka::policy::EvictionPolicy;
 use moka::sync::Cache;
 use moka::Expiry;
@@ -26,6 +27,16 @@ pub const DEFAULT_MAX_BYTES: u64 = 256 * 1024 * 1024;
 /// What a result costs beyond its value: its key, fingerprint, TTL and the cache's entry.
 const ENTRY_OVERHEAD: u64 = 160;
 
+/// The default bound on the bytes of the marks of completed keys a [`MemoryStore`] keeps
+/// so that an evicted result answers [`Error::Gone`]: 64 MiB, about 175 000 marks, more
+/// than the [`DEFAULT_CAPACITY`] results the store keeps.
+pub const DEFAULT_MAX_MARK_BYTES: u64 = 64 * 1024 * 1024;
+
+/// What the mark of a completed key is counted for against
+/// [`max_mark_bytes`](MemoryStoreBuilder::max_mark_bytes): its key, fingerprint and TTL in
+/// the cache's entry, measured at 338 heap bytes (`tests/gone.rs::bytes_of_marks`).
+pub const MARK_BYTES: u64 = 384;
+
 /// An in-process store: claims and results live in this process's memory.
 ///
 /// It de-duplicates calls within one process and is the default store. Use a shared store
@@ -36,9 +47,17 @@ const ENTRY_OVERHEAD: u64 = 160;
 /// [`max_bytes`](MemoryStoreBuilder::max_bytes) of them (256 MiB by default, whatever the
 /// size of each result, so that large results cannot take a service's memory). Past either
 /// bound the least recently recorded or replayed results are evicted first (LRU), so the
-/// newest results are always kept. A call with an evicted key runs again. A result larger
-/// than `max_bytes` on its own is not recorded: its key is released (a `warn!` event says
-/// so), so a retry runs again.
+/// newest results are always kept.
+///
+/// **An evicted result never runs again silently.** Every completed key also leaves a
+/// small mark (its fingerprint and TTL, [`MARK_BYTES`] each, within
+/// [`max_mark_bytes`](MemoryStoreBuilder::max_mark_bytes)) for its TTL: a call with a key
+/// whose result was evicted, or was larger than `max_bytes` on its own and never kept,
+/// gets [`Error::Gone`] (`410` over HTTP), not a second run. When the marks themselves
+/// are over their bound, the oldest go; each one that goes while its result is gone too is
+/// counted ([`marks_dropped`](MemoryStore::marks_dropped)) and logged (`warn!`), since its
+/// key would run again. [`rerun_evicted`](MemoryStoreBuilder::rerun_evicted) turns the
+/// marks off: an evicted key then runs again.
 ///
 /// Leases follow `tokio::time`, so `tokio::time::pause` drives their expiry in tests. Result
 /// TTLs follow the cache's own clock (real time): a replay then reads no clock at all.
@@ -67,6 +86,11 @@ struct Inner {
     claims: [Mutex<Claims>; SHARDS],
     /// Completed results: bounded, expiring after their TTL.
     results: Cache<Key, ResultRecord, KeyHasher>,
+    /// The marks of completed keys, for their TTL, whatever became of their results;
+    /// `None` with [`MemoryStoreBuilder::rerun_evicted`].
+    marks: Option<Cache<Key, Mark, KeyHasher>>,
+    /// Marks dropped over their bound while their result was gone too.
+    marks_dropped: Arc<AtomicU64>,
     /// The last token handed out; one counter for all keys makes every key's tokens grow.
     tokens: AtomicU64,
     capacity: u64,
@@ -133,6 +157,29 @@ impl ResultRecord {
     }
 }
 
+/// That a key completed, kept for its TTL after its result may be gone.
+#[derive(Clone, Copy)]
+struct Mark {
+    fingerprint: Option<Fingerprint>,
+    ttl: Duration,
+}
+
+impl Mark {
+    /// What a call that finds only the mark gets: a record that replays as `Gone`.
+    fn into_claim(self) -> Claim {
+        Claim::Completed {
+            value: Bytes::from_static(crate::codec::GONE),
+            fingerprint: self.fingerprint,
+        }
+    }
+}
+
+impl Expiry<Key, Mark> for Lifetime {
+    fn expire_after_create(&self, _: &Key, mark: &Mark, _: std::time::Instant) -> Option<Duration> {
+        Some(mark.ttl)
+    }
+}
+
 /// How long moka keeps a result: its TTL. Moka never returns an expired entry, so this is
 /// also what judges a result live.
 struct Lifetime;
@@ -169,7 +216,27 @@ impl MemoryStore {
         MemoryStoreBuilder {
             capacity: DEFAULT_CAPACITY,
             max_bytes: DEFAULT_MAX_BYTES,
+            max_mark_bytes: Some(DEFAULT_MAX_MARK_BYTES),
         }
+    }
+
+    /// How many marks of completed keys were dropped over their bound while their result
+    /// was gone too: keys that would run again within their TTL. Zero unless
+    /// [`max_mark_bytes`](MemoryStoreBuilder::max_mark_bytes) is too small for the keys the
+    /// store completes within a TTL; each one is also a `warn!` event.
+    pub fn marks_dropped(&self) -> u64 {
+        // Evictions are settled lazily: settle the results, then the marks, so that every
+        // mark over the bound by now is counted, and only those whose result is gone too.
+        if let Some(marks) = &self.inner.marks {
+            self.inner.results.run_pending_tasks();
+            marks.run_pending_tasks();
+        }
+        self.inner.marks_dropped.load(Ordering::Relaxed)
+    }
+
+    /// The mark of `key`, if it completed within its TTL.
+    fn mark(&self, key: &Key) -> Option<Mark> {
+        self.inner.marks.as_ref()?.get(key)
     }
 
     /// The live result of `key`. Completed records never change, so reading one outside
@@ -203,15 +270,31 @@ impl MemoryStore {
             // Kept encoded only, the one copy may fit: its replays then decode.
             record.typed = None;
         }
+        // The mark first: from here on the key answers, whatever becomes of its result.
+        if let Some(marks) = &self.inner.marks {
+            let mark = Mark {
+                fingerprint: record.fingerprint,
+                ttl: record.ttl,
+            };
+            marks.insert(*key, mark);
+        }
         if record.bytes() > self.inner.max_bytes {
-            // Never admitted: releasing the key says so to the next call, which runs.
-            tracing::warn!(
-                outcome = "unrecorded",
-                bytes = record.bytes(),
-                max_bytes = self.inner.max_bytes,
-                "the result is larger than the memory store's `max_bytes`: not recorded, the key is released"
-            );
             claims.live.remove(key);
+            if self.inner.marks.is_some() {
+                tracing::warn!(
+                    outcome = "unrecorded",
+                    bytes = record.bytes(),
+                    max_bytes = self.inner.max_bytes,
+                    "the result is larger than the memory store's `max_bytes`: not kept; its key answers `Gone`"
+                );
+            } else {
+                tracing::warn!(
+                    outcome = "unrecorded",
+                    bytes = record.bytes(),
+                    max_bytes = self.inner.max_bytes,
+                    "the result is larger than the memory store's `max_bytes`: not recorded, the key is released"
+                );
+            }
             return true;
         }
         // The result is visible before the claim goes, and both under the key's lock.
@@ -251,6 +334,8 @@ impl fmt::Debug for MemoryStore {
 pub struct MemoryStoreBuilder {
     capacity: u64,
     max_bytes: u64,
+    /// `None`: no marks ([`rerun_evicted`](Self::rerun_evicted)).
+    max_mark_bytes: Option<u64>,
 }
 
 impl MemoryStoreBuilder {
@@ -268,6 +353,23 @@ impl MemoryStoreBuilder {
         self
     }
 
+    /// The bytes of marks of completed keys to keep at most (default
+    /// [`DEFAULT_MAX_MARK_BYTES`], [`MARK_BYTES`] a mark): enough for every key the store
+    /// completes within a TTL, so that each evicted result answers
+    /// [`Error::Gone`] rather than running again.
+    pub fn max_mark_bytes(mut self, bytes: u64) -> Self {
+        self.max_mark_bytes = Some(bytes);
+        self
+    }
+
+    /// Keeps no marks: a call whose result was evicted, or was too large to keep, runs the
+    /// body **again** instead of answering [`Error::Gone`]. Only for
+    /// operations whose effects are safe to repeat.
+    pub fn rerun_evicted(mut self) -> Self {
+        self.max_mark_bytes = None;
+        self
+    }
+
     /// Builds the store.
     pub fn build(self) -> MemoryStore {
         // Both bounds in one weight: every result weighs its bytes, and at least the
@@ -275,19 +377,42 @@ impl MemoryStoreBuilder {
         // bound on the total weight, `max_bytes`, keeps the count within `capacity` too.
         let max_bytes = self.max_bytes.max(1);
         let floor = max_bytes / self.capacity.max(1);
+        let results = Cache::builder()
+            .max_capacity(max_bytes)
+            .weigher(move |_: &Key, record: &ResultRecord| {
+                u32::try_from(record.bytes().max(floor)).unwrap_or(u32::MAX)
+            })
+            // Retries come for the newest results: keep them, never admit by
+            // frequency (moka's default would turn new keys away at capacity).
+            .eviction_policy(EvictionPolicy::lru())
+            .expire_after(Lifetime)
+            .build_with_hasher(KeyHasher::default());
+        let marks_dropped = Arc::new(AtomicU64::new(0));
+        let marks = self.max_mark_bytes.map(|bytes| {
+            let (results, dropped) = (results.clone(), Arc::clone(&marks_dropped));
+            Cache::builder()
+                .max_capacity(bytes / MARK_BYTES)
+                .eviction_policy(EvictionPolicy::lru())
+                .expire_after(Lifetime)
+                .eviction_listener(move |key: Arc<Key>, _, cause| {
+                    // A mark over the bound is harmless while its result is still kept.
+                    if cause == RemovalCause::Size && !results.contains_key(&*key) {
+                        let total = dropped.fetch_add(1, Ordering::Relaxed) + 1;
+                        tracing::warn!(
+                            key = %key.short(),
+                            dropped = total,
+                            "a completed key's mark and result are both gone within its TTL: it would run again; raise `max_mark_bytes`"
+                        );
+                    }
+                })
+                .build_with_hasher(KeyHasher::default())
+        });
         MemoryStore {
             inner: Arc::new(Inner {
                 claims: std::array::from_fn(|_| Mutex::default()),
-                results: Cache::builder()
-                    .max_capacity(max_bytes)
-                    .weigher(move |_: &Key, record: &ResultRecord| {
-                        u32::try_from(record.bytes().max(floor)).unwrap_or(u32::MAX)
-                    })
-                    // Retries come for the newest results: keep them, never admit by
-                    // frequency (moka's default would turn new keys away at capacity).
-                    .eviction_policy(EvictionPolicy::lru())
-                    .expire_after(Lifetime)
-                    .build_with_hasher(KeyHasher::default()),
+                results,
+                marks,
+                marks_dropped,
                 tokens: AtomicU64::new(0),
                 capacity: self.capacity,
                 max_bytes,
@@ -322,6 +447,10 @@ impl Store for MemoryStore {
             return Ok(Claim::InProgress {
                 fingerprint: claim.fingerprint,
             });
+        }
+        // Completed within its TTL, but its result is gone: never run again.
+        if let Some(mark) = self.mark(key) {
+            return Ok(mark.into_claim());
         }
         let token = Token::new(self.inner.tokens.fetch_add(1, Ordering::Relaxed) + 1);
         let claim = ClaimRecord {
@@ -373,10 +502,19 @@ impl Store for MemoryStore {
         let mut claims = self.claims(key);
         let claim = claims.live.remove(key).filter(|claim| claim.until > now);
         let result = self.inner.results.remove(key);
-        Ok(claim.is_some() || result.is_some())
+        let mark = self
+            .inner
+            .marks
+            .as_ref()
+            .and_then(|marks| marks.remove(key));
+        Ok(claim.is_some() || result.is_some() || mark.is_some())
     }
 
     /// Its records' remaining TTL is not known here: `expires_in` is `None`.
+    ///
+    /// A key whose result is gone but whose mark is kept has no live completed record here
+    /// (`None`): a [`TieredStore`](crate::TieredStore) over this one as its fast tier then
+    /// reads its durable store, which has the result.
     async fn lookup(&self, key: &Key) -> Result<Option<Recorded>, Error> {
         Ok(self
             .live_result(key)
@@ -524,16 +662,34 @@ mod tests {
             .peek(&Key::derive("bytes", &2999_u32).unwrap())
             .is_some());
 
-        // One result larger than the bound on its own is not recorded: the key is free.
+        // One result larger than the bound on its own is not kept: its key answers with the
+        // record of a result that is gone, never a second run...
         let huge = Bytes::from(vec![0_u8; 5 << 20]);
         let key = Key::derive("bytes", &"huge").unwrap();
         let token = acquired(&store, &key).await;
         assert!(store
-            .complete(&key, token, huge, Duration::from_secs(60))
+            .complete(&key, token, huge.clone(), Duration::from_secs(60))
             .await
             .unwrap());
         assert!(matches!(
             store
+                .claim(&key, None, Duration::from_secs(30))
+                .await
+                .unwrap(),
+            Claim::Completed { value, .. } if value[..] == *crate::codec::GONE
+        ));
+        // ...unless the store was told to run it again.
+        let rerun = MemoryStore::builder()
+            .max_bytes(4 << 20)
+            .rerun_evicted()
+            .build();
+        let token = acquired(&rerun, &key).await;
+        assert!(rerun
+            .complete(&key, token, huge, Duration::from_secs(60))
+            .await
+            .unwrap());
+        assert!(matches!(
+            rerun
                 .claim(&key, None, Duration::from_secs(30))
                 .await
                 .unwrap(),

@@ -173,21 +173,39 @@ impl Statements {
 /// the statement then returns nothing, and is asked once more.
 ///
 /// `now` is how the statement reads the clock, `params` the key, the fingerprint and the
-/// lease in milliseconds.
-fn claim_query(t: &str, sequence: &str, now: &str, params: [&str; 3]) -> String {
+/// lease in milliseconds. With a `nonce` (ordinary claims), an in-progress row keeps it in
+/// its `value` (empty until the row completes), and a row in progress under this very
+/// nonce is the caller's own claim, made by a try whose reply was lost: it is taken again
+/// like a lapsed one, with a new token and a whole lease, so the caller never holds a claim
+/// whose lease was spent while the reply was lost.
+fn claim_query(
+    t: &str,
+    sequence: &str,
+    now: &str,
+    params: [&str; 3],
+    nonce: Option<&str>,
+) -> String {
     let [key, fingerprint, lease] = params;
+    let (value, not_ours, ours) = match nonce {
+        Some(nonce) => (
+            nonce.to_string(),
+            format!(" AND (completed OR value IS DISTINCT FROM {nonce})"),
+            format!(" OR (NOT r.completed AND r.value = {nonce})"),
+        ),
+        None => ("NULL".to_string(), String::new(), String::new()),
+    };
     format!(
         "WITH live AS (\
             SELECT token, completed, fingerprint, value FROM {t} \
-            WHERE key = {key} AND expires_at > {now}), \
+            WHERE key = {key} AND expires_at > {now}{not_ours}), \
          claimed AS (\
             INSERT INTO {t} AS r (key, token, completed, fingerprint, value, expires_at) \
-            SELECT {key}, nextval('{sequence}'), false, {fingerprint}, NULL, {now} + {lease} * interval '1 millisecond' \
+            SELECT {key}, nextval('{sequence}'), false, {fingerprint}, {value}, {now} + {lease} * interval '1 millisecond' \
             WHERE NOT EXISTS (SELECT 1 FROM live) \
             ON CONFLICT (key) DO UPDATE SET \
                 token = EXCLUDED.token, completed = false, fingerprint = EXCLUDED.fingerprint, \
-                value = NULL, expires_at = EXCLUDED.expires_at \
-            WHERE r.expires_at <= {now} \
+                value = EXCLUDED.value, expires_at = EXCLUDED.expires_at \
+            WHERE r.expires_at <= {now}{ours} \
             RETURNING r.token, r.completed, r.fingerprint, r.value) \
          SELECT true, token, completed, fingerprint, value FROM claimed \
          UNION ALL \
@@ -201,7 +219,7 @@ fn claim_query(t: &str, sequence: &str, now: &str, params: [&str; 3]) -> String 
 /// client's own timeout), before the insert runs: a server still waiting after the client
 /// gave up would insert a claim nobody holds, and block the key for its lease.
 fn ordinary_claim(t: &str, sequence: &str) -> String {
-    claim_query(t, sequence, "now()", ["$1", "$2", "$3"]).replacen(
+    claim_query(t, sequence, "now()", ["$1", "$2", "$3"], Some("$5")).replacen(
         "WHERE NOT EXISTS (SELECT 1 FROM live)",
         "WHERE NOT EXISTS (SELECT 1 FROM live) \
          AND (SELECT set_config('lock_timeout', $4::text, true)) IS NOT NULL",
@@ -438,6 +456,19 @@ impl Store for PostgresStore {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
     ) -> Result<Claim, Error> {
+        self.claim_with_nonce(key, fingerprint, lease, crate::engine::nonce())
+            .await
+    }
+
+    /// The nonce is kept in the in-progress row's `value` (empty until it completes); a row
+    /// in progress under it is taken again with a new token and a whole lease.
+    async fn claim_with_nonce(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+        nonce: u64,
+    ) -> Result<Claim, Error> {
         // Another attempt only when a concurrent claim inserted the row after this
         // statement's snapshot (or deleted the row it saw): the next statement sees it.
         // Under churn on one key that can repeat; each miss means another call made
@@ -458,6 +489,7 @@ impl Store for PostgresStore {
                     .bind(fingerprint.map(|f| &f.as_bytes()[..]))
                     .bind(millis(lease))
                     .bind(lock_timeout)
+                    .bind(&nonce.to_be_bytes()[..])
                     .fetch_optional(&self.pool)
                     .await?;
                 if let Some(row) = row {

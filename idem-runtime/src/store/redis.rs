@@ -37,8 +37,6 @@
 //! `NOSCRIPT`); every operation runs under a per-operation timeout.
 
 use std::fmt;
-use std::hash::{BuildHasher, RandomState};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
@@ -400,15 +398,6 @@ fn collect_versions(info: &Value, versions: &mut Vec<String>) {
     }
 }
 
-/// A claim's token: a nonce, different for every claim this process makes (a counter) and
-/// from every other process's (the hasher's keys are random per process).
-fn nonce() -> Token {
-    static SOURCE: LazyLock<(RandomState, AtomicU64)> =
-        LazyLock::new(|| (RandomState::new(), AtomicU64::new(0)));
-    let (keys, counter) = &*SOURCE;
-    Token::new(keys.hash_one(counter.fetch_add(1, Ordering::Relaxed)))
-}
-
 /// What a record of claim `token` starts with, in progress: `p` and the token.
 fn holder(token: Token) -> [u8; 9] {
     let mut prefix = [b'p'; 9];
@@ -491,6 +480,7 @@ fn parse_claim(reply: Value, token: Token) -> Result<Claim, Error> {
         other => return Err(unexpected(&other)),
     };
     match record.first() {
+        Some(b'p') if record.get(..9) == Some(&holder(token)[..]) => Ok(Claim::Acquired { token }),
         Some(b'p') => {
             let rest = record
                 .get(HEAD - 1..)
@@ -531,7 +521,21 @@ impl Store for RedisStore {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
     ) -> Result<Claim, Error> {
-        let token = nonce();
+        self.claim_with_nonce(key, fingerprint, lease, crate::engine::nonce())
+            .await
+    }
+
+    /// The nonce is the claim's token: a retry that finds an in-progress record with its
+    /// own token finds the claim its lost reply made, and renews it to a whole lease before
+    /// answering `Acquired` (a second round trip, on this rare path only).
+    async fn claim_with_nonce(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+        nonce: u64,
+    ) -> Result<Claim, Error> {
+        let token = Token::new(nonce);
         let mut command = redis::cmd("SET");
         command
             .arg(self.record(key))
@@ -540,7 +544,16 @@ impl Store for RedisStore {
             .arg("GET")
             .arg("PX")
             .arg(millis(lease));
-        parse_claim(self.send(&command).await?, token)
+        loop {
+            let reply = self.send(&command).await?;
+            let own = matches!(&reply, Value::BulkString(record) if record.get(..9) == Some(&holder(token)[..]));
+            let claim = parse_claim(reply, token)?;
+            // Our own claim, from a try whose reply was lost: its lease may be nearly spent.
+            // Renewed, it is ours for a whole lease; lapsed meanwhile, the key is claimed anew.
+            if !own || self.renew(key, token, lease).await? {
+                return Ok(claim);
+            }
+        }
     }
 
     async fn complete(

@@ -143,9 +143,9 @@ impl Statements {
             next_token: format!("UPDATE {counter} SET last = last + 1 WHERE id = 1 RETURNING last"),
             take: format!(
                 "INSERT INTO {t} (key, token, completed, fingerprint, value, expires_at) \
-                 VALUES (?1, ?2, 0, ?3, NULL, {NOW} + ?4) \
+                 VALUES (?1, ?2, 0, ?3, ?5, {NOW} + ?4) \
                  ON CONFLICT (key) DO UPDATE SET token = excluded.token, completed = 0, \
-                 fingerprint = excluded.fingerprint, value = NULL, expires_at = excluded.expires_at"
+                 fingerprint = excluded.fingerprint, value = excluded.value, expires_at = excluded.expires_at"
             ),
             complete: format!(
                 "UPDATE {t} SET completed = 1, value = ?3, expires_at = {NOW} + ?4 \
@@ -191,6 +191,7 @@ fn token(token: Token) -> Result<i64, Error> {
 }
 
 /// The claim a live row answers: the key is held or completed.
+/// A live row found by a claim.
 fn held(row: &SqliteRow) -> Result<Claim, Error> {
     let completed: bool = row.try_get(1).map_err(Error::store)?;
     let fp = fingerprint(row.try_get(2).map_err(Error::store)?)?;
@@ -203,6 +204,14 @@ fn held(row: &SqliteRow) -> Result<Claim, Error> {
     } else {
         Claim::InProgress { fingerprint: fp }
     })
+}
+
+/// Whether a live row is in progress under `nonce`: the caller's own claim, made by a try
+/// whose reply was lost. An in-progress row keeps its claim's nonce in `value`.
+fn is_ours(row: &SqliteRow, nonce: u64) -> bool {
+    let completed: bool = row.try_get(1).unwrap_or(true);
+    let value: Option<Vec<u8>> = row.try_get(3).unwrap_or(None);
+    !completed && value.as_deref() == Some(&nonce.to_be_bytes()[..])
 }
 
 impl SqliteStore {
@@ -341,6 +350,7 @@ impl SqliteStore {
         key: &Key,
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
+        nonce: u64,
     ) -> Result<Result<Token, SqliteRow>, sqlx::Error> {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         if let Some(row) = sqlx::query(&self.sql.live)
@@ -348,7 +358,10 @@ impl SqliteStore {
             .fetch_optional(&mut *tx)
             .await?
         {
-            return Ok(Err(row)); // the transaction rolls back when dropped
+            // The caller's own claim is taken again, with a new token and a whole lease.
+            if !is_ours(&row, nonce) {
+                return Ok(Err(row)); // the transaction rolls back when dropped
+            }
         }
         let token: i64 = sqlx::query_scalar(&self.sql.next_token)
             .fetch_one(&mut *tx)
@@ -358,6 +371,7 @@ impl SqliteStore {
             .bind(token)
             .bind(fingerprint.map(|f| &f.as_bytes()[..]))
             .bind(millis(lease))
+            .bind(&nonce.to_be_bytes()[..])
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;
@@ -404,6 +418,19 @@ impl Store for SqliteStore {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
     ) -> Result<Claim, Error> {
+        self.claim_with_nonce(key, fingerprint, lease, crate::engine::nonce())
+            .await
+    }
+
+    /// The nonce is kept in the in-progress row's `value` (empty until it completes); a row
+    /// in progress under it is taken again with a new token and a whole lease.
+    async fn claim_with_nonce(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+        nonce: u64,
+    ) -> Result<Claim, Error> {
         self.within(async {
             // A replay, or a key someone holds: answered by a read, which waits for no writer.
             let live = sqlx::query(&self.sql.live)
@@ -411,8 +438,8 @@ impl Store for SqliteStore {
                 .fetch_optional(&self.pool)
                 .await?;
             match live {
-                Some(row) => Ok(Err(row)),
-                None => self.take(key, fingerprint, lease).await,
+                Some(row) if !is_ours(&row, nonce) => Ok(Err(row)),
+                _ => self.take(key, fingerprint, lease, nonce).await,
             }
         })
         .await?

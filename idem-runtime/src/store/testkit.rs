@@ -44,6 +44,7 @@ pub async fn conformance<S: Store + Clone>(store: &S) {
     keys_are_independent(store, &keys).await;
     lookup_reads_completed_records_only(store, &keys).await;
     lease_left_is_the_live_claims_only(store, &keys).await;
+    a_claim_again_with_its_nonce_is_its_own(store, &keys).await;
 }
 
 /// Unique keys for one run of the suite.
@@ -451,4 +452,57 @@ async fn lease_left_is_the_live_claims_only<S: Store>(store: &S, keys: &Keys) {
     acquire(store, &lapsed, None).await;
     tokio::time::sleep(LEASE + Duration::from_millis(100)).await;
     assert_eq!(left(lapsed).await, None, "lease_left of a lapsed claim");
+}
+
+/// A claim sent again with the same nonce (its reply was lost) gets the key back: with its
+/// token, or taken again under a new one (and a whole lease), in which case the old token
+/// no longer completes. Any other claim finds the key in progress. A store that forgets
+/// nonces answers `InProgress` to both.
+async fn a_claim_again_with_its_nonce_is_its_own<S: Store>(store: &S, keys: &Keys) {
+    let key = keys.fresh();
+    let fp = fingerprint(7);
+    let claim = |nonce: u64| async move {
+        store
+            .claim_with_nonce(&key, Some(&fp), LEASE, nonce)
+            .await
+            .unwrap_or_else(|e| panic!("claim failed: {e}"))
+    };
+    let Claim::Acquired { token: first } = claim(41).await else {
+        panic!("claim_with_nonce of a free key must acquire it");
+    };
+    let token = match claim(41).await {
+        Claim::Acquired { token } => token,
+        Claim::InProgress { fingerprint } => {
+            assert_eq!(fingerprint, Some(fp));
+            first
+        }
+        other => panic!("a claim sent again with its nonce got {other:?}"),
+    };
+    assert_eq!(
+        claim(42).await,
+        Claim::InProgress {
+            fingerprint: Some(fp)
+        },
+        "another nonce must find the key in progress"
+    );
+    if token != first {
+        assert!(
+            !store
+                .complete(&key, first, Bytes::from_static(b"old"), LEASE)
+                .await
+                .unwrap(),
+            "a claim taken again must refuse its old token"
+        );
+    }
+    assert!(
+        store
+            .complete(&key, token, Bytes::from_static(b"v"), LEASE)
+            .await
+            .unwrap(),
+        "the claim completes under its token"
+    );
+    assert!(
+        matches!(claim(41).await, Claim::Completed { .. }),
+        "a completed key replays, whatever the nonce"
+    );
 }

@@ -146,9 +146,15 @@ impl<F: Store, D: Store> TieredStore<F, D> {
         }
         let copied = self
             .on_fast(async {
-                if let Claim::Acquired { token } =
-                    self.fast.claim(key, fingerprint, COPY_LEASE).await?
+                let mut claim = self.fast.claim(key, fingerprint, COPY_LEASE).await?;
+                if matches!(&claim, Claim::Completed { value, .. } if value[..] == *crate::codec::GONE)
                 {
+                    // The fast tier lost its copy and kept a mark: the durable record is
+                    // whole, so the copy is made again.
+                    self.fast.remove(key).await?;
+                    claim = self.fast.claim(key, fingerprint, COPY_LEASE).await?;
+                }
+                if let Claim::Acquired { token } = claim {
                     if let Err(err) = self.fast.complete(key, token, value, ttl).await {
                         // Frees the key at once, or at the end of the copy's short lease.
                         let _ = self.fast.release(key, token).await;
@@ -191,13 +197,28 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
     ) -> Result<Claim, Error> {
+        self.claim_with_nonce(key, fingerprint, lease, crate::engine::nonce())
+            .await
+    }
+
+    /// The durable store's, so that a claim whose reply was lost is recognised there.
+    async fn claim_with_nonce(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+        nonce: u64,
+    ) -> Result<Claim, Error> {
         if let Some(copy) = self.read_fast(key).await {
             return Ok(Claim::Completed {
                 value: copy.value,
                 fingerprint: copy.fingerprint,
             });
         }
-        let claim = self.durable.claim(key, fingerprint, lease).await?;
+        let claim = self
+            .durable
+            .claim_with_nonce(key, fingerprint, lease, nonce)
+            .await?;
         match &claim {
             Claim::Acquired { token } => {
                 let mut claims = self.claims();

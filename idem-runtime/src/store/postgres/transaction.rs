@@ -138,6 +138,7 @@ impl Statements {
             sequence,
             "clock_timestamp()",
             ["p_key", "p_fingerprint", "p_lease"],
+            None,
         );
         format!(
             "\n#variable_conflict use_column\n\
