@@ -35,6 +35,7 @@
 //! | a recordable response that cannot be recorded (body over [`max_recorded_body`](IdempotencyLayer::max_recorded_body), trailers, a body that failed) | returned as it is; the key is recorded as completed without its response, so a retry gets `410` and the handler never runs twice ([`release_unrecorded`](IdempotencyLayer::release_unrecorded) releases it instead); a `warn!` event, and [`on_unrecorded`](IdempotencyLayer::on_unrecorded) is called |
 //! | a retry of a key whose response is gone (not kept, or evicted by the store) | `410`; the handler does not run |
 //! | a request body over the limit (default 1 MiB) | `413`; the handler does not run |
+//! | a key retried, or a principal's new keys sent, faster than the [rate limits](IdempotencyLayer::rate_limit) (feature `governor`, off by default) | `429` with `Retry-After`, from memory: the store is not asked, the handler does not run |
 //! | the store is down | `503`; the handler does not run |
 //! | the client disconnects while the handler runs | the handler runs to the end and its response is recorded: the retry replays it |
 //!
@@ -81,6 +82,12 @@
 //! again, since its effect may not be repeatable. Look the outcome up another way; use a
 //! new key only for a new operation.
 //!
+//! ## rate-limited
+//! `429`, with `Retry-After`: the key was sent again faster than the layer's per-key rate,
+//! or its principal started new keys faster than its per-principal rate
+//! ([`rate_limit`](IdempotencyLayer::rate_limit), feature `governor`). Answered from memory;
+//! the store was not asked. Retry after the delay, with the same key.
+//!
 //! ## store-unavailable
 //! `503`: the store could not be reached; the request was not processed.
 //!
@@ -102,6 +109,8 @@ mod fingerprint;
 mod header;
 mod layer;
 mod problem;
+#[cfg(feature = "governor")]
+mod rate_limit;
 mod record;
 mod service;
 
@@ -112,5 +121,8 @@ pub use self::layer::{
     DEFAULT_MAX_BODY, DEFAULT_NAMESPACE,
 };
 pub use self::problem::problem;
+#[cfg(feature = "governor")]
+#[cfg_attr(docsrs, doc(cfg(feature = "governor")))]
+pub use self::rate_limit::{RateLimit, DEFAULT_RATE_LIMIT_BYTES, LIMITER_BYTES};
 pub use self::record::IDEMPOTENT_REPLAYED;
 pub use self::service::{IdempotencyService, ResponseFuture};

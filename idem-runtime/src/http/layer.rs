@@ -68,6 +68,9 @@ pub(super) struct Config<St, Sc> {
     pub(super) fingerprint: FingerprintFn,
     pub(super) retry_after: Duration,
     pub(super) unknown_principal: UnknownPrincipal,
+    /// The rate limits, checked in memory before the store is asked.
+    #[cfg(feature = "governor")]
+    pub(super) rate_limit: Option<Arc<super::rate_limit::Limiter>>,
 }
 
 /// What a keyed request whose principal the scope cannot name gets.
@@ -123,6 +126,8 @@ impl<St: Clone, Sc: Clone> Clone for Config<St, Sc> {
             fingerprint: Arc::clone(&self.fingerprint),
             retry_after: self.retry_after,
             unknown_principal: self.unknown_principal,
+            #[cfg(feature = "governor")]
+            rate_limit: self.rate_limit.clone(),
         }
     }
 }
@@ -227,6 +232,8 @@ impl<St: Store + Clone> IdempotencyLayer<St, ScopeNotChosen> {
                 },
                 retry_after: super::problem::DEFAULT_RETRY_AFTER,
                 unknown_principal: UnknownPrincipal::Refuse,
+                #[cfg(feature = "governor")]
+                rate_limit: None,
             }),
         }
     }
@@ -258,6 +265,8 @@ impl<St: Clone, Sc: Clone> IdempotencyLayer<St, Sc> {
                 fingerprint: c.fingerprint,
                 retry_after: c.retry_after,
                 unknown_principal: c.unknown_principal,
+                #[cfg(feature = "governor")]
+                rate_limit: c.rate_limit,
             }),
         }
     }
@@ -358,6 +367,18 @@ impl<St: Clone, Sc: Clone> IdempotencyLayer<St, Sc> {
     /// event and [`on_unrecorded`](Self::on_unrecorded) say so.
     pub fn max_recorded_body(self, bytes: usize) -> Self {
         self.with(|c| c.max_recorded_body = bytes)
+    }
+
+    /// Limits how fast keyed requests may come, per key and per principal (feature
+    /// `governor`; off by default): a request over a limit gets `429` with `Retry-After`,
+    /// answered from memory before the store is asked or the body read, so that a client
+    /// retrying in a tight loop, or creating keys in a flood, costs the store nothing. The
+    /// limits are this instance's: each instance of a service counts its own requests. See
+    /// [`RateLimit`](super::RateLimit).
+    #[cfg(feature = "governor")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "governor")))]
+    pub fn rate_limit(self, limits: super::RateLimit) -> Self {
+        self.with(|c| c.rate_limit = limits.build().map(Arc::new))
     }
 
     /// A recordable response that cannot be recorded (over

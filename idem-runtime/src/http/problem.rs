@@ -37,6 +37,9 @@ pub(super) enum Problem {
     PayloadMismatch,
     /// 410: the key's request completed, but its response was not kept.
     Gone,
+    /// 429: the key, or its principal's new keys, came faster than the layer's rate limits.
+    #[cfg_attr(not(feature = "governor"), allow(dead_code))]
+    RateLimited(Duration),
     /// 503: the store failed; the handler did not run.
     StoreDown,
     /// 500: a record that does not decode, a misconfiguration, a failed response body.
@@ -72,7 +75,7 @@ impl Problem {
 
     pub(super) fn into_response(self) -> Response<Full<Bytes>> {
         let retry_after = match &self {
-            Self::InFlight(after) => Some(*after),
+            Self::InFlight(after) | Self::RateLimited(after) => Some(*after),
             _ => None,
         };
         let (status, anchor, title, detail) = match self {
@@ -110,7 +113,7 @@ impl Problem {
                 StatusCode::CONFLICT,
                 "in-flight",
                 "A request with this Idempotency-Key is in progress",
-                format!("the first request with this key has not finished; retry with the same key in {} s (`Retry-After`) to get its response", after.as_secs().max(1)),
+                format!("the first request with this key has not finished; retry with the same key in {} s (`Retry-After`) to get its response", whole_seconds(after)),
             ),
             Self::PayloadMismatch => (
                 StatusCode::UNPROCESSABLE_ENTITY,
@@ -123,6 +126,12 @@ impl Problem {
                 "gone",
                 "The response of this Idempotency-Key is gone",
                 "the first request with this key completed, but its response could not be kept (too large, or evicted); it is not run again, so its effect is not repeated. Use a new key only for a new operation".to_string(),
+            ),
+            Self::RateLimited(after) => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate-limited",
+                "Too many requests for this Idempotency-Key",
+                format!("this key, or this client's new keys, came faster than the service allows; retry with the same key in {} s (`Retry-After`)", whole_seconds(after)),
             ),
             Self::StoreDown => (
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -151,7 +160,7 @@ impl Problem {
             HeaderValue::from_static("application/problem+json"),
         );
         if let Some(after) = retry_after {
-            headers.insert(RETRY_AFTER, HeaderValue::from(after.as_secs().max(1)));
+            headers.insert(RETRY_AFTER, HeaderValue::from(whole_seconds(after)));
         }
         response
     }
@@ -184,6 +193,14 @@ pub fn problem(err: &Error) -> Response<Full<Bytes>> {
     Problem::classify(err, DEFAULT_RETRY_AFTER).into_response()
 }
 
+/// A delay as `Retry-After` says it: whole seconds, rounded up, at least one.
+fn whole_seconds(after: Duration) -> u64 {
+    after
+        .as_secs()
+        .saturating_add(u64::from(after.subsec_nanos() > 0))
+        .max(1)
+}
+
 /// The `Retry-After` of a `409`, unless a layer is told otherwise.
 pub(super) const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
 
@@ -211,6 +228,7 @@ mod tests {
             Problem::InFlight(Duration::from_secs(1)),
             Problem::PayloadMismatch,
             Problem::Gone,
+            Problem::RateLimited(Duration::from_millis(1500)),
             Problem::StoreDown,
             Problem::Internal,
         ]

@@ -181,6 +181,18 @@ where
         }
     };
 
+    let derived = match config.operation.key(&(scope.as_deref(), key.as_str())) {
+        Ok(derived) => derived,
+        Err(err) => return problem(Problem::of(err, config.retry_after)),
+    };
+    #[cfg(feature = "governor")]
+    if let Some(limiter) = &config.rate_limit {
+        if let Err(wait) = limiter.check(&derived, scope.as_deref()) {
+            tracing::debug!(outcome = "rate limited", "answered 429 from memory");
+            return problem(Problem::RateLimited(wait));
+        }
+    }
+
     if body.size_hint().lower() > config.max_body as u64 {
         return problem(Problem::BodyTooLarge(config.max_body));
     }
@@ -200,10 +212,6 @@ where
             tracing::info!(error = %err, "the request could not be fingerprinted: answered 400");
             return problem(Problem::BodyUnreadable);
         }
-    };
-    let derived = match config.operation.key(&(scope.as_deref(), key.as_str())) {
-        Ok(derived) => derived,
-        Err(err) => return problem(Problem::of(err, config.retry_after)),
     };
     let (early, mut sent) = oneshot::channel();
     let handler = {
