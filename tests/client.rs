@@ -845,3 +845,68 @@ async fn a_server_that_always_answers_409_meets_the_budget() {
     );
     assert_eq!(seen.load(Ordering::SeqCst), 1);
 }
+
+/// A response body that yields its first bytes, then fails: a connection cut mid-answer.
+struct CutBody(bool);
+
+impl http_body::Body for CutBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        if std::mem::replace(&mut self.0, true) {
+            std::task::Poll::Ready(Some(Err("connection reset mid-body".into())))
+        } else {
+            std::task::Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::from_static(
+                b"{\"payment\":",
+            )))))
+        }
+    }
+}
+
+/// An answer cut after its headers is handed over as it came, with its `Delivery`: the
+/// caller resends with `Delivery::key()`, and the server sees the same key (so it replays
+/// instead of running again).
+#[tokio::test]
+async fn an_answer_cut_mid_body_is_handed_over_with_its_key_for_a_safe_resend() {
+    let keys = Arc::new(Mutex::new(Vec::new()));
+    let seen = Arc::clone(&keys);
+    let server = tower::service_fn(move |request: Request<Full<Bytes>>| {
+        let key = request.headers()["idempotency-key"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        seen.lock().unwrap().push(key);
+        async move {
+            Ok::<_, BoxError>(
+                Response::builder()
+                    .status(201)
+                    .body(CutBody(false))
+                    .unwrap(),
+            )
+        }
+    });
+    let client = IdempotencyKeyLayer::new().layer(server);
+    let response = client.clone().oneshot(post_body("{}")).await.unwrap();
+    assert_eq!(response.status(), 201);
+    let delivery = delivery(&response);
+    assert!(
+        response.into_body().collect().await.is_err(),
+        "the body was cut"
+    );
+    // The caller's own retry, with the key the layer handed over.
+    let resend = Request::post("http://payments.test/charges")
+        .header("idempotency-key", format!("\"{}\"", delivery.key()))
+        .body(Full::<Bytes>::from("{}"))
+        .unwrap();
+    let _ = client.oneshot(resend).await.unwrap();
+    let keys = keys.lock().unwrap();
+    assert_eq!(keys.len(), 2);
+    assert_eq!(
+        keys[0], keys[1],
+        "the resend carries the first request's key"
+    );
+}
