@@ -3,43 +3,14 @@
 //! not run), and the marks that make it so are bounded in bytes, measured here with a
 //! counting allocator.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::Duration;
 
 use idem_runtime::store::memory::MARK_BYTES;
 use idem_runtime::{Error, Fingerprint, MemoryStore, Operation, Outcome};
 use idem_tests::Runs;
 
-/// Counts the heap bytes in use. Only [`bytes_of_marks_child`] reads it, alone in a process
-/// of its own: moka frees memory through an epoch collector on whichever thread passes by,
-/// so a count per thread would mix in the other tests' caches.
-struct Counting;
-
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(
-            new_size as isize - layout.size() as isize,
-            Ordering::Relaxed,
-        );
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
-static ALLOCATOR: Counting = Counting;
+static ALLOCATOR: idem_tests::CountingAllocator = idem_tests::CountingAllocator;
 
 const TTL: Duration = Duration::from_secs(3600);
 
@@ -179,7 +150,7 @@ async fn bytes_of_marks_child() {
     const KEYS: u32 = 20_000;
     async fn heap_of(store: MemoryStore) -> isize {
         let op = Operation::new("gone.bytes").ttl(TTL);
-        let before = LIVE.load(Ordering::Relaxed);
+        let before = idem_tests::heap_bytes();
         for i in 0..KEYS {
             let key = op.key(&i).unwrap();
             let fingerprint = Fingerprint::of(&i).unwrap();
@@ -190,7 +161,7 @@ async fn bytes_of_marks_child() {
                 .await;
             assert_eq!(out.unwrap(), Outcome::Executed(i));
         }
-        let after = LIVE.load(Ordering::Relaxed);
+        let after = idem_tests::heap_bytes();
         drop(store);
         after - before
     }
@@ -202,26 +173,7 @@ async fn bytes_of_marks_child() {
 /// A mark weighs no more than [`MARK_BYTES`], what the marks' bound counts it for.
 #[test]
 fn marks_are_within_the_bytes_their_bound_counts() {
-    let output = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--ignored",
-            "--exact",
-            "bytes_of_marks_child",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "{stdout}");
-    let per_mark: isize = stdout
-        .lines()
-        .find_map(|line| line.split("per mark ").nth(1))
-        .expect("the child measured")
-        .trim()
-        .parse()
-        .unwrap();
+    let per_mark = idem_tests::measured_in_child("bytes_of_marks_child", "per mark");
     println!("a mark costs {per_mark} heap bytes");
     assert!(per_mark > 0, "marks are kept");
     assert!(

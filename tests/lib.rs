@@ -870,11 +870,136 @@ fn run(program: &str, args: &[&str]) -> Result<(), String> {
     }
 }
 
+/// A child process of this test binary, running one of its ignored tests (a holder to kill,
+/// a server to restart): its stdout read line by line, and SIGKILLed and reaped on drop, so
+/// that no test leaves one behind.
+pub struct Child {
+    process: std::process::Child,
+    lines: tokio::sync::mpsc::UnboundedReceiver<String>,
+}
+
+impl Child {
+    /// Starts the ignored test `test` of this binary, with `env` set.
+    pub fn start(test: &str, env: &[(&str, &str)]) -> Self {
+        use std::io::{BufRead, BufReader};
+
+        let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+        command
+            .args(["--ignored", "--exact", test, "--nocapture"])
+            .stdout(std::process::Stdio::piped());
+        for (name, value) in env {
+            command.env(name, value);
+        }
+        let mut process = command.spawn().unwrap();
+        let stdout = process.stdout.take().unwrap();
+        let (send, lines) = tokio::sync::mpsc::unbounded_channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if send.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self { process, lines }
+    }
+
+    /// Waits until the child prints a line containing `what` (its signal, never a sleep).
+    /// Panics if it exits first, or says nothing for a minute.
+    pub async fn wait_for(&mut self, what: &str) {
+        loop {
+            let line = tokio::time::timeout(Duration::from_secs(60), self.lines.recv()).await;
+            let line = line.expect("the child stalled").expect("the child exited");
+            if line.contains(what) {
+                return;
+            }
+        }
+    }
+
+    /// SIGKILL: no destructor runs, nothing is released. Returns how many of the lines it
+    /// printed that the test has not read contain `what`.
+    pub fn kill(&mut self, what: &str) -> usize {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+        let mut count = 0;
+        while let Ok(line) = self.lines.try_recv() {
+            count += usize::from(line.contains(what));
+        }
+        count
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+    }
+}
+
+/// A global allocator that counts the heap bytes in use: a test binary that measures memory
+/// installs it (`#[global_allocator] static A: CountingAllocator = CountingAllocator;`) and
+/// reads [`heap_bytes`] in a test run alone in a process of its own
+/// ([`measured_in_child`]): allocators and epoch collectors free memory on whichever thread
+/// passes by, so a count in a busy process mixes in the other tests.
+pub struct CountingAllocator;
+
+static HEAP: std::sync::atomic::AtomicIsize = std::sync::atomic::AtomicIsize::new(0);
+
+// SAFETY: every call forwards to the system allocator with the caller's own arguments; the
+// counter is only arithmetic beside it.
+unsafe impl std::alloc::GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        HEAP.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        HEAP.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
+        HEAP.fetch_add(
+            new_size as isize - layout.size() as isize,
+            Ordering::Relaxed,
+        );
+        unsafe { std::alloc::System.realloc(ptr, layout, new_size) }
+    }
+}
+
+/// The heap bytes in use, as [`CountingAllocator`] counts them.
+pub fn heap_bytes() -> isize {
+    HEAP.load(Ordering::Relaxed)
+}
+
+/// Runs the ignored test `test` of this binary alone in a process of its own and returns
+/// the number it printed after `label` (`"{label} {n}"`).
+pub fn measured_in_child(test: &str, label: &str) -> isize {
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            test,
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}");
+    let prefix = format!("{label} ");
+    stdout
+        .lines()
+        .find_map(|line| line.split(prefix.as_str()).nth(1))
+        .unwrap_or_else(|| panic!("{test} printed no `{label}`: {stdout}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
 /// Scenarios across processes that every shared backend must pass, generic over the store:
 /// the backend suites (`redis.rs`, `postgres.rs`) run the same code.
 pub mod scenarios {
-    use std::io::{BufRead, BufReader};
-    use std::process::{Command, Stdio};
     use std::sync::Arc;
     use std::time::Duration;
 
@@ -1075,33 +1200,11 @@ pub mod scenarios {
         child: &str,
     ) -> Duration {
         let namespace = namespace("default_lease_crash");
-        let mut process = Command::new(std::env::current_exe().unwrap())
-            .args(["--ignored", "--exact", child, "--nocapture"])
-            .env(CRASH_NAMESPACE, &namespace)
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stdout = process.stdout.take().unwrap();
-        let (lines, mut seen) = tokio::sync::mpsc::unbounded_channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if lines.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut wait_for = async |what: &str| loop {
-            let line = tokio::time::timeout(Duration::from_secs(60), seen.recv()).await;
-            match line.expect("the child stalled").expect("the child exited") {
-                line if line.contains(what) => return,
-                _ => continue,
-            }
-        };
-        wait_for("claimed").await;
-        wait_for("renewed").await;
-        process.kill().unwrap(); // SIGKILL: no destructor, no release
+        let mut process = crate::Child::start(child, &[(CRASH_NAMESPACE, &namespace)]);
+        process.wait_for("claimed").await;
+        process.wait_for("renewed").await;
+        process.kill("");
         let killed = Instant::now();
-        process.wait().unwrap();
 
         let op = Operation::new(namespace);
         let key = op.key(&"crash").unwrap();
@@ -1155,25 +1258,11 @@ pub mod scenarios {
     /// body after it.
     pub async fn crash_frees_the_key_after_the_lease<S: Store + Clone>(store: S, child: &str) {
         let namespace = namespace("crash");
-        let mut process = Command::new(std::env::current_exe().unwrap())
-            .args(["--ignored", "--exact", child, "--nocapture"])
-            .env(CRASH_NAMESPACE, &namespace)
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stdout = process.stdout.take().unwrap();
-        let claimed = tokio::task::spawn_blocking(move || {
-            BufReader::new(stdout)
-                .lines()
-                .map_while(Result::ok)
-                .any(|line| line.contains("claimed"))
-        });
-        let claimed = tokio::time::timeout(Duration::from_secs(20), claimed).await;
-        assert!(claimed.unwrap().unwrap(), "the child claimed the key");
+        let mut process = crate::Child::start(child, &[(CRASH_NAMESPACE, &namespace)]);
+        process.wait_for("claimed").await;
         // The child claimed before it printed: its lease ends at most this long from here.
         let seen = Instant::now();
-        process.kill().unwrap(); // SIGKILL: no destructor, no release
-        process.wait().unwrap();
+        process.kill("");
 
         let op = Operation::new(namespace).lease(CRASH_LEASE);
         let key = op.key(&"crash").unwrap();

@@ -2,9 +2,7 @@
 //! principal creating keys too fast, is answered `429` with `Retry-After` from memory,
 //! before the store is asked; and the limiters' memory is bounded, measured here.
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -16,34 +14,8 @@ use idem_tests::scenarios::namespace;
 use idem_tests::{redis_store, Probe, Runs};
 use tower::{Layer, Service, ServiceExt};
 
-/// Counts the heap bytes in use; read only by [`bytes_of_limiters_child`], alone in its
-/// own process.
-struct Counting;
-
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(
-            new_size as isize - layout.size() as isize,
-            Ordering::Relaxed,
-        );
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
-static ALLOCATOR: Counting = Counting;
+static ALLOCATOR: idem_tests::CountingAllocator = idem_tests::CountingAllocator;
 
 /// A payments handler behind `layer`, in process: each run counted.
 fn service<St: Store + Clone>(
@@ -201,7 +173,7 @@ async fn bytes_of_limiters_child() {
         layer: IdempotencyLayer<MemoryStore, impl idem_runtime::http::KeyScope>,
     ) -> isize {
         let mut service = service(layer, Runs::default());
-        let before = LIVE.load(Ordering::Relaxed);
+        let before = idem_tests::heap_bytes();
         for i in 0..KEYS {
             let response = service
                 .ready()
@@ -212,7 +184,7 @@ async fn bytes_of_limiters_child() {
                 .unwrap();
             assert_eq!(response.status(), StatusCode::CREATED);
         }
-        let after = LIVE.load(Ordering::Relaxed);
+        let after = idem_tests::heap_bytes();
         drop(service);
         after - before
     }
@@ -229,26 +201,7 @@ async fn bytes_of_limiters_child() {
 /// A remembered key weighs no more than [`LIMITER_BYTES`], what the bound counts it for.
 #[test]
 fn limiters_are_within_the_bytes_their_bound_counts() {
-    let output = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--ignored",
-            "--exact",
-            "bytes_of_limiters_child",
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "{stdout}");
-    let per_key: isize = stdout
-        .lines()
-        .find_map(|line| line.split("per key ").nth(1))
-        .expect("the child measured")
-        .trim()
-        .parse()
-        .unwrap();
+    let per_key = idem_tests::measured_in_child("bytes_of_limiters_child", "per key");
     println!("a remembered key costs {per_key} heap bytes");
     assert!(per_key > 0, "keys are remembered");
     assert!(

@@ -11,7 +11,7 @@ use idem_runtime::{
     Store, DEFAULT_LEASE,
 };
 use idem_tests::scenarios::{self, namespace};
-use idem_tests::{postgres_store, postgres_url, redis_store, redis_url, Runs};
+use idem_tests::{postgres_store, postgres_url, redis_store, redis_url, Child, Runs};
 
 /// The SQLite file the crash test and its child share: the child finds it without being
 /// told; namespaces keep runs apart.
@@ -206,72 +206,16 @@ async fn server_child() {
     axum::serve(listener, router).await.unwrap();
 }
 
-/// A server process started as [`server_child`], with its stdout read line by line.
-struct Server {
-    process: std::process::Child,
-    lines: tokio::sync::mpsc::UnboundedReceiver<String>,
-}
-
-impl Server {
-    async fn start(file: &std::path::Path, port: u16, hangs: bool) -> Self {
-        use std::io::{BufRead, BufReader};
-        use std::process::{Command, Stdio};
-
-        let mut command = Command::new(std::env::current_exe().unwrap());
-        command
-            .args(["--ignored", "--exact", "server_child", "--nocapture"])
-            .env(SERVER_FILE, file)
-            .env(SERVER_PORT, port.to_string())
-            .stdout(Stdio::piped());
-        if hangs {
-            command.env(SERVER_HANGS, "1");
-        }
-        let mut process = command.spawn().unwrap();
-        let stdout = process.stdout.take().unwrap();
-        let (send, lines) = tokio::sync::mpsc::unbounded_channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if send.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut server = Self { process, lines };
-        server.wait_for("listening").await;
-        server
+/// A server process started as [`server_child`], once it listens.
+async fn start_server(file: &std::path::Path, port: u16, hangs: bool) -> Child {
+    let (file, port) = (file.to_str().unwrap(), port.to_string());
+    let mut env = vec![(SERVER_FILE, file), (SERVER_PORT, port.as_str())];
+    if hangs {
+        env.push((SERVER_HANGS, "1"));
     }
-
-    /// Waits for a line containing `what`.
-    async fn wait_for(&mut self, what: &str) {
-        loop {
-            let line = tokio::time::timeout(Duration::from_secs(60), self.lines.recv()).await;
-            if line
-                .expect("the server stalled")
-                .expect("the server exited")
-                .contains(what)
-            {
-                return;
-            }
-        }
-    }
-
-    /// SIGKILL, then every line it printed that contains `what`.
-    fn kill(mut self, what: &str) -> usize {
-        let _ = self.process.kill();
-        let _ = self.process.wait();
-        let mut count = 0;
-        while let Ok(line) = self.lines.try_recv() {
-            count += usize::from(line.contains(what));
-        }
-        count
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.process.kill();
-        let _ = self.process.wait();
-    }
+    let mut server = Child::start("server_child", &env);
+    server.wait_for("listening").await;
+    server
 }
 
 /// The default client (`Retry::new()`) sends a payment; the server is SIGKILLed while its
@@ -295,7 +239,7 @@ async fn a_client_with_default_retry_outlasts_a_server_crash_and_restart() {
         let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         probe.local_addr().unwrap().port()
     };
-    let mut first = Server::start(&file, port, true).await;
+    let mut first = start_server(&file, port, true).await;
     let client = IdempotencyKeyLayer::new()
         .layer(Client::builder(TokioExecutor::new()).build_http::<Full<bytes::Bytes>>());
     let request = http::Request::post(format!("http://127.0.0.1:{port}/payments"))
@@ -309,7 +253,7 @@ async fn a_client_with_default_retry_outlasts_a_server_crash_and_restart() {
     let first_effects = first.kill("effect");
     // The outage: a restart takes a moment; the client meets refused connections meanwhile.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let second = Server::start(&file, port, false).await;
+    let mut second = start_server(&file, port, false).await;
 
     let response = delivered
         .await
