@@ -374,3 +374,68 @@ async fn a_result_outlives_the_process_that_recorded_it() {
         "token {token:?} after the first process took token 1"
     );
 }
+
+/// An in-memory database is one per connection: every pooled connection would see a
+/// database of its own, and claims would not be shared. Refused with a clear error.
+#[tokio::test]
+async fn an_in_memory_database_is_refused_with_a_clear_error() {
+    for path in [
+        ":memory:",
+        "",
+        "file::memory:?cache=shared",
+        "file:idem?mode=memory",
+    ] {
+        let refused = SqliteStore::open(path).await;
+        let Err(Error::Config(why)) = refused else {
+            panic!("{path:?} was accepted: {refused:?}");
+        };
+        assert!(why.to_string().contains("MemoryStore"), "{path:?}: {why}");
+    }
+}
+
+/// A copy in a memory tier never outlives its SQLite record: watched from both sides as
+/// they expire, the durable record is never gone while its copy is still replayed (the
+/// durable store's clock counts whole milliseconds, and a copy ends a grain early).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_never_outlives_its_durable_record() {
+    const KEYS: u32 = 40;
+    let durable = open(&fresh_file("copy-expiry")).await;
+    let tier = TieredStore::new(MemoryStore::new(), durable.clone());
+    let op = Operation::new(namespace("copy_expiry")).ttl(Duration::from_millis(300));
+    let mut watchers = Vec::new();
+    for i in 0..KEYS {
+        let (op, tier, durable) = (op.clone(), tier.clone(), durable.clone());
+        watchers.push(tokio::spawn(async move {
+            let key = op.key(&i).unwrap();
+            // Recorded in the durable store; the tier's replay copies it, for what the
+            // durable store says is left.
+            let first = op
+                .run(&durable, &key, None, async { Ok::<_, Error>(i) })
+                .await;
+            assert_eq!(first.unwrap(), Outcome::Executed(i));
+            let replay = op
+                .run(&tier, &key, None, async { Ok::<_, Error>(i + 1) })
+                .await;
+            assert_eq!(replay.unwrap(), Outcome::Replayed(i));
+            assert!(tier.fast().peek(&key).is_some(), "the replay made a copy");
+            // Until both are gone: the durable record first, then the copy, each time.
+            loop {
+                let durable_live = durable.lookup(&key).await.unwrap().is_some();
+                let copy_live = tier.fast().peek(&key).is_some();
+                if !durable_live && copy_live {
+                    return false;
+                }
+                if !durable_live && !copy_live {
+                    return true;
+                }
+                tokio::task::yield_now().await;
+            }
+        }));
+    }
+    for watcher in watchers {
+        assert!(
+            watcher.await.unwrap(),
+            "a copy was replayed after its durable record expired"
+        );
+    }
+}

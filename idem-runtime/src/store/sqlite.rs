@@ -159,8 +159,10 @@ impl Statements {
                  WHERE key = ?1 AND token = ?2 AND NOT completed AND expires_at > {NOW}"
             ),
             remove: format!("DELETE FROM {t} WHERE key = ?1 RETURNING expires_at > {NOW}"),
+            // Rounded down: `NOW` truncates to the millisecond, so the difference could be a
+            // fraction over what is left, and a copy must never outlive the row.
             lookup: format!(
-                "SELECT fingerprint, value, expires_at - {NOW} FROM {t} \
+                "SELECT fingerprint, value, expires_at - {NOW} - 1 FROM {t} \
                  WHERE key = ?1 AND completed AND expires_at > {NOW}"
             ),
             lease_left: format!(
@@ -191,6 +193,16 @@ fn token(token: Token) -> Result<i64, Error> {
 }
 
 /// The claim a live row answers: the key is held or completed.
+/// Whether `path` names an in-memory database (`:memory:`, an empty path, or a `file:` URI
+/// in memory mode), which SQLite opens anew for every connection.
+fn in_memory(path: &Path) -> bool {
+    let text = path.to_string_lossy();
+    text.is_empty()
+        || text == ":memory:"
+        || (text.starts_with("file:")
+            && (text.contains(":memory:") || text.contains("mode=memory")))
+}
+
 /// A live row found by a claim.
 fn held(row: &SqliteRow) -> Result<Claim, Error> {
     let completed: bool = row.try_get(1).map_err(Error::store)?;
@@ -221,8 +233,17 @@ impl SqliteStore {
     ///
     /// # Errors
     ///
-    /// [`Error::Store`] when the file cannot be opened or created.
+    /// [`Error::Store`] when the file cannot be opened or created; [`Error::Config`] for an
+    /// in-memory database (`:memory:`, an empty path, a `file:` URI in memory mode), which
+    /// SQLite makes anew for every pooled connection, so that claims would not be shared:
+    /// use [`MemoryStore`](crate::MemoryStore) for records in memory.
     pub async fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
+        let path = path.as_ref();
+        if in_memory(path) {
+            return Err(Error::config(format!(
+                "SqliteStore::open needs a file, not {path:?}: an in-memory SQLite database is one per connection, so each pooled connection would see a database of its own; use `MemoryStore` for records in memory"
+            )));
+        }
         let options = SqliteConnectOptions::new()
             .filename(path)
             .create_if_missing(true)

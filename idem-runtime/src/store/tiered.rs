@@ -27,6 +27,9 @@ const COPY_LEASE: Duration = crate::MIN_LEASE;
 /// (a millisecond on Redis and PostgreSQL), and a copy must never outlive its original.
 const SHORTEST_COPY: Duration = Duration::from_millis(5);
 
+/// The grain of a durable store's clock: whole milliseconds.
+const CLOCK_GRAIN: Duration = Duration::from_millis(1);
+
 /// How long the fast tier may take over one step before the tier goes on without it
 /// (default; [`TieredStore::with_fast_timeout`]).
 pub const DEFAULT_FAST_TIMEOUT: Duration = Duration::from_millis(250);
@@ -140,7 +143,11 @@ impl<F: Store, D: Store> TieredStore<F, D> {
         value: Bytes,
         expires: Instant,
     ) {
-        let ttl = expires.saturating_duration_since(Instant::now());
+        // A grain early: durable stores count time in whole milliseconds, so `expires` may be
+        // a fraction of one past the record's end; the copy must never outlive it.
+        let ttl = expires
+            .saturating_duration_since(Instant::now())
+            .saturating_sub(CLOCK_GRAIN);
         if ttl < SHORTEST_COPY {
             return;
         }
