@@ -322,3 +322,22 @@ async fn a_lost_claim_reply_is_recognised_on_every_shared_store() {
     let tiered = idem_runtime::TieredStore::new(MemoryStore::new(), sqlite_store().await);
     a_lost_claim_reply_is_recognised(tiered).await;
 }
+
+/// A store that fails every claim: the call sends its claim three times in all (the reply
+/// of each may have been lost), then fails closed with `Error::Store`, its body not run.
+#[tokio::test]
+async fn a_claim_that_keeps_failing_is_sent_three_times_then_fails_closed() {
+    let probe = idem_tests::Probe::new(idem_tests::Down);
+    let op = Operation::new(namespace("claims_fail"));
+    let key = op.key(&"order-17").unwrap();
+    let runs = Runs::default();
+    let out = op
+        .run(&probe, &key, None, async {
+            runs.hit();
+            Ok::<_, Error>(1_u32)
+        })
+        .await;
+    assert!(matches!(out, Err(Error::Store(_))), "{out:?}");
+    assert_eq!(probe.claims(), 3, "the first claim and two more");
+    assert_eq!(runs.count(), 0, "fail closed");
+}

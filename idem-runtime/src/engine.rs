@@ -540,7 +540,7 @@ impl Settings {
                     // The enclosing call's claim may be uncommitted in its transaction, where
                     // a claim would wait for the very call that waits for it.
                     attempt::refuse_recursion(store, key)?;
-                    let nonce = *nonce.get_or_insert_with(self::nonce);
+                    let nonce = *nonce.get_or_insert_with(crate::store::nonce);
                     self.claim(store, key, fingerprint, nonce).await?
                 }
             };
@@ -639,16 +639,6 @@ pub(crate) async fn pause_before_polling(deadline: Instant, polls: u32) -> Resul
     // Boxed: the slow path's timer stays out of the state of every call.
     Box::pin(tokio::time::sleep_until(deadline.min(now + backoff(polls)))).await;
     Ok(())
-}
-
-/// A claim's nonce ([`Store::claim_with_nonce`]): 64 bits from a per-process random key
-/// (SipHash) and a counter, so that no two calls of any process draw the same one but by
-/// chance, with no random-number crate and no lock.
-pub(crate) fn nonce() -> u64 {
-    static SOURCE: std::sync::LazyLock<(std::hash::RandomState, std::sync::atomic::AtomicU64)> =
-        std::sync::LazyLock::new(Default::default);
-    let (keys, counter) = &*SOURCE;
-    keys.hash_one(counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
 }
 
 /// How many times a call sends its claim when the store fails, the first included.

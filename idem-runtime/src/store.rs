@@ -178,8 +178,9 @@ pub trait Store: Send + Sync + 'static {
     /// call (64 random bits) and sends again with every retry of the same claim. A key in
     /// progress under a claim made with the same nonce is the caller's own claim, whose
     /// reply was lost (a timeout after the store applied it): it is answered
-    /// [`Claim::Acquired`] with that claim's token, instead of leaving the caller to wait
-    /// out its own lease. The default forgets the nonce: such a key then stays held until
+    /// [`Claim::Acquired`] with a whole lease (that claim's token renewed, or the key taken
+    /// again under a new token, which fences the old one), instead of leaving the caller to
+    /// wait out its own lease. The default forgets the nonce: such a key then stays held until
     /// its lease lapses.
     ///
     /// # Errors
@@ -305,6 +306,19 @@ pub trait Store: Send + Sync + 'static {
     fn typed(&self) -> Option<&dyn TypedStore> {
         None
     }
+}
+
+/// A claim's nonce ([`Store::claim_with_nonce`]), drawn once per call by the engine and by
+/// each store's own `claim`: 64 bits from a per-process random key (SipHash) and a counter,
+/// so that no two calls of any process draw the same one but by chance, with no
+/// random-number crate and no lock.
+pub(crate) fn nonce() -> u64 {
+    use std::hash::BuildHasher;
+
+    static SOURCE: std::sync::LazyLock<(std::hash::RandomState, std::sync::atomic::AtomicU64)> =
+        std::sync::LazyLock::new(Default::default);
+    let (keys, counter) = &*SOURCE;
+    keys.hash_one(counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
 }
 
 /// A result's typed value, as a store in this process keeps it beside the encoding.

@@ -439,7 +439,7 @@ impl Store for SqliteStore {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
     ) -> Result<Claim, Error> {
-        self.claim_with_nonce(key, fingerprint, lease, crate::engine::nonce())
+        self.claim_with_nonce(key, fingerprint, lease, crate::store::nonce())
             .await
     }
 

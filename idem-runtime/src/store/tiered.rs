@@ -204,7 +204,7 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
     ) -> Result<Claim, Error> {
-        self.claim_with_nonce(key, fingerprint, lease, crate::engine::nonce())
+        self.claim_with_nonce(key, fingerprint, lease, crate::store::nonce())
             .await
     }
 
