@@ -1,8 +1,9 @@
 //! `TieredStore`: a fast store in front of a durable one, on the real servers. The store
-//! contract over three pairs of tiers; a fingerprint mismatch answered from the fast tier;
-//! copies that never outlive their durable record; a fast tier that is down; a running call
-//! that is never in the fast tier.
+//! contract over three pairs of tiers; a removal racing copies on every pair; a fingerprint
+//! mismatch answered from the fast tier; copies that never outlive their durable record; a
+//! fast tier that is down; a running call that is never in the fast tier.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use idem_runtime::store::testkit;
@@ -282,4 +283,134 @@ async fn a_stalled_fast_tier_costs_its_timeout_not_the_call() {
         .await
         .expect("a stalled fast tier held the removal");
     assert!(matches!(removal, Err(Error::Store(_))), "fails closed");
+}
+
+/// A fresh SQLite file of its own.
+async fn sqlite_store(test: &str) -> idem_runtime::SqliteStore {
+    let path = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("tiered-{test}-{}.db", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let store = idem_runtime::SqliteStore::open(&path).await.unwrap();
+    store.migrate().await.unwrap();
+    store
+}
+
+/// Every fast tier in front of every durable store, as `Arc<dyn Store>`s.
+async fn every_pair(test: &str) -> Vec<(String, TieredStore<Arc<dyn Store>, Arc<dyn Store>>)> {
+    let mut durables: Vec<(&str, Arc<dyn Store>)> =
+        vec![("sqlite", Arc::new(sqlite_store(test).await))];
+    if let Some(pg) = postgres_store().await {
+        durables.push(("postgres", Arc::new(pg)));
+    }
+    let redis = redis_store().await;
+    let mut pairs = Vec::new();
+    for (durable_name, durable) in durables {
+        let mut fasts: Vec<(&str, Arc<dyn Store>)> = vec![("memory", Arc::new(MemoryStore::new()))];
+        if let Some(redis) = &redis {
+            fasts.push(("redis", Arc::new(redis.clone())));
+        }
+        for (fast_name, fast) in fasts {
+            pairs.push((
+                format!("{fast_name} over {durable_name}"),
+                TieredStore::new(fast, durable.clone()),
+            ));
+        }
+    }
+    pairs
+}
+
+/// The fast tier's copy of `key`, if any.
+async fn fast_copy<F: Store, D: Store>(store: &TieredStore<F, D>, key: &Key) -> bool {
+    store.fast().peek(key).is_some() || store.fast().lookup(key).await.unwrap().is_some()
+}
+
+const RACES: usize = 100;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removal_racing_copies_leaves_no_copy_behind() {
+    // Two ways a copy can be in flight while a removal runs: replays that found the record
+    // in the durable store, and the completion that records it. Whatever the interleaving,
+    // once the removal has returned and the racers are done, the fast tier holds nothing:
+    // a copy left behind would replay the removed value to every later call.
+    let op = Operation::new(namespace("tiered.remove-race"));
+    let fingerprint = Fingerprint::of(&1_u32).unwrap();
+    let lease = Duration::from_secs(5);
+    for (name, store) in every_pair("remove-race").await {
+        let mut stale = Vec::new();
+        for trial in 0..RACES {
+            // Replays copying from the durable store.
+            let key = op
+                .key(&(&name, "replays", trial, std::process::id()))
+                .unwrap();
+            let Claim::Acquired { token } = store
+                .durable()
+                .claim(&key, Some(&fingerprint), lease)
+                .await
+                .unwrap()
+            else {
+                panic!("{name}: a fresh key is free");
+            };
+            assert!(store
+                .durable()
+                .complete(&key, token, idem_runtime::Bytes::from_static(b"1"), lease)
+                .await
+                .unwrap());
+            let start = Arc::new(tokio::sync::Barrier::new(4));
+            let replays: Vec<_> = (0..3)
+                .map(|_| {
+                    let (store, start) = (store.clone(), start.clone());
+                    tokio::spawn(async move {
+                        start.wait().await;
+                        store.claim(&key, Some(&fingerprint), lease).await.unwrap();
+                    })
+                })
+                .collect();
+            start.wait().await;
+            store.remove(&key).await.unwrap();
+            for replay in replays {
+                replay.await.unwrap();
+            }
+            if fast_copy(&store, &key).await {
+                stale.push(format!("replays #{trial}"));
+            }
+
+            // The completion's own copy.
+            let key = op
+                .key(&(&name, "completion", trial, std::process::id()))
+                .unwrap();
+            let Claim::Acquired { token } =
+                store.claim(&key, Some(&fingerprint), lease).await.unwrap()
+            else {
+                panic!("{name}: a fresh key is free");
+            };
+            let start = Arc::new(tokio::sync::Barrier::new(2));
+            let completion = {
+                let (store, start) = (store.clone(), start.clone());
+                tokio::spawn(async move {
+                    start.wait().await;
+                    store
+                        .complete(&key, token, idem_runtime::Bytes::from_static(b"1"), lease)
+                        .await
+                        .unwrap()
+                })
+            };
+            start.wait().await;
+            store.remove(&key).await.unwrap();
+            completion.await.unwrap();
+            if fast_copy(&store, &key).await {
+                stale.push(format!("completion #{trial}"));
+            }
+            assert_eq!(
+                store.durable().lookup(&key).await.unwrap(),
+                None,
+                "{name}: a completion fenced by the removal records nothing"
+            );
+        }
+        assert!(
+            stale.is_empty(),
+            "{name}: {} of {} removals left a copy behind: {stale:?}",
+            stale.len(),
+            2 * RACES
+        );
+    }
 }

@@ -18,10 +18,12 @@ use tokio::time::Instant;
 use super::Recorded;
 use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
-/// The lease of the claim through which a record is copied into the fast tier. A copy is
-/// two steps there (claim, complete), and one cut between them frees the key this soon;
-/// meanwhile the fast tier answers "in progress", which the tier reads as a miss.
-const COPY_LEASE: Duration = crate::MIN_LEASE;
+/// The lease of the claim through which a record is copied into the fast tier. The claim is
+/// taken before the durable record is read (a replay) or written (a completion), so that a
+/// removal meanwhile refuses the copy; it must outlast that step, or the copy is not made.
+/// A process that dies between the claim and the copy leaves it this long; meanwhile the
+/// fast tier answers "in progress", which the tier reads as a miss.
+const COPY_LEASE: Duration = Duration::from_secs(2);
 
 /// Copies with less time left than this are not made: a store rounds a TTL to its unit
 /// (a millisecond on Redis and PostgreSQL), and a copy must never outlive its original.
@@ -51,7 +53,7 @@ const REMEMBERED_CLAIMS: usize = 65_536;
 ///   lives at most as long as the record in `D` has left, measured from before `D` was
 ///   asked, so it never outlives it.
 /// - `F` never holds an in-progress state of a call: a running call is only ever in `D`.
-/// - [`remove`](Store::remove) removes from both.
+/// - [`remove`](Store::remove) removes from both, and no copy in flight survives it.
 /// - A failing `F` is skipped (logged at `debug`): calls then go to `D` alone.
 ///
 /// A record removed from `D` by another process (an administrative reset elsewhere) can
@@ -134,24 +136,12 @@ impl<F: Store, D: Store> TieredStore<F, D> {
             })
     }
 
-    /// Copies a completed record into the fast tier, to expire by `expires` (never later
-    /// than the durable record). A failure leaves the fast tier without it, nothing more.
-    async fn copy(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        value: Bytes,
-        expires: Instant,
-    ) {
-        // A grain early: durable stores count time in whole milliseconds, so `expires` may be
-        // a fraction of one past the record's end; the copy must never outlive it.
-        let ttl = expires
-            .saturating_duration_since(Instant::now())
-            .saturating_sub(CLOCK_GRAIN);
-        if ttl < SHORTEST_COPY {
-            return;
-        }
-        let copied = self
+    /// Starts a copy into the fast tier: claims the key there, before the durable record
+    /// is read or written. A removal meanwhile deletes this claim, so the copy's completion
+    /// is refused: whatever the durable store said before the removal is never copied after
+    /// it. `None` when a copy is there already, being made, or the fast tier fails.
+    async fn begin_copy(&self, key: &Key, fingerprint: Option<&Fingerprint>) -> Option<Token> {
+        let began = self
             .on_fast(async {
                 let mut claim = self.fast.claim(key, fingerprint, COPY_LEASE).await?;
                 if matches!(&claim, Claim::Completed { value, .. } if value[..] == *crate::codec::GONE)
@@ -161,20 +151,44 @@ impl<F: Store, D: Store> TieredStore<F, D> {
                     self.fast.remove(key).await?;
                     claim = self.fast.claim(key, fingerprint, COPY_LEASE).await?;
                 }
-                if let Claim::Acquired { token } = claim {
-                    if let Err(err) = self.fast.complete(key, token, value, ttl).await {
-                        // Frees the key at once, or at the end of the copy's short lease.
-                        let _ = self.fast.release(key, token).await;
-                        return Err(err);
-                    }
-                }
-                // Otherwise a copy is there already, or another one is being made.
-                Ok(())
+                Ok(match claim {
+                    Claim::Acquired { token } => Some(token),
+                    Claim::Completed { .. } | Claim::InProgress { .. } => None,
+                })
             })
             .await;
-        if let Err(err) = copied {
-            tracing::debug!(error = %err, "copying a record into the fast tier failed");
+        began.unwrap_or_else(|err| {
+            tracing::debug!(error = %err, "claiming a copy in the fast tier failed");
+            None
+        })
+    }
+
+    /// Ends a copy begun under `token` with the durable record's value, to expire by
+    /// `expires` (never later than the durable record). Refused when a removal came since
+    /// the copy began; a failure leaves the fast tier without it, nothing more.
+    async fn finish_copy(&self, key: &Key, token: Token, value: Bytes, expires: Instant) {
+        // A grain early: durable stores count time in whole milliseconds, so `expires` may be
+        // a fraction of one past the record's end; the copy must never outlive it.
+        let ttl = expires
+            .saturating_duration_since(Instant::now())
+            .saturating_sub(CLOCK_GRAIN);
+        if ttl < SHORTEST_COPY {
+            self.abandon_copy(key, token).await;
+            return;
         }
+        if let Err(err) = self
+            .on_fast(self.fast.complete(key, token, value, ttl))
+            .await
+        {
+            tracing::debug!(error = %err, "copying a record into the fast tier failed");
+            self.abandon_copy(key, token).await;
+        }
+    }
+
+    /// Gives up a copy begun under `token`: frees the key at once, or at the end of the
+    /// copy's short lease.
+    async fn abandon_copy(&self, key: &Key, token: Token) {
+        let _ = self.on_fast(self.fast.release(key, token)).await;
     }
 
     fn claims(&self) -> std::sync::MutexGuard<'_, Fingerprints> {
@@ -233,20 +247,23 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
                     claims.insert((*key, *token), fingerprint.copied());
                 }
             }
-            Claim::Completed { .. } => {
-                // Worth a second round trip once per key: the next replays are the fast
+            Claim::Completed { fingerprint, .. } => {
+                // Worth two more round trips once per key: the next replays are the fast
                 // tier's. Only a durable store that says how long the record has left is
-                // copied from.
-                let asked = Instant::now();
-                if let Ok(Some(Recorded {
-                    value,
-                    fingerprint,
-                    expires_in: Some(left),
-                    ..
-                })) = self.durable.lookup(key).await
-                {
-                    self.copy(key, fingerprint.as_ref(), value, asked + left)
-                        .await;
+                // copied from, and only what it holds once the copy has begun.
+                if let Some(copy) = self.begin_copy(key, fingerprint.as_ref()).await {
+                    let asked = Instant::now();
+                    match self.durable.lookup(key).await {
+                        Ok(Some(Recorded {
+                            value,
+                            fingerprint: recorded,
+                            expires_in: Some(left),
+                            ..
+                        })) if recorded == *fingerprint => {
+                            self.finish_copy(key, copy, value, asked + left).await;
+                        }
+                        _ => self.abandon_copy(key, copy).await,
+                    }
                 }
             }
             Claim::InProgress { .. } => {}
@@ -261,25 +278,23 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
         value: Bytes,
         ttl: Duration,
     ) -> Result<bool, Error> {
+        // Only a claim whose fingerprint is remembered is copied (past REMEMBERED_CLAIMS,
+        // the first replay copies it). The copy begins before the durable record is
+        // written, so that a removal from here on refuses it.
+        let remembered = self.claims().remove(&(*key, token));
+        let copy = match &remembered {
+            Some(fingerprint) => self.begin_copy(key, fingerprint.as_ref()).await,
+            None => None,
+        };
         // The durable record expires `ttl` after the durable store acts, which is after now.
         let expires = Instant::now() + crate::limits::clamp(ttl);
-        let completed = self
-            .durable
-            .complete(key, token, value.clone(), ttl)
-            .await?;
-        let remembered = self.claims().remove(&(*key, token));
-        if completed {
-            let fingerprint = match remembered {
-                Some(fingerprint) => fingerprint,
-                // Not remembered (too many running claims): read back what was recorded.
-                None => match self.durable.lookup(key).await {
-                    Ok(Some(record)) => record.fingerprint,
-                    _ => return Ok(true),
-                },
-            };
-            self.copy(key, fingerprint.as_ref(), value, expires).await;
+        let completed = self.durable.complete(key, token, value.clone(), ttl).await;
+        match (copy, &completed) {
+            (Some(copy), Ok(true)) => self.finish_copy(key, copy, value, expires).await,
+            (Some(copy), _) => self.abandon_copy(key, copy).await,
+            (None, _) => {}
         }
-        Ok(completed)
+        completed
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
@@ -297,8 +312,11 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
         self.durable.fence(key, token).await
     }
 
-    /// Removes the record from both tiers: the fast one before and after the durable one,
-    /// so that a copy made from the durable record while it was being removed goes too.
+    /// Removes the record from both tiers: the fast one before and after the durable one.
+    /// A copy in flight meanwhile holds a claim in the fast tier taken before it read or
+    /// wrote the durable record; the first removal deletes that claim and refuses the copy,
+    /// or the copy read the durable store after it was emptied and has nothing to copy, or
+    /// it landed before the second removal. No copy outlives a removal that returned.
     /// A fast tier that fails (or does not answer within 3 s, or the fast timeout if
     /// longer) is an error here, unlike everywhere else: a removal that left a copy behind
     /// would go on replaying what was reset.
