@@ -146,10 +146,10 @@ async fn a_holder_that_lost_its_lease_mid_body_cannot_overwrite_the_new_owner() 
         .unwrap();
     assert_eq!(owner, Outcome::Executed(String::from("owner")));
 
-    // The zombie's body did run, so its caller gets its value, but the store keeps the owner's.
+    // The zombie's body did run, but the key's value is the owner's: every caller gets it.
     assert_eq!(
         zombie.await.unwrap().unwrap(),
-        Outcome::Executed(String::from("zombie"))
+        Outcome::Replayed(String::from("owner"))
     );
     let replay = op
         .run(&store, &key, None, async {
@@ -200,7 +200,8 @@ async fn local_waiters_of_a_holder_that_lost_its_lease_get_the_new_owners_result
     };
     assert_eq!(
         holder.await.unwrap().unwrap(),
-        Outcome::Executed("zombie".to_string())
+        Outcome::Replayed("owner".to_string()),
+        "the holder answers the key's one result, not its own unrecorded one"
     );
     assert_eq!(
         waiter.await.unwrap().unwrap(),
@@ -241,4 +242,15 @@ async fn a_failed_renewal_is_retried_before_the_lease_runs_out() {
     assert_eq!(holder.await.unwrap().unwrap(), Outcome::Executed(1));
     let replay = op.run(&store, &key, None, async { Ok::<_, Error>(3_u8) });
     assert_eq!(replay.await.unwrap(), Outcome::Replayed(1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zombie_answers_the_new_owners_record() {
+    idem_tests::scenarios::zombie_cannot_overwrite_the_new_owner(MemoryStore::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lapsed_holder_answers_only_what_the_key_records() {
+    idem_tests::scenarios::a_lapsed_holder_answers_only_what_the_key_records(MemoryStore::new())
+        .await;
 }

@@ -1003,7 +1003,7 @@ pub mod scenarios {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use idem_runtime::{Error, InFlight, Operation, Outcome, Store};
+    use idem_runtime::{Error, InFlight, Key, Operation, Outcome, Store};
     use tokio::time::Instant;
 
     use crate::{Probe, Runs};
@@ -1077,13 +1077,98 @@ pub mod scenarios {
         });
         assert_eq!(owner.await.unwrap(), Outcome::Executed("owner".to_string()));
         owner_done.send(()).unwrap();
-        // The zombie's body did run, so its caller gets its value; the store keeps the owner's.
+        // The zombie's body did run, but its result is not the key's: its caller gets the
+        // owner's record, the one value every caller of the key gets.
         assert_eq!(
             zombie.await.unwrap().unwrap(),
-            Outcome::Executed("zombie".to_string())
+            Outcome::Replayed("owner".to_string())
         );
         let replay = op.run(&store, &key, None, async {
             Ok::<_, Error>("third".to_string())
+        });
+        assert_eq!(
+            replay.await.unwrap(),
+            Outcome::Replayed("owner".to_string())
+        );
+    }
+
+    /// Waits until the claim on `key` has lapsed in `store`: its holder never renews.
+    async fn lapsed<S: Store>(store: &S, key: &Key) {
+        while store.lease_left(key).await.unwrap().is_some() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// A holder paused past its lease whose body then returns: it never answers a result
+    /// that is not the key's. If nobody took the key, its result is recorded and answered;
+    /// if another holder runs the key, it gets `InProgress` (and the retry replays the other
+    /// holder's record). The case where another holder recorded first is
+    /// [`zombie_cannot_overwrite_the_new_owner`].
+    pub async fn a_lapsed_holder_answers_only_what_the_key_records<S: Store + Clone>(store: S) {
+        let lease = Duration::from_millis(200);
+        let op = Operation::new(namespace("lapsed-holder")).lease(lease);
+        let frozen = Probe::frozen(store.clone());
+        let paused_past_its_lease = |key: Key, value: &'static str| {
+            let (op, frozen) = (op.clone(), frozen.clone());
+            let (claimed, has_claimed) = tokio::sync::oneshot::channel();
+            let (wake, woken) = tokio::sync::oneshot::channel::<()>();
+            let call = tokio::spawn(async move {
+                op.run(&frozen, &key, None, async {
+                    let _ = claimed.send(());
+                    let _ = woken.await;
+                    Ok::<_, Error>(value.to_string())
+                })
+                .await
+            });
+            (call, has_claimed, wake)
+        };
+
+        // Nobody took the key: the late result is recorded, and replayed after.
+        let key = op.key(&(1, std::process::id())).unwrap();
+        let (call, claimed, wake) = paused_past_its_lease(key, "late");
+        claimed.await.unwrap();
+        lapsed(&store, &key).await;
+        wake.send(()).unwrap();
+        assert_eq!(
+            call.await.unwrap().unwrap(),
+            Outcome::Executed("late".to_string())
+        );
+        let replay = op.run(&store, &key, None, async {
+            Ok::<_, Error>("again".to_string())
+        });
+        assert_eq!(replay.await.unwrap(), Outcome::Replayed("late".to_string()));
+
+        // Another holder runs the key: InProgress, never the late value as if recorded.
+        let key = op.key(&(2, std::process::id())).unwrap();
+        let (call, claimed, wake) = paused_past_its_lease(key, "late");
+        claimed.await.unwrap();
+        lapsed(&store, &key).await;
+        let (owner, owner_claimed, finish_owner) = {
+            let op = op.clone().lease(Duration::from_secs(30));
+            let other_process = Probe::frozen(store.clone());
+            let (claimed, has_claimed) = tokio::sync::oneshot::channel();
+            let (finish, finished) = tokio::sync::oneshot::channel::<()>();
+            let call = tokio::spawn(async move {
+                op.run(&other_process, &key, None, async {
+                    let _ = claimed.send(());
+                    let _ = finished.await;
+                    Ok::<_, Error>("owner".to_string())
+                })
+                .await
+            });
+            (call, has_claimed, finish)
+        };
+        owner_claimed.await.unwrap();
+        wake.send(()).unwrap();
+        let err = call.await.unwrap().unwrap_err();
+        assert!(matches!(err, Error::InProgress), "{err}");
+        finish_owner.send(()).unwrap();
+        assert_eq!(
+            owner.await.unwrap().unwrap(),
+            Outcome::Executed("owner".to_string())
+        );
+        let replay = op.run(&store, &key, None, async {
+            Ok::<_, Error>("again".to_string())
         });
         assert_eq!(
             replay.await.unwrap(),
@@ -1118,6 +1203,8 @@ pub mod scenarios {
             let key = op.key(&asks_late).unwrap();
             let (claimed, has_claimed) = tokio::sync::oneshot::channel();
             let (taken_over, resume) = tokio::sync::oneshot::channel::<()>();
+            // What the zombie's fenced write did: its answer is the owner's record.
+            let (wrote, zombie_wrote) = tokio::sync::oneshot::channel();
             let zombie = {
                 let (op, store, downstream) =
                     (op.clone(), Probe::frozen(store.clone()), downstream.clone());
@@ -1141,7 +1228,8 @@ pub mod scenarios {
                         if let (Some(early), Some(token)) = (early, token) {
                             assert_eq!(early, token, "one claim, one fence");
                         }
-                        Ok(token.map(|token| downstream.write(token, "zombie")))
+                        let _ = wrote.send(token.map(|token| downstream.write(token, "zombie")));
+                        Ok::<_, Error>((0, false))
                     })
                     .await
                 })
@@ -1165,11 +1253,15 @@ pub mod scenarios {
                 assert!(owner_token > early.get(), "{owner_token} after {early:?}");
             }
             taken_over.send(()).unwrap();
-            let zombie = zombie.await.unwrap().unwrap().into_inner();
             assert_ne!(
-                zombie,
+                zombie_wrote.await.unwrap(),
                 Some(true),
                 "the zombie's fenced write must be refused"
+            );
+            assert_eq!(
+                zombie.await.unwrap().unwrap(),
+                Outcome::Replayed((owner_token, true)),
+                "the zombie answers the owner's record"
             );
             assert_eq!(downstream.0.lock().unwrap().1, "owner");
         }

@@ -45,7 +45,8 @@ async fn a_holder_that_lost_its_lease_cannot_overwrite_the_new_owner() {
     let Some(store) = redis_store().await else {
         return;
     };
-    scenarios::zombie_cannot_overwrite_the_new_owner(store).await;
+    scenarios::zombie_cannot_overwrite_the_new_owner(store.clone()).await;
+    scenarios::a_lapsed_holder_answers_only_what_the_key_records(store).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

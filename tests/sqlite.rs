@@ -138,6 +138,7 @@ async fn two_pools_on_one_file_run_one_body_for_400_callers() {
 async fn a_zombie_cannot_overwrite_the_new_owner() {
     let store = open(&fresh_file("zombie")).await;
     scenarios::zombie_cannot_overwrite_the_new_owner(store.clone()).await;
+    scenarios::a_lapsed_holder_answers_only_what_the_key_records(store.clone()).await;
     scenarios::zombie_fences_are_refused_downstream(store).await;
 }
 

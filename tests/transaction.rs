@@ -837,6 +837,8 @@ async fn a_zombie_holders_fenced_write_is_refused() {
     // scheduler or a long GC would not) until the key was taken over.
     let (taken_over, resume) = tokio::sync::oneshot::channel::<()>();
     let (claimed, is_claimed) = tokio::sync::oneshot::channel::<()>();
+    // What the zombie's write did: its caller is answered the new holder's record.
+    let (wrote, zombie_wrote) = tokio::sync::oneshot::channel();
     let zombie = {
         let (op, store) = (op.clone(), Probe::frozen(store.clone()));
         let (pool, accounts) = (ledger.pool.clone(), ledger.accounts.clone());
@@ -845,7 +847,9 @@ async fn a_zombie_holders_fenced_write_is_refused() {
                 let token = attempt().expect("inside the body").token().await?;
                 claimed.send(()).unwrap();
                 resume.await.unwrap();
-                Ok::<_, Error>(fenced_write(pool, accounts, token, "zombie").await)
+                let rows = fenced_write(pool, accounts, token, "zombie").await;
+                wrote.send(rows).unwrap();
+                Ok::<_, Error>(rows)
             })
             .await
         })
@@ -866,11 +870,15 @@ async fn a_zombie_holders_fenced_write_is_refused() {
         .unwrap_or_else(|e| panic!("after {:?}: {e:?}", started.elapsed()));
     assert_eq!(newer, Outcome::Executed(1), "the new holder's write lands");
     taken_over.send(()).unwrap();
-    let zombie = zombie.await.unwrap().unwrap();
     assert_eq!(
-        zombie.into_inner(),
+        zombie_wrote.await.unwrap(),
         0,
         "the zombie's write is refused by the fence"
+    );
+    assert_eq!(
+        zombie.await.unwrap().unwrap(),
+        Outcome::Replayed(1),
+        "the zombie answers the new holder's record"
     );
     let note: String = sqlx::query_scalar(&format!(
         "SELECT note FROM {} WHERE id = 1",

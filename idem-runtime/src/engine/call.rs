@@ -17,7 +17,7 @@ use std::task::{ready, Context, Poll};
 use bytes::Bytes;
 use pin_project_lite::pin_project;
 
-use super::held::{Beat, Ending, Held};
+use super::held::{Beat, Ending, Held, Verdict};
 use super::{Begun, Handle, Operation, Outcome, Settings};
 use crate::__private::IdemResult;
 use crate::codec::{self, ErrorPolicy, ValueCodec};
@@ -230,7 +230,7 @@ pub(crate) enum Phase<'a> {
     /// The body runs under the claim.
     Running(Held, Beat),
     /// Recording or releasing.
-    Ending(Pin<Box<dyn Future<Output = Result<(), Error>> + Send>>),
+    Ending(Pin<Box<dyn Future<Output = Verdict> + Send>>),
     /// Answered.
     Done,
 }
@@ -313,8 +313,11 @@ impl<'a> Phase<'a> {
                         *self = Phase::Ending(end);
                         return Poll::Pending;
                     }
-                    Poll::Ready(Ok(())) => return Poll::Ready(Step::Executed),
-                    Poll::Ready(Err(codec)) => return Poll::Ready(Step::Failed(codec)),
+                    Poll::Ready(Verdict::Own) => return Poll::Ready(Step::Executed),
+                    Poll::Ready(Verdict::Other(record)) => {
+                        return Poll::Ready(Step::Replay(record, None))
+                    }
+                    Poll::Ready(Verdict::Failed(err)) => return Poll::Ready(Step::Failed(err)),
                 },
                 Phase::Done => panic!("an idempotent call was polled after it returned"),
             }

@@ -28,7 +28,7 @@ use crate::background;
 use crate::flights::{FlightRef, Landing};
 use crate::meter::{self, Event};
 use crate::store::Typed;
-use crate::{Error, Fingerprint, Key, Store, Token};
+use crate::{Claim, Error, Fingerprint, Key, Store, Token};
 
 /// How many times a holder renews its claim per lease while the body runs.
 const RENEWALS_PER_LEASE: u32 = 4;
@@ -53,6 +53,21 @@ pub(super) struct Held {
     /// Whether the call's outcome was counted: by [`end`](Self::end), or, for a call
     /// dropped mid-body, by the drop.
     counted: bool,
+    /// What the caller is answered, once the owed completion was refused: set by
+    /// [`after_refusal`](Self::after_refusal).
+    verdict: Mutex<Option<Verdict>>,
+}
+
+/// What a call whose body returned is answered.
+pub(super) enum Verdict {
+    /// Its own result, recorded.
+    Own,
+    /// Another holder's record: this call's lease was lost, the key taken over and
+    /// completed while its body ran. Every caller of the key gets the one recorded value.
+    Other(Bytes),
+    /// No answer the key can stand behind: the result cannot be recorded, or it could not
+    /// be settled after the store refused it.
+    Failed(Error),
 }
 
 /// The claim as the holder and its heartbeat share it.
@@ -60,6 +75,9 @@ struct Lease {
     /// The store, shared: every method of the guard is compiled once, whatever the store.
     store: Arc<dyn Store>,
     key: Key,
+    /// The fingerprint the key was claimed with: a claim made again after a refused
+    /// completion carries it.
+    fingerprint: Option<Fingerprint>,
     token: Token,
     lease: Duration,
     /// When the lease runs out, as far as this process knows: pushed forward by each
@@ -132,6 +150,7 @@ impl Held {
             claim: Arc::new(Lease {
                 store,
                 key,
+                fingerprint,
                 token,
                 lease,
                 expires: Mutex::new(expires),
@@ -146,6 +165,7 @@ impl Held {
             span,
             namespace,
             counted: false,
+            verdict: Mutex::new(None),
         }
     }
 
@@ -187,13 +207,10 @@ impl Held {
         self.failures.load(Ordering::Relaxed)
     }
 
-    /// Records or releases, as the body's `ending` asks: the end of every execution.
-    ///
-    /// # Errors
-    ///
-    /// The [`Error::Codec`] of a value that cannot be recorded (the key is released): the
-    /// call fails with it.
-    pub(super) async fn end(mut self, ending: Ending, ttl: Duration) -> Result<(), Error> {
+    /// Records or releases, as the body's `ending` asks: the end of every execution. The
+    /// verdict is [`Verdict::Failed`] with the [`Error::Codec`] of a value that cannot be
+    /// recorded (the key is released), and otherwise what the store settled.
+    pub(super) async fn end(mut self, ending: Ending, ttl: Duration) -> Verdict {
         let span = self.span.clone();
         let event = match ending {
             Ending::Value(Ok(_), _) | Ending::Error(Some(Ok(_))) => Event::Executed,
@@ -205,17 +222,19 @@ impl Held {
         async move {
             match ending {
                 Ending::Value(Ok(record), typed) => {
-                    self.record(record, typed, ttl).await;
+                    let verdict = self.record(record, typed, ttl).await;
                     tracing::debug!(outcome = "executed", elapsed_ms);
+                    return verdict;
                 }
                 Ending::Value(Err(codec), _) => {
                     tracing::error!(outcome = "released", error = %codec, "the result cannot be recorded");
                     self.release().await;
-                    return Err(codec);
+                    return Verdict::Failed(codec);
                 }
                 Ending::Error(Some(Ok(record))) => {
-                    self.record(record, None, ttl).await;
+                    let verdict = self.record(record, None, ttl).await;
                     tracing::debug!(outcome = "executed", elapsed_ms, "recorded a final error");
+                    return verdict;
                 }
                 Ending::Error(Some(Err(codec))) => {
                     tracing::error!(outcome = "released", error = %codec, "the final error cannot be recorded");
@@ -226,7 +245,7 @@ impl Held {
                     tracing::debug!(outcome = "released", elapsed_ms, "the body failed");
                 }
             }
-            Ok(())
+            Verdict::Own
         }
         .instrument(span)
         .await
@@ -238,9 +257,15 @@ impl Held {
     }
 
     /// Records `record` under this claim, replayed for `ttl`, and hands it to the waiters.
-    async fn record(mut self, record: Bytes, typed: Option<Typed>, ttl: Duration) {
+    async fn record(mut self, record: Bytes, typed: Option<Typed>, ttl: Duration) -> Verdict {
         self.owed = Owed::Complete { record, typed, ttl };
         self.finish().await;
+        let verdict = self
+            .verdict
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        verdict.unwrap_or(Verdict::Own)
     }
 
     /// Releases the claim so that the next call runs the body.
@@ -316,9 +341,12 @@ impl Held {
             Owed::Nothing => return Some(Landing::Released),
         };
         let what = self.owed.what();
-        match result {
-            Ok(true) => Some(self.owed.landing()),
-            Ok(false) if self.failures() > 0 => {
+        match (result, &self.owed) {
+            (Ok(true), _) => Some(self.owed.landing()),
+            (Ok(false), Owed::Complete { record, ttl, .. }) => {
+                Some(self.after_refusal(record, *ttl).await)
+            }
+            (Ok(false), _) if self.failures() > 0 => {
                 // An earlier attempt may have landed before its answer was lost; or the key
                 // was taken over. Either way the store knows: the waiters ask it.
                 tracing::debug!(
@@ -327,7 +355,7 @@ impl Held {
                 );
                 Some(Landing::Released)
             }
-            Ok(false) => {
+            (Ok(false), _) => {
                 tracing::warn!(
                     outcome = "lease lost",
                     token = self.claim.token.get(),
@@ -337,12 +365,88 @@ impl Held {
                 // one result every later call will see.
                 Some(Landing::Released)
             }
-            Err(err) => {
+            (Err(err), _) => {
                 let attempts = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
                 tracing::warn!(error = %err, attempts, "{what} failed; retrying");
                 None
             }
         }
+    }
+
+    /// Settles a result whose completion the store refused: the claim is no longer held
+    /// under this token (the lease ran out, and the key may have been taken over), or an
+    /// earlier attempt landed before its answer was lost. One claim asks the store which:
+    ///
+    /// - the key is free: it is claimed again and the result recorded under the new token;
+    /// - a record is there: this call answers it, whether it is this result (an earlier
+    ///   attempt landed) or another holder's (logged: this body's run was superseded), so
+    ///   every caller of the key gets one value; a record of another payload is a
+    ///   [`Error::PayloadMismatch`], a lost one [`Error::Gone`];
+    /// - another holder runs: [`Error::InProgress`], as to any call that finds it running.
+    ///
+    /// A store that fails here gives an [`Error::Store`]: the call is never answered as if
+    /// its result were recorded when it was not.
+    async fn after_refusal(&self, record: &Bytes, ttl: Duration) -> Landing {
+        let claim = &self.claim;
+        let (landing, verdict) = match claim
+            .store
+            .claim(&claim.key, claim.fingerprint.as_ref(), claim.lease)
+            .await
+        {
+            Ok(Claim::Acquired { token }) => {
+                match claim
+                    .store
+                    .complete(&claim.key, token, record.clone(), ttl)
+                    .await
+                {
+                    Ok(true) => {
+                        tracing::warn!(
+                            outcome = "lease lost",
+                            token = claim.token.get(),
+                            "the lease ran out before the result was recorded; the key was free, so it was claimed again and recorded"
+                        );
+                        (Landing::Completed(record.clone()), Verdict::Own)
+                    }
+                    refused => {
+                        let _ = claim.store.release(&claim.key, token).await;
+                        let err = match refused {
+                            Err(err) => err,
+                            Ok(_) => Error::store(
+                                "the claim made again to record the result was lost at once",
+                            ),
+                        };
+                        (Landing::Released, Verdict::Failed(err))
+                    }
+                }
+            }
+            Ok(Claim::Completed { value, fingerprint }) => {
+                if fingerprint != claim.fingerprint {
+                    (Landing::Released, Verdict::Failed(Error::PayloadMismatch))
+                } else if value[..] == *crate::codec::GONE {
+                    (Landing::Released, Verdict::Failed(Error::Gone))
+                } else if value == *record {
+                    (Landing::Completed(value), Verdict::Own)
+                } else {
+                    tracing::warn!(
+                        outcome = "lease lost",
+                        token = claim.token.get(),
+                        "the lease ran out while the body ran and another holder recorded its result first; this call answers that record"
+                    );
+                    (Landing::Completed(value.clone()), Verdict::Other(value))
+                }
+            }
+            Ok(Claim::InProgress { .. }) => {
+                tracing::warn!(
+                    outcome = "lease lost",
+                    token = claim.token.get(),
+                    "the lease ran out while the body ran and another holder runs the key now; its result is not recorded"
+                );
+                (Landing::Released, Verdict::Failed(Error::InProgress))
+            }
+            Err(err) => (Landing::Released, Verdict::Failed(err)),
+        };
+        *self.verdict.lock().unwrap_or_else(PoisonError::into_inner) = Some(verdict);
+        landing
     }
 
     fn land(&mut self, landing: Landing) {
@@ -442,6 +546,7 @@ impl Drop for Held {
             span: self.span.clone(),
             namespace: self.namespace.clone(),
             counted: true,
+            verdict: Mutex::new(None),
         };
         // If the runtime is shutting down, the task is dropped unrun, and `rest`'s own drop
         // lands the flight.

@@ -30,6 +30,26 @@
 //!
 //! Commits are durable (`synchronous = FULL` with [`open`](SqliteStore::open)): a result the
 //! caller was given survives a power loss, so its retry replays it.
+//!
+//! # When the write lock is scarce
+//!
+//! Writers take turns on one lock per file, across every process on it. So:
+//!
+//! - **The store's timeout bounds every wait**: each write sets its connection's busy
+//!   timeout to what is left of [`with_timeout`](SqliteStore::with_timeout), and the pool's
+//!   wait for a connection counts against it too.
+//! - **Holders never queue behind claims for a connection**: renewals, completions and
+//!   releases have two connections of their own.
+//! - **A holder's own statements ask for its token, not for a live lease.** A lease that ran
+//!   out while nobody took the key over is still its holder's (a takeover writes another
+//!   token): a renewal or a completion held up past the lease still lands.
+//! - **Time the file was locked out is given back.** A claim that waited a quarter of its
+//!   lease or more for the lock (a writer paused or slow while it held it) first extends
+//!   every claim in progress whose lease ran out while it waited, or up to a lease before,
+//!   to a lease from now: their holders could not renew meanwhile either. A live holder then
+//!   renews; a dead one's key is freed a lease later. Under a crowd that keeps every claim
+//!   waiting that long, a dead holder's key stays held until the crowd thins: the store
+//!   prefers a key held too long to a body run twice.
 
 use std::fmt;
 use std::path::Path;
@@ -38,11 +58,13 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
     SqliteSynchronous,
 };
-use sqlx::Row;
+use sqlx::{Connection, Row, Sqlite};
+use tokio::time::Instant;
 
 pub use crate::store::sql::Purger;
 use crate::store::sql::{self, fingerprint, is_identifier, millis, LookupRow};
@@ -59,6 +81,27 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3);
 /// How many connections [`SqliteStore::open`] pools: readers run side by side in WAL mode,
 /// writers take turns on the file's lock.
 pub const DEFAULT_CONNECTIONS: u32 = 8;
+
+/// The pool's own bound on a wait for a connection, far above any store timeout: the
+/// store's timeout bounds each operation, that wait included.
+const ACQUIRE_BOUND: Duration = Duration::from_secs(3600);
+
+/// How many connections the holders of claims (renewals, completions, releases) have to
+/// themselves, beside the pool's.
+const HOLDER_CONNECTIONS: u32 = 2;
+
+/// The shortest wait for the file's write lock that a claim takes as a lockout (see
+/// [`locked_out`]).
+const LOCKED_OUT_FLOOR: Duration = Duration::from_millis(100);
+
+/// Whether a claim of `lease` that waited `waited` for the file's write lock takes it as a
+/// sign that the file was locked out (a writer paused or slow while it held the lock):
+/// holders renew every quarter of their lease, so a wait that long may have cost one a
+/// renewal, and the claim gives leases time back before it looks. A shorter wait cannot
+/// have cost a live holder its lease by itself.
+fn locked_out(waited: Duration, lease: Duration) -> bool {
+    waited >= (lease / 4).max(LOCKED_OUT_FLOOR)
+}
 
 /// How many expired rows one purge statement deletes: writers wait for the file's lock, so
 /// each batch is kept short.
@@ -85,6 +128,9 @@ const NOW: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)"
 #[derive(Clone)]
 pub struct SqliteStore {
     pool: SqlitePool,
+    /// The holders' own connections (renewals, completions, releases), so that a holder
+    /// never queues for a connection behind a crowd of claims.
+    holders: SqlitePool,
     sql: Arc<Statements>,
     timeout: Duration,
     flights: Arc<Flights>,
@@ -100,6 +146,7 @@ struct Statements {
     complete: String,
     release: String,
     renew: String,
+    credit: String,
     remove: String,
     lookup: String,
     lease_left: String,
@@ -147,16 +194,22 @@ impl Statements {
                  ON CONFLICT (key) DO UPDATE SET token = excluded.token, completed = 0, \
                  fingerprint = excluded.fingerprint, value = excluded.value, expires_at = excluded.expires_at"
             ),
+            // The holder's own statements ask for its token in the row, not for a live lease:
+            // a lease that ran out while nobody took the key over is still the holder's (a
+            // takeover writes another token), so a renewal or a completion that was held up
+            // past the lease still lands.
             complete: format!(
                 "UPDATE {t} SET completed = 1, value = ?3, expires_at = {NOW} + ?4 \
-                 WHERE key = ?1 AND token = ?2 AND NOT completed AND expires_at > {NOW}"
+                 WHERE key = ?1 AND token = ?2 AND NOT completed"
             ),
-            release: format!(
-                "DELETE FROM {t} WHERE key = ?1 AND token = ?2 AND NOT completed AND expires_at > {NOW}"
-            ),
+            release: format!("DELETE FROM {t} WHERE key = ?1 AND token = ?2 AND NOT completed"),
             renew: format!(
                 "UPDATE {t} SET expires_at = {NOW} + ?3 \
-                 WHERE key = ?1 AND token = ?2 AND NOT completed AND expires_at > {NOW}"
+                 WHERE key = ?1 AND token = ?2 AND NOT completed"
+            ),
+            credit: format!(
+                "UPDATE {t} SET expires_at = MAX(expires_at, {NOW} + ?2) \
+                 WHERE NOT completed AND expires_at > {NOW} - ?1 AND expires_at < {NOW} + ?2"
             ),
             remove: format!("DELETE FROM {t} WHERE key = ?1 RETURNING expires_at > {NOW}"),
             // Rounded down: `NOW` truncates to the millisecond, so the difference could be a
@@ -175,6 +228,25 @@ impl Statements {
             ),
         }
     }
+}
+
+/// A connection of `pool` for a write, whose busy handler waits for the file's write lock at
+/// most until `deadline`: the store's timeout bounds that wait too, whatever busy timeout
+/// the connection was opened with.
+async fn writer(
+    pool: &SqlitePool,
+    deadline: Instant,
+) -> Result<PoolConnection<Sqlite>, sqlx::Error> {
+    let mut conn = pool.acquire().await?;
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .as_millis()
+        .clamp(1, i32::MAX as u128);
+    sqlx::query(&format!("PRAGMA busy_timeout = {left}"))
+        .persistent(false)
+        .execute(&mut *conn)
+        .await?;
+    Ok(conn)
 }
 
 /// A table name: a plain identifier, so that it can never inject SQL.
@@ -250,9 +322,10 @@ impl SqliteStore {
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Full)
             .busy_timeout(DEFAULT_TIMEOUT);
+        // Each operation bounds its own wait for a connection (the store's timeout).
         let pool = SqlitePoolOptions::new()
             .max_connections(DEFAULT_CONNECTIONS)
-            .acquire_timeout(DEFAULT_TIMEOUT)
+            .acquire_timeout(ACQUIRE_BOUND)
             .connect_with(options)
             .await
             .map_err(Error::store)?;
@@ -260,11 +333,17 @@ impl SqliteStore {
     }
 
     /// Uses an existing pool. [`migrate`](Self::migrate) switches its file to WAL (a
-    /// setting the file keeps); give its connections a `busy_timeout` so that a writer
-    /// waits for another process's write instead of failing at once.
+    /// setting the file keeps). Each write sets its connection's busy timeout to what is
+    /// left of the store's timeout; the pool's own `acquire_timeout` still applies to the
+    /// wait for a connection. The holders' two connections are opened with the pool's
+    /// options.
     pub fn from_pool(pool: SqlitePool) -> Self {
+        let holders = SqlitePoolOptions::new()
+            .max_connections(HOLDER_CONNECTIONS)
+            .connect_lazy_with((*pool.connect_options()).clone());
         Self {
             pool,
+            holders,
             sql: Arc::new(Statements::of(DEFAULT_TABLE)),
             timeout: DEFAULT_TIMEOUT,
             flights: Arc::default(),
@@ -309,11 +388,13 @@ impl SqliteStore {
     ///
     /// [`Error::Store`] when the file cannot be written.
     pub async fn migrate(&self) -> Result<(), Error> {
+        let deadline = Instant::now() + self.timeout;
         self.within(async {
+            let mut conn = writer(&self.pool, deadline).await?;
             sqlx::query("PRAGMA journal_mode = WAL")
-                .execute(&self.pool)
+                .execute(&mut *conn)
                 .await?;
-            let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+            let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
             for statement in &self.sql.create {
                 sqlx::query(statement).execute(&mut *tx).await?;
             }
@@ -331,12 +412,15 @@ impl SqliteStore {
     pub async fn purge_expired(&self) -> Result<u64, Error> {
         let mut purged = 0;
         loop {
+            let deadline = Instant::now() + self.timeout;
             let done = self
-                .within(
+                .within(async {
+                    let mut conn = writer(&self.pool, deadline).await?;
                     sqlx::query(&self.sql.purge)
                         .bind(PURGE_BATCH)
-                        .execute(&self.pool),
-                )
+                        .execute(&mut *conn)
+                        .await
+                })
                 .await?;
             purged += done.rows_affected();
             if done.rows_affected() < PURGE_BATCH as u64 {
@@ -366,14 +450,35 @@ impl SqliteStore {
 
     /// Takes the key if no live row holds it: under the file's write lock, so that no other
     /// process's claim can slip in between the look and the write.
+    ///
+    /// A claim that waited long for the lock (since `started`; [`locked_out`]) first gives
+    /// the leases time back: every claim in progress whose lease ran out while this claim
+    /// waited, or up to a lease before, runs for at least `lease` from now. Their holders
+    /// could not renew while the file was locked; a live one renews now, a dead one's key is
+    /// freed a lease later. So a writer that holds the lock past the leases (a paused
+    /// process) does not hand live holders' keys to the first claim after it.
     async fn take(
         &self,
         key: &Key,
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
         nonce: u64,
+        started: Instant,
     ) -> Result<Result<Token, SqliteRow>, sqlx::Error> {
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let mut conn = writer(&self.pool, started + self.timeout).await?;
+        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+        let waited = started.elapsed();
+        if locked_out(waited, lease) {
+            tracing::debug!(
+                waited_ms = waited.as_millis() as u64,
+                "the file's write lock was held long: leases get the time back"
+            );
+            sqlx::query(&self.sql.credit)
+                .bind(millis(waited + lease))
+                .bind(millis(lease))
+                .execute(&mut *tx)
+                .await?;
+        }
         if let Some(row) = sqlx::query(&self.sql.live)
             .bind(&key.as_bytes()[..])
             .fetch_optional(&mut *tx)
@@ -407,6 +512,7 @@ impl SqliteStore {
         value: Option<&[u8]>,
         millis: Option<i64>,
     ) -> Result<bool, Error> {
+        let deadline = Instant::now() + self.timeout;
         let mut query = sqlx::query(statement)
             .bind(&key.as_bytes()[..])
             .bind(self::token(token)?);
@@ -416,7 +522,12 @@ impl SqliteStore {
         if let Some(millis) = millis {
             query = query.bind(millis);
         }
-        let done = self.within(query.execute(&self.pool)).await?;
+        let done = self
+            .within(async {
+                let mut conn = writer(&self.holders, deadline).await?;
+                query.execute(&mut *conn).await
+            })
+            .await?;
         Ok(done.rows_affected() == 1)
     }
 }
@@ -452,6 +563,7 @@ impl Store for SqliteStore {
         lease: Duration,
         nonce: u64,
     ) -> Result<Claim, Error> {
+        let started = Instant::now();
         self.within(async {
             // A replay, or a key someone holds: answered by a read, which waits for no writer.
             let live = sqlx::query(&self.sql.live)
@@ -460,7 +572,7 @@ impl Store for SqliteStore {
                 .await?;
             match live {
                 Some(row) if !is_ours(&row, nonce) => Ok(Err(row)),
-                _ => self.take(key, fingerprint, lease, nonce).await,
+                _ => self.take(key, fingerprint, lease, nonce, started).await,
             }
         })
         .await?
@@ -500,12 +612,15 @@ impl Store for SqliteStore {
     }
 
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
+        let deadline = Instant::now() + self.timeout;
         let live: Option<bool> = self
-            .within(
+            .within(async {
+                let mut conn = writer(&self.pool, deadline).await?;
                 sqlx::query_scalar(&self.sql.remove)
                     .bind(&key.as_bytes()[..])
-                    .fetch_optional(&self.pool),
-            )
+                    .fetch_optional(&mut *conn)
+                    .await
+            })
             .await?;
         Ok(live.unwrap_or(false))
     }

@@ -1,0 +1,211 @@
+//! `SqliteStore` when the file's write lock is scarce: a writer that holds it for seconds,
+//! and a crowd of claims from several pools. The store's timeout bounds the wait for the
+//! lock; a writer that holds it past the leases does not hand live holders' keys away; a
+//! crowd never takes a key from a live holder, and every caller of a key gets one value.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idem_runtime::{Claim, Error, Operation, Outcome, SqliteStore, Store};
+use idem_tests::scenarios::namespace;
+use idem_tests::Runs;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteConnection};
+use sqlx::Connection;
+
+/// A fresh file of its own for one test.
+fn fresh_file(test: &str) -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("sqlite-locks-{test}-{}.db", std::process::id()));
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
+    path
+}
+
+async fn open(path: &Path) -> SqliteStore {
+    let store = SqliteStore::open(path).await.unwrap();
+    store.migrate().await.unwrap();
+    store
+}
+
+/// Another writer on the file, as another process would be: it takes the write lock
+/// (`BEGIN IMMEDIATE`) and keeps it until told.
+async fn lock_the_file(path: &Path) -> SqliteConnection {
+    let mut writer = SqliteConnection::connect_with(&SqliteConnectOptions::new().filename(path))
+        .await
+        .unwrap();
+    sqlx::query("BEGIN IMMEDIATE")
+        .execute(&mut writer)
+        .await
+        .unwrap();
+    writer
+}
+
+async fn unlock(mut writer: SqliteConnection) {
+    sqlx::query("COMMIT").execute(&mut writer).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_timeout_bounds_the_wait_for_the_write_lock() {
+    let path = fresh_file("timeout");
+    let store = open(&path).await.with_timeout(Duration::from_secs(20));
+    let op = Operation::new(namespace("sqlite.lock-timeout"));
+
+    // Another writer holds the lock for 5 s, past SQLite's busy timeout of 3 s that the
+    // connections were opened with: the claim waits, within its own 20 s.
+    let writer = lock_the_file(&path).await;
+    let key = op.key(&1).unwrap();
+    let claim = {
+        let store = store.clone();
+        tokio::spawn(async move { store.claim(&key, None, Duration::from_secs(5)).await })
+    };
+    tokio::time::sleep(Duration::from_secs(5)).await; // how long the other writer writes
+    assert!(
+        !claim.is_finished(),
+        "the claim gave up before its timeout: {:?}",
+        claim.await
+    );
+    unlock(writer).await;
+    assert!(matches!(
+        claim.await.unwrap().unwrap(),
+        Claim::Acquired { .. }
+    ));
+
+    // A shorter timeout fails closed while the lock is still held.
+    let writer = lock_the_file(&path).await;
+    let short = store.clone().with_timeout(Duration::from_millis(500));
+    let key = op.key(&2).unwrap();
+    let failed = short.claim(&key, None, Duration::from_secs(5)).await;
+    assert!(matches!(failed, Err(Error::Store(_))), "{failed:?}");
+    unlock(writer).await;
+    assert!(matches!(
+        store
+            .claim(&key, None, Duration::from_secs(5))
+            .await
+            .unwrap(),
+        Claim::Acquired { .. }
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_holding_the_lock_past_the_lease_does_not_lapse_a_live_holder() {
+    // Two stores on one file are two processes: their own pools, no shared registry.
+    let path = fresh_file("frozen-writer");
+    let holder_store = open(&path).await.with_timeout(Duration::from_secs(20));
+    let duplicate_store = open(&path).await.with_timeout(Duration::from_secs(20));
+    let lease = Duration::from_secs(1);
+    let op = Operation::new(namespace("sqlite.frozen-writer"))
+        .lease(lease)
+        .wait_timeout(Duration::from_secs(60));
+    let key = op.key(&1).unwrap();
+
+    let (started, body_started) = tokio::sync::oneshot::channel();
+    let (finish, finished) = tokio::sync::oneshot::channel::<()>();
+    let holder = {
+        let op = op.clone();
+        tokio::spawn(async move {
+            op.run(&holder_store, &key, None, async {
+                let _ = started.send(());
+                let _ = finished.await;
+                Ok::<_, Error>("holder".to_string())
+            })
+            .await
+        })
+    };
+    body_started.await.unwrap();
+
+    // A writer takes the file's lock and keeps it for three leases (a process paused
+    // while it writes); meanwhile a duplicate comes, waits for the holder, then for the lock.
+    let writer = lock_the_file(&path).await;
+    let runs = Runs::default();
+    let duplicate = {
+        let (op, store, runs) = (op.clone(), duplicate_store.clone(), runs.clone());
+        tokio::spawn(async move {
+            op.run(&store, &key, None, async move {
+                runs.hit();
+                Ok::<_, Error>("duplicate".to_string())
+            })
+            .await
+        })
+    };
+    tokio::time::sleep(lease * 3).await; // how long the writer holds the lock
+    unlock(writer).await;
+
+    // The holder's lease ran out while nobody could write: it is still the holder's.
+    tokio::time::sleep(lease * 2).await; // the duplicate has its chance to take over
+    finish.send(()).unwrap();
+    assert_eq!(
+        holder.await.unwrap().unwrap(),
+        Outcome::Executed("holder".to_string())
+    );
+    assert_eq!(
+        duplicate.await.unwrap().unwrap(),
+        Outcome::Replayed("holder".to_string())
+    );
+    assert_eq!(runs.count(), 0, "the duplicate's body never ran");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crowd_on_one_file_never_takes_a_key_from_a_live_holder() {
+    // 4 pools (processes) × 64 callers, each key called once from every pool, every body
+    // outlasting its 1 s lease: the holders' renewals compete with the crowd's claims and
+    // completions for the file's lock.
+    const POOLS: usize = 4;
+    const CALLERS: usize = 64;
+    let path = fresh_file("crowd");
+    let mut stores = Vec::new();
+    for _ in 0..POOLS {
+        stores.push(open(&path).await.with_timeout(Duration::from_secs(30)));
+    }
+    let lease = Duration::from_secs(1);
+    let op = Operation::new(namespace("sqlite.crowd"))
+        .lease(lease)
+        .wait_timeout(Duration::from_secs(120));
+    let bodies: Arc<Mutex<HashMap<usize, usize>>> = Arc::default();
+    let start = Arc::new(tokio::sync::Barrier::new(POOLS * CALLERS));
+    let mut calls = Vec::new();
+    for (pool, store) in stores.iter().enumerate() {
+        for caller in 0..CALLERS {
+            let (op, store, bodies, start) =
+                (op.clone(), store.clone(), bodies.clone(), start.clone());
+            calls.push(tokio::spawn(async move {
+                let key = op.key(&caller).unwrap();
+                start.wait().await;
+                let outcome = op
+                    .run(&store, &key, None, async move {
+                        *bodies.lock().unwrap().entry(caller).or_default() += 1;
+                        tokio::time::sleep(lease + lease / 2).await; // the body's work
+                        Ok::<_, Error>(pool)
+                    })
+                    .await;
+                (caller, outcome)
+            }));
+        }
+    }
+    let mut answers: HashMap<usize, Vec<usize>> = HashMap::new();
+    for call in calls {
+        let (caller, outcome) = call.await.unwrap();
+        let value = outcome
+            .unwrap_or_else(|err| panic!("caller {caller}: {err}"))
+            .into_inner();
+        answers.entry(caller).or_default().push(value);
+    }
+    let bodies = bodies.lock().unwrap();
+    for caller in 0..CALLERS {
+        assert_eq!(bodies[&caller], 1, "key {caller}: one body");
+        let values = &answers[&caller];
+        assert!(
+            values.iter().all(|value| *value == values[0]),
+            "key {caller}: every caller gets one value, got {values:?}"
+        );
+        let recorded = op
+            .run(&stores[0], &op.key(&caller).unwrap(), None, async {
+                Ok::<_, Error>(usize::MAX)
+            })
+            .await
+            .unwrap();
+        assert_eq!(recorded, Outcome::Replayed(values[0]), "key {caller}");
+    }
+}
