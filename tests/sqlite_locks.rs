@@ -192,7 +192,7 @@ async fn a_crowd_on_one_file_never_takes_a_key_from_a_live_holder() {
             .into_inner();
         answers.entry(caller).or_default().push(value);
     }
-    let bodies = bodies.lock().unwrap();
+    let bodies = bodies.lock().unwrap().clone();
     for caller in 0..CALLERS {
         assert_eq!(bodies[&caller], 1, "key {caller}: one body");
         let values = &answers[&caller];
