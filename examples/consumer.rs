@@ -71,7 +71,7 @@ fn record_ttl(max_age: Duration, ack_wait: Duration) -> Result<Duration, BoxErro
 
 /// The handler: claims the order's key in the caller's transaction, writes the shipment and
 /// takes the stock, and records the result, all in `tx`.
-#[idempotent(key = order.id, store = store, transaction = tx, ttl = shop.ttl, namespace = "shop.ship_order.v1")]
+#[idempotent(key = order.id, store = store, transaction = tx, ignore = shop, ttl = shop.ttl, namespace = "shop.ship_order.v1")]
 async fn ship(
     store: &PostgresStore,
     tx: &mut PgConnection,

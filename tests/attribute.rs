@@ -54,7 +54,7 @@ async fn a_free_function_on_the_default_store_runs_once_per_key() {
     assert_eq!(FREE_RUNS.count(), 2);
 }
 
-#[idempotent(key = req.id, store = store)]
+#[idempotent(key = req.id, store = store, ignore = runs)]
 async fn moves_its_argument(
     store: &MemoryStore,
     req: Request,
@@ -88,7 +88,7 @@ async fn the_key_is_derived_before_the_body_moves_the_argument() {
     assert_eq!(runs.count(), 1);
 }
 
-#[idempotent(key = (a, b), store = store)]
+#[idempotent(key = (a, b), store = store, ignore = runs)]
 async fn with_lifetimes<'a, 'b>(
     store: &MemoryStore,
     a: &'a str,
@@ -120,7 +120,7 @@ async fn reference_parameters_and_explicit_lifetimes() {
     );
 }
 
-#[idempotent(key = item.to_string(), store = store)]
+#[idempotent(key = item.to_string(), store = store, ignore = runs)]
 async fn generic<T, S>(store: &S, item: T, runs: &Runs) -> Result<String, AppError>
 where
     T: std::fmt::Display + Send,
@@ -147,7 +147,7 @@ async fn generic_functions_with_where_clauses() {
 
 #[tokio::test]
 async fn functions_nested_in_functions() {
-    #[idempotent(key = n, store = store)]
+    #[idempotent(key = n, store = store, ignore = runs)]
     async fn nested(store: &MemoryStore, n: u8, runs: &Runs) -> Result<u8, AppError> {
         runs.hit();
         Ok(n * 2)
@@ -173,7 +173,7 @@ impl Payments {
         Ok(req.amount)
     }
 
-    #[idempotent(key = id, store = self.store, namespace = "payments.record.v1")]
+    #[idempotent(key = id, store = self.store, namespace = "payments.record.v1", fingerprint = cents)]
     async fn record(&mut self, id: u64, cents: u64) -> Result<u64, AppError> {
         self.charged += cents;
         Ok(self.charged)
@@ -276,7 +276,7 @@ fn is_declined(e: &AppError) -> bool {
     matches!(e, AppError::Declined(_))
 }
 
-#[idempotent(key = id, store = store, cache_err = is_declined)]
+#[idempotent(key = id, store = store, cache_err = is_declined, ignore = (outcome, runs))]
 async fn may_decline(
     store: &MemoryStore,
     id: u8,
@@ -320,7 +320,7 @@ fn is_final(err: &ChargeError) -> bool {
     matches!(err, ChargeError::Declined(_))
 }
 
-#[idempotent(key = id, store = store, cache_err = is_final)]
+#[idempotent(key = id, store = store, cache_err = is_final, ignore = runs)]
 async fn charge_or_decline(store: &MemoryStore, id: u8, runs: &Runs) -> Result<u8, ChargeError> {
     runs.hit();
     Err(ChargeError::Declined(format!("card {id}")))
@@ -338,7 +338,7 @@ async fn cache_err_takes_an_error_type_that_holds_idem_runtime_error() {
 
 // --- optional keys --------------------------------------------------------------------
 
-#[idempotent(key = key, store = store, namespace = "optional.owned")]
+#[idempotent(key = key, store = store, namespace = "optional.owned", ignore = runs)]
 async fn maybe_keyed(
     store: &Probe<MemoryStore>,
     key: Option<String>,
@@ -347,7 +347,7 @@ async fn maybe_keyed(
     Ok(runs.hit())
 }
 
-#[idempotent(key = message.key, store = store, namespace = "optional.field")]
+#[idempotent(key = message.key, store = store, namespace = "optional.field", ignore = runs)]
 async fn maybe_keyed_message(
     store: &MemoryStore,
     message: &Message,
@@ -356,7 +356,7 @@ async fn maybe_keyed_message(
     Ok(runs.hit())
 }
 
-#[idempotent(key = key, store = store, namespace = "optional.borrowed")]
+#[idempotent(key = key, store = store, namespace = "optional.borrowed", ignore = runs)]
 async fn maybe_keyed_by_reference(
     store: &MemoryStore,
     key: &Option<u64>,
@@ -365,7 +365,7 @@ async fn maybe_keyed_by_reference(
     Ok(runs.hit())
 }
 
-#[idempotent(key = (tenant, key), store = store, namespace = "optional.in_a_tuple")]
+#[idempotent(key = (tenant, key), store = store, namespace = "optional.in_a_tuple", ignore = runs)]
 async fn option_in_a_tuple(
     store: &MemoryStore,
     tenant: u8,
@@ -458,7 +458,7 @@ async fn in_flight_reject_fails_fast_while_the_first_call_runs() {
     assert_eq!(second, Err(AppError::Idem("in progress".into())));
 }
 
-#[idempotent(key = id, store = store, ttl = Duration::from_millis(300))]
+#[idempotent(key = id, store = store, ttl = Duration::from_millis(300), ignore = runs)]
 async fn short_lived(store: &MemoryStore, id: u8, runs: &Runs) -> Result<usize, AppError> {
     let _ = id;
     Ok(runs.hit())
@@ -483,7 +483,7 @@ async fn ttl_accepts_a_duration_expression() {
     );
 }
 
-#[idempotent(key = id, store = store, on_cancel = "complete")]
+#[idempotent(key = id, store = store, on_cancel = "complete", ignore = runs)]
 async fn completes_in_background(store: MemoryStore, id: u8, runs: Runs) -> Result<u8, AppError> {
     runs.hit();
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -538,7 +538,7 @@ async fn question_mark_and_early_return_work_in_the_body() {
 }
 
 // Parameters named like the macro's own arguments and internals.
-#[idempotent(key = key, store = store, fingerprint = fingerprint)]
+#[idempotent(key = key, store = store, fingerprint = fingerprint, ignore = __idem_op)]
 async fn named_like_internals(
     store: &MemoryStore,
     key: u8,

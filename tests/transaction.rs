@@ -123,7 +123,7 @@ async fn store() -> Option<PostgresStore> {
 
 /// A transfer made idempotent with the attribute: the claim, the two `UPDATE`s, the journal
 /// line and the record are one transaction, the caller's.
-#[idempotent(key = transfer, store = store, transaction = tx, namespace = "tests.transfer")]
+#[idempotent(key = transfer, store = store, transaction = tx, ignore = (ledger, task), namespace = "tests.transfer")]
 async fn transfer(
     store: &PostgresStore,
     tx: &mut PgConnection,

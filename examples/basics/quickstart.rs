@@ -43,7 +43,7 @@ impl From<idem_runtime::Error> for PayError {
 }
 
 /// Charges an order once, however often it is retried.
-#[idempotent(key = (order_id, customer), ttl = "24h")]
+#[idempotent(key = (order_id, customer), fingerprint = cents, ttl = "24h")]
 async fn charge(order_id: u64, customer: &str, cents: u64) -> Result<Receipt, PayError> {
     let n = CHARGES.fetch_add(1, Ordering::SeqCst) + 1;
     tokio::time::sleep(Duration::from_millis(50)).await; // the payment gateway

@@ -16,6 +16,7 @@ mod kw {
     syn::custom_keyword!(cache_err);
     syn::custom_keyword!(on_cancel);
     syn::custom_keyword!(transaction);
+    syn::custom_keyword!(ignore);
 }
 
 const NAMES: &[&str] = &[
@@ -29,6 +30,7 @@ const NAMES: &[&str] = &[
     "cache_err",
     "on_cancel",
     "transaction",
+    "ignore",
     "crate",
 ];
 
@@ -45,6 +47,8 @@ pub(crate) struct Args {
     pub on_cancel: Option<OnCancel>,
     /// The parameter that is the caller's PostgreSQL connection, and the keyword's span.
     pub transaction: Option<(syn::Ident, Span)>,
+    /// The parameters that do not change the outcome.
+    pub ignore: Option<Vec<syn::Ident>>,
     pub krate: Option<Path>,
     /// Errors found while parsing; reported together, all at once.
     pub errors: Option<syn::Error>,
@@ -109,6 +113,7 @@ impl Parse for Args {
             cache_err: None,
             on_cancel: None,
             transaction: None,
+            ignore: None,
             krate: None,
             errors: None,
         };
@@ -182,6 +187,8 @@ impl Args {
                 Err(error) => self.push_error(error),
             }
             Ok(())
+        } else if lookahead.peek(kw::ignore) {
+            arg!(kw::ignore, "ignore", ignore, parameters)
         } else if lookahead.peek(Token![crate]) {
             let keyword: Token![crate] = input.parse()?;
             input.parse::<Token![=]>()?;
@@ -424,6 +431,27 @@ fn parameter(value: Expr) -> syn::Result<syn::Ident> {
     ))
 }
 
+/// The value of `ignore`: a parameter's name, or a tuple of them.
+fn parameters(value: Expr) -> syn::Result<Vec<syn::Ident>> {
+    let one = |value: &Expr| match value {
+        Expr::Path(path) if path.qself.is_none() && path.attrs.is_empty() => {
+            path.path.get_ident().cloned()
+        }
+        _ => None,
+    };
+    let names = match &value {
+        Expr::Tuple(tuple) => tuple.elems.iter().map(one).collect::<Option<Vec<_>>>(),
+        Expr::Paren(paren) => one(&paren.expr).map(|name| vec![name]),
+        other => one(other).map(|name| vec![name]),
+    };
+    names.ok_or_else(|| {
+        syn::Error::new(
+            value.span(),
+            "`ignore` names parameters of the function that do not change the outcome, e.g. `ignore = gateway` or `ignore = (gateway, log)`",
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -485,6 +513,7 @@ mod tests {
                 "cache_err" => args.cache_err.is_some(),
                 "on_cancel" => args.on_cancel.is_some(),
                 "transaction" => args.transaction.is_some(),
+                "ignore" => args.ignore.is_some(),
                 "crate" => args.krate.is_some(),
                 other => panic!("the table documents `{other}`, which the parser does not take"),
             };

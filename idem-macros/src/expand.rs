@@ -28,6 +28,7 @@ pub(crate) fn idempotent(attr: TokenStream, input: TokenStream) -> TokenStream {
     };
 
     let mut errors = args.errors.take();
+    let parsed = errors.is_none();
     let mut report = |error: syn::Error| match &mut errors {
         Some(all) => all.combine(error),
         None => errors = Some(error),
@@ -38,11 +39,13 @@ pub(crate) fn idempotent(attr: TokenStream, input: TokenStream) -> TokenStream {
             "missing `key` argument, e.g. `#[idempotent(key = order.id)]` or `#[idempotent(key = (order.id, order.customer_id))]`",
         ));
     }
-    if let Err(error) = item::check(&function, &args) {
+    if let Err(error) = item::check(&function, &args, parsed) {
         report(error);
     }
     match errors {
-        Some(errors) => with_errors(errors, input),
+        // The function as written, beside the errors: it does not use what the expansion
+        // would have (the store, the key's parameters), which must not say so.
+        Some(errors) => with_errors(errors, quote!(#[allow(unused_variables)] #input)),
         None => generate(args, function),
     }
 }
@@ -140,6 +143,10 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
         ),
         None => (quote!(#private::default_store()), quote!(#store)),
     };
+    // The return type as the runtime's entry points are given it, every token at the span
+    // of its first one, as the entry point's own path: a bound on `T` or `E` that fails is
+    // then reported once, at the type, not once for the path and again for the type.
+    let returned = respan(output.to_token_stream(), output.span());
     let call = match &args.transaction {
         Some((tx, _)) => {
             // The store must be a `PostgresStore`: checked at the store expression's span.
@@ -153,7 +160,7 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
             let run = respan(quote!(#private::run_in_transaction), output.span());
             // The body becomes a closure of the connection, under the parameter's own name.
             quote_spanned! {output.span()=>
-                #run::<_, #output, _>(
+                #run::<_, #returned, _>(
                     &#op,
                     #postgres,
                     &mut *#tx,
@@ -170,13 +177,13 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
             if args.on_cancel == Some(OnCancel::Complete) {
                 let run = respan(quote!(#private::run_to_completion), output.span());
                 quote_spanned! {output.span()=>
-                    #run::<_, _, #output, _>(&#op, #store_arg, #key, #fingerprint, async move #block).await
+                    #run::<_, _, #returned, _>(&#op, #store_arg, #key, #fingerprint, async move #block).await
                 }
             } else {
                 let run = respan(quote!(#private::run), output.span());
                 let typing = typing(output, &private);
                 quote_spanned! {output.span()=>
-                    #run::<_, _, #output, _, _>(&#op, #store_arg, #key, #fingerprint, async move #block, #typing).await
+                    #run::<_, _, #returned, _, _>(&#op, #store_arg, #key, #fingerprint, async move #block, #typing).await
                 }
             }
         }

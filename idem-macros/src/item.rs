@@ -8,8 +8,10 @@ use syn::{Expr, FnArg, ItemFn, Pat, ReceiverKind, ReturnType, Type};
 
 use crate::attr::{Args, OnCancel};
 
-/// Collects every error in the function's shape; `Ok` when it can be expanded.
-pub(crate) fn check(item: &ItemFn, args: &Args) -> syn::Result<()> {
+/// Collects every error in the function's shape; `Ok` when it can be expanded. `parsed`:
+/// the arguments parsed without errors (only then are parameters checked for being
+/// accounted for, so that one mistake makes one error).
+pub(crate) fn check(item: &ItemFn, args: &Args, parsed: bool) -> syn::Result<()> {
     let mut errors: Vec<syn::Error> = Vec::new();
     let sig = &item.sig;
 
@@ -72,6 +74,12 @@ pub(crate) fn check(item: &ItemFn, args: &Args) -> syn::Result<()> {
         }
     } else if args.on_cancel == Some(OnCancel::Complete) {
         errors.extend(borrowed_inputs(item));
+    }
+
+    // Checked once the rest is right: an unknown name in the key, or a misnamed
+    // `transaction`, would otherwise also leave the parameter it meant unaccounted.
+    if parsed && errors.is_empty() && args.key.is_some() {
+        errors.extend(unaccounted(item, args, &params));
     }
 
     errors
@@ -150,6 +158,22 @@ fn unknown_names(
 struct Names {
     uses: Vec<syn::Ident>,
     patterns: Vec<Pat>,
+    /// Identifiers inside macro calls (`format!("{}", order.id)`): syn cannot parse their
+    /// arguments as expressions, so they count as mentioned, never as unknown.
+    in_macros: BTreeSet<String>,
+}
+
+/// Every identifier in `tokens`, nested groups included.
+fn idents(tokens: proc_macro2::TokenStream, into: &mut BTreeSet<String>) {
+    for token in tokens {
+        match token {
+            proc_macro2::TokenTree::Ident(ident) => {
+                into.insert(ident.to_string());
+            }
+            proc_macro2::TokenTree::Group(group) => idents(group.stream(), into),
+            _ => {}
+        }
+    }
 }
 
 impl Visit<'_> for Names {
@@ -185,10 +209,163 @@ impl Visit<'_> for Names {
         self.patterns.push(pat.clone());
     }
 
+    fn visit_macro(&mut self, mac: &syn::Macro) {
+        idents(mac.tokens.clone(), &mut self.in_macros);
+    }
+
     fn visit_expr_closure(&mut self, closure: &syn::ExprClosure) {
         self.patterns.extend(closure.inputs.iter().cloned());
         self.visit_expr(&closure.body);
     }
+}
+
+/// Every parameter (receivers aside) must be named by `key`, `fingerprint`, `store`,
+/// `transaction` or `ignore`: one that is not could differ between a call and its retry
+/// without the retry noticing, which would replay a result made from another value.
+fn unaccounted(item: &ItemFn, args: &Args, params: &BTreeSet<String>) -> Vec<syn::Error> {
+    let mut errors = Vec::new();
+    let function = &item.sig.ident;
+    let listed = |role: &str| -> BTreeSet<String> {
+        let expr = match role {
+            "key" => &args.key,
+            "fingerprint" => &args.fingerprint,
+            _ => &args.store,
+        };
+        expr.as_ref().map(mentioned).unwrap_or_default()
+    };
+    let (in_key, in_fingerprint, in_store) =
+        (listed("key"), listed("fingerprint"), listed("store"));
+    let transaction = args.transaction.as_ref().map(|(tx, _)| tx.to_string());
+
+    let mut ignored = BTreeSet::new();
+    for name in args.ignore.iter().flatten() {
+        let text = name.to_string();
+        let clash = if in_key.contains(&text) {
+            Some("`key`: a parameter of the key changes the outcome")
+        } else if in_fingerprint.contains(&text) {
+            Some("`fingerprint`: a parameter of the fingerprint changes the outcome")
+        } else if in_store.contains(&text) {
+            Some("`store`: it is accounted for there")
+        } else if transaction.as_deref() == Some(text.as_str()) {
+            Some("`transaction`: it is accounted for there")
+        } else {
+            None
+        };
+        if !params.contains(&text) || text == "self" {
+            errors.push(syn::Error::new(
+                name.span(),
+                format!(
+                    "`{name}` is not a parameter of `{function}`: `ignore` names parameters that do not change the outcome, e.g. `ignore = gateway`"
+                ),
+            ));
+        } else if let Some(clash) = clash {
+            errors.push(syn::Error::new(
+                name.span(),
+                format!("`{name}` is in `ignore` and in {clash}; remove it from `ignore`"),
+            ));
+        } else if !ignored.insert(text) {
+            errors.push(syn::Error::new(
+                name.span(),
+                format!("`{name}` is in `ignore` twice: remove one"),
+            ));
+        }
+    }
+
+    let stores = store_generics(&item.sig.generics);
+    for input in &item.sig.inputs {
+        let FnArg::Typed(typed) = input else { continue };
+        let mut bound = Vec::new();
+        BindingIdents(&mut bound).visit_pat(&typed.pat);
+        for ident in bound {
+            let name = ident.to_string();
+            let accounted = in_key.contains(&name)
+                || in_fingerprint.contains(&name)
+                || in_store.contains(&name)
+                || transaction.as_deref() == Some(name.as_str())
+                || ignored.contains(&name);
+            if accounted {
+                continue;
+            }
+            let message = if args.store.is_none() && is_store(&typed.ty, &stores) {
+                format!(
+                    "`{name}` is a store, but `store =` does not name it: without `store = …` the call claims its key in the process-wide default, an in-memory store, so its records die with the process and no other instance sees them; name it: `store = {name}`"
+                )
+            } else {
+                format!(
+                    "`{name}` is not in `key`, `fingerprint` or `ignore`: a retry with the same key and another `{name}` would replay the result made with the first `{name}`; \
+                     add it to `fingerprint = …` to refuse such a retry (`PayloadMismatch`), to `key = …` if another `{name}` is another operation, \
+                     or to `ignore = {name}` if it does not change the outcome (a client, a logger, a clock)"
+                )
+            };
+            errors.push(syn::Error::new(ident.span(), message));
+        }
+    }
+    errors
+}
+
+/// The names an argument's expression mentions: its paths, and any identifier inside a
+/// macro call (whose arguments syn cannot parse as expressions).
+fn mentioned(expr: &Expr) -> BTreeSet<String> {
+    let mut names = Names::default();
+    names.visit_expr(expr);
+    let mut mentioned: BTreeSet<String> = names.uses.iter().map(ToString::to_string).collect();
+    mentioned.extend(names.in_macros);
+    mentioned
+}
+
+/// Collects the identifiers a pattern binds, with their spans.
+struct BindingIdents<'a>(&'a mut Vec<syn::Ident>);
+
+impl Visit<'_> for BindingIdents<'_> {
+    fn visit_pat_ident(&mut self, pat: &syn::PatIdent) {
+        self.0.push(pat.ident.clone());
+        syn::visit::visit_pat_ident(self, pat);
+    }
+}
+
+/// The generic type parameters bounded by a trait named `…Store` (`S: Store`,
+/// `S: idem_runtime::Store + Clone`, or in a `where` clause).
+fn store_generics(generics: &syn::Generics) -> BTreeSet<String> {
+    let mut stores = BTreeSet::new();
+    let is_store_bound = |bound: &syn::TypeParamBound| {
+        matches!(bound, syn::TypeParamBound::Trait(t)
+            if t.path.segments.last().is_some_and(|s| s.ident.to_string().ends_with("Store")))
+    };
+    for param in generics.type_params() {
+        if param.bounds.iter().any(is_store_bound) {
+            stores.insert(param.ident.to_string());
+        }
+    }
+    if let Some(clause) = &generics.where_clause {
+        for predicate in &clause.predicates {
+            if let syn::WherePredicate::Type(predicate) = predicate {
+                if predicate.bounds.iter().any(is_store_bound) {
+                    if let Type::Path(path) = &predicate.bounded_ty {
+                        if let Some(ident) = path.path.get_ident() {
+                            stores.insert(ident.to_string());
+                        }
+                    }
+                }
+            }
+        }
+    }
+    stores
+}
+
+/// Whether a parameter's type is a store: it names a type or trait called `…Store`
+/// (`&PostgresStore`, `Arc<dyn Store>`, `&impl Store`), or a generic bounded by one.
+fn is_store(ty: &Type, generics: &BTreeSet<String>) -> bool {
+    struct Finder<'a>(&'a BTreeSet<String>, bool);
+    impl Visit<'_> for Finder<'_> {
+        fn visit_path_segment(&mut self, segment: &syn::PathSegment) {
+            let name = segment.ident.to_string();
+            self.1 |= name.ends_with("Store") || self.0.contains(&name);
+            syn::visit::visit_path_segment(self, segment);
+        }
+    }
+    let mut finder = Finder(generics, false);
+    finder.visit_type(ty);
+    finder.1
 }
 
 /// `on_cancel = "complete"` runs the body in the background, which cannot borrow.
@@ -253,7 +430,7 @@ mod tests {
     fn errors(args: &str, item: &str) -> Vec<String> {
         let args: Args = syn::parse_str(args).unwrap();
         let item: ItemFn = syn::parse_str(item).unwrap();
-        match check(&item, &args) {
+        match check(&item, &args, true) {
             Ok(()) => Vec::new(),
             Err(e) => e.into_iter().map(|e| e.to_string()).collect(),
         }
@@ -276,7 +453,7 @@ mod tests {
     #[test]
     fn key_naming_a_missing_parameter_is_an_error_listing_the_parameters() {
         let e = errors(
-            "key = req.id",
+            "key = req.id, ignore = (order, gw)",
             "async fn f(order: &Order, gw: &Gw) -> Result<(), E> { Ok(()) }",
         );
         assert_eq!(e.len(), 1);
@@ -304,7 +481,7 @@ mod tests {
     #[test]
     fn complete_on_cancel_refuses_borrowed_inputs() {
         let e = errors(
-            "key = x, on_cancel = \"complete\"",
+            "key = x, on_cancel = \"complete\", ignore = (y, z, w, s)",
             "async fn f(x: u8, y: &str, z: Cow<'a, str>, w: Arc<T>, s: &'static str) -> Result<(), E> { Ok(()) }",
         );
         assert_eq!(e.len(), 2, "{e:?}");

@@ -30,9 +30,20 @@ impl<T: ?Sized> StoreArg for T {}
 
 /// An owned handle to the store, so that the body may still move or mutably borrow what the
 /// store expression borrowed (`self`). Stores are cheap handles: this is an `Arc` clone.
-pub fn owned_store<S: Store + Clone>(store: &S) -> S {
+pub fn owned_store<S: StoreValue>(store: &S) -> S {
     store.clone()
 }
+
+/// A `store = …` value: a `Store + Clone`, as one bound with one message.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an idempotency store",
+    label = "`store =` needs a `Store + Clone` value, or a reference to one",
+    note = "use `MemoryStore` or a store of a backend feature (`cargo doc` lists every `impl Store`), an `Arc<dyn Store>`, or implement `idem_runtime::Store` and `Clone` (a cheap handle)"
+)]
+pub trait StoreValue: Store + Clone {}
+
+#[diagnostic::do_not_recommend]
+impl<S: Store + Clone> StoreValue for S {}
 
 /// The shape every `#[idempotent]` function returns: `Result<T, E>`, or an alias of it.
 #[diagnostic::on_unimplemented(
@@ -75,6 +86,18 @@ pub trait Recordable: Serialize + DeserializeOwned {}
 
 #[diagnostic::do_not_recommend]
 impl<T: Serialize + DeserializeOwned> Recordable for T {}
+
+/// What an `#[idempotent]` function's error type must be: convertible from the runtime's
+/// errors, which the call returns through it (a store that is down, a reused key).
+#[diagnostic::on_unimplemented(
+    message = "`#[idempotent]` returns its own errors through `{Self}`, so it needs `impl From<idem_runtime::Error> for {Self}`",
+    label = "`{Self}` has no `From<idem_runtime::Error>`",
+    note = "add a variant for them, e.g. `Idem(idem_runtime::Error)`, and `impl From<idem_runtime::Error>` that wraps it (or use `idem_runtime::Error` itself as the error type)"
+)]
+pub trait FromIdemError: From<Error> {}
+
+#[diagnostic::do_not_recommend]
+impl<E: From<Error>> FromIdemError for E {}
 
 /// Checks a `cache_err` predicate where it is written: its error type must be serializable.
 pub fn cache_err<E>(is_final: fn(&E) -> bool) -> fn(&E) -> bool
@@ -233,9 +256,9 @@ pub fn run<'a, P, S, R, F, Y>(
 where
     R: IdemResult,
     R::Ok: Recordable,
-    R::Err: From<Error>,
+    R::Err: FromIdemError,
     P: ErrorPolicy<R::Err>,
-    S: Store + Clone,
+    S: StoreValue,
     F: Future<Output = R>,
     Y: IntoTyping<R::Ok>,
 {
@@ -254,9 +277,9 @@ pub async fn run_to_completion<P, S, R, F>(
 where
     R: IdemResult,
     R::Ok: Recordable + Send + 'static,
-    R::Err: From<Error> + Send + 'static,
+    R::Err: FromIdemError + Send + 'static,
     P: ErrorPolicy<R::Err> + Clone + Send + Sync + 'static,
-    S: Store + Clone,
+    S: StoreValue,
     F: Future<Output = R> + Send + 'static,
 {
     bare(
@@ -279,7 +302,7 @@ pub async fn run_in_transaction<P, R, F>(
 where
     R: IdemResult,
     R::Ok: Recordable,
-    R::Err: From<Error>,
+    R::Err: FromIdemError,
     P: ErrorPolicy<R::Err>,
     F: AsyncFnOnce(&mut sqlx::PgConnection) -> R,
 {
@@ -300,6 +323,43 @@ where
         }
         Err(err) => R::from_result(Err(err.into())),
     }
+}
+
+/// `transaction = tx` in a crate built without the `postgres` feature: the store check
+/// fails first, with its own message ([`InTransaction`]); this only lets the rest of the
+/// expansion type-check, so that the check's error is the only one.
+#[cfg(not(feature = "postgres"))]
+pub async fn run_in_transaction<P, R, F>(
+    _: &Operation<P>,
+    store: &NoTransactions,
+    _: &mut dyn std::any::Any,
+    _: Result<Option<Key>, Error>,
+    _: Option<Result<Fingerprint, Error>>,
+    _: F,
+) -> R {
+    match *store {}
+}
+
+/// No store holds claims in the caller's transaction without the `postgres` feature.
+#[cfg(not(feature = "postgres"))]
+pub enum NoTransactions {}
+
+/// The stores `transaction =` works with: none without the `postgres` feature.
+#[cfg(not(feature = "postgres"))]
+#[diagnostic::on_unimplemented(
+    message = "`transaction =` needs the `postgres` feature of `idem-runtime`, and `store =` a `PostgresStore`",
+    label = "no store of this build can claim inside the caller's transaction",
+    note = "enable it: `idem-runtime = {{ version = \"…\", features = [\"postgres\"] }}`; the claim, the body's writes and the record then commit together in PostgreSQL"
+)]
+pub trait InTransaction {
+    #[doc(hidden)]
+    fn __idem_transactional(&self) -> &NoTransactions;
+}
+
+/// The store of `transaction =`, or the error that says it must be one.
+#[cfg(not(feature = "postgres"))]
+pub fn postgres_store<S: InTransaction>(store: &S) -> &NoTransactions {
+    store.__idem_transactional()
 }
 
 /// The stores `transaction =` works with: PostgreSQL's.
@@ -333,20 +393,21 @@ pub fn postgres_store<S: InTransaction>(store: &S) -> &crate::PostgresStore {
 /// `&KeyPart`), and only a `HashSet` has the former.
 pub struct KeyPart<'a, T: ?Sized>(pub &'a T);
 
-/// What a `HashSet` part yields: refused by [`ordered`].
-pub struct HashSetInKey;
+/// What a `HashSet` part yields: refused by [`ordered`]. Generic over the set's elements
+/// (see [`NeverInKey`]).
+pub struct HashSetInKey<T>(std::marker::PhantomData<T>);
 
 /// Chosen for `HashSet` parts.
-pub trait Unordered {
+pub trait Unordered<T> {
     #[doc(hidden)]
-    fn __idem_order(&self) -> HashSetInKey {
-        HashSetInKey
+    fn __idem_order(&self) -> HashSetInKey<T> {
+        HashSetInKey(std::marker::PhantomData)
     }
 }
 
-impl<T, S> Unordered for KeyPart<'_, std::collections::HashSet<T, S>> {}
-impl<T, S> Unordered for KeyPart<'_, &std::collections::HashSet<T, S>> {}
-impl<T, S> Unordered for KeyPart<'_, &mut std::collections::HashSet<T, S>> {}
+impl<T, S> Unordered<T> for KeyPart<'_, std::collections::HashSet<T, S>> {}
+impl<T, S> Unordered<T> for KeyPart<'_, &std::collections::HashSet<T, S>> {}
+impl<T, S> Unordered<T> for KeyPart<'_, &mut std::collections::HashSet<T, S>> {}
 
 /// Chosen for every other part.
 pub trait Ordered {
@@ -366,6 +427,14 @@ pub trait DeterministicOrder {}
 
 #[diagnostic::do_not_recommend]
 impl DeterministicOrder for () {}
+
+/// Never met: a `HashSet` part fails on it. Only through this bound, so that a part whose
+/// type is unknown because of an earlier error (a misspelled field) leaves the bound
+/// undecided, which the compiler does not report after that error, instead of refused.
+pub trait NeverInKey {}
+
+#[diagnostic::do_not_recommend]
+impl<T: NeverInKey> DeterministicOrder for HashSetInKey<T> {}
 
 /// Type-checks one key part (never called at run time).
 pub fn ordered<O: DeterministicOrder>(_: O) {}

@@ -149,7 +149,7 @@ impl Recorded {
 #[async_trait]
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not an idempotency store",
-    note = "use `MemoryStore`, a store of a backend feature (`RedisStore`, `PostgresStore`), `Arc<dyn Store>`, or implement `idem_runtime::Store`"
+    note = "use one of the stores below (`MemoryStore`, or one of a backend feature), an `Arc<dyn Store>`, or implement `idem_runtime::Store`"
 )]
 pub trait Store: Send + Sync + 'static {
     /// Takes `key` for the caller, or reports what is there, in one atomic step.
