@@ -171,6 +171,19 @@ fn idents(tokens: proc_macro2::TokenStream, into: &mut BTreeSet<String>) {
                 into.insert(ident.to_string());
             }
             proc_macro2::TokenTree::Group(group) => idents(group.stream(), into),
+            // `format!("{order_id}")`: names captured by a format string.
+            proc_macro2::TokenTree::Literal(literal) => {
+                let text = literal.to_string();
+                for piece in text.split('{').skip(1) {
+                    let name: String = piece
+                        .chars()
+                        .take_while(|c| c.is_alphanumeric() || *c == '_')
+                        .collect();
+                    if !name.is_empty() {
+                        into.insert(name);
+                    }
+                }
+            }
             _ => {}
         }
     }
@@ -288,7 +301,7 @@ fn unaccounted(item: &ItemFn, args: &Args, params: &BTreeSet<String>) -> Vec<syn
             }
             let message = if args.store.is_none() && is_store(&typed.ty, &stores) {
                 format!(
-                    "`{name}` is a store, but `store =` does not name it: without `store = …` the call claims its key in the process-wide default, an in-memory store, so its records die with the process and no other instance sees them; name it: `store = {name}`"
+                    "`{name}` is a store, but `store =` does not name it: without `store = …` the call claims its key in the process-wide default, an in-memory store, so its records die with the process and no other instance sees them; name it: `store = {name}` (or `ignore = {name}` if this call's claims belong in the default)"
                 )
             } else {
                 format!(
@@ -459,6 +472,35 @@ mod tests {
         assert_eq!(e.len(), 1);
         assert!(e[0].contains("`req` is not a parameter of `f`"), "{e:?}");
         assert!(e[0].contains("`gw`, `order`"), "{e:?}");
+    }
+
+    #[test]
+    fn every_parameter_must_be_accounted_for() {
+        let e = errors(
+            "key = order_id",
+            "async fn f(order_id: u64, amount: u64, gw: &Gw) -> Result<(), E> { Ok(()) }",
+        );
+        assert_eq!(e.len(), 2, "{e:?}");
+        assert!(
+            e[0].starts_with("`amount` is not in `key`, `fingerprint` or `ignore`"),
+            "{e:?}"
+        );
+        assert!(e[1].starts_with("`gw` is not in"), "{e:?}");
+        // Named through macros (their arguments and a format string's captures), a field,
+        // a call, the store, or `ignore`.
+        let ok = errors(
+            r#"key = format!("{order_id}-{}", region), fingerprint = hash(&req.body), store = ctx.store, ignore = (gw, _log)"#,
+            "async fn f(order_id: u64, region: &str, req: &Req, ctx: &Ctx, gw: &Gw, _log: &Log, _: u8) -> Result<(), E> { Ok(()) }",
+        );
+        assert!(ok.is_empty(), "{ok:?}");
+        let e = errors(
+            "key = id",
+            "async fn f<S: idem_runtime::Store>(id: u64, db: &S) -> Result<(), E> { Ok(()) }",
+        );
+        assert!(
+            e[0].starts_with("`db` is a store, but `store =` does not name it"),
+            "{e:?}"
+        );
     }
 
     #[test]
