@@ -581,3 +581,20 @@ async fn renewals_go_through_while_the_application_holds_every_connection() {
     assert_eq!(call.await.unwrap().unwrap().into_inner(), 7);
     assert_eq!(runs.count(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_reads_back_from_a_bigint() {
+    let Some(store) = postgres_store().await else {
+        return;
+    };
+    let token: idem_runtime::Token = sqlx::query_scalar("SELECT $1::bigint")
+        .bind(idem_runtime::Token::new(7))
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(token, idem_runtime::Token::new(7));
+    let negative = sqlx::query_scalar::<_, idem_runtime::Token>("SELECT (-1)::bigint")
+        .fetch_one(store.pool())
+        .await;
+    assert!(negative.is_err(), "{negative:?}");
+}

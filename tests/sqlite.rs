@@ -440,3 +440,62 @@ async fn a_copy_never_outlives_its_durable_record() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_binds_and_reads_back_as_an_integer() {
+    let store = open(&fresh_file("token")).await;
+    let pool = store.pool();
+    sqlx::query(
+        "CREATE TABLE accounts (id INTEGER PRIMARY KEY, fence INTEGER NOT NULL, note TEXT)",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    sqlx::query("INSERT INTO accounts VALUES (1, 0, 'none')")
+        .execute(pool)
+        .await
+        .unwrap();
+    let op = Operation::new(namespace("sqlite.token"));
+    let mut tokens = Vec::new();
+    for n in 0..2 {
+        let key = op.key(&n).unwrap();
+        let Claim::Acquired { token } = store
+            .claim(&key, None, Duration::from_secs(5))
+            .await
+            .unwrap()
+        else {
+            panic!("a fresh key is free");
+        };
+        tokens.push(token);
+    }
+    let (older, newer) = (tokens[0], tokens[1]);
+    assert!(newer > older, "tokens grow");
+    // The fenced write binds the token itself.
+    let write = |token: idem_runtime::Token, note: &'static str| async move {
+        sqlx::query("UPDATE accounts SET fence = ?1, note = ?2 WHERE id = 1 AND fence < ?1")
+            .bind(token)
+            .bind(note)
+            .execute(pool)
+            .await
+            .map(|done| done.rows_affected())
+    };
+    assert_eq!(write(newer, "newer").await.unwrap(), 1);
+    assert_eq!(
+        write(older, "older").await.unwrap(),
+        0,
+        "an older token is refused"
+    );
+    let fence: idem_runtime::Token = sqlx::query_scalar("SELECT fence FROM accounts WHERE id = 1")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_eq!(fence, newer, "and reads back as the token");
+    // Never wrapped: a token over i64::MAX is not bound, a negative integer is not a token.
+    assert!(write(idem_runtime::Token::new(u64::MAX), "huge")
+        .await
+        .is_err());
+    let negative = sqlx::query_scalar::<_, idem_runtime::Token>("SELECT -1")
+        .fetch_one(pool)
+        .await;
+    assert!(negative.is_err(), "{negative:?}");
+}

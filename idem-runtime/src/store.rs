@@ -59,28 +59,53 @@ impl Token {
     }
 }
 
-/// A token binds as a PostgreSQL `bigint` (feature `postgres`), for fenced writes such as
+/// A token binds as a signed 64-bit integer in the SQL databases (`bigint` in PostgreSQL,
+/// `INTEGER` in SQLite), and reads back from one, for fenced writes such as
 /// `UPDATE … SET fence = $1 WHERE … AND fence < $1`. Tokens count claims from 1, so every
-/// one a store hands out fits; a raw token over `i64::MAX` is refused when bound, never
-/// wrapped into a negative one.
-#[cfg(feature = "postgres")]
-impl sqlx::Type<sqlx::Postgres> for Token {
-    fn type_info() -> sqlx::postgres::PgTypeInfo {
-        <i64 as sqlx::Type<sqlx::Postgres>>::type_info()
-    }
+/// one a store hands out fits; a raw token over `i64::MAX` is refused when bound, and a
+/// negative integer when read, never wrapped.
+macro_rules! token_is_an_integer_in {
+    ($feature:literal, $database:ty) => {
+        #[cfg(feature = $feature)]
+        impl sqlx::Type<$database> for Token {
+            fn type_info() -> <$database as sqlx::Database>::TypeInfo {
+                <i64 as sqlx::Type<$database>>::type_info()
+            }
+
+            fn compatible(ty: &<$database as sqlx::Database>::TypeInfo) -> bool {
+                <i64 as sqlx::Type<$database>>::compatible(ty)
+            }
+        }
+
+        #[cfg(feature = $feature)]
+        impl<'q> sqlx::Encode<'q, $database> for Token {
+            fn encode_by_ref(
+                &self,
+                buf: &mut <$database as sqlx::Database>::ArgumentBuffer<'q>,
+            ) -> Result<sqlx::encode::IsNull, sqlx::error::BoxDynError> {
+                let raw = i64::try_from(self.0).map_err(|_| {
+                    format!("fencing token {} does not fit a 64-bit integer", self.0)
+                })?;
+                <i64 as sqlx::Encode<'q, $database>>::encode_by_ref(&raw, buf)
+            }
+        }
+
+        #[cfg(feature = $feature)]
+        impl<'r> sqlx::Decode<'r, $database> for Token {
+            fn decode(
+                value: <$database as sqlx::Database>::ValueRef<'r>,
+            ) -> Result<Self, sqlx::error::BoxDynError> {
+                let raw = <i64 as sqlx::Decode<'r, $database>>::decode(value)?;
+                u64::try_from(raw).map(Token).map_err(|_| {
+                    format!("{raw} is not a fencing token: tokens are positive").into()
+                })
+            }
+        }
+    };
 }
 
-#[cfg(feature = "postgres")]
-impl sqlx::Encode<'_, sqlx::Postgres> for Token {
-    fn encode_by_ref(
-        &self,
-        buf: &mut sqlx::postgres::PgArgumentBuffer,
-    ) -> Result<sqlx::encode::IsNull, sqlx::error::BoxDynError> {
-        let raw = i64::try_from(self.0)
-            .map_err(|_| format!("fencing token {} does not fit a bigint", self.0))?;
-        <i64 as sqlx::Encode<sqlx::Postgres>>::encode_by_ref(&raw, buf)
-    }
-}
+token_is_an_integer_in!("postgres", sqlx::Postgres);
+token_is_an_integer_in!("sqlite", sqlx::Sqlite);
 
 /// What [`Store::claim`] found or did.
 #[derive(Clone, Debug, PartialEq, Eq)]
