@@ -723,6 +723,29 @@ pub async fn postgres_store() -> Option<idem_runtime::PostgresStore> {
     Some(store)
 }
 
+/// The MySQL or MariaDB database of `IDEM_MYSQL_URL` (default
+/// `mysql://root@127.0.0.1:3306/test`).
+pub fn mysql_url() -> String {
+    std::env::var("IDEM_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+}
+
+/// A migrated store on the database of [`mysql_url`], or `None` (skipped) when it is
+/// unreachable. Its pool has 8 connections.
+pub async fn mysql_store() -> Option<idem_runtime::MySqlStore> {
+    let url = mysql_url();
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(3))
+        .connect(&url)
+        .await;
+    let store = match pool {
+        Ok(pool) => idem_runtime::MySqlStore::from_pool(pool),
+        Err(e) => return unavailable(&format!("mysql at {url}"), e),
+    };
+    store.migrate().await.expect("migrate");
+    Some(store)
+}
+
 /// A PostgreSQL server of the test's own (initdb in a temporary folder, a free loopback port,
 /// `pg_stat_statements` preloaded), stopped and deleted when dropped: for tests that count
 /// its statements or restart it.

@@ -28,7 +28,7 @@
 //! - [`idempotent`]: the attribute, sugar over [`Operation`].
 //! - [`Key`] and [`Fingerprint`]: deterministic sha256 digests of `Serialize` values.
 //! - [`Store`]: where claims and results live; [`MemoryStore`] is the embedded default;
-//!   `RedisStore`, `PostgresStore` and `SqliteStore` (features `redis`, `postgres`, `sqlite`)
+//!   `RedisStore`, `PostgresStore`, `SqliteStore` and `MySqlStore` (features `redis`, `postgres`, `sqlite`, `mysql`)
 //!   are shared and durable; [`TieredStore`] puts a fast store in front of a durable one.
 //! - [`Operation`]: runs a future at most once per key, with its policies.
 //! - [`Error`]: why a call did not produce a value of its own.
@@ -76,6 +76,9 @@ pub use crate::limits::{MAX_DURATION, MIN_LEASE};
 #[cfg(feature = "memory")]
 #[doc(inline)]
 pub use crate::store::memory::{MemoryStore, MemoryStoreBuilder};
+#[cfg(feature = "mysql")]
+#[doc(inline)]
+pub use crate::store::mysql::MySqlStore;
 #[cfg(feature = "postgres")]
 #[doc(inline)]
 pub use crate::store::postgres::PostgresStore;

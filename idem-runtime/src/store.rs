@@ -15,11 +15,13 @@
 
 #[cfg(feature = "memory")]
 pub mod memory;
+#[cfg(feature = "mysql")]
+pub mod mysql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "redis")]
 pub mod redis;
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 mod sql;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
@@ -106,6 +108,7 @@ macro_rules! token_is_an_integer_in {
 
 token_is_an_integer_in!("postgres", sqlx::Postgres);
 token_is_an_integer_in!("sqlite", sqlx::Sqlite);
+token_is_an_integer_in!("mysql", sqlx::MySql);
 
 /// What [`Store::claim`] found or did.
 #[derive(Clone, Debug, PartialEq, Eq)]
