@@ -166,3 +166,51 @@ async fn a_crowded_pool_runs_each_body_once() {
     }
     assert_eq!(runs.count(), 300, "each body once");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_rows_are_purged_and_live_ones_kept() {
+    let Some(store) = mysql_store().await else {
+        return;
+    };
+    let store = store.with_table("idem_purge").unwrap();
+    store.migrate().await.unwrap();
+    store.purge_expired().await.unwrap(); // what earlier runs left
+    let op = Operation::new(namespace("mysql.purge"));
+    let lapsing = op.key(&1).unwrap();
+    let live = op.key(&2).unwrap();
+    let short = Duration::from_millis(200);
+    assert!(matches!(
+        idem_runtime::Store::claim(&store, &lapsing, None, short)
+            .await
+            .unwrap(),
+        idem_runtime::Claim::Acquired { .. }
+    ));
+    assert!(matches!(
+        idem_runtime::Store::claim(&store, &live, None, Duration::from_secs(60))
+            .await
+            .unwrap(),
+        idem_runtime::Claim::Acquired { .. }
+    ));
+    // Until the short lease has lapsed by the server's clock.
+    while idem_runtime::Store::lease_left(&store, &lapsing)
+        .await
+        .unwrap()
+        .is_some()
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // At least the lapsed claim (an earlier run's claims may lapse meanwhile too).
+    assert!(store.purge_expired().await.unwrap() >= 1);
+    let rows = |key: idem_runtime::Key| {
+        let pool = store.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM idem_purge WHERE `key` = ?")
+                .bind(&key.as_bytes()[..])
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(rows(lapsing).await, 0, "the lapsed claim's row is purged");
+    assert_eq!(rows(live).await, 1, "the live claim's row stays");
+}
