@@ -39,7 +39,7 @@ use sqlx::mysql::{MySqlPool, MySqlPoolOptions, MySqlRow};
 use sqlx::Row;
 
 pub use crate::store::sql::Purger;
-use crate::store::sql::{self, fingerprint, is_identifier, millis, LookupRow};
+use crate::store::sql::{self, is_identifier, millis, LookupRow};
 use crate::store::Recorded;
 use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
@@ -180,33 +180,6 @@ impl Statements {
             purge: format!("DELETE FROM {t} WHERE expires_at <= {NOW} LIMIT ?"),
         }
     }
-}
-
-fn token(token: Token) -> Result<i64, Error> {
-    i64::try_from(token.get()).map_err(|_| Error::store("a fencing token out of BIGINT's range"))
-}
-
-/// The claim a live row answers: the key is held or completed.
-fn held(row: &MySqlRow) -> Result<Claim, Error> {
-    let completed: bool = row.try_get(1).map_err(Error::store)?;
-    let fp = fingerprint(row.try_get(2).map_err(Error::store)?)?;
-    Ok(if completed {
-        let value: Option<Vec<u8>> = row.try_get(3).map_err(Error::store)?;
-        Claim::Completed {
-            value: Bytes::from(value.unwrap_or_default()),
-            fingerprint: fp,
-        }
-    } else {
-        Claim::InProgress { fingerprint: fp }
-    })
-}
-
-/// Whether a row is in progress under `nonce`: the caller's own claim, made by a try whose
-/// reply was lost. An in-progress row keeps its claim's nonce in `value`.
-fn is_ours(row: &MySqlRow, nonce: u64) -> bool {
-    let completed: bool = row.try_get(1).unwrap_or(true);
-    let value: Option<Vec<u8>> = row.try_get(3).unwrap_or(None);
-    !completed && value.as_deref() == Some(&nonce.to_be_bytes()[..])
 }
 
 impl MySqlStore {
@@ -367,7 +340,7 @@ impl MySqlStore {
                 continue; // purged meanwhile: insert again
             };
             let live: i64 = row.try_get(4)?;
-            if live != 0 && !is_ours(&row, nonce) {
+            if live != 0 && !sql::is_ours(&row, nonce) {
                 return Ok(Err(row)); // the transaction rolls back when dropped
             }
             sqlx::query(&self.sql.take)
@@ -433,12 +406,12 @@ impl Store for MySqlStore {
                 .fetch_optional(&self.pool)
                 .await?;
             match live {
-                Some(row) if !is_ours(&row, nonce) => Ok(Err(row)),
+                Some(row) if !sql::is_ours(&row, nonce) => Ok(Err(row)),
                 _ => self.take(key, fingerprint, lease, nonce).await,
             }
         })
         .await?
-        .map_or_else(|row| held(&row), |token| Ok(Claim::Acquired { token }))
+        .map_or_else(|row| sql::held(&row), |token| Ok(Claim::Acquired { token }))
     }
 
     async fn complete(
@@ -453,7 +426,7 @@ impl Store for MySqlStore {
                 .bind(&value[..])
                 .bind(millis(ttl))
                 .bind(&key.as_bytes()[..])
-                .bind(self::token(token)?),
+                .bind(token),
         )
         .await
     }
@@ -462,7 +435,7 @@ impl Store for MySqlStore {
         self.fenced(
             sqlx::query(&self.sql.release)
                 .bind(&key.as_bytes()[..])
-                .bind(self::token(token)?),
+                .bind(token),
         )
         .await
     }
@@ -472,7 +445,7 @@ impl Store for MySqlStore {
             sqlx::query(&self.sql.renew)
                 .bind(millis(lease))
                 .bind(&key.as_bytes()[..])
-                .bind(self::token(token)?),
+                .bind(token),
         )
         .await
     }

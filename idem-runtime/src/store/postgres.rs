@@ -251,11 +251,6 @@ fn lock_not_available(err: &sqlx::Error) -> bool {
     }
 }
 
-fn token(token: Token) -> Result<i64, Error> {
-    i64::try_from(token.get())
-        .map_err(|_| Error::store("a fencing token out of PostgreSQL's bigint range"))
-}
-
 fn parse_claim(row: &PgRow) -> Result<Claim, Error> {
     let acquired: bool = row.try_get(0).map_err(Error::store)?;
     let raw_token: i64 = row.try_get(1).map_err(Error::store)?;
@@ -424,9 +419,7 @@ impl PostgresStore {
         millis: Option<i64>,
         value: Option<&[u8]>,
     ) -> Result<bool, Error> {
-        let mut query = sqlx::query(statement)
-            .bind(&key.as_bytes()[..])
-            .bind(self::token(token)?);
+        let mut query = sqlx::query(statement).bind(&key.as_bytes()[..]).bind(token);
         if let Some(value) = value {
             query = query.bind(value);
         }

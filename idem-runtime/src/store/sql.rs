@@ -1,12 +1,18 @@
-//! What the SQL stores share (features `postgres` and `sqlite`): table names, durations and
-//! fingerprints as columns, and the purge task.
+//! What the SQL stores share (features `postgres`, `sqlite` and `mysql`): table names,
+//! durations and fingerprints as columns, the reading of a live row, timeouts, and the
+//! purge task.
 
 use std::future::Future;
 use std::time::Duration;
 
 use bytes::Bytes;
 
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
+use sqlx::{ColumnIndex, Decode, Row, Type};
+
 use crate::store::Recorded;
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
+use crate::Claim;
 use crate::{limits, Error, Fingerprint};
 
 /// A table or schema name: a plain identifier, so that it can never inject SQL.
@@ -39,6 +45,44 @@ pub(crate) fn fingerprint(raw: Option<Vec<u8>>) -> Result<Option<Fingerprint>, E
         Ok(Fingerprint::from_bytes(raw))
     })
     .transpose()
+}
+
+/// The claim a live row answers (columns: token, completed, fingerprint, value): the key is
+/// held or completed.
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
+pub(crate) fn held<R>(row: &R) -> Result<Claim, Error>
+where
+    R: Row,
+    usize: ColumnIndex<R>,
+    for<'r> bool: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> Vec<u8>: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let completed: bool = row.try_get(1).map_err(Error::store)?;
+    let fp = fingerprint(row.try_get(2).map_err(Error::store)?)?;
+    Ok(if completed {
+        let value: Option<Vec<u8>> = row.try_get(3).map_err(Error::store)?;
+        Claim::Completed {
+            value: Bytes::from(value.unwrap_or_default()),
+            fingerprint: fp,
+        }
+    } else {
+        Claim::InProgress { fingerprint: fp }
+    })
+}
+
+/// Whether a live row is in progress under `nonce`: the caller's own claim, made by a try
+/// whose reply was lost. An in-progress row keeps its claim's nonce in `value`.
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
+pub(crate) fn is_ours<R>(row: &R, nonce: u64) -> bool
+where
+    R: Row,
+    usize: ColumnIndex<R>,
+    for<'r> bool: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> Vec<u8>: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let completed: bool = row.try_get(1).unwrap_or(true);
+    let value: Option<Vec<u8>> = row.try_get(3).unwrap_or(None);
+    !completed && value.as_deref() == Some(&nonce.to_be_bytes()[..])
 }
 
 /// The row of a `lookup` statement (fingerprint, value, milliseconds left) as a [`Recorded`].

@@ -63,11 +63,11 @@ use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
     SqliteSynchronous,
 };
-use sqlx::{Connection, Row, Sqlite};
+use sqlx::{Connection, Sqlite};
 use tokio::time::Instant;
 
 pub use crate::store::sql::Purger;
-use crate::store::sql::{self, fingerprint, is_identifier, millis, LookupRow};
+use crate::store::sql::{self, is_identifier, millis, LookupRow};
 use crate::store::Recorded;
 use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
@@ -260,11 +260,6 @@ fn validate(identifier: &str) -> Result<&str, Error> {
     }
 }
 
-fn token(token: Token) -> Result<i64, Error> {
-    i64::try_from(token.get()).map_err(|_| Error::store("a fencing token out of SQLite's range"))
-}
-
-/// The claim a live row answers: the key is held or completed.
 /// Whether `path` names an in-memory database (`:memory:`, an empty path, or a `file:` URI
 /// in memory mode), which SQLite opens anew for every connection.
 fn in_memory(path: &Path) -> bool {
@@ -273,29 +268,6 @@ fn in_memory(path: &Path) -> bool {
         || text == ":memory:"
         || (text.starts_with("file:")
             && (text.contains(":memory:") || text.contains("mode=memory")))
-}
-
-/// A live row found by a claim.
-fn held(row: &SqliteRow) -> Result<Claim, Error> {
-    let completed: bool = row.try_get(1).map_err(Error::store)?;
-    let fp = fingerprint(row.try_get(2).map_err(Error::store)?)?;
-    Ok(if completed {
-        let value: Option<Vec<u8>> = row.try_get(3).map_err(Error::store)?;
-        Claim::Completed {
-            value: Bytes::from(value.unwrap_or_default()),
-            fingerprint: fp,
-        }
-    } else {
-        Claim::InProgress { fingerprint: fp }
-    })
-}
-
-/// Whether a live row is in progress under `nonce`: the caller's own claim, made by a try
-/// whose reply was lost. An in-progress row keeps its claim's nonce in `value`.
-fn is_ours(row: &SqliteRow, nonce: u64) -> bool {
-    let completed: bool = row.try_get(1).unwrap_or(true);
-    let value: Option<Vec<u8>> = row.try_get(3).unwrap_or(None);
-    !completed && value.as_deref() == Some(&nonce.to_be_bytes()[..])
 }
 
 impl SqliteStore {
@@ -485,7 +457,7 @@ impl SqliteStore {
             .await?
         {
             // The caller's own claim is taken again, with a new token and a whole lease.
-            if !is_ours(&row, nonce) {
+            if !sql::is_ours(&row, nonce) {
                 return Ok(Err(row)); // the transaction rolls back when dropped
             }
         }
@@ -513,9 +485,7 @@ impl SqliteStore {
         millis: Option<i64>,
     ) -> Result<bool, Error> {
         let deadline = Instant::now() + self.timeout;
-        let mut query = sqlx::query(statement)
-            .bind(&key.as_bytes()[..])
-            .bind(self::token(token)?);
+        let mut query = sqlx::query(statement).bind(&key.as_bytes()[..]).bind(token);
         if let Some(value) = value {
             query = query.bind(value);
         }
@@ -571,12 +541,12 @@ impl Store for SqliteStore {
                 .fetch_optional(&self.pool)
                 .await?;
             match live {
-                Some(row) if !is_ours(&row, nonce) => Ok(Err(row)),
+                Some(row) if !sql::is_ours(&row, nonce) => Ok(Err(row)),
                 _ => self.take(key, fingerprint, lease, nonce, started).await,
             }
         })
         .await?
-        .map_or_else(|row| held(&row), |token| Ok(Claim::Acquired { token }))
+        .map_or_else(|row| sql::held(&row), |token| Ok(Claim::Acquired { token }))
     }
 
     async fn complete(

@@ -39,7 +39,7 @@ use sqlx::PgConnection;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use super::{millis, parse_claim, token as bigint, PostgresStore};
+use super::{millis, parse_claim, PostgresStore};
 use crate::codec::{self, ErrorPolicy, Json};
 use crate::engine::attempt::{self, Attempt};
 use crate::engine::{pause_before_polling, Settings, Settled};
@@ -495,7 +495,8 @@ impl Claimed<'_> {
         let statements = self.store.sql.transaction.complete_and_release(
             &self.savepoint,
             self.key,
-            bigint(self.token)?,
+            i64::try_from(self.token.get())
+                .map_err(|_| Error::store("a fencing token out of PostgreSQL's bigint range"))?,
             &record,
             millis(ttl),
         );
