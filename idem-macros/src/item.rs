@@ -238,16 +238,12 @@ impl Visit<'_> for Names {
 fn unaccounted(item: &ItemFn, args: &Args, params: &BTreeSet<String>) -> Vec<syn::Error> {
     let mut errors = Vec::new();
     let function = &item.sig.ident;
-    let listed = |role: &str| -> BTreeSet<String> {
-        let expr = match role {
-            "key" => &args.key,
-            "fingerprint" => &args.fingerprint,
-            _ => &args.store,
-        };
-        expr.as_ref().map(mentioned).unwrap_or_default()
-    };
-    let (in_key, in_fingerprint, in_store) =
-        (listed("key"), listed("fingerprint"), listed("store"));
+    let names = |expr: &Option<Expr>| expr.as_ref().map(mentioned).unwrap_or_default();
+    let (in_key, in_fingerprint, in_store) = (
+        names(&args.key),
+        names(&args.fingerprint),
+        names(&args.store),
+    );
     let transaction = args.transaction.as_ref().map(|(tx, _)| tx.to_string());
 
     let mut ignored = BTreeSet::new();
