@@ -209,3 +209,45 @@ async fn a_crowd_on_one_file_never_takes_a_key_from_a_live_holder() {
         assert_eq!(recorded, Outcome::Replayed(values[0]), "key {caller}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_and_completions_go_through_while_the_application_holds_every_connection() {
+    let path = fresh_file("holders");
+    let store = open(&path).await.with_timeout(Duration::from_secs(2));
+    let op = Operation::new(namespace("sqlite.holders"));
+    let key = op.key(&1).unwrap();
+    let Claim::Acquired { token } = store
+        .claim(&key, None, Duration::from_secs(5))
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key is free");
+    };
+    // The application takes every pooled connection and keeps them.
+    let mut held = Vec::new();
+    while let Some(conn) = store.pool().try_acquire() {
+        held.push(conn);
+    }
+    while (held.len() as u32) < idem_runtime::store::sqlite::DEFAULT_CONNECTIONS {
+        held.push(store.pool().acquire().await.unwrap());
+    }
+    // The holder's own statements do not wait for them.
+    assert!(store
+        .renew(&key, token, Duration::from_secs(5))
+        .await
+        .unwrap());
+    assert!(store
+        .complete(
+            &key,
+            token,
+            idem_runtime::Bytes::from_static(b"1"),
+            Duration::from_secs(60)
+        )
+        .await
+        .unwrap());
+    // A claim does: it fails closed within the store's timeout.
+    let other = op.key(&2).unwrap();
+    let crowded = store.claim(&other, None, Duration::from_secs(5)).await;
+    assert!(matches!(crowded, Err(Error::Store(_))), "{crowded:?}");
+    drop(held);
+}
