@@ -24,7 +24,8 @@
 //! in a `BEGIN IMMEDIATE` transaction, which holds the file's write lock from its first
 //! statement, so two processes can never both take one key. Tokens come from a one-row
 //! counter table in the same transaction: they grow across rows, processes and restarts.
-//! Every other operation is one statement. Expired rows are deleted by
+//! Every other write is one statement; the writes queued in a process commit together (see
+//! below). Expired rows are deleted by
 //! [`purge_expired`](SqliteStore::purge_expired) or the task of
 //! [`purge_every`](SqliteStore::purge_every); until then an expired row counts as absent.
 //!
@@ -38,8 +39,12 @@
 //! - **The store's timeout bounds every wait**: each write sets its connection's busy
 //!   timeout to what is left of [`with_timeout`](SqliteStore::with_timeout), and the pool's
 //!   wait for a connection counts against it too.
-//! - **Holders never queue behind claims for a connection**: renewals, completions and
-//!   releases have two connections of their own.
+//! - **A process takes one turn for all its writes**: every claim, renewal,
+//!   completion, release and removal of a store waiting when the lock comes free commits in
+//!   one transaction, on a connection of the store's own. SQLite's lock is no queue, so a
+//!   renewal on a connection of its own could lose the race for it for longer than a lease;
+//!   here it waits behind at most one transaction of its process. The application's use of
+//!   the pool never delays a holder either.
 //! - **A holder's own statements ask for its token, not for a live lease.** A lease that ran
 //!   out while nobody took the key over is still its holder's (a takeover writes another
 //!   token): a renewal or a completion held up past the lease still lands.
@@ -60,8 +65,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
-    SqliteSynchronous,
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 use sqlx::{Connection, Sqlite};
 use tokio::time::Instant;
@@ -70,6 +74,9 @@ pub use crate::store::sql::Purger;
 use crate::store::sql::{self, is_identifier, millis, LookupRow};
 use crate::store::Recorded;
 use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
+use writes::{Answered, Fence, Job, Writes};
+
+mod writes;
 
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "idem_records";
@@ -85,10 +92,6 @@ pub const DEFAULT_CONNECTIONS: u32 = 8;
 /// The pool's own bound on a wait for a connection, far above any store timeout: the
 /// store's timeout bounds each operation, that wait included.
 const ACQUIRE_BOUND: Duration = Duration::from_secs(3600);
-
-/// How many connections the holders of claims (renewals, completions, releases) have to
-/// themselves, beside the pool's.
-const HOLDER_CONNECTIONS: u32 = 2;
 
 /// The shortest wait for the file's write lock that a claim takes as a lockout (see
 /// [`locked_out`]).
@@ -128,9 +131,9 @@ const NOW: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)"
 #[derive(Clone)]
 pub struct SqliteStore {
     pool: SqlitePool,
-    /// The holders' own connections (renewals, completions, releases), so that a holder
-    /// never queues for a connection behind a crowd of claims.
-    holders: SqlitePool,
+    /// The queue of this store's writes, committed together on a connection of their own
+    /// ([`writes`]).
+    writes: Arc<Writes>,
     sql: Arc<Statements>,
     timeout: Duration,
     flights: Arc<Flights>,
@@ -307,15 +310,16 @@ impl SqliteStore {
     /// Uses an existing pool. [`migrate`](Self::migrate) switches its file to WAL (a
     /// setting the file keeps). Each write sets its connection's busy timeout to what is
     /// left of the store's timeout; the pool's own `acquire_timeout` still applies to the
-    /// wait for a connection. The holders' two connections are opened with the pool's
+    /// wait for a connection. The store's own connection for writes is opened with the pool's
     /// options.
     pub fn from_pool(pool: SqlitePool) -> Self {
-        let holders = SqlitePoolOptions::new()
-            .max_connections(HOLDER_CONNECTIONS)
+        let writes = SqlitePoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(ACQUIRE_BOUND)
             .connect_lazy_with((*pool.connect_options()).clone());
         Self {
             pool,
-            holders,
+            writes: Arc::new(Writes::new(writes)),
             sql: Arc::new(Statements::of(DEFAULT_TABLE)),
             timeout: DEFAULT_TIMEOUT,
             flights: Arc::default(),
@@ -420,85 +424,24 @@ impl SqliteStore {
         sql::within("sqlite", self.timeout, operation).await
     }
 
-    /// Takes the key if no live row holds it: under the file's write lock, so that no other
-    /// process's claim can slip in between the look and the write.
-    ///
-    /// A claim that waited long for the lock (since `started`; [`locked_out`]) first gives
-    /// the leases time back: every claim in progress whose lease ran out while this claim
-    /// waited, or up to a lease before, runs for at least `lease` from now. Their holders
-    /// could not renew while the file was locked; a live one renews now, a dead one's key is
-    /// freed a lease later. So a writer that holds the lock past the leases (a paused
-    /// process) does not hand live holders' keys to the first claim after it.
-    async fn take(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-        started: Instant,
-    ) -> Result<Result<Token, SqliteRow>, sqlx::Error> {
-        let mut conn = writer(&self.pool, started + self.timeout).await?;
-        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-        let waited = started.elapsed();
-        if locked_out(waited, lease) {
-            tracing::debug!(
-                waited_ms = waited.as_millis() as u64,
-                "the file's write lock was held long: leases get the time back"
-            );
-            sqlx::query(&self.sql.credit)
-                .bind(millis(waited + lease))
-                .bind(millis(lease))
-                .execute(&mut *tx)
-                .await?;
-        }
-        if let Some(row) = sqlx::query(&self.sql.live)
-            .bind(&key.as_bytes()[..])
-            .fetch_optional(&mut *tx)
-            .await?
-        {
-            // The caller's own claim is taken again, with a new token and a whole lease.
-            if !sql::is_ours(&row, nonce) {
-                return Ok(Err(row)); // the transaction rolls back when dropped
-            }
-        }
-        let token: i64 = sqlx::query_scalar(&self.sql.next_token)
-            .fetch_one(&mut *tx)
-            .await?;
-        sqlx::query(&self.sql.take)
-            .bind(&key.as_bytes()[..])
-            .bind(token)
-            .bind(fingerprint.map(|f| &f.as_bytes()[..]))
-            .bind(millis(lease))
-            .bind(&nonce.to_be_bytes()[..])
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        Ok(Ok(Token::new(token.unsigned_abs())))
+    /// Runs a write in the store's next transaction of queued writes ([`writes`]), waiting
+    /// for the file's lock until `deadline`.
+    async fn write<T>(&self, job: (Job, Answered<T>), deadline: Instant) -> Result<T, sqlx::Error> {
+        self.writes.run(&self.sql, job, deadline).await
     }
 
+    /// A holder's statement, which finds its row by its token: whether it did.
     async fn fenced(
         &self,
-        statement: &str,
+        statement: Fence,
         key: &Key,
         token: Token,
-        value: Option<&[u8]>,
+        value: Option<Bytes>,
         millis: Option<i64>,
     ) -> Result<bool, Error> {
-        let deadline = Instant::now() + self.timeout;
-        let mut query = sqlx::query(statement).bind(&key.as_bytes()[..]).bind(token);
-        if let Some(value) = value {
-            query = query.bind(value);
-        }
-        if let Some(millis) = millis {
-            query = query.bind(millis);
-        }
-        let done = self
-            .within(async {
-                let mut conn = writer(&self.holders, deadline).await?;
-                query.execute(&mut *conn).await
-            })
-            .await?;
-        Ok(done.rows_affected() == 1)
+        let job = Job::fenced(statement, key, token, value, millis);
+        self.within(self.write(job, Instant::now() + self.timeout))
+            .await
     }
 }
 
@@ -534,6 +477,7 @@ impl Store for SqliteStore {
         nonce: u64,
     ) -> Result<Claim, Error> {
         let started = Instant::now();
+        let deadline = started + self.timeout;
         self.within(async {
             // A replay, or a key someone holds: answered by a read, which waits for no writer.
             let live = sqlx::query(&self.sql.live)
@@ -542,7 +486,10 @@ impl Store for SqliteStore {
                 .await?;
             match live {
                 Some(row) if !sql::is_ours(&row, nonce) => Ok(Err(row)),
-                _ => self.take(key, fingerprint, lease, nonce, started).await,
+                _ => {
+                    let job = Job::take(key, fingerprint, lease, nonce, started);
+                    self.write(job, deadline).await
+                }
             }
         })
         .await?
@@ -556,22 +503,16 @@ impl Store for SqliteStore {
         value: Bytes,
         ttl: Duration,
     ) -> Result<bool, Error> {
-        self.fenced(
-            &self.sql.complete,
-            key,
-            token,
-            Some(&value),
-            Some(millis(ttl)),
-        )
-        .await
+        self.fenced(Fence::Complete, key, token, Some(value), Some(millis(ttl)))
+            .await
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
-        self.fenced(&self.sql.release, key, token, None, None).await
+        self.fenced(Fence::Release, key, token, None, None).await
     }
 
     async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
-        self.fenced(&self.sql.renew, key, token, None, Some(millis(lease)))
+        self.fenced(Fence::Renew, key, token, None, Some(millis(lease)))
             .await
     }
 
@@ -583,15 +524,7 @@ impl Store for SqliteStore {
 
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
         let deadline = Instant::now() + self.timeout;
-        let live: Option<bool> = self
-            .within(async {
-                let mut conn = writer(&self.pool, deadline).await?;
-                sqlx::query_scalar(&self.sql.remove)
-                    .bind(&key.as_bytes()[..])
-                    .fetch_optional(&mut *conn)
-                    .await
-            })
-            .await?;
+        let live = self.within(self.write(Job::remove(key), deadline)).await?;
         Ok(live.unwrap_or(false))
     }
 

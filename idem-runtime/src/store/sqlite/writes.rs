@@ -1,0 +1,467 @@
+//! The writes of one [`SqliteStore`](super::SqliteStore): every write of the process waiting
+//! for the file's lock commits in one transaction on the store's own connection.
+//!
+//! SQLite's lock is not a queue. A connection that finds it taken sleeps, longer each time
+//! (up to 100 ms), and looks again; whoever looks at the right moment wins. With one
+//! connection per waiting write, a renewal could lose that lottery for longer than a lease
+//! while the crowd's writes went through, and its holder's key was taken over. Here a
+//! process is one contender: writes queue in the process, the first to find no transaction
+//! running takes every write queued and commits them together, and the next transaction
+//! takes the ones that came meanwhile. A renewal then waits for at most one transaction of
+//! its own process, and a crowd costs one commit per turn instead of one per call.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use sqlx::sqlite::{SqlitePool, SqliteRow};
+use sqlx::{Connection, SqliteConnection};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use super::{locked_out, writer, Statements};
+use crate::store::sql::{self, millis};
+use crate::{Fingerprint, Key, Token};
+
+/// A write's answer: where it goes, and what the write did until the commit sends it.
+pub(super) struct Answer<T> {
+    to: oneshot::Sender<Result<T, sqlx::Error>>,
+    done: Option<T>,
+}
+
+/// Where a caller waits for its write's answer.
+pub(super) type Answered<T> = oneshot::Receiver<Result<T, sqlx::Error>>;
+
+impl<T> Answer<T> {
+    /// An answer, and where to wait for it.
+    fn new() -> (Self, Answered<T>) {
+        let (to, answered) = oneshot::channel();
+        (Self { to, done: None }, answered)
+    }
+
+    /// Sends what the write did, or the error that stopped it.
+    fn send(self, result: Result<(), sqlx::Error>) {
+        let _ = match (result, self.done) {
+            (Ok(()), Some(done)) => self.to.send(Ok(done)),
+            (Ok(()), None) => Ok(()), // left out: its caller stopped waiting
+            (Err(err), _) => self.to.send(Err(err)),
+        };
+    }
+}
+
+/// One queued write, with its statements, how long its caller waits, and its answer.
+struct Write {
+    job: Job,
+    sql: Arc<Statements>,
+    deadline: Instant,
+}
+
+pub(super) enum Job {
+    /// Takes `key` unless a live row of another caller holds it: the token, or that row.
+    Take {
+        key: Key,
+        fingerprint: Option<Fingerprint>,
+        lease: Duration,
+        nonce: u64,
+        /// When the claim began: a claim that waited long gives leases time back.
+        started: Instant,
+        answer: Answer<Result<Token, SqliteRow>>,
+    },
+    /// A holder's statement (completion, release, renewal), which finds its row by its
+    /// token: whether it did.
+    Fenced {
+        statement: Fence,
+        key: Key,
+        token: Token,
+        value: Option<Bytes>,
+        millis: Option<i64>,
+        answer: Answer<bool>,
+    },
+    /// Deletes `key`'s row, whatever it holds: whether one was deleted, and was live.
+    Remove {
+        key: Key,
+        answer: Answer<Option<bool>>,
+    },
+}
+
+/// The statement of a holder's write.
+#[derive(Clone, Copy)]
+pub(super) enum Fence {
+    Complete,
+    Release,
+    Renew,
+}
+
+/// The write queue of one store and its clones.
+pub(super) struct Writes {
+    /// One connection: writes take turns here rather than on the file's lock.
+    conn: SqlitePool,
+    queue: Mutex<Vec<Write>>,
+    /// Held while a transaction of queued writes runs, so that one runs at a time.
+    turn: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl Writes {
+    pub(super) fn new(conn: SqlitePool) -> Self {
+        Self {
+            conn,
+            queue: Mutex::default(),
+            turn: Arc::default(),
+        }
+    }
+
+    /// Queues `job` for the next transaction of queued writes, and waits for its answer.
+    ///
+    /// A caller with the turn finds no transaction running: its own write is either still
+    /// queued, and it starts a transaction of every write queued, or was in one that ended.
+    pub(super) async fn run<T>(
+        self: &Arc<Self>,
+        sql: &Arc<Statements>,
+        (job, answered): (Job, Answered<T>),
+        deadline: Instant,
+    ) -> Result<T, sqlx::Error> {
+        self.queue().push(Write {
+            job,
+            sql: Arc::clone(sql),
+            deadline,
+        });
+        let turn = Arc::clone(&self.turn).lock_owned().await;
+        let batch = std::mem::take(&mut *self.queue());
+        if !batch.is_empty() {
+            // Spawned, so that a caller that stops waiting does not stop the others' writes.
+            let writes = Arc::clone(self);
+            tokio::spawn(async move {
+                writes.commit(batch).await;
+                drop(turn);
+            });
+        }
+        answered.await.unwrap_or(Err(sqlx::Error::WorkerCrashed))
+    }
+
+    fn queue(&self) -> std::sync::MutexGuard<'_, Vec<Write>> {
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Commits `batch` in one transaction and answers each write; if that fails, each
+    /// write runs again alone, so that one bad write fails only its own caller.
+    async fn commit(&self, mut batch: Vec<Write>) {
+        match self.transaction(&mut batch).await {
+            Err(_) if batch.len() > 1 => {
+                for mut write in batch {
+                    let result = self.transaction(std::slice::from_mut(&mut write)).await;
+                    write.job.answer(result);
+                }
+            }
+            Err(err) => {
+                if let Some(write) = batch.pop() {
+                    write.job.answer(Err(err)); // the only one
+                }
+            }
+            Ok(()) => batch.into_iter().for_each(|write| write.job.answer(Ok(()))),
+        }
+    }
+
+    /// Runs `batch` in one `BEGIN IMMEDIATE` transaction, which holds the file's write lock
+    /// from its first statement: no other process writes between a take's look and its
+    /// write. The busy handler waits as long as the most patient caller. A write whose
+    /// caller stopped waiting is left out: a claim nobody waits for is not taken.
+    async fn transaction(&self, batch: &mut [Write]) -> Result<(), sqlx::Error> {
+        let deadline = batch
+            .iter()
+            .map(|write| write.deadline)
+            .max()
+            .unwrap_or_else(Instant::now);
+        // Never past it either, so that the next transaction gets its turn.
+        let transaction = async {
+            let mut conn = writer(&self.conn, deadline).await?;
+            let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+            give_time_back(&mut tx, batch).await?;
+            for write in batch.iter_mut() {
+                if !write.job.abandoned() {
+                    write.job.run(&write.sql, &mut tx).await?;
+                }
+            }
+            tx.commit().await
+        };
+        tokio::time::timeout_at(deadline, transaction)
+            .await
+            .unwrap_or_else(|_| {
+                Err(sqlx::Error::Io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the file's write lock was not free in time",
+                )))
+            })
+    }
+}
+
+/// When a claim waited long for the lock ([`locked_out`]; a writer paused or slow while it
+/// held it), every claim in progress whose lease ran out while it waited, or up to a lease
+/// before, runs for at least a lease from now: their holders could not renew meanwhile
+/// either. A live holder then renews; a dead one's key is freed a lease later. One
+/// statement for the batch, for its longest wait and its longest lease.
+async fn give_time_back(tx: &mut SqliteConnection, batch: &[Write]) -> Result<(), sqlx::Error> {
+    let mut credit: Option<(Duration, Duration)> = None;
+    for write in batch {
+        if let Job::Take { lease, started, .. } = &write.job {
+            let (lease, started) = (*lease, *started);
+            let waited = started.elapsed();
+            if locked_out(waited, lease) {
+                let (most, longest) = credit.unwrap_or_default();
+                credit = Some((most.max(waited), longest.max(lease)));
+            }
+        }
+    }
+    let Some((waited, lease)) = credit else {
+        return Ok(());
+    };
+    tracing::debug!(
+        waited_ms = waited.as_millis() as u64,
+        "the file's write lock was held long: leases get the time back"
+    );
+    let sql = &batch[0].sql;
+    sqlx::query(&sql.credit)
+        .bind(millis(waited + lease))
+        .bind(millis(lease))
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
+}
+
+impl Job {
+    /// Takes `key` for a claim that began at `started`, unless a live row of another caller
+    /// holds it: the new token, or that row.
+    pub(super) fn take(
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+        nonce: u64,
+        started: Instant,
+    ) -> (Self, Answered<Result<Token, SqliteRow>>) {
+        let (answer, answered) = Answer::new();
+        let job = Job::Take {
+            key: *key,
+            fingerprint: fingerprint.copied(),
+            lease,
+            nonce,
+            started,
+            answer,
+        };
+        (job, answered)
+    }
+
+    /// A holder's statement: whether it found the row under `token`.
+    pub(super) fn fenced(
+        statement: Fence,
+        key: &Key,
+        token: Token,
+        value: Option<Bytes>,
+        millis: Option<i64>,
+    ) -> (Self, Answered<bool>) {
+        let (answer, answered) = Answer::new();
+        let job = Job::Fenced {
+            statement,
+            key: *key,
+            token,
+            value,
+            millis,
+            answer,
+        };
+        (job, answered)
+    }
+
+    /// Deletes `key`'s row: whether there was one, and whether it was live.
+    pub(super) fn remove(key: &Key) -> (Self, Answered<Option<bool>>) {
+        let (answer, answered) = Answer::new();
+        (Job::Remove { key: *key, answer }, answered)
+    }
+
+    /// Whether the caller stopped waiting for the answer.
+    fn abandoned(&self) -> bool {
+        match self {
+            Job::Take { answer, .. } => answer.to.is_closed(),
+            Job::Fenced { answer, .. } => answer.to.is_closed(),
+            Job::Remove { answer, .. } => answer.to.is_closed(),
+        }
+    }
+
+    /// Sends the caller what the write did once its transaction committed, or the error.
+    fn answer(self, result: Result<(), sqlx::Error>) {
+        match self {
+            Job::Take { answer, .. } => answer.send(result),
+            Job::Fenced { answer, .. } => answer.send(result),
+            Job::Remove { answer, .. } => answer.send(result),
+        }
+    }
+
+    /// Runs the write's statements in the batch's transaction, and keeps what they did.
+    async fn run(
+        &mut self,
+        sql: &Statements,
+        tx: &mut SqliteConnection,
+    ) -> Result<(), sqlx::Error> {
+        match self {
+            Job::Take {
+                key,
+                fingerprint,
+                lease,
+                nonce,
+                answer,
+                ..
+            } => {
+                let live = sqlx::query(&sql.live)
+                    .bind(&key.as_bytes()[..])
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                // The caller's own claim is taken again, with a new token and a whole lease.
+                if let Some(row) = live.filter(|row| !sql::is_ours(row, *nonce)) {
+                    answer.done = Some(Err(row));
+                    return Ok(());
+                }
+                let token: i64 = sqlx::query_scalar(&sql.next_token)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                sqlx::query(&sql.take)
+                    .bind(&key.as_bytes()[..])
+                    .bind(token)
+                    .bind(fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
+                    .bind(millis(*lease))
+                    .bind(&nonce.to_be_bytes()[..])
+                    .execute(&mut *tx)
+                    .await?;
+                answer.done = Some(Ok(Token::new(token.unsigned_abs())));
+            }
+            Job::Fenced {
+                statement,
+                key,
+                token,
+                value,
+                millis,
+                answer,
+            } => {
+                let statement = match statement {
+                    Fence::Complete => &sql.complete,
+                    Fence::Release => &sql.release,
+                    Fence::Renew => &sql.renew,
+                };
+                let mut query = sqlx::query(statement)
+                    .bind(&key.as_bytes()[..])
+                    .bind(*token);
+                if let Some(value) = value {
+                    query = query.bind(&value[..]);
+                }
+                if let Some(millis) = millis {
+                    query = query.bind(*millis);
+                }
+                answer.done = Some(query.execute(&mut *tx).await?.rows_affected() == 1);
+            }
+            Job::Remove { key, answer } => {
+                answer.done = Some(
+                    sqlx::query_scalar(&sql.remove)
+                        .bind(&key.as_bytes()[..])
+                        .fetch_optional(&mut *tx)
+                        .await?,
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::sqlite::SqliteStore;
+    use crate::Store;
+
+    async fn store(test: &str) -> SqliteStore {
+        let path = std::env::temp_dir().join(format!(
+            "idem-sqlite-writes-{test}-{}.db",
+            std::process::id()
+        ));
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+        }
+        let store = SqliteStore::open(&path).await.unwrap();
+        store.migrate().await.unwrap();
+        store
+    }
+
+    fn later() -> Instant {
+        Instant::now() + Duration::from_secs(10)
+    }
+
+    #[tokio::test]
+    async fn a_bad_write_fails_only_its_own_caller() {
+        let store = store("bad").await;
+        let key = Key::from_bytes([1; 32]);
+        let Ok(crate::Claim::Acquired { token }) =
+            store.claim(&key, None, Duration::from_secs(5)).await
+        else {
+            panic!("a fresh key is free");
+        };
+        // One batch: a renewal on a table that was never created, and one that exists.
+        let missing = Arc::new(Statements::of("never_migrated"));
+        let (bad, bad_answer) = Job::fenced(Fence::Renew, &key, token, None, Some(5000));
+        let (good, good_answer) = Job::fenced(Fence::Renew, &key, token, None, Some(5000));
+        let batch = vec![
+            Write {
+                job: bad,
+                sql: missing,
+                deadline: later(),
+            },
+            Write {
+                job: good,
+                sql: Arc::clone(&store.sql),
+                deadline: later(),
+            },
+        ];
+        store.writes.commit(batch).await;
+        let bad = bad_answer.await.unwrap();
+        assert!(
+            bad.as_ref()
+                .is_err_and(|err| err.to_string().contains("no such table")),
+            "{bad:?}"
+        );
+        assert!(
+            good_answer.await.unwrap().unwrap(),
+            "the good renewal landed"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_claim_whose_caller_stopped_waiting_is_not_taken() {
+        let store = store("abandoned").await;
+        let (abandoned, answer) = Job::take(
+            &Key::from_bytes([2; 32]),
+            None,
+            Duration::from_secs(5),
+            1,
+            Instant::now(),
+        );
+        drop(answer);
+        let (waited, answered) = Job::take(
+            &Key::from_bytes([3; 32]),
+            None,
+            Duration::from_secs(5),
+            2,
+            Instant::now(),
+        );
+        let batch = [abandoned, waited].map(|job| Write {
+            job,
+            sql: Arc::clone(&store.sql),
+            deadline: later(),
+        });
+        store.writes.commit(batch.into()).await;
+        assert!(matches!(answered.await.unwrap(), Ok(Ok(_))));
+        assert_eq!(
+            store.lease_left(&Key::from_bytes([2; 32])).await.unwrap(),
+            None,
+            "nobody holds the abandoned claim's key"
+        );
+        assert!(store
+            .lease_left(&Key::from_bytes([3; 32]))
+            .await
+            .unwrap()
+            .is_some());
+    }
+}
