@@ -427,7 +427,7 @@ fn parameter(value: Expr) -> syn::Result<syn::Ident> {
     }
     Err(syn::Error::new(
         value.span(),
-        "`transaction` names a parameter of the function, e.g. `transaction = tx` with a parameter `tx: &mut sqlx::PgConnection`",
+        "`transaction` names a parameter of the function, e.g. `transaction = tx` with a parameter `tx: &mut sqlx::PgConnection` (or the `SqliteConnection`, `MySqlConnection` of the store's database)",
     ))
 }
 

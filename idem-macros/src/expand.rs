@@ -149,26 +149,34 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
     let returned = respan(output.to_token_stream(), output.span());
     let call = match &args.transaction {
         Some((tx, _)) => {
-            // The store must be a `PostgresStore`: checked at the store expression's span.
+            // The store must be a transactional one (PostgreSQL's, SQLite's): checked at the
+            // store expression's span.
             let store_span = args.store.as_ref().map_or(Span::call_site(), Spanned::span);
-            let postgres = respan(quote!(#private::postgres_store), store_span);
+            let transactional = respan(quote!(#private::transactional), store_span);
             // The argument too, wrapped in a call whose tokens are at the user's span: the
             // error is then on `store = …`, not the whole attribute, and the local keeps its
             // own hygiene.
-            let postgres =
-                quote_spanned!(store_span=> #postgres(::core::convert::identity(&#store)));
+            let transactional =
+                quote_spanned!(store_span=> #transactional(::core::convert::identity(&#store)));
+            // The connection must be the store's database's: checked at `transaction = tx`.
+            let tx_store = local("__idem_tx_store");
+            let connection_of = respan(quote!(#private::connection_of), tx.span());
+            let connection = quote_spanned!(tx.span()=> #connection_of(#tx_store, &mut *#tx));
             let run = respan(quote!(#private::run_in_transaction), output.span());
             // The body becomes a closure of the connection, under the parameter's own name.
             quote_spanned! {output.span()=>
-                #run::<_, #returned, _>(
-                    &#op,
-                    #postgres,
-                    &mut *#tx,
-                    #key,
-                    #fingerprint,
-                    async move |#tx| #block,
-                )
-                .await
+                {
+                    let #tx_store = #transactional;
+                    #run::<_, _, #returned, _>(
+                        &#op,
+                        #tx_store,
+                        #connection,
+                        #key,
+                        #fingerprint,
+                        async move |#tx| #block,
+                    )
+                    .await
+                }
             }
         }
         None => {

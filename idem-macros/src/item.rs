@@ -55,7 +55,7 @@ pub(crate) fn check(item: &ItemFn, args: &Args, parsed: bool) -> syn::Result<()>
             errors.push(syn::Error::new(
                 tx.span(),
                 format!(
-                    "`transaction = {tx}` names no parameter of `{}`: add a parameter `{tx}: &mut sqlx::PgConnection` (callers pass `&mut transaction`)",
+                    "`transaction = {tx}` names no parameter of `{}`: add a parameter `{tx}: &mut sqlx::PgConnection` (`SqliteConnection`, `MySqlConnection`: the store's database's; callers pass `&mut transaction`)",
                     sig.ident
                 ),
             ));
@@ -63,7 +63,7 @@ pub(crate) fn check(item: &ItemFn, args: &Args, parsed: bool) -> syn::Result<()>
         if args.store.is_none() {
             errors.push(syn::Error::new(
                 *keyword,
-                "`transaction` needs `store = …`, a `PostgresStore`: the key is claimed in that store's table, inside the caller's transaction",
+                "`transaction` needs `store = …`, a `PostgresStore`, `SqliteStore` or `MySqlStore`: the key is claimed in that store's table, inside the caller's transaction",
             ));
         }
         if args.on_cancel == Some(OnCancel::Complete) {

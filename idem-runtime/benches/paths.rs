@@ -5,7 +5,6 @@
 //! unreachable (`IDEM_REDIS_URL`, `IDEM_POSTGRES_URL`).
 
 use std::convert::Infallible;
-use std::future::Future;
 use std::hint::black_box;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,7 +22,7 @@ use sha2::{Digest, Sha256};
 use tokio::runtime::Runtime;
 
 use self::common::{receipt, Receipt};
-use self::interleaved::{Ratio, Side};
+use self::interleaved::{on, Ratio, Side};
 
 mod common;
 mod interleaved;
@@ -796,23 +795,6 @@ where
 }
 
 // ---- the harness ---------------------------------------------------------------------------
-
-/// A side that awaits `call` once per iteration, on `rt`.
-fn on<'a, F, Fut>(rt: &'a Runtime, mut call: F) -> impl Side + 'a
-where
-    F: FnMut() -> Fut + 'a,
-    Fut: Future,
-{
-    move |iters| {
-        rt.block_on(async {
-            let started = Instant::now();
-            for _ in 0..iters {
-                black_box(call().await);
-            }
-            started.elapsed()
-        })
-    }
-}
 
 /// A side that calls `call` once per iteration.
 fn sync<T>(mut call: impl FnMut() -> T) -> impl Side {

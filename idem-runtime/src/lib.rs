@@ -34,8 +34,8 @@
 //! - [`Error`]: why a call did not produce a value of its own.
 //! - `http` (feature `http`): the `Idempotency-Key` header as a tower layer; `http::client`
 //!   (feature `client`): the client's half, one key per logical request and safe retries.
-//! - [`Operation::run_in_transaction`] (feature `postgres`): the claim, the body's writes and
-//!   the record in the caller's own PostgreSQL transaction, committed together.
+//! - [`Operation::run_in_transaction`] (features `postgres`, `sqlite`, `mysql`): the claim,
+//!   the body's writes and the record in the caller's own transaction, committed together.
 //! - [`attempt()`]: the key and fencing token of the claim a body runs under.
 //! - `metrics` (feature `metrics`): outcome counts and claim latency, by namespace, through
 //!   the `metrics` facade.

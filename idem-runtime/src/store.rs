@@ -25,6 +25,13 @@ pub mod redis;
 mod sql;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+mod transaction;
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+pub use transaction::Transactional;
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+#[doc(hidden)]
+pub use transaction::{Call, Savepoint};
 #[cfg(feature = "testkit")]
 pub mod testkit;
 pub mod tiered;

@@ -42,6 +42,7 @@ pub fn run_start() -> u64 {
 /// The least a hand-written client keeping idem's guarantees sends to Redis 7.0: the floor
 /// of `paths`' P6f and of the throughput bench's Redis floor rows.
 #[allow(dead_code)] // the footprint and phases benches measure no floor
+#[cfg(feature = "redis")]
 pub mod redis_floor {
     use std::sync::LazyLock;
 

@@ -6,7 +6,11 @@
 //! baseline next to it (which one goes first alternates), and the result is the median of
 //! those per-pair ratios, with the 10th and 90th percentiles as its spread.
 
+use std::future::Future;
+use std::hint::black_box;
 use std::time::{Duration, Instant};
+
+use tokio::runtime::Runtime;
 
 /// One side of a path: runs the path `iters` times and returns how long that took.
 pub trait Side: FnMut(u64) -> Duration {}
@@ -84,4 +88,22 @@ fn calibrate(side: &mut impl Side) -> u64 {
         iters *= 2;
     }
     iters
+}
+
+/// A side that awaits `call` once per iteration, on `rt`.
+#[allow(dead_code)] // benches without an async path
+pub fn on<'a, F, Fut>(rt: &'a Runtime, mut call: F) -> impl Side + 'a
+where
+    F: FnMut() -> Fut + 'a,
+    Fut: Future,
+{
+    move |iters| {
+        rt.block_on(async {
+            let started = Instant::now();
+            for _ in 0..iters {
+                black_box(call().await);
+            }
+            started.elapsed()
+        })
+    }
 }

@@ -43,6 +43,8 @@ use crate::store::sql::{self, is_identifier, millis, LookupRow};
 use crate::store::Recorded;
 use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
+mod transaction;
+
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "idem_records";
 
@@ -93,8 +95,13 @@ struct Statements {
     bump: String,
     insert: String,
     lock: String,
+    /// The key's row under a shared lock, for claims in the caller's transaction.
+    share: String,
     take: String,
     complete: String,
+    /// The completion of a claim in the caller's transaction: its own row, whatever the
+    /// lease says (`transaction.rs`).
+    complete_in: String,
     release: String,
     renew: String,
     remove_lock: String,
@@ -151,6 +158,10 @@ impl Statements {
                 "SELECT token, completed, fingerprint, value, expires_at > {NOW} FROM {t} \
                  WHERE `key` = ? FOR UPDATE"
             ),
+            share: format!(
+                "SELECT token, completed, fingerprint, value, expires_at > {NOW} FROM {t} \
+                 WHERE `key` = ? LOCK IN SHARE MODE"
+            ),
             take: format!(
                 "UPDATE {t} SET token = ?, completed = FALSE, fingerprint = ?, value = ?, \
                  expires_at = {NOW} + ? WHERE `key` = ?"
@@ -158,6 +169,10 @@ impl Statements {
             complete: format!(
                 "UPDATE {t} SET completed = TRUE, value = ?, expires_at = {NOW} + ? \
                  WHERE `key` = ? AND token = ? AND NOT completed AND expires_at > {NOW}"
+            ),
+            complete_in: format!(
+                "UPDATE {t} SET completed = TRUE, value = ?, expires_at = {NOW} + ? \
+                 WHERE `key` = ? AND token = ? AND NOT completed"
             ),
             release: format!(
                 "DELETE FROM {t} WHERE `key` = ? AND token = ? AND NOT completed AND expires_at > {NOW}"

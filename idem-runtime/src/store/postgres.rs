@@ -75,6 +75,17 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3);
 /// # Ok(())
 /// # }
 /// ```
+///
+/// # Transactions
+///
+/// [`Operation::run_in_transaction`](crate::Operation::run_in_transaction) (`transaction =
+/// tx` with a `&mut PgConnection`) claims in the caller's transaction: a replay is one
+/// round trip, a first execution two. A duplicate's claim waits on the holder's row lock.
+/// Under `READ COMMITTED` (PostgreSQL's default) it then replays. Under `REPEATABLE READ`
+/// and `SERIALIZABLE`, a duplicate whose transaction began before the holder committed
+/// cannot see the record: PostgreSQL refuses its claim with a serialization failure,
+/// returned as [`Error::Store`], and its transaction must be retried (it then replays).
+/// Never does a duplicate run the body.
 #[derive(Clone)]
 pub struct PostgresStore {
     /// The pool of every statement but renewals: claims, completions, releases, removals.

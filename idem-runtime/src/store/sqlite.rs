@@ -76,6 +76,7 @@ use crate::store::Recorded;
 use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
 use writes::{Answered, Fence, Job, Writes};
 
+mod transaction;
 mod writes;
 
 /// The default table name.
@@ -128,6 +129,27 @@ const NOW: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)"
 /// # Ok(())
 /// # }
 /// ```
+///
+/// # Transactions
+///
+/// [`Operation::run_in_transaction`](crate::Operation::run_in_transaction) (`transaction =
+/// tx` with a `&mut SqliteConnection`) claims in the caller's transaction on the same file:
+/// the claim, the body's writes and the record commit together. SQLite has one writer per
+/// file, so the claim takes the file's write lock first (waiting up to the operation's wait
+/// timeout, or not at all with [`InFlight::Reject`](crate::InFlight::Reject)), then reads
+/// the key: a duplicate in another transaction waits for the holder's commit and replays.
+///
+/// - **Begin with `BEGIN IMMEDIATE`** (`pool.begin_with("BEGIN IMMEDIATE")`): a deferred
+///   transaction that read the file before the holder committed cannot take the lock after
+///   it (`SQLITE_BUSY_SNAPSHOT`); its claim fails with [`Error::Store`], and a retry of the
+///   transaction replays. Never does a duplicate run the body.
+/// - A connection outside a transaction works too: the call's savepoint is then its
+///   transaction, and the record commits with the body's writes when the call returns.
+/// - A key held by an ordinary call ([`run`](crate::Operation::run), a lease) answers
+///   [`Error::InProgress`] at once: its holder cannot record while this transaction holds
+///   the lock.
+/// - Inside the body, call other idempotent functions with `transaction =` on the same
+///   connection: an ordinary call on the same file would wait for this transaction's lock.
 #[derive(Clone)]
 pub struct SqliteStore {
     pool: SqlitePool,

@@ -28,23 +28,14 @@
 //! decides, and until it commits no other caller can see the record.
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use bytes::Bytes;
-use serde::de::DeserializeOwned;
-use serde::Serialize;
 use sqlx::postgres::PgRow;
 use sqlx::PgConnection;
-use tokio::time::Instant;
-use tracing::Instrument;
 
 use super::{millis, parse_claim, PostgresStore};
-use crate::codec::{self, ErrorPolicy, Json};
-use crate::engine::attempt::{self, Attempt};
-use crate::engine::{pause_before_polling, Settings, Settled};
-use crate::meter::{self, Event};
-use crate::{limits, Claim, Error, Fingerprint, InFlight, Key, Operation, Outcome, Token};
+use crate::store::transaction::{sealed::Sealed, Call, Savepoint, Transactional};
+use crate::{Claim, Error, Fingerprint, Key, Token};
 
 /// The lock timeout of [`InFlight::Reject`]: long enough for a lock that is free, far too
 /// short for a holder's transaction.
@@ -55,25 +46,6 @@ pub(in crate::store) struct Statements {
     function: String,
     claim: String,
     table: String,
-}
-
-/// Each call's savepoint has a name of its own, so that a call nested in another's body
-/// (on the same connection) rolls back to its own savepoint, never to its parent's.
-static SAVEPOINTS: AtomicU64 = AtomicU64::new(0);
-
-/// The name of one call's savepoint.
-struct Savepoint(u64);
-
-impl Savepoint {
-    fn new() -> Self {
-        Self(SAVEPOINTS.fetch_add(1, Ordering::Relaxed))
-    }
-}
-
-impl fmt::Display for Savepoint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "idem_{}", self.0)
-    }
 }
 
 impl Statements {
@@ -167,261 +139,89 @@ impl Statements {
     }
 }
 
-impl<P> Operation<P> {
-    /// Runs `body` at most once per `key`, inside the caller's transaction on `connection`:
-    /// the key is claimed in it, `body` runs in it (it is handed the connection), and the
-    /// result is recorded in it. The body's writes and the record commit together when the
-    /// caller commits, or not at all.
-    ///
-    /// - A replay is one round trip (`SAVEPOINT` and the claim) and never runs the body; a
-    ///   first execution is two (that, then the completion).
-    /// - `Ok` is recorded (for the TTL) but not committed: the caller commits. A caller that
-    ///   rolls back leaves nothing, and the next call runs.
-    /// - `Err` (unless the error policy records it) rolls the body's writes and the claim
-    ///   back together, to a savepoint; the caller's transaction stays usable.
-    /// - A concurrent call in another transaction waits for this one to end, then replays
-    ///   its result, or runs if it rolled back: with [`InFlight::Wait`] for at most the wait
-    ///   timeout (the lease by default), with [`InFlight::Reject`] not at all. No caller is
-    ///   ever handed a result whose transaction has not committed.
-    /// - A crash needs no lease: the server rolls the transaction back and the key is free.
-    ///
-    /// Records of calls in transactions and of [`run`](Self::run) on the same
-    /// [`PostgresStore`] share its table and honour each other.
-    ///
-    /// ```no_run
-    /// use idem_runtime::{Operation, PostgresStore};
-    ///
-    /// # async fn transfer(store: &PostgresStore) -> Result<(), idem_runtime::Error> {
-    /// let op = Operation::new("ledger.transfer.v1");
-    /// let key = op.key(&"transfer-42")?;
-    /// let mut tx = store.pool().begin().await.map_err(idem_runtime::Error::store)?;
-    /// let moved = op
-    ///     .run_in_transaction(store, &mut tx, &key, None, async |tx| {
-    ///         sqlx::query("UPDATE accounts SET balance = balance - 100 WHERE id = 1")
-    ///             .execute(&mut *tx)
-    ///             .await
-    ///             .map_err(idem_runtime::Error::store)?;
-    ///         Ok::<_, idem_runtime::Error>(100_u64)
-    ///     })
-    ///     .await?;
-    /// tx.commit().await.map_err(idem_runtime::Error::store)?;
-    /// # let _ = moved;
-    /// # Ok(())
-    /// # }
-    /// ```
-    ///
-    /// # Isolation levels
-    ///
-    /// Under `READ COMMITTED` (PostgreSQL's default) a duplicate waits and replays. Under
-    /// `REPEATABLE READ` and `SERIALIZABLE`, a duplicate whose transaction began before the
-    /// holder committed cannot see the record: PostgreSQL refuses its claim with a
-    /// serialization failure, returned as [`Error::Store`], and its transaction must be
-    /// retried (it then replays). Never does a duplicate run the body.
-    ///
-    /// # Cancellation
-    ///
-    /// If this future is dropped mid-body, the savepoint stays open on the connection. A
-    /// caller that then rolls back leaves nothing; one that commits anyway commits the
-    /// body's writes so far and a claim that, like a crashed holder's, lapses after the
-    /// lease.
-    ///
-    /// # Errors
-    ///
-    /// `body`'s own errors, and [`Error`]s converted with `E: From<Error>`:
-    /// [`Error::InProgress`] (the key is held by another transaction past the wait, or by
-    /// this call's own enclosing call), [`Error::PayloadMismatch`], [`Error::Store`] and
-    /// [`Error::Codec`]. After an [`Error::Store`] the transaction may be aborted: roll it
-    /// back.
-    pub async fn run_in_transaction<T, E, F>(
-        &self,
-        store: &PostgresStore,
-        connection: &mut PgConnection,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        body: F,
-    ) -> Result<Outcome<T>, E>
-    where
-        T: Serialize + DeserializeOwned,
-        E: From<Error>,
-        P: ErrorPolicy<E>,
-        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
-    {
-        let span = self.settings.span(key);
-        async {
-            let savepoint = Savepoint::new();
-            let token = match self
-                .settings
-                .settle_in(store, connection, &savepoint, key, fingerprint)
-                .await?
-            {
-                Settled::Replay(record) => return self.replay::<Json, _, _>(&record),
-                Settled::Run(token) => token,
-            };
-            let tx = Claimed {
-                store,
-                key,
-                token,
-                savepoint,
-            };
-            let attempt = Attempt::enter_fenced(store, *key, token);
-            let result = attempt.scope(body(&mut *connection)).await;
-            let recorded = match result {
-                Ok(value) => match codec::encode_value::<Json, T>(&value) {
-                    Ok(record) => tx.complete(connection, record, self.settings.ttl).await.map(|()| Ok(value)),
-                    Err(codec) => {
-                        tracing::error!(outcome = "released", error = %codec, "the result cannot be recorded");
-                        Err(codec)
-                    }
-                },
-                Err(err) => match self.errors.encode(&err) {
-                    Some(Ok(record)) => tx.complete(connection, record, self.settings.ttl).await.map(|()| Err(err)),
-                    Some(Err(codec)) => {
-                        tracing::error!(outcome = "released", error = %codec, "the final error cannot be recorded");
-                        meter::count(&self.settings.namespace, Event::Released);
-                        tx.roll_back(connection).await;
-                        return Err(err);
-                    }
-                    None => {
-                        tracing::debug!(outcome = "released", "the body failed; its writes are rolled back");
-                        meter::count(&self.settings.namespace, Event::Released);
-                        tx.roll_back(connection).await;
-                        return Err(err);
-                    }
-                },
-            };
-            let namespace = &self.settings.namespace;
-            match recorded {
-                Ok(outcome) => {
-                    meter::count(namespace, Event::Executed);
-                    tracing::debug!(outcome = "executed", "recorded in the caller's transaction");
-                    outcome.map(Outcome::Executed)
-                }
-                Err(err) => {
-                    meter::count(namespace, Event::Released);
-                    tx.roll_back(connection).await;
-                    Err(err.into())
-                }
-            }
-        }
-        .instrument(span)
-        .await
-    }
-}
+impl Sealed for PostgresStore {}
 
-impl Settings {
-    /// Claims `key` in the transaction under `savepoint`: the record to replay, or the
-    /// token of the claim. Only a claim keeps the savepoint; any other outcome ends it (a
-    /// replay wrote nothing; a refused claim rolls back to it), so that a transaction of
-    /// many calls does not nest one level deeper per call.
-    async fn settle_in(
-        &self,
-        store: &PostgresStore,
-        connection: &mut PgConnection,
-        savepoint: &Savepoint,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-    ) -> Result<Settled, Error> {
-        let started = meter::start();
-        let settled = self
-            .settle_under(store, connection, savepoint, key, fingerprint)
-            .await;
-        meter::settled(&self.namespace, started, &settled, |settled| {
-            matches!(settled, Settled::Replay(_))
-        });
-        settled
-    }
+impl Transactional for PostgresStore {
+    type Connection = PgConnection;
 
-    /// [`settle_in`](Self::settle_in), unmeasured.
-    async fn settle_under(
+    async fn __claim_in(
         &self,
-        store: &PostgresStore,
         connection: &mut PgConnection,
-        savepoint: &Savepoint,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-    ) -> Result<Settled, Error> {
-        limits::check(self.ttl, self.lease, self.wait_timeout)?;
-        // Before any statement: the enclosing call's uncommitted claim would make a claim on
-        // another connection wait for the very transaction that waits for it.
-        attempt::refuse_recursion(store, key)?;
-        let mut taken = false;
-        let settled = self
-            .claim_under(store, connection, savepoint, &mut taken, key, fingerprint)
-            .await;
-        if taken && !matches!(settled, Ok(Settled::Run(_))) {
-            end_savepoint(store, connection, savepoint).await;
-        }
-        settled
-    }
-
-    /// The claim and its polls; `taken` tells whether the savepoint was established.
-    async fn claim_under(
-        &self,
-        store: &PostgresStore,
-        connection: &mut PgConnection,
-        savepoint: &Savepoint,
-        taken: &mut bool,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-    ) -> Result<Settled, Error> {
-        let wait = self.wait_timeout.unwrap_or(self.lease);
-        let lock_timeout = match self.in_flight {
-            InFlight::Reject => REJECT_WITHIN.to_string(),
-            _ => lock_timeout(wait),
+        call: &Call<'_>,
+        first: bool,
+    ) -> Result<Claim, Error> {
+        let lock_timeout = call.wait.map_or(REJECT_WITHIN.to_string(), lock_timeout);
+        let bound = self.timeout + call.wait.unwrap_or_default();
+        let statements = &self.sql.transaction;
+        let claimed = if first {
+            let first = statements.savepoint_and_claim(
+                &call.savepoint,
+                call.key,
+                call.fingerprint,
+                millis(call.lease),
+                &lock_timeout,
+            );
+            within(bound, simple_query(&mut *connection, &first)).await
+        } else {
+            // Polls run inside the savepoint of the first claim, which wrote nothing.
+            within(
+                bound,
+                sqlx::query(&statements.claim)
+                    .bind(&call.key.as_bytes()[..])
+                    .bind(call.fingerprint.map(|f| &f.as_bytes()[..]))
+                    .bind(millis(call.lease))
+                    .bind(&lock_timeout)
+                    .fetch_one(&mut *connection),
+            )
+            .await
         };
-        let deadline = Instant::now() + wait;
-        let statements = &store.sql.transaction;
-        let mut polls = 0;
-        loop {
-            let claimed = if polls == 0 {
-                let first = statements.savepoint_and_claim(
-                    savepoint,
-                    key,
-                    fingerprint,
-                    millis(self.lease),
-                    &lock_timeout,
-                );
-                let claimed =
-                    within(store.timeout + wait, simple_query(&mut *connection, &first)).await;
-                // The savepoint is taken unless the message failed at it: in a transaction
-                // already aborted by the caller's own statement, or outside of one. Then
-                // nothing of this call is there to roll back, and an aborted transaction
-                // stays aborted.
-                *taken = claimed.as_ref().err().is_none_or(Failed::savepoint_taken);
-                claimed
-            } else {
-                // Polls run inside the savepoint of the first claim, which wrote nothing.
-                within(
-                    store.timeout + wait,
-                    sqlx::query(&statements.claim)
-                        .bind(&key.as_bytes()[..])
-                        .bind(fingerprint.map(|f| &f.as_bytes()[..]))
-                        .bind(millis(self.lease))
-                        .bind(&lock_timeout)
-                        .fetch_one(&mut *connection),
-                )
-                .await
-            };
-            let row = claimed.map_err(Failed::into_error)?;
-            match parse_claim(&row)? {
-                Claim::Acquired { token } => return Ok(Settled::Run(token)),
-                Claim::Completed {
-                    value,
-                    fingerprint: recorded,
-                } => return Settled::replay(value, recorded.as_ref(), fingerprint),
-                // Held by a committed claim of `run` (a lease), not by a transaction: poll.
-                Claim::InProgress {
-                    fingerprint: holder,
-                } => {
-                    self.found_in_progress(store, key, holder.as_ref(), fingerprint)?;
-                    if polls == 0 {
-                        refuse_a_snapshot_that_cannot_see_the_end(store, connection).await?;
-                    }
-                    pause_before_polling(deadline, polls).await?;
-                    polls += 1;
+        match claimed {
+            Ok(row) => parse_claim(&row),
+            Err(failed) => {
+                // The savepoint is taken unless the first message failed at it: in a
+                // transaction already aborted by the caller's own statement, or outside of
+                // one. Then nothing of this call is there to roll back, and an aborted
+                // transaction stays aborted.
+                if !first || failed.savepoint_taken() {
+                    end_savepoint(self, connection, &call.savepoint).await;
                 }
+                Err(failed.into_error())
             }
         }
+    }
+
+    async fn __before_polling(&self, connection: &mut PgConnection) -> Result<(), Error> {
+        refuse_a_snapshot_that_cannot_see_the_end(self, connection).await
+    }
+
+    /// The completion and the release of the savepoint, in one message.
+    async fn __complete_in(
+        &self,
+        connection: &mut PgConnection,
+        call: &Call<'_>,
+        token: Token,
+        record: &[u8],
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        let statements = self.sql.transaction.complete_and_release(
+            &call.savepoint,
+            call.key,
+            i64::try_from(token.get())
+                .map_err(|_| Error::store("a fencing token out of PostgreSQL's bigint range"))?,
+            record,
+            millis(ttl),
+        );
+        let done = within(
+            self.timeout,
+            sqlx::Executor::fetch_all(&mut *connection, sqlx::raw_sql(&statements)),
+        )
+        .await
+        .map_err(Failed::into_error)?;
+        Ok(done.len() == 1)
+    }
+
+    async fn __roll_back(&self, connection: &mut PgConnection, call: &Call<'_>) {
+        end_savepoint(self, connection, &call.savepoint).await;
     }
 }
 
@@ -473,51 +273,6 @@ async fn end_savepoint(
     .await;
     if let Err(err) = ended {
         tracing::error!(error = %err.into_error(), "rolling back to the call's savepoint failed; roll the transaction back");
-    }
-}
-
-/// A claim taken in the caller's transaction, and what can still be done with it.
-struct Claimed<'a> {
-    store: &'a PostgresStore,
-    key: &'a Key,
-    token: Token,
-    savepoint: Savepoint,
-}
-
-impl Claimed<'_> {
-    /// Records the result beside the body's writes, and releases the call's savepoint.
-    async fn complete(
-        &self,
-        connection: &mut PgConnection,
-        record: Bytes,
-        ttl: Duration,
-    ) -> Result<(), Error> {
-        let statements = self.store.sql.transaction.complete_and_release(
-            &self.savepoint,
-            self.key,
-            i64::try_from(self.token.get())
-                .map_err(|_| Error::store("a fencing token out of PostgreSQL's bigint range"))?,
-            &record,
-            millis(ttl),
-        );
-        let done = within(
-            self.store.timeout,
-            sqlx::Executor::fetch_all(&mut *connection, sqlx::raw_sql(&statements)),
-        )
-        .await
-        .map_err(Failed::into_error)?;
-        if done.len() == 1 {
-            Ok(())
-        } else {
-            Err(Error::store(
-                "the claim in this transaction is gone: did the body roll back to a savepoint taken before the call? Roll the transaction back",
-            ))
-        }
-    }
-
-    /// Rolls the claim and the body's writes back to the call's savepoint, and releases it.
-    async fn roll_back(&self, connection: &mut PgConnection) {
-        end_savepoint(self.store, connection, &self.savepoint).await;
     }
 }
 

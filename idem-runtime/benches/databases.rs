@@ -1,0 +1,328 @@
+//! SQLite and MySQL/MariaDB, each against hand-written statements on its own database: a
+//! first execution against one `INSERT` of the result, a replay against one `SELECT`, and a
+//! transfer in the caller's transaction against the bare transaction. Each is measured
+//! interleaved with its baseline (`interleaved/mod.rs`), next to its floor: the least any
+//! design that keeps idem's guarantees sends, written by hand (a first execution commits its
+//! claim before the body and its result after it: an `INSERT` and an `UPDATE`; a claim in
+//! a transaction writes a row before the body and updates it after). Target: the floor's
+//! ratio + 10 %.
+//!
+//! `cargo bench -p idem-runtime --bench databases --features sqlite,mysql`
+//! (MySQL at `IDEM_MYSQL_URL`, default `mysql://root@127.0.0.1:3306/test`; a database that
+//! is unreachable is skipped with a line saying so.)
+
+#[allow(dead_code)] // the Redis helpers are other benches'
+mod common;
+mod interleaved;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use idem_runtime::{Error, MySqlStore, Operation, SqliteStore};
+use interleaved::{measure, on as side, Ratio};
+use tokio::runtime::Runtime;
+
+/// How long each pair of sides is measured, after calibration.
+const BUDGET: Duration = Duration::from_secs(4);
+
+/// A fresh number per call, so that every first execution has a key of its own.
+fn fresh() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    common::run_start() * 1_000_000 + NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// A row of the table: a path and its floor, measured one after the other.
+struct Row {
+    path: String,
+    ours: Ratio,
+    floor: Option<Ratio>,
+    /// Whether the target is the floor's ratio + 10 % (else 1.1).
+    floored: bool,
+}
+
+impl Row {
+    fn target(&self) -> f64 {
+        match (&self.floor, self.floored) {
+            (Some(floor), true) => floor.median * 1.1,
+            _ => 1.1,
+        }
+    }
+}
+
+/// The statements each database's hand-written side sends, in its dialect.
+struct Dialect {
+    create_raw: &'static str,
+    insert: &'static str,
+    update: &'static str,
+    select: &'static str,
+    create_ledger: &'static str,
+    fill_ledger: &'static str,
+    transfer: &'static str,
+    create_claims: &'static str,
+    insert_claim: &'static str,
+    update_claim: &'static str,
+}
+
+/// Measures one database: `begin` opens the caller's transaction on `pool`.
+macro_rules! database {
+    ($rt:expr, $rows:expr, $name:literal, $store:expr, $pool:expr, $dialect:expr, |$p:ident| $begin:expr) => {{
+        let (rt, store, pool, d): (&Runtime, _, _, &Dialect) = ($rt, $store, $pool, $dialect);
+        let op = Operation::new(format!("bench.databases.{}", common::run_start()));
+        let json = serde_json::to_vec(&common::receipt(1)).unwrap();
+        rt.block_on(async {
+            for statement in [
+                d.create_raw,
+                d.create_ledger,
+                d.fill_ledger,
+                d.create_claims,
+            ] {
+                sqlx::query(statement).execute(pool).await.unwrap();
+            }
+        });
+        let replay = op.key(&u64::MAX).unwrap();
+        let raw_key = replay.as_bytes().to_vec();
+        rt.block_on(async {
+            let recorded = op.run(store, &replay, None, async {
+                Ok::<_, Error>(common::receipt(1))
+            });
+            assert!(!recorded.await.unwrap().is_replayed(), "a fresh key runs");
+            sqlx::query(d.insert)
+                .bind(&raw_key)
+                .bind(&json)
+                .execute(pool)
+                .await
+                .unwrap();
+        });
+
+        let first = measure(
+            &mut side(rt, || async {
+                let key = op.key(&fresh()).unwrap();
+                op.run(store, &key, None, async {
+                    Ok::<_, Error>(common::receipt(1))
+                })
+                .await
+                .unwrap()
+            }),
+            &mut side(rt, || async {
+                let key = op.key(&fresh()).unwrap();
+                sqlx::query(d.insert)
+                    .bind(&key.as_bytes()[..])
+                    .bind(&json)
+                    .execute(pool)
+                    .await
+                    .unwrap()
+            }),
+            BUDGET,
+        );
+        let first_floor = measure(
+            &mut side(rt, || async {
+                let key = op.key(&fresh()).unwrap();
+                sqlx::query(d.insert)
+                    .bind(&key.as_bytes()[..])
+                    .bind(None::<&[u8]>)
+                    .execute(pool)
+                    .await
+                    .unwrap();
+                sqlx::query(d.update)
+                    .bind(&json)
+                    .bind(&key.as_bytes()[..])
+                    .execute(pool)
+                    .await
+                    .unwrap()
+            }),
+            &mut side(rt, || async {
+                let key = op.key(&fresh()).unwrap();
+                sqlx::query(d.insert)
+                    .bind(&key.as_bytes()[..])
+                    .bind(&json)
+                    .execute(pool)
+                    .await
+                    .unwrap()
+            }),
+            BUDGET,
+        );
+        $rows.push(Row {
+            path: format!("first execution, {}", $name),
+            ours: first,
+            floor: Some(first_floor),
+            floored: true,
+        });
+
+        let replayed = measure(
+            &mut side(rt, || async {
+                op.run(store, &replay, None, async {
+                    Ok::<_, Error>(common::receipt(2))
+                })
+                .await
+                .unwrap()
+            }),
+            &mut side(rt, || async {
+                let (value,): (Vec<u8>,) = sqlx::query_as(d.select)
+                    .bind(&raw_key)
+                    .fetch_one(pool)
+                    .await
+                    .unwrap();
+                serde_json::from_slice::<common::Receipt>(&value).unwrap()
+            }),
+            BUDGET,
+        );
+        $rows.push(Row {
+            path: format!("replay, {}", $name),
+            ours: replayed,
+            floor: None,
+            floored: false,
+        });
+
+        let bare = || async {
+            let $p = pool;
+            let mut tx = $begin;
+            sqlx::query(d.transfer).execute(&mut *tx).await.unwrap();
+            tx.commit().await.unwrap();
+        };
+        let in_transaction = measure(
+            &mut side(rt, || async {
+                let key = op.key(&fresh()).unwrap();
+                let $p = pool;
+                let mut tx = $begin;
+                let moved = op
+                    .run_in_transaction(store, &mut tx, &key, None, async |tx| {
+                        sqlx::query(d.transfer)
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(Error::store)?;
+                        Ok::<_, Error>(1_u64)
+                    })
+                    .await
+                    .unwrap();
+                tx.commit().await.unwrap();
+                moved
+            }),
+            &mut side(rt, bare),
+            BUDGET,
+        );
+        let transfer_floor = measure(
+            &mut side(rt, || async {
+                let key = op.key(&fresh()).unwrap();
+                let $p = pool;
+                let mut tx = $begin;
+                sqlx::query(d.insert_claim)
+                    .bind(&key.as_bytes()[..])
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                sqlx::query(d.transfer).execute(&mut *tx).await.unwrap();
+                sqlx::query(d.update_claim)
+                    .bind(&json)
+                    .bind(&key.as_bytes()[..])
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                tx.commit().await.unwrap();
+            }),
+            &mut side(rt, bare),
+            BUDGET,
+        );
+        $rows.push(Row {
+            path: format!("transfer in a transaction, {}", $name),
+            ours: in_transaction,
+            floor: Some(transfer_floor),
+            floored: true,
+        });
+    }};
+}
+
+const SQLITE: Dialect = Dialect {
+    create_raw: "CREATE TABLE IF NOT EXISTS bench_raw (key BLOB PRIMARY KEY, value BLOB)",
+    insert: "INSERT INTO bench_raw (key, value) VALUES (?1, ?2)",
+    update: "UPDATE bench_raw SET value = ?1 WHERE key = ?2",
+    select: "SELECT value FROM bench_raw WHERE key = ?1",
+    create_ledger:
+        "CREATE TABLE IF NOT EXISTS bench_ledger (id INTEGER PRIMARY KEY, balance INTEGER NOT NULL)",
+    fill_ledger: "INSERT OR IGNORE INTO bench_ledger VALUES (1, 0)",
+    transfer: "UPDATE bench_ledger SET balance = balance + 1 WHERE id = 1",
+    create_claims: "CREATE TABLE IF NOT EXISTS bench_claims (key BLOB PRIMARY KEY, value BLOB)",
+    insert_claim: "INSERT INTO bench_claims (key) VALUES (?1)",
+    update_claim: "UPDATE bench_claims SET value = ?1 WHERE key = ?2",
+};
+
+const MYSQL: Dialect = Dialect {
+    create_raw: "CREATE TABLE IF NOT EXISTS bench_raw (`key` VARBINARY(32) PRIMARY KEY, value LONGBLOB) ENGINE = InnoDB",
+    insert: "INSERT INTO bench_raw (`key`, value) VALUES (?, ?)",
+    update: "UPDATE bench_raw SET value = ? WHERE `key` = ?",
+    select: "SELECT value FROM bench_raw WHERE `key` = ?",
+    create_ledger: "CREATE TABLE IF NOT EXISTS bench_ledger (id INT PRIMARY KEY, balance BIGINT NOT NULL) ENGINE = InnoDB",
+    fill_ledger: "INSERT IGNORE INTO bench_ledger VALUES (1, 0)",
+    transfer: "UPDATE bench_ledger SET balance = balance + 1 WHERE id = 1",
+    create_claims: "CREATE TABLE IF NOT EXISTS bench_claims (`key` VARBINARY(32) PRIMARY KEY, value LONGBLOB) ENGINE = InnoDB",
+    insert_claim: "INSERT INTO bench_claims (`key`) VALUES (?)",
+    update_claim: "UPDATE bench_claims SET value = ? WHERE `key` = ?",
+};
+
+fn sqlite(rt: &Runtime, rows: &mut Vec<Row>) {
+    let dir = std::env::temp_dir().join(format!("idem-bench-databases-{}", common::run_start()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let store = rt.block_on(async {
+        let store = SqliteStore::open(dir.join("idem.db")).await.unwrap();
+        store.migrate().await.unwrap();
+        store
+    });
+    let pool = store.pool().clone();
+    database!(rt, rows, "sqlite", &store, &pool, &SQLITE, |pool| pool
+        .begin_with("BEGIN IMMEDIATE")
+        .await
+        .unwrap());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+fn mysql(rt: &Runtime, rows: &mut Vec<Row>) {
+    let url = std::env::var("IDEM_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+    let Ok(store) = rt.block_on(MySqlStore::connect(&url)) else {
+        return println!("skipped: mysql at {url} is unreachable");
+    };
+    let store = store.with_table("idem_bench").unwrap();
+    rt.block_on(store.migrate()).unwrap();
+    let pool = store.pool().clone();
+    database!(rt, rows, "mysql", &store, &pool, &MYSQL, |pool| pool
+        .begin()
+        .await
+        .unwrap());
+    rt.block_on(async {
+        let _ = store.purge_expired().await;
+        for table in ["bench_raw", "bench_ledger", "bench_claims"] {
+            let _ = sqlx::query(&format!("DROP TABLE {table}"))
+                .execute(&pool)
+                .await;
+        }
+    });
+}
+
+fn main() {
+    let rt = common::runtime();
+    let mut rows = Vec::new();
+    sqlite(&rt, &mut rows);
+    mysql(&rt, &mut rows);
+    println!(
+        "\n{:<36} {:>10} {:>10} {:>6} {:>13} {:>6} {:>7} {:>6}",
+        "path", "ours", "baseline", "ratio", "p10 – p90", "floor", "target", "pairs"
+    );
+    for row in &rows {
+        let r = row.ours;
+        let floor = row.floor.map_or("-".into(), |f| format!("{:.2}", f.median));
+        let verdict = if r.median <= row.target() {
+            "ok"
+        } else {
+            "MISSED"
+        };
+        println!(
+            "{:<36} {:>10.1?} {:>10.1?} {:>6.2} {:>13} {floor:>6} {:>7.2} {:>6} {verdict}",
+            row.path,
+            r.ours,
+            r.baseline,
+            r.median,
+            format!("{:.2} – {:.2}", r.low, r.high),
+            row.target(),
+            r.pairs,
+        );
+    }
+}

@@ -1,0 +1,261 @@
+//! Claims inside the caller's own MySQL or MariaDB transaction (see
+//! [`Operation::run_in_transaction`](crate::Operation::run_in_transaction)).
+//!
+//! The claim is the ordinary claim's, on the caller's connection and under a savepoint: a
+//! read of the transaction's snapshot answers a record or a key in progress without a lock;
+//! otherwise an `INSERT IGNORE` takes a key with no row, and a row is read under a shared
+//! lock (`LOCK IN SHARE MODE`, which reads the latest committed version whatever the
+//! isolation level), and taken over only if it lapsed. A duplicate in another transaction waits on the holder's row
+//! lock, for the operation's wait (`innodb_lock_wait_timeout`, in whole seconds, set for the
+//! claim only), then sees the holder's committed record and replays it, or takes the key if
+//! the holder rolled back. The token comes from the counter on a pooled connection of the
+//! store's (a statement of its own), so that no transaction holds the counter's lock.
+//!
+//! InnoDB keeps the row locks a claim took when the call rolls back to its savepoint (a
+//! refused claim, an `Err`): they are held until the caller's transaction ends. Two
+//! transactions taking over the same lapsed row, or an InnoDB gap lock between claims of
+//! neighbouring keys, can deadlock: InnoDB then rolls one transaction back whole, the call
+//! fails with [`Error::Store`] and nothing of that transaction is kept (fail closed); retry it.
+
+use std::time::Duration;
+
+use sqlx::mysql::{MySqlDatabaseError, MySqlRow};
+use sqlx::{MySqlConnection, Row};
+
+use super::{MySqlStore, CLAIM_LOOKS};
+use crate::store::sql::{self, millis};
+use crate::store::transaction::{sealed::Sealed, Call, Savepoint, Transactional};
+use crate::{Claim, Error, Token};
+
+impl Sealed for MySqlStore {}
+
+impl Transactional for MySqlStore {
+    type Connection = MySqlConnection;
+
+    async fn __claim_in(
+        &self,
+        connection: &mut MySqlConnection,
+        call: &Call<'_>,
+        first: bool,
+    ) -> Result<Claim, Error> {
+        let bound = self.timeout + call.wait.unwrap_or_default();
+        let savepoint = &call.savepoint;
+        if first {
+            sql::within("mysql", self.timeout, async {
+                raw(connection, &format!("SAVEPOINT {savepoint}")).await?;
+                // Outside a transaction each statement commits by itself: the savepoint does
+                // not exist, and the claim would commit before the body's writes.
+                raw(connection, &format!("ROLLBACK TO SAVEPOINT {savepoint}")).await
+            })
+            .await
+            .map_err(outside_a_transaction)?;
+        }
+        let claimed = sql::within("mysql", bound, async {
+            // Whole seconds: MySQL's least is 1; MariaDB's 0 does not wait at all.
+            let wait = call.wait.map_or(0, |wait| wait.as_secs_f64().ceil() as u64);
+            raw(
+                connection,
+                &format!(
+                    "SET @idem_lock_wait = @@SESSION.innodb_lock_wait_timeout, \
+                     SESSION innodb_lock_wait_timeout = {}",
+                    wait.clamp(0, 1_073_741_824)
+                ),
+            )
+            .await?;
+            let claimed = self.claim_on(connection, call).await;
+            raw(
+                connection,
+                "SET SESSION innodb_lock_wait_timeout = @idem_lock_wait",
+            )
+            .await?;
+            claimed
+        })
+        .await;
+        match claimed {
+            Ok(claimed) => Ok(claimed),
+            Err(err) => {
+                end_savepoint(self, connection, savepoint).await;
+                Err(refused(err))
+            }
+        }
+    }
+
+    /// A committed claim of an ordinary call holds the key: it answers
+    /// [`Error::InProgress`] at once. A claim that locked the holder's row keeps that lock
+    /// until the transaction ends, so the holder could not record while this one polled.
+    async fn __before_polling(&self, _: &mut MySqlConnection) -> Result<(), Error> {
+        tracing::debug!(
+            outcome = "rejected",
+            "the key is held by a call in progress"
+        );
+        Err(Error::InProgress)
+    }
+
+    async fn __complete_in(
+        &self,
+        connection: &mut MySqlConnection,
+        call: &Call<'_>,
+        token: Token,
+        record: &[u8],
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        let savepoint = &call.savepoint;
+        sql::within("mysql", self.timeout, async {
+            let done = sqlx::query(&self.sql.complete_in)
+                .bind(record)
+                .bind(millis(ttl))
+                .bind(&call.key.as_bytes()[..])
+                .bind(token)
+                .execute(&mut *connection)
+                .await?;
+            if done.rows_affected() == 1 {
+                raw(connection, &format!("RELEASE SAVEPOINT {savepoint}")).await?;
+            }
+            Ok(done.rows_affected() == 1)
+        })
+        .await
+    }
+
+    async fn __roll_back(&self, connection: &mut MySqlConnection, call: &Call<'_>) {
+        end_savepoint(self, connection, &call.savepoint).await;
+    }
+}
+
+impl MySqlStore {
+    /// The claim under the call's savepoint, on the caller's connection.
+    async fn claim_on(
+        &self,
+        connection: &mut MySqlConnection,
+        call: &Call<'_>,
+    ) -> Result<Claim, sqlx::Error> {
+        let token = {
+            let mut pooled = self.pool.acquire().await?;
+            self.next_token(&mut pooled).await?
+        };
+        let key = &call.key.as_bytes()[..];
+        let fingerprint = call.fingerprint.map(|f| &f.as_bytes()[..]);
+        // A record, or a key an ordinary call holds, is answered without a lock: a lock on
+        // the holder's row would keep it from recording until this transaction ends. The
+        // read is the transaction's snapshot, so it shows only what committed.
+        let seen: Option<MySqlRow> = sqlx::query(&self.sql.live)
+            .bind(key)
+            .fetch_optional(&mut *connection)
+            .await?;
+        if let Some(row) = seen {
+            return sql::held(&row).map_err(decode);
+        }
+        for _ in 0..CLAIM_LOOKS {
+            // No row: the primary key lets one insert in; a holder's uncommitted row makes
+            // this wait for its transaction.
+            let inserted = sqlx::query(&self.sql.insert)
+                .bind(key)
+                .bind(token)
+                .bind(fingerprint)
+                .bind(None::<&[u8]>)
+                .bind(millis(call.lease))
+                .execute(&mut *connection)
+                .await?;
+            if inserted.rows_affected() == 1 {
+                return Ok(acquired(token));
+            }
+            // Shared: every duplicate that waited for the holder reads its record at once;
+            // exclusive locks would each wait for the others' shared ones.
+            let row: Option<MySqlRow> = sqlx::query(&self.sql.share)
+                .bind(key)
+                .fetch_optional(&mut *connection)
+                .await?;
+            let Some(row) = row else {
+                continue; // purged meanwhile: insert again
+            };
+            let live: i64 = row.try_get(4)?;
+            if live != 0 {
+                return sql::held(&row).map_err(decode);
+            }
+            sqlx::query(&self.sql.take)
+                .bind(token)
+                .bind(fingerprint)
+                .bind(None::<&[u8]>)
+                .bind(millis(call.lease))
+                .bind(key)
+                .execute(&mut *connection)
+                .await?;
+            return Ok(acquired(token));
+        }
+        Err(sqlx::Error::Protocol(
+            "the key's row kept vanishing while it was claimed".into(),
+        ))
+    }
+}
+
+fn decode(err: Error) -> sqlx::Error {
+    sqlx::Error::Decode(err.into())
+}
+
+fn acquired(token: i64) -> Claim {
+    Claim::Acquired {
+        token: Token::new(token.unsigned_abs()),
+    }
+}
+
+/// A statement of the text protocol (savepoints and settings are not all preparable).
+async fn raw(connection: &mut MySqlConnection, statement: &str) -> Result<(), sqlx::Error> {
+    sqlx::Executor::execute(&mut *connection, sqlx::raw_sql(statement)).await?;
+    Ok(())
+}
+
+/// Rolls back to `savepoint` and releases it: whatever the call did since is undone (its
+/// row locks stay until the transaction ends). A failure is logged: the transaction is
+/// then unusable, and the caller's commit fails with it.
+async fn end_savepoint(
+    store: &MySqlStore,
+    connection: &mut MySqlConnection,
+    savepoint: &Savepoint,
+) {
+    let ended = sql::within("mysql", store.timeout, async {
+        raw(connection, &format!("ROLLBACK TO SAVEPOINT {savepoint}")).await?;
+        raw(connection, &format!("RELEASE SAVEPOINT {savepoint}")).await
+    })
+    .await;
+    if let Err(err) = ended {
+        tracing::error!(error = %err, "rolling back to the call's savepoint failed; roll the transaction back");
+    }
+}
+
+/// The server's error number behind `err`, if it is one.
+fn number(err: &Error) -> Option<u16> {
+    let Error::Store(source) = err else {
+        return None;
+    };
+    source
+        .downcast_ref::<sqlx::Error>()?
+        .as_database_error()?
+        .try_downcast_ref::<MySqlDatabaseError>()
+        .map(MySqlDatabaseError::number)
+}
+
+/// The savepoint probe's failure: outside a transaction (`ER_SP_DOES_NOT_EXIST`), nothing
+/// was claimed.
+fn outside_a_transaction(err: Error) -> Error {
+    match number(&err) {
+        Some(1305) => Error::store(
+            "`run_in_transaction` claims inside the caller's transaction, and this connection is not in one: begin one and pass it",
+        ),
+        _ => err,
+    }
+}
+
+/// The error a caller can act on, saying how.
+fn refused(err: Error) -> Error {
+    match number(&err) {
+        // ER_LOCK_WAIT_TIMEOUT: another transaction held the key past the wait.
+        Some(1205) => {
+            tracing::debug!(outcome = "rejected", "another transaction holds the key");
+            Error::InProgress
+        }
+        // ER_LOCK_DEADLOCK: InnoDB rolled the whole transaction back.
+        Some(1213) => Error::store(
+            "a deadlock: the server rolled the transaction back, and nothing of it was kept; retry the transaction (it replays what committed)",
+        ),
+        _ => err,
+    }
+}

@@ -1,0 +1,200 @@
+//! Claims inside the caller's own SQLite transaction (see
+//! [`Operation::run_in_transaction`](crate::Operation::run_in_transaction)).
+//!
+//! SQLite has one writer at a time per file, so a transaction that claims holds the file's
+//! write lock until it ends, and a duplicate's claim waits for that lock. The claim
+//! therefore writes first: it takes a token from the counter (which takes the lock, waiting
+//! up to the operation's wait), and only then reads the key's row, in a snapshot that
+//! includes every transaction committed before it got the lock: a duplicate that waited sees
+//! the holder's record and replays it. A transaction that read the file before the holder
+//! committed cannot take the lock at all (`SQLITE_BUSY_SNAPSHOT`): its claim fails, and a
+//! retry of the transaction replays. `BEGIN IMMEDIATE` avoids that by taking the lock first.
+//!
+//! What a call sends on the caller's connection, beside the caller's own statements:
+//!
+//! | outcome | statements |
+//! |---|---|
+//! | replay | `SAVEPOINT`, the busy timeout, the token, the read, `ROLLBACK TO` and `RELEASE` |
+//! | first execution, `Ok` | `SAVEPOINT`, the busy timeout, the token, the read, the take, the completion, `RELEASE` |
+//! | first execution, `Err` | `SAVEPOINT`, …, the take, `ROLLBACK TO` and `RELEASE` |
+
+use std::time::Duration;
+
+use sqlx::SqliteConnection;
+
+use super::{SqliteStore, Statements};
+use crate::store::sql::{self, millis};
+use crate::store::transaction::{sealed::Sealed, Call, Savepoint, Transactional};
+use crate::{Claim, Error, Token};
+
+impl Sealed for SqliteStore {}
+
+impl Transactional for SqliteStore {
+    type Connection = SqliteConnection;
+
+    async fn __claim_in(
+        &self,
+        connection: &mut SqliteConnection,
+        call: &Call<'_>,
+        _first: bool,
+    ) -> Result<Claim, Error> {
+        let bound = self.timeout + call.wait.unwrap_or_default();
+        let savepoint = &call.savepoint;
+        let taken = sql::within("sqlite", bound, async {
+            sqlx::Executor::execute(
+                &mut *connection,
+                sqlx::raw_sql(&format!("SAVEPOINT {savepoint}")),
+            )
+            .await?;
+            // The caller's busy timeout is put back once the lock is ours (or not).
+            let caller: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+                .fetch_one(&mut *connection)
+                .await?;
+            let wait = call.wait.map_or(0, millis).min(i64::from(i32::MAX));
+            set_busy_timeout(connection, wait).await?;
+            let claimed = claim(&self.sql, connection, call).await;
+            set_busy_timeout(connection, caller).await?;
+            claimed
+        })
+        .await;
+        match taken {
+            Ok(claimed) => Ok(claimed),
+            Err(err) => {
+                end_savepoint(self, connection, savepoint).await;
+                Err(refused(err, call))
+            }
+        }
+    }
+
+    /// A committed claim of an ordinary call holds the key: its holder writes its result
+    /// through the file's lock, which this transaction holds, so waiting would only wait
+    /// out the wait. The transaction should end, and a retry replays.
+    async fn __before_polling(&self, _: &mut SqliteConnection) -> Result<(), Error> {
+        tracing::debug!(
+            outcome = "rejected",
+            "the key is held by a call in progress, whose result cannot land while this transaction holds the file's lock"
+        );
+        Err(Error::InProgress)
+    }
+
+    async fn __complete_in(
+        &self,
+        connection: &mut SqliteConnection,
+        call: &Call<'_>,
+        token: Token,
+        record: &[u8],
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        let savepoint = &call.savepoint;
+        sql::within("sqlite", self.timeout, async {
+            let done = sqlx::query(&self.sql.complete)
+                .bind(&call.key.as_bytes()[..])
+                .bind(token)
+                .bind(record)
+                .bind(millis(ttl))
+                .execute(&mut *connection)
+                .await?;
+            if done.rows_affected() == 1 {
+                sqlx::Executor::execute(
+                    &mut *connection,
+                    sqlx::raw_sql(&format!("RELEASE SAVEPOINT {savepoint}")),
+                )
+                .await?;
+            }
+            Ok(done.rows_affected() == 1)
+        })
+        .await
+    }
+
+    async fn __roll_back(&self, connection: &mut SqliteConnection, call: &Call<'_>) {
+        end_savepoint(self, connection, &call.savepoint).await;
+    }
+}
+
+/// The claim under the call's savepoint: the lock and a token first, then the key's row in
+/// a snapshot that sees every transaction committed before, then the take if it is free.
+async fn claim(
+    sql: &Statements,
+    connection: &mut SqliteConnection,
+    call: &Call<'_>,
+) -> Result<Claim, sqlx::Error> {
+    let token: i64 = sqlx::query_scalar(&sql.next_token)
+        .fetch_one(&mut *connection)
+        .await?;
+    let live = sqlx::query(&sql.live)
+        .bind(&call.key.as_bytes()[..])
+        .fetch_optional(&mut *connection)
+        .await?;
+    if let Some(row) = live {
+        return sql::held(&row).map_err(|err| sqlx::Error::Decode(err.into()));
+    }
+    sqlx::query(&sql.take)
+        .bind(&call.key.as_bytes()[..])
+        .bind(token)
+        .bind(call.fingerprint.map(|f| &f.as_bytes()[..]))
+        .bind(millis(call.lease))
+        .bind(None::<&[u8]>) // no nonce: a claim in a transaction is never taken again
+        .execute(&mut *connection)
+        .await?;
+    Ok(Claim::Acquired {
+        token: Token::new(token.unsigned_abs()),
+    })
+}
+
+async fn set_busy_timeout(
+    connection: &mut SqliteConnection,
+    millis: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::Executor::execute(
+        &mut *connection,
+        sqlx::raw_sql(&format!("PRAGMA busy_timeout = {millis}")),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Rolls back to `savepoint` and releases it: whatever the call did since is undone, and
+/// the transaction is one level shallower again. A failure is logged: the transaction is
+/// then unusable, and the caller's commit fails with it.
+async fn end_savepoint(
+    store: &SqliteStore,
+    connection: &mut SqliteConnection,
+    savepoint: &Savepoint,
+) {
+    let statements = format!("ROLLBACK TO SAVEPOINT {savepoint}; RELEASE SAVEPOINT {savepoint}");
+    let ended = sql::within("sqlite", store.timeout, async {
+        sqlx::Executor::execute(&mut *connection, sqlx::raw_sql(&statements)).await
+    })
+    .await;
+    if let Err(err) = ended {
+        tracing::error!(error = %err, "rolling back to the call's savepoint failed; roll the transaction back");
+    }
+}
+
+/// The error a caller can act on, saying how.
+fn refused(err: Error, call: &Call<'_>) -> Error {
+    let Error::Store(source) = &err else {
+        return err;
+    };
+    let code = source
+        .downcast_ref::<sqlx::Error>()
+        .and_then(sqlx::Error::as_database_error)
+        .and_then(|db| db.code())
+        .map(|code| code.into_owned());
+    match code.as_deref() {
+        // SQLITE_BUSY_SNAPSHOT: another transaction committed after this one first read.
+        Some("517") => Error::store(format!(
+            "{source}: this transaction read the file before another one committed; roll back and retry the transaction (it will replay), and begin transactions that call idempotent functions with BEGIN IMMEDIATE"
+        )),
+        // SQLITE_BUSY: another transaction kept the file's write lock past the wait.
+        Some("5") => {
+            tracing::debug!(
+                outcome = "rejected",
+                wait_ms = call.wait.map_or(0, millis),
+                "another transaction holds the file's write lock"
+            );
+            Error::InProgress
+        }
+        _ => err,
+    }
+}
