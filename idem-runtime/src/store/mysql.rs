@@ -99,9 +99,6 @@ struct Statements {
     share: String,
     take: String,
     complete: String,
-    /// The completion of a claim in the caller's transaction: its own row, whatever the
-    /// lease says (`transaction.rs`).
-    complete_in: String,
     release: String,
     renew: String,
     remove_lock: String,
@@ -112,6 +109,45 @@ struct Statements {
 }
 
 impl Statements {
+    /// `live` with the key written in, for a message of several statements (claims in a
+    /// transaction, `transaction.rs`). Every literal is the runtime's own: bytes in hex,
+    /// numbers in digits.
+    fn live_literal(&self, key: &Key) -> String {
+        format!(
+            "SELECT token, completed, fingerprint, value FROM `{}` \
+             WHERE `key` = X'{}' AND expires_at > {NOW}",
+            self.table,
+            hex::encode(key.as_bytes())
+        )
+    }
+
+    /// `insert`, with the claim's values written in.
+    fn insert_literal(&self, call: &crate::store::Call<'_>, token: i64) -> String {
+        let fingerprint = call.fingerprint.map_or("NULL".to_string(), |f| {
+            format!("X'{}'", hex::encode(f.as_bytes()))
+        });
+        format!(
+            "INSERT IGNORE INTO `{}` (`key`, token, completed, fingerprint, value, expires_at) \
+             VALUES (X'{}', {token}, FALSE, {fingerprint}, NULL, {NOW} + {})",
+            self.table,
+            hex::encode(call.key.as_bytes()),
+            millis(call.lease)
+        )
+    }
+
+    /// The completion of a claim in the caller's transaction: its own row, whatever the
+    /// lease says, with its values written in.
+    fn complete_literal(&self, key: &Key, token: Token, record: &[u8], ttl: i64) -> String {
+        format!(
+            "UPDATE `{}` SET completed = TRUE, value = X'{}', expires_at = {NOW} + {ttl} \
+             WHERE `key` = X'{}' AND token = {} AND NOT completed",
+            self.table,
+            hex::encode(record),
+            hex::encode(key.as_bytes()),
+            token.get()
+        )
+    }
+
     /// The statements of `table`, after checking the name.
     fn new(table: &str) -> Result<Self, Error> {
         if is_identifier(table) {
@@ -169,10 +205,6 @@ impl Statements {
             complete: format!(
                 "UPDATE {t} SET completed = TRUE, value = ?, expires_at = {NOW} + ? \
                  WHERE `key` = ? AND token = ? AND NOT completed AND expires_at > {NOW}"
-            ),
-            complete_in: format!(
-                "UPDATE {t} SET completed = TRUE, value = ?, expires_at = {NOW} + ? \
-                 WHERE `key` = ? AND token = ? AND NOT completed"
             ),
             release: format!(
                 "DELETE FROM {t} WHERE `key` = ? AND token = ? AND NOT completed AND expires_at > {NOW}"

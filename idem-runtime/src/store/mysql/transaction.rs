@@ -5,11 +5,19 @@
 //! read of the transaction's snapshot answers a record or a key in progress without a lock;
 //! otherwise an `INSERT IGNORE` takes a key with no row, and a row is read under a shared
 //! lock (`LOCK IN SHARE MODE`, which reads the latest committed version whatever the
-//! isolation level), and taken over only if it lapsed. A duplicate in another transaction waits on the holder's row
-//! lock, for the operation's wait (`innodb_lock_wait_timeout`, in whole seconds, set for the
+//! isolation level), and taken over only if it lapsed. A duplicate in another transaction
+//! waits on the holder's row lock, for the operation's wait (`innodb_lock_wait_timeout`, in whole seconds, set for the
 //! claim only), then sees the holder's committed record and replays it, or takes the key if
 //! the holder rolled back. The token comes from the counter on a pooled connection of the
 //! store's (a statement of its own), so that no transaction holds the counter's lock.
+//!
+//! | outcome | round trips on the caller's connection |
+//! |---|---|
+//! | replay | 1: the savepoint (and the probe that the connection is in a transaction) with the read |
+//! | first execution | 3: that, the take (with the lock wait set around it), the completion with `RELEASE SAVEPOINT` |
+//!
+//! A first execution also takes its token on one of the store's pooled connections: an
+//! `UPDATE` of the counter that commits by itself.
 //!
 //! InnoDB keeps the row locks a claim took when the call rolls back to its savepoint (a
 //! refused claim, an `Err`): they are held until the caller's transaction ends. Two
@@ -32,6 +40,9 @@ impl Sealed for MySqlStore {}
 impl Transactional for MySqlStore {
     type Connection = MySqlConnection;
 
+    /// Two round trips for a first execution (the savepoint and a read of the snapshot;
+    /// the take, with the lock wait set around it in the same message), beside the token
+    /// from the counter; one for a replay.
     async fn __claim_in(
         &self,
         connection: &mut MySqlConnection,
@@ -40,37 +51,32 @@ impl Transactional for MySqlStore {
     ) -> Result<Claim, Error> {
         let bound = self.timeout + call.wait.unwrap_or_default();
         let savepoint = &call.savepoint;
+        let mut look = String::new();
         if first {
-            sql::within("mysql", self.timeout, async {
-                raw(connection, &format!("SAVEPOINT {savepoint}")).await?;
-                // Outside a transaction each statement commits by itself: the savepoint does
-                // not exist, and the claim would commit before the body's writes.
-                raw(connection, &format!("ROLLBACK TO SAVEPOINT {savepoint}")).await
-            })
-            .await
-            .map_err(outside_a_transaction)?;
+            // Outside a transaction each statement commits by itself: the savepoint does not
+            // exist, and the claim would commit before the body's writes.
+            look = format!("SAVEPOINT {savepoint}; ROLLBACK TO SAVEPOINT {savepoint}; ");
         }
-        let claimed = sql::within("mysql", bound, async {
-            // Whole seconds: MySQL's least is 1; MariaDB's 0 does not wait at all.
-            let wait = call.wait.map_or(0, |wait| wait.as_secs_f64().ceil() as u64);
-            raw(
-                connection,
-                &format!(
-                    "SET @idem_lock_wait = @@SESSION.innodb_lock_wait_timeout, \
-                     SESSION innodb_lock_wait_timeout = {}",
-                    wait.clamp(0, 1_073_741_824)
-                ),
-            )
-            .await?;
-            let claimed = self.claim_on(connection, call).await;
-            raw(
-                connection,
-                "SET SESSION innodb_lock_wait_timeout = @idem_lock_wait",
-            )
-            .await?;
-            claimed
+        look += &self.sql.live_literal(call.key);
+        let seen = sql::within("mysql", self.timeout, async {
+            sqlx::Executor::fetch_all(&mut *connection, sqlx::raw_sql(&look)).await
         })
         .await;
+        let seen = match seen {
+            Ok(seen) => seen,
+            Err(err) if number(&err) == Some(1305) => return Err(outside_a_transaction()),
+            Err(err) => {
+                end_savepoint(self, connection, savepoint).await;
+                return Err(refused(err));
+            }
+        };
+        // A record, or a key an ordinary call holds, is answered from the snapshot without a
+        // lock: a lock on the holder's row would keep it from recording until this
+        // transaction ends. The snapshot shows only what committed.
+        if let Some(row) = seen.first() {
+            return sql::held(row);
+        }
+        let claimed = sql::within("mysql", bound, self.take_in(connection, call)).await;
         match claimed {
             Ok(claimed) => Ok(claimed),
             Err(err) => {
@@ -91,6 +97,7 @@ impl Transactional for MySqlStore {
         Err(Error::InProgress)
     }
 
+    /// The completion and the release of the savepoint, in one message.
     async fn __complete_in(
         &self,
         connection: &mut MySqlConnection,
@@ -99,21 +106,17 @@ impl Transactional for MySqlStore {
         record: &[u8],
         ttl: Duration,
     ) -> Result<bool, Error> {
-        let savepoint = &call.savepoint;
-        sql::within("mysql", self.timeout, async {
-            let done = sqlx::query(&self.sql.complete_in)
-                .bind(record)
-                .bind(millis(ttl))
-                .bind(&call.key.as_bytes()[..])
-                .bind(token)
-                .execute(&mut *connection)
-                .await?;
-            if done.rows_affected() == 1 {
-                raw(connection, &format!("RELEASE SAVEPOINT {savepoint}")).await?;
-            }
-            Ok(done.rows_affected() == 1)
+        let message = format!(
+            "{}; RELEASE SAVEPOINT {}",
+            self.sql
+                .complete_literal(call.key, token, record, millis(ttl)),
+            call.savepoint
+        );
+        let done = sql::within("mysql", self.timeout, async {
+            sqlx::Executor::execute(&mut *connection, sqlx::raw_sql(&message)).await
         })
-        .await
+        .await?;
+        Ok(done.rows_affected() == 1)
     }
 
     async fn __roll_back(&self, connection: &mut MySqlConnection, call: &Call<'_>) {
@@ -122,8 +125,11 @@ impl Transactional for MySqlStore {
 }
 
 impl MySqlStore {
-    /// The claim under the call's savepoint, on the caller's connection.
-    async fn claim_on(
+    /// Takes the key under the call's savepoint, waiting for another transaction's row up to
+    /// the call's wait: a key with no row by an `INSERT IGNORE`, in one message with the
+    /// lock wait set before it and put back after it; a row, read under a shared lock, only
+    /// if it lapsed.
+    async fn take_in(
         &self,
         connection: &mut MySqlConnection,
         call: &Call<'_>,
@@ -132,58 +138,73 @@ impl MySqlStore {
             let mut pooled = self.pool.acquire().await?;
             self.next_token(&mut pooled).await?
         };
-        let key = &call.key.as_bytes()[..];
-        let fingerprint = call.fingerprint.map(|f| &f.as_bytes()[..]);
-        // A record, or a key an ordinary call holds, is answered without a lock: a lock on
-        // the holder's row would keep it from recording until this transaction ends. The
-        // read is the transaction's snapshot, so it shows only what committed.
-        let seen: Option<MySqlRow> = sqlx::query(&self.sql.live)
-            .bind(key)
-            .fetch_optional(&mut *connection)
-            .await?;
-        if let Some(row) = seen {
-            return sql::held(&row).map_err(decode);
-        }
+        // Whole seconds: MySQL's least is 1; MariaDB's 0 does not wait at all.
+        let wait = call.wait.map_or(0, |wait| wait.as_secs_f64().ceil() as u64);
+        let set_wait = format!(
+            "SET @idem_lock_wait = @@SESSION.innodb_lock_wait_timeout, \
+             SESSION innodb_lock_wait_timeout = {}",
+            wait.min(1 << 30)
+        );
+        let restore = "SET SESSION innodb_lock_wait_timeout = @idem_lock_wait";
+        let insert = self.sql.insert_literal(call, token);
         for _ in 0..CLAIM_LOOKS {
-            // No row: the primary key lets one insert in; a holder's uncommitted row makes
-            // this wait for its transaction.
-            let inserted = sqlx::query(&self.sql.insert)
-                .bind(key)
-                .bind(token)
-                .bind(fingerprint)
-                .bind(None::<&[u8]>)
-                .bind(millis(call.lease))
-                .execute(&mut *connection)
-                .await?;
-            if inserted.rows_affected() == 1 {
-                return Ok(acquired(token));
+            let inserted = sqlx::Executor::execute(
+                &mut *connection,
+                sqlx::raw_sql(&format!("{set_wait}; {insert}; {restore}")),
+            )
+            .await;
+            match inserted {
+                Ok(done) if done.rows_affected() == 1 => return Ok(acquired(token)),
+                Ok(_) => {}
+                Err(err) => {
+                    // The message stopped at the insert: the wait is put back before the error.
+                    raw(connection, restore).await?;
+                    return Err(err);
+                }
             }
-            // Shared: every duplicate that waited for the holder reads its record at once;
-            // exclusive locks would each wait for the others' shared ones.
-            let row: Option<MySqlRow> = sqlx::query(&self.sql.share)
-                .bind(key)
-                .fetch_optional(&mut *connection)
-                .await?;
-            let Some(row) = row else {
-                continue; // purged meanwhile: insert again
-            };
-            let live: i64 = row.try_get(4)?;
-            if live != 0 {
-                return sql::held(&row).map_err(decode);
+            // A row: the latest committed version, under a shared lock (every duplicate that
+            // waited for the holder reads its record at once; exclusive locks would each
+            // wait for the others' shared ones), taken over if it lapsed.
+            raw(connection, &set_wait).await?;
+            let taken = self.take_lapsed(connection, call, token).await;
+            raw(connection, restore).await?;
+            if let Some(claim) = taken? {
+                return Ok(claim);
             }
-            sqlx::query(&self.sql.take)
-                .bind(token)
-                .bind(fingerprint)
-                .bind(None::<&[u8]>)
-                .bind(millis(call.lease))
-                .bind(key)
-                .execute(&mut *connection)
-                .await?;
-            return Ok(acquired(token));
         }
         Err(sqlx::Error::Protocol(
             "the key's row kept vanishing while it was claimed".into(),
         ))
+    }
+
+    /// The key's row, if it is still there: held, or taken over because it lapsed.
+    async fn take_lapsed(
+        &self,
+        connection: &mut MySqlConnection,
+        call: &Call<'_>,
+        token: i64,
+    ) -> Result<Option<Claim>, sqlx::Error> {
+        let key = &call.key.as_bytes()[..];
+        let row: Option<MySqlRow> = sqlx::query(&self.sql.share)
+            .bind(key)
+            .fetch_optional(&mut *connection)
+            .await?;
+        let Some(row) = row else {
+            return Ok(None); // purged since the insert found it: insert again
+        };
+        let live: i64 = row.try_get(4)?;
+        if live != 0 {
+            return sql::held(&row).map(Some).map_err(decode);
+        }
+        sqlx::query(&self.sql.take)
+            .bind(token)
+            .bind(call.fingerprint.map(|f| &f.as_bytes()[..]))
+            .bind(None::<&[u8]>)
+            .bind(millis(call.lease))
+            .bind(key)
+            .execute(&mut *connection)
+            .await?;
+        Ok(Some(acquired(token)))
     }
 }
 
@@ -233,15 +254,12 @@ fn number(err: &Error) -> Option<u16> {
         .map(MySqlDatabaseError::number)
 }
 
-/// The savepoint probe's failure: outside a transaction (`ER_SP_DOES_NOT_EXIST`), nothing
-/// was claimed.
-fn outside_a_transaction(err: Error) -> Error {
-    match number(&err) {
-        Some(1305) => Error::store(
-            "`run_in_transaction` claims inside the caller's transaction, and this connection is not in one: begin one and pass it",
-        ),
-        _ => err,
-    }
+/// The savepoint probe failed (`ER_SP_DOES_NOT_EXIST`): outside a transaction, nothing was
+/// claimed.
+fn outside_a_transaction() -> Error {
+    Error::store(
+        "`run_in_transaction` claims inside the caller's transaction, and this connection is not in one: begin one and pass it",
+    )
 }
 
 /// The error a caller can act on, saying how.
