@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What `#[idempotent]` costs an incremental debug build (issue 18, item 4).
+"""What `#[idempotent]` costs an incremental debug build.
 
 Generates two copies of one application crate: twenty async handlers with `#[idempotent]`,
 and the same twenty without the attribute. Both build once; then, round after round and

@@ -4,8 +4,8 @@
 //! crate, on every build. So the generic part is kept to what needs the types: polling the
 //! body in place (no copy of it into another future), encoding what it returned, decoding
 //! a replay, and answering. Claiming, waiting, renewing, recording and releasing are
-//! [`Phase`] and [`Held`] methods, compiled once (issue 18, item 4; `scripts/build_time.py`
-//! measures it).
+//! [`Phase`] and [`Held`] methods, compiled once (`scripts/build_time.py` measures
+//! it).
 
 use std::future::Future;
 use std::marker::PhantomData;
