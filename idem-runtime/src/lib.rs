@@ -62,6 +62,7 @@ mod limits;
 mod meter;
 #[cfg(feature = "metrics")]
 pub mod metrics;
+mod namespace;
 pub mod store;
 
 pub use crate::background::{drain, Undrained};

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::engine::Namespace;
+use crate::namespace::Namespace;
 
 /// How a keyed call ended, as [`crate::metrics`] counts it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,8 +75,8 @@ mod keys {
     use metrics::{Key, Label, Level, Metadata};
 
     use super::Event;
-    use crate::engine::Namespace;
     use crate::metrics::{CALLS, CLAIM_DURATION};
+    use crate::namespace::Namespace;
 
     /// What the `metrics` macros would attach, as they would from this module.
     pub(super) static METADATA: Metadata<'static> =

@@ -23,10 +23,10 @@ use tracing::Instrument;
 
 use super::attempt::Attempt;
 use super::backoff;
-use super::Namespace;
 use crate::background;
 use crate::flights::{FlightRef, Landing};
 use crate::meter::{self, Event};
+use crate::namespace::Namespace;
 use crate::store::Typed;
 use crate::{Claim, Error, Fingerprint, Key, Store, Token};
 
