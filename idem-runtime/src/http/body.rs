@@ -11,7 +11,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt, Full};
 use tokio::sync::oneshot;
 
-use super::layer::Unrecorded;
+use super::config::Unrecorded;
 use crate::BoxError;
 
 pin_project_lite::pin_project! {

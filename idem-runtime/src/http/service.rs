@@ -15,8 +15,8 @@ use tokio::sync::oneshot;
 use tower_service::Service;
 
 use super::body::{self, ResponseBody, Tee};
+use super::config::{Config, KeyScope, ScopeOf, UnkeptPolicy, UnknownPrincipal, Unrecorded};
 use super::header;
-use super::layer::{Config, KeyScope, ScopeOf, UnknownPrincipal, Unrecorded};
 use super::problem::Problem;
 use super::record::{HttpRecord, Recorded};
 use crate::codec::{self, ErrorPolicy};
@@ -103,16 +103,6 @@ pub(super) enum Failure<E, RB> {
     BodyFailed,
     /// The engine answered instead of the handler.
     Idem(Error),
-}
-
-/// The layer's error policy: a recordable response that could not be kept (over the limit,
-/// trailers, a body that failed) completes its key with the [`GONE`](codec::GONE) record,
-/// so that a retry gets `410` instead of running the handler again, unless the layer was
-/// told to [`release_unrecorded`](super::IdempotencyLayer::release_unrecorded). Every other
-/// failure releases the key.
-#[derive(Clone, Copy, Debug, Default)]
-pub(super) struct UnkeptPolicy {
-    pub(super) release: bool,
 }
 
 impl<E, RB> ErrorPolicy<Failure<E, RB>> for UnkeptPolicy {
