@@ -105,6 +105,7 @@ mod body;
 #[cfg(feature = "client")]
 #[cfg_attr(docsrs, doc(cfg(feature = "client")))]
 pub mod client;
+mod config;
 mod fingerprint;
 mod header;
 mod layer;
@@ -115,11 +116,9 @@ mod record;
 mod service;
 
 pub use self::body::ResponseBody;
+pub use self::config::{KeyScope, ScopeNotChosen, ScopeOf, ScopedBy, Unrecorded, Unscoped};
 pub use self::header::{IdempotencyKey, IDEMPOTENCY_KEY, MAX_KEY_LEN};
-pub use self::layer::{
-    IdempotencyLayer, KeyScope, ScopeNotChosen, ScopeOf, ScopedBy, Unrecorded, Unscoped,
-    DEFAULT_MAX_BODY, DEFAULT_NAMESPACE,
-};
+pub use self::layer::{IdempotencyLayer, DEFAULT_MAX_BODY, DEFAULT_NAMESPACE};
 pub use self::problem::problem;
 #[cfg(feature = "governor")]
 #[cfg_attr(docsrs, doc(cfg(feature = "governor")))]
