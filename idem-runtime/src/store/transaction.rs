@@ -20,7 +20,8 @@ use tracing::Instrument;
 
 use crate::codec::{self, ErrorPolicy, Json};
 use crate::engine::attempt::{self, Attempt};
-use crate::engine::{pause_before_polling, Settings, Settled};
+use crate::engine::settle::{pause_before_polling, Settled};
+use crate::engine::Settings;
 use crate::meter::{self, Event};
 use crate::{limits, Claim, Error, Fingerprint, InFlight, Key, Operation, Outcome, Store, Token};
 

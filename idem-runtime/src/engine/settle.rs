@@ -1,0 +1,274 @@
+//! Settling a key: the claim and its retries, waiting for a call that holds the key (here
+//! or in another process), and what a claim ends with: a record to replay, or a token to run
+//! under.
+
+use bytes::Bytes;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use super::held::Held;
+use super::{attempt, backoff, Begun, Handle, InFlight, Settings};
+use crate::flights::Landing;
+use crate::store::Typed;
+use crate::{limits, meter, Claim, Error, Fingerprint, Key, Store, Token};
+
+impl Settings {
+    /// The span of one call: the namespace and a short digest of the key, never its value.
+    pub(crate) fn span(&self, key: &Key) -> tracing::Span {
+        tracing::debug_span!("idempotent", namespace = %&*self.namespace, key = %key.short())
+    }
+
+    /// The record to replay, if the store has it at hand (in memory) and no call of the key
+    /// is running here: the first step of [`settle`](Self::settle), taken without a future.
+    pub(crate) fn replay_at_once(
+        &self,
+        store: &dyn Store,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        typed: bool,
+    ) -> Option<Result<(Bytes, Option<Typed>), Error>> {
+        if let Err(err) = limits::check(self.ttl, self.lease, self.wait_timeout) {
+            return Some(Err(err));
+        }
+        if store
+            .flights()
+            .is_some_and(|flights| flights.get(key).is_some())
+        {
+            return None;
+        }
+        // With the value itself kept beside the record, when the call can take it: one look.
+        let (typed, value, recorded) = match store.typed().filter(|_| typed) {
+            Some(keeps) => keeps.peek_typed(key)?,
+            None => match store.peek(key)? {
+                Claim::Completed { value, fingerprint } => (None, value, fingerprint),
+                _ => return None,
+            },
+        };
+        let _entered = self.span(key).entered();
+        let replay = replayable(value, recorded.as_ref(), fingerprint);
+        meter::settled_at_once(&self.namespace, &replay);
+        Some(replay.map(|value| (value, typed)))
+    }
+
+    /// [`settle`](Self::settle), in the call's span: the record to replay, or the claim,
+    /// held.
+    pub(super) async fn begin(
+        &self,
+        store: &dyn Handle,
+        key: Key,
+        fingerprint: Option<Fingerprint>,
+    ) -> Result<Begun, Error> {
+        let span = self.span(&key);
+        let started = meter::start();
+        let settled = self
+            .settle(store.get(), &key, fingerprint.as_ref())
+            .instrument(span.clone())
+            .await;
+        meter::settled(&self.namespace, started, &settled, |settled| {
+            matches!(settled, Settled::Replay(_))
+        });
+        Ok(match settled? {
+            Settled::Replay(record) => Begun::Replay(record),
+            Settled::Run(token) => Begun::Run(Held::new(
+                store.shared(),
+                key,
+                fingerprint,
+                token,
+                self.lease,
+                span,
+                self.namespace.clone(),
+            )),
+        })
+    }
+
+    /// Claims the key, or waits until there is a result to replay or a claim to take.
+    async fn settle(
+        &self,
+        store: &dyn Store,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<Settled, Error> {
+        limits::check(self.ttl, self.lease, self.wait_timeout)?;
+        // The clock is read only once a call has to wait: replays and first calls never do.
+        let mut deadline = None;
+        let wait_until = |deadline: &mut Option<Instant>| {
+            *deadline
+                .get_or_insert_with(|| Instant::now() + self.wait_timeout.unwrap_or(self.lease))
+        };
+        let mut polls = 0_u32;
+        // Drawn at the first claim, and sent with every claim of this call.
+        let mut nonce = None;
+        loop {
+            let flight = store.flights().and_then(|flights| flights.get(key));
+            // A flight whose holder stopped renewing is not waited for: the store decides.
+            if let Some(flight) = flight.filter(|f| f.expires() > Instant::now()) {
+                self.found_in_progress(store, key, flight.fingerprint(), fingerprint)?;
+                let deadline = wait_until(&mut deadline);
+                // Waiting is the slow path: boxed, so that its timers are not part of the
+                // state of every call.
+                let wait = tokio::time::timeout_at(deadline.min(flight.expires()), flight.wait());
+                match Box::pin(wait).await {
+                    Ok(Landing::Completed(record)) => {
+                        tracing::debug!(
+                            outcome = "waited",
+                            "replayed the result of a concurrent call"
+                        );
+                        return Ok(Settled::Replay(record));
+                    }
+                    Ok(Landing::Released) => continue,
+                    Err(_) if Instant::now() >= deadline => return Err(timed_out()),
+                    // The holder's lease was renewed meanwhile, or it lapsed: look again.
+                    Err(_) => continue,
+                }
+            }
+            let claim = match store.peek(key) {
+                Some(completed @ Claim::Completed { .. }) => completed,
+                _ => {
+                    // The enclosing call's claim may be uncommitted in its transaction, where
+                    // a claim would wait for the very call that waits for it.
+                    attempt::refuse_recursion(store, key)?;
+                    let nonce = *nonce.get_or_insert_with(crate::store::nonce);
+                    self.claim(store, key, fingerprint, nonce).await?
+                }
+            };
+            match claim {
+                Claim::Acquired { token } => return Ok(Settled::Run(token)),
+                Claim::Completed {
+                    value,
+                    fingerprint: recorded,
+                } => return Settled::replay(value, recorded.as_ref(), fingerprint),
+                Claim::InProgress {
+                    fingerprint: holder,
+                } => {
+                    self.found_in_progress(store, key, holder.as_ref(), fingerprint)?;
+                    pause_before_polling(wait_until(&mut deadline), polls).await?;
+                    polls += 1;
+                }
+            }
+        }
+    }
+
+    /// Claims `key`, and claims it again after a store failure, up to [`CLAIM_TRIES`] in
+    /// all: the failure may be a reply lost after the store applied the claim, which the
+    /// same `nonce` finds as this call's own. After the last failure the call fails closed.
+    async fn claim(
+        &self,
+        store: &dyn Store,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        nonce: u64,
+    ) -> Result<Claim, Error> {
+        let mut failures = 0;
+        loop {
+            match store
+                .claim_with_nonce(key, fingerprint, self.lease, nonce)
+                .await
+            {
+                Err(Error::Store(err)) if failures + 1 < CLAIM_TRIES => {
+                    failures += 1;
+                    tracing::debug!(error = %err, failures, "the claim failed; claiming again with its nonce");
+                    // Boxed: the slow path's timer stays out of the state of every call.
+                    Box::pin(tokio::time::sleep(backoff(failures))).await;
+                }
+                claimed => return claimed,
+            }
+        }
+    }
+
+    /// The checks on a record found in progress: the fingerprint first, then whether the
+    /// holder is this call's own enclosing call, then the policy.
+    pub(crate) fn found_in_progress(
+        &self,
+        store: &dyn Store,
+        key: &Key,
+        holder: Option<&Fingerprint>,
+        ours: Option<&Fingerprint>,
+    ) -> Result<(), Error> {
+        check_fingerprint(holder, ours)?;
+        attempt::refuse_recursion(store, key)?;
+        if self.in_flight == InFlight::Reject {
+            tracing::debug!(outcome = "rejected");
+            return Err(Error::InProgress);
+        }
+        Ok(())
+    }
+}
+
+impl Settled {
+    /// A completed record found by a claim: replayed if its fingerprint is this call's.
+    pub(crate) fn replay(
+        value: Bytes,
+        recorded: Option<&Fingerprint>,
+        ours: Option<&Fingerprint>,
+    ) -> Result<Self, Error> {
+        replayable(value, recorded, ours).map(Self::Replay)
+    }
+}
+
+/// A completed record, if its fingerprint is this call's.
+fn replayable(
+    value: Bytes,
+    recorded: Option<&Fingerprint>,
+    ours: Option<&Fingerprint>,
+) -> Result<Bytes, Error> {
+    check_fingerprint(recorded, ours)?;
+    tracing::debug!(outcome = "replayed");
+    Ok(value)
+}
+
+/// Waits before asking the store again about a key held by another process (backoff with
+/// jitter), or gives up with [`Error::InProgress`] at `deadline`.
+pub(crate) async fn pause_before_polling(deadline: Instant, polls: u32) -> Result<(), Error> {
+    let now = Instant::now();
+    if now >= deadline {
+        return Err(timed_out());
+    }
+    // Boxed: the slow path's timer stays out of the state of every call.
+    Box::pin(tokio::time::sleep_until(deadline.min(now + backoff(polls)))).await;
+    Ok(())
+}
+
+/// How many times a call sends its claim when the store fails, the first included.
+const CLAIM_TRIES: u32 = 3;
+
+/// What settling a claim ended with: a record to replay, or the claim's token to run under.
+pub(crate) enum Settled {
+    Replay(Bytes),
+    Run(Token),
+}
+
+fn check_fingerprint(
+    recorded: Option<&Fingerprint>,
+    ours: Option<&Fingerprint>,
+) -> Result<(), Error> {
+    if recorded == ours {
+        Ok(())
+    } else {
+        tracing::info!(
+            outcome = "mismatch",
+            "the key was used with a different payload"
+        );
+        Err(Error::PayloadMismatch)
+    }
+}
+
+fn timed_out() -> Error {
+    tracing::debug!(outcome = "rejected", "gave up waiting for the running call");
+    Error::InProgress
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fingerprints_must_match_exactly() {
+        let a = Fingerprint::of(&1).unwrap();
+        let b = Fingerprint::of(&2).unwrap();
+        assert!(check_fingerprint(Some(&a), Some(&a)).is_ok());
+        assert!(check_fingerprint(None, None).is_ok());
+        assert!(check_fingerprint(Some(&a), Some(&b)).is_err());
+        assert!(check_fingerprint(None, Some(&b)).is_err());
+        assert!(check_fingerprint(Some(&a), None).is_err());
+    }
+}
