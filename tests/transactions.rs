@@ -540,3 +540,125 @@ mod mysql_suite {
         |_test| crate::my::connect().await
     );
 }
+
+// ---- where the databases differ --------------------------------------------------------------
+
+/// SQLite: a connection outside a transaction gets one from the call's savepoint, which
+/// commits with the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_outside_a_transaction_the_savepoint_is_the_transaction() {
+    use idem_runtime::{Error, Operation, Outcome};
+
+    let (store, pool) = lite::open("tx.outside").await.unwrap();
+    sqlx::query("CREATE TABLE journal (transfer TEXT NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let op = Operation::new(idem_tests::scenarios::namespace("tx.outside"));
+    let key = op.key(&"t").unwrap();
+    let mut conn = pool.acquire().await.unwrap(); // no BEGIN
+    let ran = op
+        .run_in_transaction(&store, &mut conn, &key, None, async |tx| {
+            sqlx::query("INSERT INTO journal VALUES ('t')")
+                .execute(&mut *tx)
+                .await
+                .map_err(Error::store)?;
+            Ok::<_, Error>(1_i64)
+        })
+        .await;
+    assert_eq!(ran.unwrap(), Outcome::Executed(1));
+    drop(conn);
+    // Committed: another connection sees the effect, and the record replays.
+    let lines: i64 = sqlx::query_scalar("SELECT count(*) FROM journal")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(lines, 1);
+    let replayed = op
+        .run(&store, &key, None, async { Ok::<i64, Error>(2) })
+        .await;
+    assert_eq!(replayed.unwrap(), Outcome::Replayed(1));
+}
+
+/// SQLite: a deferred transaction that read the file before another transaction recorded
+/// the key cannot take the lock after it; its claim fails closed, saying to retry with
+/// `BEGIN IMMEDIATE`, and the retry replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_stale_deferred_transaction_fails_closed_and_its_retry_replays() {
+    use idem_runtime::{Error, Operation, Outcome};
+    use idem_tests::Runs;
+
+    let (store, pool) = lite::open("tx.snapshot").await.unwrap();
+    let op = Operation::new(idem_tests::scenarios::namespace("tx.snapshot"));
+    let key = op.key(&"t").unwrap();
+    // A deferred transaction reads: its snapshot is fixed from here.
+    let mut stale = pool.begin().await.unwrap();
+    sqlx::query("SELECT count(*) FROM sqlite_master")
+        .execute(&mut *stale)
+        .await
+        .unwrap();
+    // Another transaction records the key and commits.
+    let mut first = lite::begin(&pool).await;
+    let ran = op
+        .run_in_transaction(&store, &mut first, &key, None, async |_| {
+            Ok::<i64, Error>(1)
+        })
+        .await;
+    assert_eq!(ran.unwrap(), Outcome::Executed(1));
+    first.commit().await.unwrap();
+    // The stale transaction's claim: refused, the body not run.
+    let runs = Runs::default();
+    let refused = op
+        .run_in_transaction(&store, &mut stale, &key, None, async |_| {
+            runs.hit();
+            Ok::<i64, Error>(2)
+        })
+        .await;
+    match refused {
+        Err(Error::Store(err)) => assert!(err.to_string().contains("BEGIN IMMEDIATE"), "{err}"),
+        other => panic!("expected a store error, got {other:?}"),
+    }
+    assert_eq!(runs.count(), 0);
+    stale.rollback().await.unwrap();
+    let mut retry = lite::begin(&pool).await;
+    let replayed = op
+        .run_in_transaction(&store, &mut retry, &key, None, async |_| {
+            Ok::<i64, Error>(3)
+        })
+        .await;
+    assert_eq!(replayed.unwrap(), Outcome::Replayed(1));
+    retry.commit().await.unwrap();
+}
+
+/// MySQL: outside a transaction each statement would commit by itself, the claim before the
+/// body's writes; the call is refused and nothing is claimed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_outside_a_transaction_is_refused_and_nothing_is_claimed() {
+    use idem_runtime::{Error, Operation, Outcome};
+    use idem_tests::Runs;
+
+    let Some((store, pool)) = my::connect().await else {
+        return;
+    };
+    let op = Operation::new(idem_tests::scenarios::namespace("tx.outside"));
+    let key = op.key(&"t").unwrap();
+    let runs = Runs::default();
+    let mut conn = pool.acquire().await.unwrap(); // autocommit, no BEGIN
+    let refused = op
+        .run_in_transaction(&store, &mut conn, &key, None, async |_| {
+            runs.hit();
+            Ok::<i64, Error>(1)
+        })
+        .await;
+    match refused {
+        Err(Error::Store(err)) => assert!(err.to_string().contains("not in one"), "{err}"),
+        other => panic!("expected a store error, got {other:?}"),
+    }
+    assert_eq!(runs.count(), 0);
+    let mut tx = my::begin(&pool).await;
+    let ran = op
+        .run_in_transaction(&store, &mut tx, &key, None, async |_| Ok::<i64, Error>(2))
+        .await;
+    assert_eq!(ran.unwrap(), Outcome::Executed(2), "nothing was claimed");
+    tx.commit().await.unwrap();
+}
