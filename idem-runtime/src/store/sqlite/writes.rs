@@ -427,17 +427,26 @@ mod tests {
     use crate::store::sqlite::SqliteStore;
     use crate::Store;
 
-    async fn store(test: &str) -> SqliteStore {
-        let path = std::env::temp_dir().join(format!(
+    /// A file of the test's own, deleted (with its WAL) when dropped.
+    struct File(std::path::PathBuf);
+
+    impl Drop for File {
+        fn drop(&mut self) {
+            for suffix in ["", "-wal", "-shm"] {
+                let _ = std::fs::remove_file(format!("{}{suffix}", self.0.display()));
+            }
+        }
+    }
+
+    async fn store(test: &str) -> (SqliteStore, File) {
+        let file = File(std::env::temp_dir().join(format!(
             "idem-sqlite-writes-{test}-{}.db",
             std::process::id()
-        ));
-        for suffix in ["", "-wal", "-shm"] {
-            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
-        }
-        let store = SqliteStore::open(&path).await.unwrap();
+        )));
+        drop(File(file.0.clone())); // what an earlier run left
+        let store = SqliteStore::open(&file.0).await.unwrap();
         store.migrate().await.unwrap();
-        store
+        (store, file)
     }
 
     fn later() -> Instant {
@@ -446,7 +455,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_bad_write_fails_only_its_own_caller() {
-        let store = store("bad").await;
+        let (store, _file) = store("bad").await;
         let key = Key::from_bytes([1; 32]);
         let Ok(crate::Claim::Acquired { token }) =
             store.claim(&key, None, Duration::from_secs(5)).await
@@ -484,7 +493,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_claim_whose_caller_stopped_waiting_is_not_taken() {
-        let store = store("abandoned").await;
+        let (store, _file) = store("abandoned").await;
         let (abandoned, answer) = Job::take(
             &Key::from_bytes([2; 32]),
             None,
