@@ -335,12 +335,9 @@ impl SqliteStore {
     /// wait for a connection. The store's own connection for writes is opened with the pool's
     /// options.
     pub fn from_pool(pool: SqlitePool) -> Self {
-        // One connection, kept: its busy timeout is set only when it changes (`writes.rs`).
         let writes = SqlitePoolOptions::new()
             .max_connections(1)
             .acquire_timeout(ACQUIRE_BOUND)
-            .idle_timeout(None)
-            .max_lifetime(None)
             .connect_lazy_with((*pool.connect_options()).clone());
         Self {
             pool,

@@ -10,18 +10,16 @@
 //! takes the ones that came meanwhile. A renewal then waits for at most one transaction of
 //! its own process, and a crowd costs one commit per turn instead of one per call.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
-use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{SqlitePool, SqliteRow};
-use sqlx::{Connection, Sqlite, SqliteConnection};
+use sqlx::{Connection, SqliteConnection};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::{locked_out, Statements};
+use super::{locked_out, writer, Statements};
 use crate::store::sql::{self, millis};
 use crate::{Fingerprint, Key, Token};
 
@@ -101,8 +99,6 @@ pub(super) struct Writes {
     queue: Mutex<Vec<Write>>,
     /// Held while a transaction of queued writes runs, so that one runs at a time.
     turn: Arc<tokio::sync::Mutex<()>>,
-    /// The busy timeout of the connection, in milliseconds, as last set (0: not known).
-    busy_ms: AtomicU64,
 }
 
 impl Writes {
@@ -111,7 +107,6 @@ impl Writes {
             conn,
             queue: Mutex::default(),
             turn: Arc::default(),
-            busy_ms: AtomicU64::new(0),
         }
     }
 
@@ -178,16 +173,7 @@ impl Writes {
             .unwrap_or_else(Instant::now);
         // Never past it either, so that the next transaction gets its turn.
         let transaction = async {
-            let mut conn = self.connection(deadline).await?;
-            // A holder's statement alone is a transaction by itself: one statement, not three.
-            if let [write] = batch {
-                if write.job.one_statement() {
-                    if !write.job.abandoned() {
-                        write.job.run(&write.sql, &mut conn).await?;
-                    }
-                    return Ok(());
-                }
-            }
+            let mut conn = writer(&self.conn, deadline).await?;
             let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
             give_time_back(&mut tx, batch).await?;
             for write in batch.iter_mut() {
@@ -197,48 +183,14 @@ impl Writes {
             }
             tx.commit().await
         };
-        let done = tokio::time::timeout_at(deadline, transaction)
+        tokio::time::timeout_at(deadline, transaction)
             .await
             .unwrap_or_else(|_| {
                 Err(sqlx::Error::Io(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
                     "the file's write lock was not free in time",
                 )))
-            });
-        if done.is_err() {
-            // The connection may be a new one next time, with the pool's busy timeout.
-            self.busy_ms.store(0, Ordering::Relaxed);
-        }
-        done
-    }
-
-    /// The store's connection for writes, whose busy handler waits for the file's lock at
-    /// most until `deadline`. The busy timeout is set only when it changes: it is what is
-    /// left, rounded down to a tenth of a second (a hundredth below a second, a millisecond
-    /// below a tenth), so that steady traffic sends no statement for it.
-    async fn connection(&self, deadline: Instant) -> Result<PoolConnection<Sqlite>, sqlx::Error> {
-        let mut conn = self.conn.acquire().await?;
-        let left = deadline
-            .saturating_duration_since(Instant::now())
-            .as_millis()
-            .clamp(1, i32::MAX as u128) as u64;
-        let grain = match left {
-            1000.. => 100,
-            100..=999 => 10,
-            _ => 1,
-        };
-        let busy = left - left % grain;
-        if self.busy_ms.swap(busy, Ordering::Relaxed) != busy {
-            let set = sqlx::query(&format!("PRAGMA busy_timeout = {busy}"))
-                .persistent(false)
-                .execute(&mut *conn)
-                .await;
-            if let Err(err) = set {
-                self.busy_ms.store(0, Ordering::Relaxed);
-                return Err(err);
-            }
-        }
-        Ok(conn)
+            })
     }
 }
 
@@ -321,12 +273,6 @@ impl Job {
     pub(super) fn remove(key: &Key) -> (Self, Answered<Option<bool>>) {
         let (answer, answered) = Answer::new();
         (Job::Remove { key: *key, answer }, answered)
-    }
-
-    /// Whether the write is one statement (a holder's, a removal), which needs no
-    /// transaction of its own; a take looks before it writes.
-    fn one_statement(&self) -> bool {
-        !matches!(self, Job::Take { .. })
     }
 
     /// Whether the caller stopped waiting for the answer.
