@@ -98,6 +98,16 @@ macro_rules! database {
                 .unwrap();
         });
 
+        // The baseline of a first execution and of its claim: the result, inserted.
+        let insert = || async {
+            let key = op.key(&fresh()).unwrap();
+            sqlx::query(d.insert)
+                .bind(&key.as_bytes()[..])
+                .bind(&json)
+                .execute(pool)
+                .await
+                .unwrap()
+        };
         let first = measure(
             &mut side(rt, || async {
                 let key = op.key(&fresh()).unwrap();
@@ -107,15 +117,7 @@ macro_rules! database {
                 .await
                 .unwrap()
             }),
-            &mut side(rt, || async {
-                let key = op.key(&fresh()).unwrap();
-                sqlx::query(d.insert)
-                    .bind(&key.as_bytes()[..])
-                    .bind(&json)
-                    .execute(pool)
-                    .await
-                    .unwrap()
-            }),
+            &mut side(rt, insert),
             BUDGET,
         );
         // Where a first execution's time goes: the store's claim alone.
@@ -126,15 +128,7 @@ macro_rules! database {
                     .await
                     .unwrap()
             }),
-            &mut side(rt, || async {
-                let key = op.key(&fresh()).unwrap();
-                sqlx::query(d.insert)
-                    .bind(&key.as_bytes()[..])
-                    .bind(&json)
-                    .execute(pool)
-                    .await
-                    .unwrap()
-            }),
+            &mut side(rt, insert),
             BUDGET,
         );
         let first_floor = measure(
@@ -153,15 +147,7 @@ macro_rules! database {
                     .await
                     .unwrap()
             }),
-            &mut side(rt, || async {
-                let key = op.key(&fresh()).unwrap();
-                sqlx::query(d.insert)
-                    .bind(&key.as_bytes()[..])
-                    .bind(&json)
-                    .execute(pool)
-                    .await
-                    .unwrap()
-            }),
+            &mut side(rt, insert),
             BUDGET,
         );
         $rows.push(Row::floored(
