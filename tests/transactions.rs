@@ -662,3 +662,64 @@ async fn mysql_outside_a_transaction_is_refused_and_nothing_is_claimed() {
     assert_eq!(ran.unwrap(), Outcome::Executed(2), "nothing was claimed");
     tx.commit().await.unwrap();
 }
+
+/// SQLite and MySQL: a key held by an ordinary call in progress answers `InProgress` at once
+/// inside a transaction, which holds what that call needs to record (SQLite's file lock, a
+/// MySQL row lock once read), instead of polling for a result that cannot land meanwhile.
+/// With an hour's wait, a call that polled would still be waiting at the bound below.
+mod held_by_an_ordinary_call {
+    use std::time::Duration;
+
+    use idem_runtime::store::Transactional;
+    use idem_runtime::{Claim, Error, Key, Operation, Store};
+    use idem_tests::Runs;
+
+    /// An ordinary call's claim of a fresh key, held for an hour.
+    pub async fn hold(store: &impl Store) -> (Operation, Key) {
+        let op = Operation::new(idem_tests::scenarios::namespace("tx.held"))
+            .wait_timeout(Duration::from_secs(3600));
+        let key = op.key(&"t").unwrap();
+        let held = store.claim(&key, None, Duration::from_secs(3600)).await;
+        assert!(matches!(held.unwrap(), Claim::Acquired { .. }));
+        (op, key)
+    }
+
+    pub async fn answers_in_progress_at_once<S: Transactional>(
+        store: &S,
+        connection: &mut S::Connection,
+        (op, key): (Operation, Key),
+    ) {
+        let runs = Runs::default();
+        let answered = tokio::time::timeout(
+            Duration::from_secs(60),
+            op.run_in_transaction(store, connection, &key, None, async |_| {
+                runs.hit();
+                Ok::<i64, Error>(1)
+            }),
+        )
+        .await
+        .expect("answered without polling the holder");
+        assert!(matches!(answered, Err(Error::InProgress)), "{answered:?}");
+        assert_eq!(runs.count(), 0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_key_held_by_an_ordinary_call_answers_in_progress_at_once() {
+    let (store, pool) = lite::open("tx.held").await.unwrap();
+    let held = held_by_an_ordinary_call::hold(&store).await;
+    let mut tx = lite::begin(&pool).await;
+    held_by_an_ordinary_call::answers_in_progress_at_once(&store, &mut tx, held).await;
+    tx.rollback().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_key_held_by_an_ordinary_call_answers_in_progress_at_once() {
+    let Some((store, pool)) = my::connect().await else {
+        return;
+    };
+    let held = held_by_an_ordinary_call::hold(&store).await;
+    let mut tx = my::begin(&pool).await;
+    held_by_an_ordinary_call::answers_in_progress_at_once(&store, &mut tx, held).await;
+    tx.rollback().await.unwrap();
+}
