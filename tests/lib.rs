@@ -243,6 +243,19 @@ impl<S> Probe<S> {
         (probe, gate)
     }
 
+    /// Another process: forwards everything, shares no registry.
+    pub fn apart(inner: S) -> Self {
+        Self {
+            coalesces: false,
+            ..Self::new(inner)
+        }
+    }
+
+    /// Makes the next `n` renewals fail (`0`: none), from now on.
+    pub fn fail_renewals(&self, n: usize) {
+        self.failing_renewals.store(n, Ordering::SeqCst);
+    }
+
     /// How many `complete` calls reached the probe.
     pub fn completes(&self) -> usize {
         self.completes.count()

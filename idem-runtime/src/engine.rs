@@ -4,6 +4,7 @@ pub(crate) mod attempt;
 mod call;
 mod held;
 pub(crate) mod settle;
+pub(crate) mod steps;
 
 use std::any::Any;
 use std::borrow::Cow;
@@ -335,7 +336,8 @@ impl<P> Operation<P> {
             Ok(Some(derived)) => derived,
             Ok(None) => {
                 unkeyed();
-                return Ok(Outcome::Executed(body.await.into_result()?));
+                let output = attempt::scope_unkeyed(body).await;
+                return Ok(Outcome::Executed(output.into_result()?));
             }
             Err(err) => return Err(err.into()),
         };

@@ -37,6 +37,8 @@
 //! - [`Operation::run_in_transaction`] (features `postgres`, `sqlite`, `mysql`): the claim,
 //!   the body's writes and the record in the caller's own transaction, committed together.
 //! - [`attempt()`]: the key and fencing token of the claim a body runs under.
+//! - [`step()`]: a recorded step of a body, so that a retry after a crash resumes at the
+//!   first step that did not finish.
 //! - `metrics` (feature `metrics`): outcome counts and claim latency, by namespace, through
 //!   the `metrics` facade.
 //!
@@ -69,6 +71,7 @@ pub use crate::background::{drain, Undrained};
 pub use crate::codec::{CacheErrors, ErrorPolicy, ReleaseErrors};
 pub use crate::default_store::{default_store, set_default_store, DefaultStoreError};
 pub use crate::engine::attempt::{attempt, Attempt};
+pub use crate::engine::steps::step;
 pub use crate::engine::{InFlight, Operation, Outcome, DEFAULT_LEASE, DEFAULT_TTL};
 pub use crate::error::{BoxError, Error};
 pub use crate::flights::Flights;

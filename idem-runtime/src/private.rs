@@ -319,7 +319,7 @@ where
         }
         Ok(None) => {
             crate::engine::unkeyed();
-            body(connection).await
+            crate::engine::attempt::scope_unkeyed(body(connection)).await
         }
         Err(err) => R::from_result(Err(err.into())),
     }

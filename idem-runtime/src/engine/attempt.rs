@@ -4,10 +4,20 @@
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 
+use super::steps::Journal;
 use crate::{Error, Flights, Key, Store, Token};
 
 tokio::task_local! {
-    static CURRENT: Attempt;
+    static CURRENT: Scope;
+}
+
+/// What the code polled in a task runs inside: the claim of the innermost call that holds
+/// one, and whether the innermost call runs with no key at all (its steps then run as
+/// plain futures).
+#[derive(Clone)]
+struct Scope {
+    attempt: Option<Attempt>,
+    unkeyed: bool,
 }
 
 /// The claim under which a body is running: its key and its fencing token.
@@ -53,6 +63,9 @@ struct Frame {
     store: usize,
     /// The attempt of the call whose body made this call, if any.
     enclosing: Option<Attempt>,
+    /// What the body's [`step`](crate::step)s need: where and for how long they are
+    /// recorded, and how their occurrences are counted.
+    journal: Journal,
 }
 
 /// Where an attempt's fencing token comes from.
@@ -70,28 +83,48 @@ enum Fence {
 impl Attempt {
     /// The attempt of the body `store` runs for `key` under `token`, inside the current one;
     /// its fencing token is taken from `store` when asked for.
-    pub(crate) fn enter(store: &Arc<dyn Store>, key: Key, token: Token) -> Self {
+    pub(crate) fn enter(store: &Arc<dyn Store>, key: Key, token: Token, journal: Journal) -> Self {
         let fence = Fence::Store {
             store: Arc::clone(store),
             taken: OnceLock::new(),
         };
-        Self::with_fence(&**store, key, token, fence)
+        Self::with_fence(&**store, key, token, fence, journal)
     }
 
     /// Like [`enter`](Self::enter), for a claim whose token is already its fencing token.
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-    pub(crate) fn enter_fenced<S: Store + ?Sized>(store: &S, key: Key, token: Token) -> Self {
-        Self::with_fence(store, key, token, Fence::Claim)
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
+        allow(dead_code)
+    )]
+    pub(crate) fn enter_fenced<S: Store + ?Sized>(
+        store: &S,
+        key: Key,
+        token: Token,
+        journal: Journal,
+    ) -> Self {
+        Self::with_fence(store, key, token, Fence::Claim, journal)
     }
 
-    fn with_fence<S: Store + ?Sized>(store: &S, key: Key, token: Token, fence: Fence) -> Self {
+    fn with_fence<S: Store + ?Sized>(
+        store: &S,
+        key: Key,
+        token: Token,
+        fence: Fence,
+        journal: Journal,
+    ) -> Self {
         Self(Arc::new(Frame {
             key,
             token,
             fence,
             store: store_id(store),
             enclosing: attempt(),
+            journal,
         }))
+    }
+
+    /// What this attempt's steps are recorded with.
+    pub(super) fn journal(&self) -> &Journal {
+        &self.0.journal
     }
 
     /// The key the body runs under.
@@ -124,17 +157,27 @@ impl Attempt {
     }
 
     /// Runs `body` with this attempt as the current one.
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
+        allow(dead_code)
+    )]
     pub(crate) fn scope<F: std::future::Future>(
         self,
         body: F,
     ) -> impl std::future::Future<Output = F::Output> {
-        CURRENT.scope(self, body)
+        CURRENT.scope(self.current(), body)
     }
 
     /// Runs `f` with this attempt as the current one: one poll of a body.
     pub(crate) fn sync_scope<R>(self, f: impl FnOnce() -> R) -> R {
-        CURRENT.sync_scope(self, f)
+        CURRENT.sync_scope(self.current(), f)
+    }
+
+    fn current(self) -> Scope {
+        Scope {
+            attempt: Some(self),
+            unkeyed: false,
+        }
     }
 
     fn chain(&self) -> impl Iterator<Item = &Frame> {
@@ -157,7 +200,53 @@ impl fmt::Debug for Attempt {
 /// `#[idempotent]` function or of [`Operation::run`](crate::Operation::run) that claimed its
 /// key. `None` outside, in a replay, and in tasks the body spawned itself.
 pub fn attempt() -> Option<Attempt> {
-    CURRENT.try_with(Attempt::clone).ok()
+    CURRENT
+        .try_with(|scope| scope.attempt.clone())
+        .ok()
+        .flatten()
+}
+
+/// Where a [`step`](crate::step) is called.
+pub(crate) enum Place {
+    /// Outside every idempotent call.
+    Outside,
+    /// In the body of a call with no key.
+    Unkeyed,
+    /// In the body of a call that holds its key.
+    Claimed(Attempt),
+}
+
+/// Where the code that calls this runs.
+pub(crate) fn place() -> Place {
+    match CURRENT.try_with(Scope::clone) {
+        Err(_) => Place::Outside,
+        Ok(Scope { unkeyed: true, .. }) => Place::Unkeyed,
+        Ok(Scope {
+            attempt: Some(attempt),
+            ..
+        }) => Place::Claimed(attempt),
+        Ok(Scope { attempt: None, .. }) => Place::Outside,
+    }
+}
+
+/// Runs `f` (one poll of the body of a call without a key) as such a body: the claims of
+/// enclosing calls stay visible, and steps run as plain futures.
+pub(crate) fn sync_scope_unkeyed<R>(f: impl FnOnce() -> R) -> R {
+    CURRENT.sync_scope(unkeyed(), f)
+}
+
+/// [`sync_scope_unkeyed`] for a whole future.
+pub(crate) fn scope_unkeyed<F: std::future::Future>(
+    body: F,
+) -> impl std::future::Future<Output = F::Output> {
+    CURRENT.scope(unkeyed(), body)
+}
+
+fn unkeyed() -> Scope {
+    Scope {
+        attempt: attempt(),
+        unkeyed: true,
+    }
 }
 
 /// Whether `key` in `store` is held by the body this code runs in or by one enclosing it.
@@ -165,9 +254,11 @@ pub(crate) fn held_by_caller<S: Store + ?Sized>(store: &S, key: &Key) -> bool {
     let store = store_id(store);
     CURRENT
         .try_with(|current| {
-            current
-                .chain()
-                .any(|frame| frame.key == *key && frame.store == store)
+            current.attempt.as_ref().is_some_and(|attempt| {
+                attempt
+                    .chain()
+                    .any(|frame| frame.key == *key && frame.store == store)
+            })
         })
         .unwrap_or(false)
 }
@@ -203,13 +294,17 @@ mod tests {
         let key = Key::derive("attempt", &1).unwrap();
         let other = Key::derive("attempt", &2).unwrap();
         assert!(!held_by_caller(&a, &key), "outside any attempt");
-        let outer = Attempt::enter_fenced(&a, key, Token::new(1));
+        let journal = |store: &MemoryStore| {
+            let settings = crate::Operation::new("attempt").settings;
+            Journal::in_transaction(Arc::new(store.clone()), &settings, None)
+        };
+        let outer = Attempt::enter_fenced(&a, key, Token::new(1), journal(&a));
         outer
             .scope(async {
                 assert!(held_by_caller(&a, &key));
                 assert!(!held_by_caller(&b, &key), "the same key in another store");
                 assert!(!held_by_caller(&a, &other));
-                let inner = Attempt::enter_fenced(&b, other, Token::new(2));
+                let inner = Attempt::enter_fenced(&b, other, Token::new(2), journal(&b));
                 inner
                     .scope(async {
                         assert!(held_by_caller(&a, &key), "an enclosing call's key");

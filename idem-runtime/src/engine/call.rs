@@ -17,6 +17,7 @@ use std::task::{ready, Context, Poll};
 use bytes::Bytes;
 use pin_project_lite::pin_project;
 
+use super::attempt;
 use super::held::{Beat, Ending, Held, Verdict};
 use super::{Begun, Handle, Operation, Outcome, Settings};
 use crate::__private::IdemResult;
@@ -293,7 +294,7 @@ impl<'a> Phase<'a> {
                     Poll::Ready(Err(err)) => return Poll::Ready(Step::Failed(err)),
                 },
                 Phase::Unkeyed => {
-                    if body.poll_body(cx).is_pending() {
+                    if attempt::sync_scope_unkeyed(|| body.poll_body(cx)).is_pending() {
                         *self = Phase::Unkeyed;
                         return Poll::Pending;
                     }

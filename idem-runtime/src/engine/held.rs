@@ -12,7 +12,7 @@
 
 use std::future::{poll_fn, Future};
 use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -22,7 +22,8 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::attempt::Attempt;
-use super::backoff;
+use super::steps::Journal;
+use super::{backoff, Settings};
 use crate::background;
 use crate::flights::{FlightRef, Landing};
 use crate::meter::{self, Event};
@@ -70,8 +71,8 @@ pub(super) enum Verdict {
     Failed(Error),
 }
 
-/// The claim as the holder and its heartbeat share it.
-struct Lease {
+/// The claim as the holder, its heartbeat and the body's steps share it.
+pub(super) struct Lease {
     /// The store, shared: every method of the guard is compiled once, whatever the store.
     store: Arc<dyn Store>,
     key: Key,
@@ -85,6 +86,8 @@ struct Lease {
     expires: Mutex<Instant>,
     /// The flight, told of each renewal, so that its waiters wait as long as the lease.
     flight: Option<FlightRef>,
+    /// Whether the store answered a renewal with "not held": the key was taken over.
+    lost: AtomicBool,
 }
 
 /// What a body ended with, as the record sees it: a value's encoding (and the value itself,
@@ -135,27 +138,30 @@ impl Held {
         key: Key,
         fingerprint: Option<Fingerprint>,
         token: Token,
-        lease: Duration,
+        settings: &Settings,
         span: tracing::Span,
-        namespace: Namespace,
     ) -> Self {
+        let lease = settings.lease;
         // Read after the claim returned: later than the store's own start of the lease, so
         // this errs towards trying too long, which the token makes harmless.
         let expires = Instant::now() + lease;
         let flight = store
             .flights()
             .map(|flights| flights.start(key, fingerprint, expires));
-        let attempt = Attempt::enter(&store, key, token);
+        let claim = Arc::new(Lease {
+            store: Arc::clone(&store),
+            key,
+            fingerprint,
+            token,
+            lease,
+            expires: Mutex::new(expires),
+            flight: flight.clone(),
+            lost: AtomicBool::new(false),
+        });
+        let journal = Journal::new(store, settings, fingerprint, Some(Arc::clone(&claim)));
+        let attempt = Attempt::enter(&claim.store, key, token, journal);
         Self {
-            claim: Arc::new(Lease {
-                store,
-                key,
-                fingerprint,
-                token,
-                lease,
-                expires: Mutex::new(expires),
-                flight: flight.clone(),
-            }),
+            claim,
             flight,
             attempt,
             owed: Owed::Release,
@@ -163,7 +169,7 @@ impl Held {
             failures: AtomicU32::new(0),
             started: Instant::now(),
             span,
-            namespace,
+            namespace: settings.namespace.clone(),
             counted: false,
             verdict: Mutex::new(None),
         }
@@ -477,6 +483,7 @@ impl Lease {
                     self.extend(sent + self.lease);
                 }
                 Ok(false) => {
+                    self.lost.store(true, Ordering::Relaxed);
                     tracing::warn!(
                         outcome = "lease lost",
                         token = self.token.get(),
@@ -496,12 +503,57 @@ impl Lease {
         *self.expires.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Whether this process cannot vouch for the claim without asking the store: a renewal
+    /// found it taken over, or two renewals in a row were missed, so that the lease is
+    /// within a quarter of running out (a margin for this process's clock reading of the
+    /// lease's start, taken after the store's).
+    pub(super) fn in_doubt(&self) -> bool {
+        self.lost.load(Ordering::Relaxed)
+            || Instant::now() + self.lease / RENEWALS_PER_LEASE >= self.expires()
+    }
+
+    /// Asks the store whether the claim is still held, renewing it if so: the check a step
+    /// passes before it runs (when [`in_doubt`](Self::in_doubt)) and before it is recorded.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the claim is no longer held, or the store cannot say.
+    pub(super) async fn confirm(&self) -> Result<(), Error> {
+        if self.lost.load(Ordering::Relaxed) {
+            return Err(taken_over());
+        }
+        let sent = Instant::now();
+        match self.store.renew(&self.key, self.token, self.lease).await {
+            Ok(true) => {
+                self.extend(sent + self.lease);
+                Ok(())
+            }
+            Ok(false) => {
+                self.lost.store(true, Ordering::Relaxed);
+                tracing::warn!(
+                    outcome = "lease lost",
+                    token = self.token.get(),
+                    "a step found the call's claim taken over: the step is not recorded"
+                );
+                Err(taken_over())
+            }
+            Err(err) => Err(err),
+        }
+    }
+
     fn extend(&self, until: Instant) {
         *self.expires.lock().unwrap_or_else(PoisonError::into_inner) = until;
         if let Some(flight) = &self.flight {
             flight.extend(until);
         }
     }
+}
+
+/// What a step of a call whose claim was taken over gets instead of a record.
+fn taken_over() -> Error {
+    Error::store(
+        "this call's claim is no longer held (its lease ran out and another call took the key over): the step is not run or recorded",
+    )
 }
 
 impl Drop for Held {

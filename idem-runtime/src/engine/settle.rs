@@ -74,9 +74,8 @@ impl Settings {
                 key,
                 fingerprint,
                 token,
-                self.lease,
+                self,
                 span,
-                self.namespace.clone(),
             )),
         })
     }

@@ -284,7 +284,9 @@ async fn pass<S, B, RB>(
 where
     S: Service<Request<Either<B, Full<Bytes>>>, Response = Response<RB>>,
 {
-    let response = inner.call(request.map(Either::Left)).await?;
+    let call = inner.call(request.map(Either::Left));
+    // Not an idempotent call: the handler's steps run as plain futures.
+    let response = crate::engine::attempt::scope_unkeyed(call).await?;
     Ok(response.map(ResponseBody::inner))
 }
 

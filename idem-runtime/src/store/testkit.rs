@@ -23,7 +23,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 
-use crate::{Claim, Fingerprint, Key, Store, Token};
+use crate::{step, Claim, Error, Fingerprint, Key, Operation, Outcome, Store, Token};
 
 /// A short lease: long enough for a slow server's round trips, short enough to wait out.
 const LEASE: Duration = Duration::from_millis(400);
@@ -45,6 +45,7 @@ pub async fn conformance<S: Store + Clone>(store: &S) {
     lookup_reads_completed_records_only(store, &keys).await;
     lease_left_is_the_live_claims_only(store, &keys).await;
     a_claim_again_with_its_nonce_is_its_own(store, &keys).await;
+    steps_resume_where_the_last_attempt_stopped(store, &keys).await;
 }
 
 /// Unique keys for one run of the suite.
@@ -505,4 +506,45 @@ async fn a_claim_again_with_its_nonce_is_its_own<S: Store>(store: &S, keys: &Key
         matches!(claim(41).await, Claim::Completed { .. }),
         "a completed key replays, whatever the nonce"
     );
+}
+
+/// The steps of a call ([`step`](crate::step)), recorded in the store: an attempt that
+/// fails after its first step leaves it recorded, the next attempt replays it and runs the
+/// second, and the call then replays whole. Each step's future runs once.
+async fn steps_resume_where_the_last_attempt_stopped<S: Store + Clone>(store: &S, keys: &Keys) {
+    let op = Operation::new(format!("idem.testkit.steps.{}", keys.run));
+    let key = keys.fresh();
+    let runs = [AtomicU64::new(0), AtomicU64::new(0)];
+    let attempt = |fail: bool| {
+        let runs = &runs;
+        async move {
+            let first = step("first", async {
+                Ok::<_, Error>(runs[0].fetch_add(1, Ordering::SeqCst) + 1)
+            })
+            .await?;
+            if fail {
+                return Err(Error::store("the attempt fails after its first step"));
+            }
+            let second = step("second", async {
+                Ok::<_, Error>(runs[1].fetch_add(1, Ordering::SeqCst) + 1)
+            })
+            .await?;
+            Ok::<_, Error>((first, second))
+        }
+    };
+    let failed = op.run(store, &key, None, attempt(true)).await;
+    assert!(failed.is_err(), "the first attempt fails: {failed:?}");
+    let resumed = op.run(store, &key, None, attempt(false)).await;
+    assert_eq!(
+        resumed.unwrap_or_else(|e| panic!("the second attempt failed: {e}")),
+        Outcome::Executed((1, 1)),
+        "the second attempt replays the first step and runs the second"
+    );
+    let replayed = op.run(store, &key, None, attempt(false)).await;
+    assert_eq!(
+        replayed.unwrap_or_else(|e| panic!("the replay failed: {e}")),
+        Outcome::Replayed((1, 1))
+    );
+    let counts = runs.each_ref().map(|runs| runs.load(Ordering::SeqCst));
+    assert_eq!(counts, [1, 1], "each step's future ran once");
 }

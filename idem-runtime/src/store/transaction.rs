@@ -11,6 +11,7 @@
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
@@ -21,6 +22,7 @@ use tracing::Instrument;
 use crate::codec::{self, ErrorPolicy, Json};
 use crate::engine::attempt::{self, Attempt};
 use crate::engine::settle::{pause_before_polling, Settled};
+use crate::engine::steps::Journal;
 use crate::engine::Settings;
 use crate::meter::{self, Event};
 use crate::{limits, Claim, Error, Fingerprint, InFlight, Key, Operation, Outcome, Store, Token};
@@ -31,7 +33,7 @@ use crate::{limits, Claim, Error, Fingerprint, InFlight, Key, Operation, Outcome
 /// [`Operation::run_in_transaction`].
 ///
 /// Sealed: the statements that make a claim transactional are each database's own.
-pub trait Transactional: Store + sealed::Sealed {
+pub trait Transactional: Store + Clone + sealed::Sealed {
     /// The connection the caller's transaction runs on.
     type Connection: Send;
 
@@ -204,7 +206,9 @@ impl<P> Operation<P> {
                 Settled::Replay(record) => return self.replay::<Json, _, _>(&record),
                 Settled::Run(token) => token,
             };
-            let attempt = Attempt::enter_fenced(store, *key, token);
+            let journal =
+                Journal::in_transaction(Arc::new(store.clone()), &self.settings, fingerprint.copied());
+            let attempt = Attempt::enter_fenced(store, *key, token, journal);
             let result = attempt.scope(body(&mut *connection)).await;
             let ttl = self.settings.ttl;
             let recorded = match result {

@@ -1,0 +1,244 @@
+//! What a step (`idem_runtime::step`) costs, interleaved with its baseline
+//! (`interleaved/mod.rs`):
+//!
+//! - a replayed step against a memory replay of a hand-keyed nested call (what a body had to
+//!   write before steps: an `Operation::run` of its own per effect, its key derived from the
+//!   call's), both inside a running body, in memory. Target ≤ 1.2.
+//! - a three-step body's first run against the same body without steps, on PostgreSQL:
+//!   each step is one committed `INSERT` (an effect of the size of a write to another
+//!   system). Target ≤ 1.3.
+//!
+//! `cargo bench -p idem-runtime --bench steps --features postgres`
+//! (PostgreSQL at `IDEM_POSTGRES_URL`, default `postgres://postgres@127.0.0.1:5432/test`;
+//! skipped with a line saying so when it is unreachable.)
+
+#[allow(dead_code)] // the Redis helpers are other benches'
+mod common;
+mod interleaved;
+
+use std::hint::black_box;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use idem_runtime::{step, Error, MemoryStore, Operation, PostgresStore};
+use interleaved::{measure, on as side, Ratio};
+use tokio::runtime::Runtime;
+
+/// How long each pair of sides is measured, after calibration.
+const BUDGET: Duration = Duration::from_secs(4);
+
+/// How many steps (and nested calls) are recorded before the replays are measured: more
+/// than any batch replays.
+const RECORDED: u64 = 1 << 16;
+
+/// Runs `body` as the body of an attempt of `op`'s call `call` in `store`, releases the key
+/// (the body fails), and returns how long `body` took: one batch of a side measured inside a
+/// running body.
+fn in_a_body<F>(rt: &Runtime, store: &MemoryStore, op: &Operation, call: u64, body: F) -> Duration
+where
+    F: std::future::Future<Output = Result<(), Error>>,
+{
+    let took = Mutex::new(Duration::ZERO);
+    let key = op.key(&call).unwrap();
+    let outcome = rt.block_on(op.run(store, &key, None, async {
+        let started = Instant::now();
+        body.await
+            .map_err(|e| panic!("the measured body failed: {e}"))?;
+        *took.lock().unwrap() = started.elapsed();
+        Err::<(), _>(Error::store(
+            "measured: the key is released for the next batch",
+        ))
+    }));
+    assert!(outcome.is_err(), "every batch runs the body");
+    took.into_inner().unwrap()
+}
+
+fn replayed_step(rt: &Runtime) -> Ratio {
+    // Room for every record: past the default capacity, a replay would find it evicted.
+    let store = MemoryStore::builder().capacity(4 * RECORDED).build();
+    let outer = Operation::new("bench.steps.call");
+    let nested = Operation::new("bench.steps.nested");
+    // Record the steps of call 1, and the nested calls the baseline replays.
+    in_a_body(rt, &store, &outer, 1, async {
+        for _ in 0..RECORDED {
+            step("charge", async { Ok::<_, Error>(common::receipt(1)) }).await?;
+        }
+        Ok(())
+    });
+    rt.block_on(async {
+        for n in 0..RECORDED {
+            let key = nested.key(&(1_u64, "charge", n)).unwrap();
+            let run = nested.run(&store, &key, None, async {
+                Ok::<_, Error>(common::receipt(1))
+            });
+            assert!(!run.await.unwrap().is_replayed());
+        }
+    });
+    measure(
+        &mut |iters: u64| {
+            assert!(iters <= RECORDED, "a batch replays only recorded steps");
+            in_a_body(rt, &store, &outer, 1, async {
+                for _ in 0..iters {
+                    let replayed = step("charge", async {
+                        unreachable!("a recorded step does not run")
+                    });
+                    black_box::<common::Receipt>(replayed.await?);
+                }
+                Ok(())
+            })
+        },
+        &mut |iters: u64| {
+            assert!(iters <= RECORDED, "a batch replays only recorded calls");
+            in_a_body(rt, &store, &outer, 2, async {
+                for n in 0..iters {
+                    let key = nested.key(&(1_u64, "charge", n))?;
+                    let replayed = nested.run(&store, &key, None, async {
+                        unreachable!("a recorded call does not run")
+                    });
+                    black_box::<common::Receipt>(replayed.await?.into_inner());
+                }
+                Ok(())
+            })
+        },
+        BUDGET,
+    )
+}
+
+/// A fresh number per call, so that every first execution has a key of its own.
+fn fresh() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    common::run_start() * 1_000_000 + NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The three-step body against the same body without steps, and the floor against the same.
+fn three_steps_on_postgres(rt: &Runtime) -> Option<(Ratio, Ratio)> {
+    let url = std::env::var("IDEM_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let Ok(store) = rt.block_on(PostgresStore::connect(&url)) else {
+        println!("skipped: postgres at {url} is unreachable");
+        return None;
+    };
+    rt.block_on(store.migrate()).unwrap();
+    let pool = store.pool().clone();
+    let table = format!("bench_step_effects_{}", std::process::id());
+    rt.block_on(
+        sqlx::query(&format!(
+            "CREATE TABLE {table} (n bigint NOT NULL, what text NOT NULL)"
+        ))
+        .execute(&pool),
+    )
+    .unwrap();
+    let insert = format!("INSERT INTO {table} (n, what) VALUES ($1, $2)");
+    let effect = |n: u64, what: &'static str| {
+        let (pool, insert) = (&pool, &insert);
+        async move {
+            sqlx::query(insert)
+                .bind(n as i64)
+                .bind(what)
+                .execute(pool)
+                .await
+                .map_err(Error::store)?;
+            Ok::<_, Error>(n)
+        }
+    };
+    let op = Operation::new(format!("bench.steps.first.{}", common::run_start()));
+    let without_steps = || async {
+        let n = fresh();
+        let key = op.key(&n).unwrap();
+        op.run(&store, &key, None, async {
+            let a = effect(n, "reserve").await?;
+            let b = effect(n, "charge").await?;
+            let c = effect(n, "order").await?;
+            Ok::<_, Error>(a + b + c)
+        })
+        .await
+        .unwrap()
+    };
+    // The floor: the least a step that survives a crash costs, written by hand: one
+    // committed write of its result after its effect, and nothing else (no read of an
+    // earlier record, no fence).
+    let floor = measure(
+        &mut side(rt, || async {
+            let n = fresh();
+            let key = op.key(&n).unwrap();
+            op.run(&store, &key, None, async {
+                let a = effect(n, "reserve").await?;
+                effect(a, "reserve recorded").await?;
+                let b = effect(n, "charge").await?;
+                effect(b, "charge recorded").await?;
+                let c = effect(n, "order").await?;
+                effect(c, "order recorded").await?;
+                Ok::<_, Error>(a + b + c)
+            })
+            .await
+            .unwrap()
+        }),
+        &mut side(rt, without_steps),
+        BUDGET,
+    );
+    let ratio = measure(
+        &mut side(rt, || async {
+            let n = fresh();
+            let key = op.key(&n).unwrap();
+            op.run(&store, &key, None, async {
+                let a = step("reserve", effect(n, "reserve")).await?;
+                let b = step("charge", effect(n, "charge")).await?;
+                let c = step("order", effect(n, "order")).await?;
+                Ok::<_, Error>(a + b + c)
+            })
+            .await
+            .unwrap()
+        }),
+        &mut side(rt, without_steps),
+        BUDGET,
+    );
+    rt.block_on(async {
+        sqlx::query(&format!("DROP TABLE {table}"))
+            .execute(&pool)
+            .await
+            .unwrap();
+        store.purge_expired().await.ok();
+    });
+    Some((ratio, floor))
+}
+
+fn main() {
+    let rt = common::runtime();
+    let mut rows = vec![(
+        "replayed step vs a nested call's replay, memory",
+        replayed_step(&rt),
+        Some(1.2),
+    )];
+    if let Some((ratio, floor)) = three_steps_on_postgres(&rt) {
+        rows.push((
+            "three-step body vs without steps, postgres",
+            ratio,
+            Some(1.3),
+        ));
+        rows.push((
+            "  its floor: a record written per step by hand",
+            floor,
+            None,
+        ));
+    }
+    println!(
+        "\n{:<48} {:>10} {:>10} {:>6} {:>13} {:>7} {:>6}",
+        "path", "ours", "baseline", "ratio", "p10 – p90", "target", "pairs"
+    );
+    for (path, r, target) in rows {
+        let (target, verdict) = match target {
+            Some(target) if r.median <= target => (format!("{target:.2}"), "ok"),
+            Some(target) => (format!("{target:.2}"), "MISSED"),
+            None => ("-".into(), ""),
+        };
+        println!(
+            "{path:<48} {:>10.1?} {:>10.1?} {:>6.2} {:>13} {target:>7} {:>6} {verdict}",
+            r.ours,
+            r.baseline,
+            r.median,
+            format!("{:.2} – {:.2}", r.low, r.high),
+            r.pairs,
+        );
+    }
+}
