@@ -3,6 +3,7 @@
 pub(crate) mod attempt;
 mod call;
 mod held;
+mod lease;
 pub(crate) mod settle;
 pub(crate) mod steps;
 

@@ -1,11 +1,15 @@
 //! The attempt a body runs under, visible to the body through [`attempt()`], and the check
 //! that keeps a call from waiting for its own enclosing call.
 
+use std::borrow::Cow;
 use std::fmt;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-use super::steps::Journal;
-use crate::{Error, Flights, Key, Store, Token};
+use super::lease::Lease;
+use super::{InFlight, Operation, Settings};
+use crate::codec::ReleaseErrors;
+use crate::namespace::Namespace;
+use crate::{Error, Fingerprint, Flights, Key, Store, Token};
 
 tokio::task_local! {
     static CURRENT: Scope;
@@ -246,6 +250,85 @@ fn unkeyed() -> Scope {
     Scope {
         attempt: attempt(),
         unkeyed: true,
+    }
+}
+
+/// What the steps of one attempt are recorded with.
+pub(crate) struct Journal {
+    /// The enclosing call's store: the steps' records live beside its own.
+    pub(super) store: Arc<dyn Store>,
+    /// The enclosing call's settings: its namespace names the steps, its lease and TTL are
+    /// theirs.
+    settings: Settings,
+    /// The enclosing call's fingerprint: a retry with another payload runs its own steps.
+    pub(super) fingerprint: Option<Fingerprint>,
+    /// The enclosing claim, to confirm before a step is recorded; `None` for a claim in the
+    /// caller's transaction, which no other call can take while the transaction lives.
+    pub(super) holder: Option<Arc<Lease>>,
+    /// How many times each step name was used so far in this attempt.
+    seen: Mutex<Vec<(Box<str>, u32)>>,
+}
+
+impl Journal {
+    /// The journal of a claim in the caller's transaction: nothing to confirm, since no
+    /// other call can take the key while the transaction holds it.
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
+        allow(dead_code)
+    )]
+    pub(crate) fn in_transaction(
+        store: Arc<dyn Store>,
+        settings: &Settings,
+        fingerprint: Option<Fingerprint>,
+    ) -> Self {
+        Self::new(store, settings, fingerprint, None)
+    }
+
+    pub(super) fn new(
+        store: Arc<dyn Store>,
+        settings: &Settings,
+        fingerprint: Option<Fingerprint>,
+        holder: Option<Arc<Lease>>,
+    ) -> Self {
+        Self {
+            store,
+            settings: settings.clone(),
+            fingerprint,
+            holder,
+            seen: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The occurrence of step `name` that this call of it is: `0` for the first, and one
+    /// more for each later one in this attempt.
+    pub(super) fn occurrence(&self, name: &str) -> u32 {
+        let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+        match seen.iter_mut().find(|(seen, _)| **seen == *name) {
+            Some((_, count)) => {
+                *count += 1;
+                *count - 1
+            }
+            None => {
+                seen.push((name.into(), 1));
+                0
+            }
+        }
+    }
+
+    /// The operation a step named `name` runs as: the enclosing call's lease and TTL, under
+    /// a namespace of its own (`checkout.v1/charge`) so that its metrics and spans are the
+    /// step's. A step found held waits for it (a holder whose key was taken over, still
+    /// running the step), at most a lease.
+    pub(super) fn operation(&self, name: &str) -> Operation {
+        let mut settings = self.settings.clone();
+        settings.namespace =
+            Namespace::from(Cow::Owned(format!("{}/{name}", &*settings.namespace)));
+        settings.in_flight = InFlight::Wait;
+        settings.wait_timeout = None;
+        Operation {
+            settings,
+            errors: ReleaseErrors,
+        }
     }
 }
 

@@ -21,8 +21,8 @@ use bytes::Bytes;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use super::attempt::Attempt;
-use super::steps::Journal;
+use super::attempt::{Attempt, Journal};
+use super::lease::Lease;
 use super::{backoff, Settings};
 use crate::background;
 use crate::flights::{FlightRef, Landing};
@@ -30,9 +30,6 @@ use crate::meter::{self, Event};
 use crate::namespace::Namespace;
 use crate::store::Typed;
 use crate::{Claim, Error, Fingerprint, Key, Store, Token};
-
-/// How many times a holder renews its claim per lease while the body runs.
-const RENEWALS_PER_LEASE: u32 = 4;
 
 pub(super) struct Held {
     /// What the heartbeat shares with the guard.
@@ -69,25 +66,6 @@ pub(super) enum Verdict {
     /// No answer the key can stand behind: the result cannot be recorded, or it could not
     /// be settled after the store refused it.
     Failed(Error),
-}
-
-/// The claim as the holder, its heartbeat and the body's steps share it.
-pub(super) struct Lease {
-    /// The store, shared: every method of the guard is compiled once, whatever the store.
-    store: Arc<dyn Store>,
-    key: Key,
-    /// The fingerprint the key was claimed with: a claim made again after a refused
-    /// completion carries it.
-    fingerprint: Option<Fingerprint>,
-    token: Token,
-    lease: Duration,
-    /// When the lease runs out, as far as this process knows: pushed forward by each
-    /// renewal. Retries of the owed step stop there; the store refuses them after it anyway.
-    expires: Mutex<Instant>,
-    /// The flight, told of each renewal, so that its waiters wait as long as the lease.
-    flight: Option<FlightRef>,
-    /// Whether the store answered a renewal with "not held": the key was taken over.
-    lost: AtomicBool,
 }
 
 /// What a body ended with, as the record sees it: a value's encoding (and the value itself,
@@ -460,100 +438,6 @@ impl Held {
             flights.land(&self.claim.key, &flight, landing);
         }
     }
-}
-
-impl Lease {
-    async fn heartbeat(self: Arc<Self>) {
-        // A quarter: a renewal may then be three periods late, or fail for that long, before
-        // the lease lapses under a live holder.
-        let period = self.lease / RENEWALS_PER_LEASE;
-        let mut failures = 0;
-        loop {
-            // After a failure, try again soon: four missed periods lose the lease.
-            let pause = if failures == 0 {
-                period
-            } else {
-                backoff(failures).min(period)
-            };
-            tokio::time::sleep(pause).await;
-            let sent = Instant::now();
-            match self.store.renew(&self.key, self.token, self.lease).await {
-                Ok(true) => {
-                    failures = 0;
-                    self.extend(sent + self.lease);
-                }
-                Ok(false) => {
-                    self.lost.store(true, Ordering::Relaxed);
-                    tracing::warn!(
-                        outcome = "lease lost",
-                        token = self.token.get(),
-                        "the claim was taken over while the body ran; its result will not be recorded"
-                    );
-                    return std::future::pending().await;
-                }
-                Err(err) => {
-                    failures += 1;
-                    tracing::warn!(error = %err, "renewing the lease failed; retrying");
-                }
-            }
-        }
-    }
-
-    fn expires(&self) -> Instant {
-        *self.expires.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Whether this process cannot vouch for the claim without asking the store: a renewal
-    /// found it taken over, or two renewals in a row were missed, so that the lease is
-    /// within a quarter of running out (a margin for this process's clock reading of the
-    /// lease's start, taken after the store's).
-    pub(super) fn in_doubt(&self) -> bool {
-        self.lost.load(Ordering::Relaxed)
-            || Instant::now() + self.lease / RENEWALS_PER_LEASE >= self.expires()
-    }
-
-    /// Asks the store whether the claim is still held, renewing it if so: the check a step
-    /// passes before it runs (when [`in_doubt`](Self::in_doubt)) and before it is recorded.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Store`] when the claim is no longer held, or the store cannot say.
-    pub(super) async fn confirm(&self) -> Result<(), Error> {
-        if self.lost.load(Ordering::Relaxed) {
-            return Err(taken_over());
-        }
-        let sent = Instant::now();
-        match self.store.renew(&self.key, self.token, self.lease).await {
-            Ok(true) => {
-                self.extend(sent + self.lease);
-                Ok(())
-            }
-            Ok(false) => {
-                self.lost.store(true, Ordering::Relaxed);
-                tracing::warn!(
-                    outcome = "lease lost",
-                    token = self.token.get(),
-                    "a step found the call's claim taken over: the step is not recorded"
-                );
-                Err(taken_over())
-            }
-            Err(err) => Err(err),
-        }
-    }
-
-    fn extend(&self, until: Instant) {
-        *self.expires.lock().unwrap_or_else(PoisonError::into_inner) = until;
-        if let Some(flight) = &self.flight {
-            flight.extend(until);
-        }
-    }
-}
-
-/// What a step of a call whose claim was taken over gets instead of a record.
-fn taken_over() -> Error {
-    Error::store(
-        "this call's claim is no longer held (its lease ran out and another call took the key over): the step is not run or recorded",
-    )
 }
 
 impl Drop for Held {

@@ -8,101 +8,17 @@
 //! only while the enclosing claim is confirmed held, so that a holder whose key was taken
 //! over cannot record a step the new holder would then replay.
 
-use std::borrow::Cow;
 use std::future::Future;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 use super::attempt::{self, Attempt, Place};
-use super::held::Lease;
-use super::{InFlight, Operation, Outcome, Settings};
-use crate::codec::{Json, ReleaseErrors};
-use crate::namespace::Namespace;
+use super::{Operation, Outcome};
+use crate::codec::Json;
 use crate::{Error, Fingerprint, Key, Store};
-
-/// What the steps of one attempt are recorded with.
-pub(crate) struct Journal {
-    /// The enclosing call's store: the steps' records live beside its own.
-    store: Arc<dyn Store>,
-    /// The enclosing call's settings: its namespace names the steps, its lease and TTL are
-    /// theirs.
-    settings: Settings,
-    /// The enclosing call's fingerprint: a retry with another payload runs its own steps.
-    fingerprint: Option<Fingerprint>,
-    /// The enclosing claim, to confirm before a step is recorded; `None` for a claim in the
-    /// caller's transaction, which no other call can take while the transaction lives.
-    holder: Option<Arc<Lease>>,
-    /// How many times each step name was used so far in this attempt.
-    seen: Mutex<Vec<(Box<str>, u32)>>,
-}
-
-impl Journal {
-    /// The journal of a claim in the caller's transaction: nothing to confirm, since no
-    /// other call can take the key while the transaction holds it.
-    #[cfg_attr(
-        not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
-        allow(dead_code)
-    )]
-    pub(crate) fn in_transaction(
-        store: Arc<dyn Store>,
-        settings: &Settings,
-        fingerprint: Option<Fingerprint>,
-    ) -> Self {
-        Self::new(store, settings, fingerprint, None)
-    }
-
-    pub(super) fn new(
-        store: Arc<dyn Store>,
-        settings: &Settings,
-        fingerprint: Option<Fingerprint>,
-        holder: Option<Arc<Lease>>,
-    ) -> Self {
-        Self {
-            store,
-            settings: settings.clone(),
-            fingerprint,
-            holder,
-            seen: Mutex::new(Vec::new()),
-        }
-    }
-
-    /// The key of the next occurrence of step `name` in the call of `call`.
-    fn next(&self, call: &Key, name: &str) -> Key {
-        let occurrence = {
-            let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
-            match seen.iter_mut().find(|(seen, _)| **seen == *name) {
-                Some((_, count)) => {
-                    *count += 1;
-                    *count - 1
-                }
-                None => {
-                    seen.push((name.into(), 1));
-                    0
-                }
-            }
-        };
-        step_key(call, self.fingerprint.as_ref(), name, occurrence)
-    }
-
-    /// The operation a step named `name` runs as: the enclosing call's lease and TTL, under
-    /// a namespace of its own (`checkout.v1/charge`) so that its metrics and spans are the
-    /// step's. A step found held waits for it (a holder whose key was taken over, still
-    /// running the step), at most a lease.
-    fn operation(&self, name: &str) -> Operation {
-        let mut settings = self.settings.clone();
-        settings.namespace =
-            Namespace::from(Cow::Owned(format!("{}/{name}", &*settings.namespace)));
-        settings.in_flight = InFlight::Wait;
-        settings.wait_timeout = None;
-        Operation {
-            settings,
-            errors: ReleaseErrors,
-        }
-    }
-}
 
 /// The key of occurrence `occurrence` of step `name` in the call of `call`, claimed with
 /// `fingerprint`: a sha256 digest of all four, apart from every key [`Key::derive`] makes.
@@ -211,8 +127,15 @@ where
         Place::Outside => Err(name.to_owned()),
         Place::Unkeyed => Ok(None),
         Place::Claimed(attempt) => {
-            let key = attempt.journal().next(attempt.key(), name);
-            let operation = attempt.journal().operation(name);
+            let journal = attempt.journal();
+            let occurrence = journal.occurrence(name);
+            let key = step_key(
+                attempt.key(),
+                journal.fingerprint.as_ref(),
+                name,
+                occurrence,
+            );
+            let operation = journal.operation(name);
             Ok(Some((attempt, key, operation)))
         }
     };

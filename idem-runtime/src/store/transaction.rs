@@ -20,9 +20,8 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::codec::{self, ErrorPolicy, Json};
-use crate::engine::attempt::{self, Attempt};
+use crate::engine::attempt::{self, Attempt, Journal};
 use crate::engine::settle::{pause_before_polling, Settled};
-use crate::engine::steps::Journal;
 use crate::engine::Settings;
 use crate::meter::{self, Event};
 use crate::{limits, Claim, Error, Fingerprint, InFlight, Key, Operation, Outcome, Store, Token};
