@@ -490,6 +490,20 @@ impl PrivateRedis {
         Self::start_on_a_free_port(Some, |_| Vec::new())
     }
 
+    /// Starts one on a free port with extra `redis-server` arguments (`--replicaof …`).
+    pub fn start_with_args(extra: &[String]) -> Option<Self> {
+        Self::start_on_a_free_port(Some, |_| extra.to_vec())
+    }
+
+    /// Starts one on `port` with extra `redis-server` arguments: a killed server back on
+    /// its port in another role.
+    pub fn start_on_with_args(port: u16, extra: &[String]) -> Option<Self> {
+        match Self::start_with(port, extra.to_vec()) {
+            Ok(server) => server,
+            Err(Taken) => unavailable("a private redis-server", format!("port {port} is taken")),
+        }
+    }
+
     /// Starts one on `port` (a server that comes back after [`kill`](Self::kill)).
     pub fn start_on(port: u16) -> Option<Self> {
         match Self::start_with(port, Vec::new()) {
@@ -689,7 +703,7 @@ impl Drop for PrivateRedisCluster {
     }
 }
 
-fn free_port() -> Option<u16> {
+pub fn free_port() -> Option<u16> {
     Some(
         std::net::TcpListener::bind("127.0.0.1:0")
             .ok()?

@@ -48,8 +48,11 @@ use redis::aio::{
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Script, ScriptInvocation, Value};
 
+use self::sentinel::Primary;
 use crate::store::Recorded;
 use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
+
+mod sentinel;
 
 /// The default key prefix.
 pub const DEFAULT_PREFIX: &str = "idem:";
@@ -163,6 +166,8 @@ pub struct RedisStore {
     prefix: Arc<str>,
     timeout: Duration,
     flights: Arc<Flights>,
+    /// How many replicas must acknowledge each write, and how long to wait for them.
+    replicas: Option<(u32, Duration)>,
 }
 
 /// The connections a store can use.
@@ -171,6 +176,7 @@ enum Connection {
     Manager(ConnectionManager),
     Multiplexed(MultiplexedConnection),
     Cluster(ClusterConnection),
+    Sentinel(Primary),
 }
 
 impl ConnectionLike for Connection {
@@ -179,6 +185,7 @@ impl ConnectionLike for Connection {
             Self::Manager(c) => c.req_packed_command(cmd),
             Self::Multiplexed(c) => c.req_packed_command(cmd),
             Self::Cluster(c) => c.req_packed_command(cmd),
+            Self::Sentinel(c) => c.req_packed_command(cmd),
         }
     }
 
@@ -192,6 +199,7 @@ impl ConnectionLike for Connection {
             Self::Manager(c) => c.req_packed_commands(pipeline, offset, count),
             Self::Multiplexed(c) => c.req_packed_commands(pipeline, offset, count),
             Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            Self::Sentinel(c) => c.req_packed_commands(pipeline, offset, count),
         }
     }
 
@@ -200,6 +208,7 @@ impl ConnectionLike for Connection {
             Self::Manager(c) => c.get_db(),
             Self::Multiplexed(c) => c.get_db(),
             Self::Cluster(c) => c.get_db(),
+            Self::Sentinel(c) => c.get_db(),
         }
     }
 }
@@ -246,6 +255,76 @@ impl RedisStore {
             .await?
             .map_err(Error::store)?;
         Self::from_cluster(connection).checked().await
+    }
+
+    /// Connects to the primary of the master named `master`, as the Redis Sentinels at
+    /// `sentinels` (`redis://host:port` each) name it, and follows a failover: after a
+    /// command finds the primary gone (the connection dropped, refused or timed out) or
+    /// demoted (a write refused with `READONLY`), that command fails with [`Error::Store`]
+    /// and the next one asks the sentinels again. The application needs no restart.
+    ///
+    /// Replication is asynchronous: a claim or a record the old primary acknowledged may be
+    /// missing on the new one. [`with_replicas`](Self::with_replicas) makes each write wait
+    /// for replicas first.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when no sentinel answers, none knows `master`, its primary cannot
+    /// be reached within [`DEFAULT_TIMEOUT`], or it is older than Redis 7.0.
+    pub async fn connect_sentinel<'a>(
+        sentinels: impl IntoIterator<Item = &'a str>,
+        master: &str,
+    ) -> Result<Self, Error> {
+        let sentinels = sentinels.into_iter().map(str::to_string).collect();
+        let primary = within(
+            DEFAULT_TIMEOUT * 2,
+            Primary::connect(sentinels, master, DEFAULT_TIMEOUT),
+        )
+        .await?
+        .map_err(Error::store)?;
+        Self::with_connection(Connection::Sentinel(primary))
+            .checked()
+            .await
+    }
+
+    /// Makes every claim, completion, renewal and fence wait until `replicas` replicas
+    /// have it (Redis `WAIT`), at most `timeout`. A claim they do not acknowledge in time is
+    /// released and fails with [`Error::Store`]: the body does not run on a claim that a
+    /// failover could lose. A completion, renewal or fence they do not acknowledge fails with
+    /// [`Error::Store`] too (it was applied on the primary; the caller retries it, as after
+    /// any store failure).
+    ///
+    /// `WAIT` blocks the connection it is sent on until the replicas answer, so the writes of
+    /// every task sharing the connection queue behind it: the cost per call is in
+    /// `BENCHMARKS.md`. It narrows the window in which a failover loses an acknowledged write;
+    /// it does not close it (Redis may still promote a replica that missed a write
+    /// acknowledged by another one).
+    #[must_use]
+    pub fn with_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.replicas = (replicas > 0).then_some((replicas, timeout));
+        self
+    }
+
+    /// Waits for the replicas after a write on this store's connection, if the store asks
+    /// for them: `Ok` when enough acknowledged it.
+    async fn replicated(&self, what: &str) -> Result<(), Error> {
+        let Some((replicas, timeout)) = self.replicas else {
+            return Ok(());
+        };
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(replicas)
+            .arg(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX));
+        let mut connection = self.connection.clone();
+        let acknowledged = within(self.timeout + timeout, connection.req_packed_command(&wait))
+            .await?
+            .map_err(Error::store)?;
+        match acknowledged {
+            Value::Int(acknowledged) if acknowledged >= i64::from(replicas) => Ok(()),
+            Value::Int(acknowledged) => Err(Error::store(format!(
+                "{what} was acknowledged by {acknowledged} of the {replicas} replicas asked for within {timeout:?}"
+            ))),
+            other => Err(unexpected(&other)),
+        }
     }
 
     /// The store, once the server it talks to is new enough (the stores made from an
@@ -302,6 +381,7 @@ impl RedisStore {
             prefix: DEFAULT_PREFIX.into(),
             timeout: DEFAULT_TIMEOUT,
             flights: Arc::default(),
+            replicas: None,
         }
     }
 
@@ -367,10 +447,15 @@ impl RedisStore {
             .map_err(Error::store)
     }
 
-    /// Runs a compare-and-set script: `1` applied, `0` refused.
-    async fn fenced(&self, invocation: ScriptInvocation<'_>) -> Result<bool, Error> {
+    /// Runs a compare-and-set script: `1` applied, `0` refused. A write the store asks
+    /// replicas for (`with_replicas`) waits for them.
+    async fn fenced(&self, invocation: ScriptInvocation<'_>, what: &str) -> Result<bool, Error> {
         match self.run_script(invocation).await? {
-            Value::Int(applied) => Ok(applied == 1),
+            Value::Int(1) => {
+                self.replicated(what).await?;
+                Ok(true)
+            }
+            Value::Int(_) => Ok(false),
             other => Err(unexpected(&other)),
         }
     }
@@ -504,11 +589,13 @@ impl fmt::Debug for RedisStore {
             Connection::Manager(_) => "connection manager",
             Connection::Multiplexed(_) => "multiplexed",
             Connection::Cluster(_) => "cluster",
+            Connection::Sentinel(_) => "sentinel",
         };
         f.debug_struct("RedisStore")
             .field("connection", &kind)
             .field("prefix", &self.prefix)
             .field("timeout", &self.timeout)
+            .field("replicas", &self.replicas)
             .finish()
     }
 }
@@ -548,6 +635,13 @@ impl Store for RedisStore {
             let reply = self.send(&command).await?;
             let own = matches!(&reply, Value::BulkString(record) if record.get(..9) == Some(&holder(token)[..]));
             let claim = parse_claim(reply, token)?;
+            if matches!(claim, Claim::Acquired { .. }) {
+                if let Err(err) = self.replicated("the claim").await {
+                    // Not run on a claim a failover could lose; freed for the next call.
+                    let _ = self.release(key, token).await;
+                    return Err(err);
+                }
+            }
             // Our own claim, from a try whose reply was lost: its lease may be nearly spent.
             // Renewed, it is ours for a whole lease; lapsed meanwhile, the key is claimed anew.
             if !own || self.renew(key, token, lease).await? {
@@ -565,29 +659,35 @@ impl Store for RedisStore {
     ) -> Result<bool, Error> {
         let mut invocation = self.script(&COMPLETE, key, token);
         invocation.arg(&value[..]).arg(millis(ttl));
-        self.fenced(invocation).await
+        self.fenced(invocation, "the completion").await
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
-        self.fenced(self.script(&RELEASE, key, token)).await
+        // A release that a failover loses leaves the claim to lapse: nothing to wait for.
+        match self.run_script(self.script(&RELEASE, key, token)).await? {
+            Value::Int(applied) => Ok(applied == 1),
+            other => Err(unexpected(&other)),
+        }
     }
 
     async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
         let mut invocation = self.script(&RENEW, key, token);
         invocation.arg(millis(lease));
-        self.fenced(invocation).await
+        self.fenced(invocation, "the renewal").await
     }
 
     async fn fence(&self, key: &Key, token: Token) -> Result<Option<Token>, Error> {
-        match self.run_script(self.script(&FENCE, key, token)).await? {
-            Value::Nil => Ok(None),
+        let fence = match self.run_script(self.script(&FENCE, key, token)).await? {
+            Value::Nil => return Ok(None),
             Value::BulkString(digits) => std::str::from_utf8(&digits)
                 .ok()
                 .and_then(|digits| digits.parse().ok())
-                .map(|fence| Some(Token::new(fence)))
-                .ok_or_else(|| malformed("a fence that is not a number")),
-            other => Err(unexpected(&other)),
-        }
+                .map(Token::new)
+                .ok_or_else(|| malformed("a fence that is not a number"))?,
+            other => return Err(unexpected(&other)),
+        };
+        self.replicated("the fence").await?;
+        Ok(Some(fence))
     }
 
     async fn lookup(&self, key: &Key) -> Result<Option<Recorded>, Error> {

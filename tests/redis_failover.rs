@@ -1,0 +1,437 @@
+//! Redis with a replica: a Sentinel failover followed without a restart, and what
+//! `RedisStore::with_replicas` buys, counted over many failovers at random points.
+//!
+//! Every server here is the test's own (a primary, a replica, a sentinel on free loopback
+//! ports), started and killed by PID; the shared server on 6379 is never touched.
+//!
+//! `IDEM_FAILOVERS=200 cargo test -p idem-tests --all-features --test redis_failover -- --nocapture`
+//! runs the count over 200 failovers per mode (CI runs 10).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idem_runtime::{Claim, Error, Key, Operation, Outcome, RedisStore, Store};
+use idem_tests::{unavailable, PrivateRedis};
+
+/// Asks `url` for `INFO replication` and whether its text has `expected`.
+async fn replication_has(url: &str, expected: &str) -> bool {
+    let Ok(client) = redis::Client::open(url) else {
+        return false;
+    };
+    let Ok(mut connection) = client.get_multiplexed_async_connection().await else {
+        return false;
+    };
+    let info: Result<String, _> = redis::cmd("INFO")
+        .arg("replication")
+        .query_async(&mut connection)
+        .await;
+    info.is_ok_and(|info| info.contains(expected))
+}
+
+/// Polls until `check` holds, at most 30 s: the state a step waits for (a link up, a
+/// promotion done), never a guess of how long it takes.
+async fn until<F: std::future::Future<Output = bool>>(what: &str, mut check: impl FnMut() -> F) {
+    let started = Instant::now();
+    while !check().await {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{what}: not within 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn command(url: &str, cmd: &redis::Cmd) -> redis::RedisResult<redis::Value> {
+    let client = redis::Client::open(url)?;
+    let mut connection = client.get_multiplexed_async_connection().await?;
+    cmd.query_async(&mut connection).await
+}
+
+/// A replica of `primary`, in sync.
+async fn replica_of(primary: &PrivateRedis) -> Option<PrivateRedis> {
+    let replica = PrivateRedis::start_with_args(&replica_args(primary.port))?;
+    until("the replica's link to its primary", || {
+        replication_has(&replica.url, "master_link_status:up")
+    })
+    .await;
+    until("the primary's view of its replica", || {
+        replication_has(&primary.url, "state=online")
+    })
+    .await;
+    Some(replica)
+}
+
+fn replica_args(primary: u16) -> Vec<String> {
+    let mut args = fast_sync();
+    args.extend([
+        "--replicaof".into(),
+        "127.0.0.1".into(),
+        primary.to_string(),
+    ]);
+    args
+}
+
+/// A server of its own for the failovers: a replica's first sync at once (not after the
+/// default 5 s wait for more replicas), and a directory of its own for the snapshot it loads,
+/// so that no server ever loads a snapshot another one wrote.
+fn fast_sync() -> Vec<String> {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "redis-failover-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    [
+        "--repl-diskless-sync-delay",
+        "0",
+        "--dir",
+        dir.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// A Redis Sentinel of the test's own that monitors `primary` as `idem`.
+struct PrivateSentinel {
+    child: std::process::Child,
+    url: String,
+    dir: std::path::PathBuf,
+}
+
+impl PrivateSentinel {
+    async fn start(primary: &PrivateRedis) -> Option<Self> {
+        let port = idem_tests::free_port()?;
+        let dir = std::env::temp_dir().join(format!("idem-sentinel-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).ok()?;
+        let config = dir.join("sentinel.conf");
+        std::fs::write(
+            &config,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {}\nsentinel monitor idem 127.0.0.1 {} 1\n\
+                 sentinel down-after-milliseconds idem 300\nsentinel failover-timeout idem 3000\n",
+                dir.display(),
+                primary.port
+            ),
+        )
+        .ok()?;
+        let child = match std::process::Command::new("redis-server")
+            .arg(&config)
+            .arg("--sentinel")
+            .stdout(std::process::Stdio::null())
+            .spawn()
+        {
+            Ok(child) => child,
+            Err(e) => return unavailable("redis-server --sentinel", e),
+        };
+        let sentinel = Self {
+            child,
+            url: format!("redis://127.0.0.1:{port}"),
+            dir,
+        };
+        // Ready once it knows the replica: only then can it promote it.
+        let url = sentinel.url.clone();
+        until("the sentinel's view of the replica", || {
+            let url = url.clone();
+            async move {
+                let replicas =
+                    command(&url, redis::cmd("SENTINEL").arg("replicas").arg("idem")).await;
+                matches!(replicas, Ok(redis::Value::Array(found)) if !found.is_empty())
+            }
+        })
+        .await;
+        Some(sentinel)
+    }
+}
+
+impl Drop for PrivateSentinel {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_failover_is_followed_without_a_restart() {
+    let Some(mut primary) = PrivateRedis::start_with_args(&fast_sync()) else {
+        return;
+    };
+    let Some(replica) = replica_of(&primary).await else {
+        return;
+    };
+    let Some(sentinel) = PrivateSentinel::start(&primary).await else {
+        return;
+    };
+    let store = RedisStore::connect_sentinel([sentinel.url.as_str()], "idem")
+        .await
+        .unwrap()
+        .with_replicas(1, Duration::from_secs(2));
+    let op = Operation::new("redis.failover.sentinel");
+    let (before, after) = (op.key(&1).unwrap(), op.key(&2).unwrap());
+    let recorded = op
+        .run(&store, &before, None, async {
+            Ok::<_, Error>("before".to_string())
+        })
+        .await
+        .unwrap();
+    assert_eq!(recorded, Outcome::Executed("before".to_string()));
+
+    primary.kill();
+    let killed = Instant::now();
+    let master = sentinel.url.clone();
+    until("the sentinel's promotion of the replica", || {
+        let (master, port) = (master.clone(), replica.port.to_string());
+        async move {
+            let found = command(
+                &master,
+                redis::cmd("SENTINEL")
+                    .arg("get-master-addr-by-name")
+                    .arg("idem"),
+            )
+            .await;
+            matches!(found, Ok(redis::Value::Array(addr)) if addr.get(1) == Some(&redis::Value::BulkString(port.into_bytes())))
+        }
+    })
+    .await;
+    println!(
+        "the sentinel promoted the replica {:.1?} after the kill",
+        killed.elapsed()
+    );
+
+    // The new primary has no replica yet: a claim it cannot get acknowledged is refused,
+    // and its body does not run.
+    let runs = std::sync::atomic::AtomicUsize::new(0);
+    let body = || async {
+        runs.fetch_add(1, Ordering::SeqCst);
+        Ok::<_, Error>("after".to_string())
+    };
+    let refused = op.run(&store, &after, None, body()).await;
+    assert!(matches!(refused, Err(Error::Store(_))), "{refused:?}");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "no body runs on an unreplicated claim"
+    );
+
+    // The old primary comes back as the new primary's replica (as its orchestrator restarts
+    // it; the sentinel would convert it too, after its next look), and the same store,
+    // never restarted, runs and replays through the new primary.
+    let _back =
+        PrivateRedis::start_on_with_args(primary.port, &replica_args(replica.port)).unwrap();
+    until("the returning server's link to the new primary", || {
+        replication_has(&replica.url, "state=online")
+    })
+    .await;
+    let started = Instant::now();
+    let answered = loop {
+        match op.run(&store, &after, None, body()).await {
+            Ok(outcome) => break outcome,
+            // While the sentinel settles (it may flag the new primary down for a moment
+            // after the switch), calls fail closed; they never run a body.
+            Err(Error::Store(why)) if started.elapsed() < Duration::from_secs(30) => {
+                eprintln!("retrying after: {why}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(other) => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(answered, Outcome::Executed("after".to_string()));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let replay = op
+        .run(&store, &before, None, async {
+            Ok::<_, Error>("again".to_string())
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        replay,
+        Outcome::Replayed("before".to_string()),
+        "a record the replica acknowledged survives the failover"
+    );
+}
+
+/// How many failovers each mode of the count makes: `IDEM_FAILOVERS`, 10 by default.
+fn failovers() -> usize {
+    std::env::var("IDEM_FAILOVERS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(10)
+}
+
+/// What the failovers of one mode found.
+#[derive(Debug, Default)]
+struct Count {
+    failovers: usize,
+    /// Claims the old primary acknowledged before it was killed.
+    acknowledged: usize,
+    /// Of those, the ones the promoted replica did not have: a retry there would claim the
+    /// key again and run the body a second time.
+    lost: usize,
+    /// Claims refused (not acknowledged by the replicas in time): their bodies never ran.
+    refused: usize,
+}
+
+/// Failovers at random points: callers claim fresh keys on the primary as fast as they can;
+/// the primary is SIGKILLed at a random moment, the replica promoted (`REPLICAOF NO ONE`,
+/// what Sentinel does), and every claim the old primary acknowledged is looked for on the new
+/// one. The killed server comes back as the new primary's replica for the next round.
+async fn count_lost_claims(replicas: Option<u32>, link: Link) -> Option<Count> {
+    let mut primary = PrivateRedis::start_with_args(&fast_sync())?;
+    let mut replica = replica_of(&primary).await?;
+    let mut count = Count::default();
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64 ^ u64::from(replicas.unwrap_or(7));
+    for round in 0..failovers() {
+        let store = RedisStore::connect(&primary.url).await.unwrap();
+        let store = match replicas {
+            Some(n) => store.with_replicas(n, Duration::from_millis(100)),
+            None => store,
+        };
+        if link == Link::Cut {
+            // The replica stops following the primary, keeping what it has: a partition
+            // between the two, or a replica that fell behind.
+            let nowhere = idem_tests::free_port()?.to_string();
+            command(
+                &replica.url,
+                redis::cmd("REPLICAOF").arg("127.0.0.1").arg(nowhere),
+            )
+            .await
+            .unwrap();
+        }
+        if link == Link::Healthy {
+            // The replica applies the stream: a write it acknowledged, before the claims.
+            command(
+                &primary.url,
+                redis::cmd("SET").arg("idem-failover-marker").arg(round),
+            )
+            .await
+            .unwrap();
+            until("the replica's acknowledgement of a write", || async {
+                let acknowledged = command(&primary.url, redis::cmd("WAIT").arg(1).arg(100)).await;
+                matches!(acknowledged, Ok(redis::Value::Int(1)))
+            })
+            .await;
+        }
+        let acknowledged = Arc::new(Mutex::new(Vec::<Key>::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut callers = Vec::new();
+        let attempts = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        for caller in 0..8_u64 {
+            let (store, acknowledged, stop) = (store.clone(), acknowledged.clone(), stop.clone());
+            let attempts = Arc::clone(&attempts);
+            callers.push(tokio::spawn(async move {
+                let mut refused = 0;
+                for n in 0_u64.. {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    attempts.fetch_add(1, Ordering::Relaxed);
+                    let key = Key::derive("redis.failover.count", &(round, caller, n)).unwrap();
+                    match store.claim(&key, None, Duration::from_secs(60)).await {
+                        Ok(Claim::Acquired { .. }) => acknowledged.lock().unwrap().push(key),
+                        Ok(other) => panic!("a fresh key: {other:?}"),
+                        // The kill, or the replicas' silence: refused, no body runs.
+                        Err(_) => refused += 1,
+                    }
+                }
+                refused
+            }));
+        }
+        // A random moment after the callers got going.
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let claims_before_kill = 20 + (seed % 200) as usize;
+        until("claims before the kill", || {
+            let acknowledged = acknowledged.clone();
+            let refused = Arc::clone(&attempts);
+            async move {
+                acknowledged.lock().unwrap().len() >= claims_before_kill
+                    || refused.load(Ordering::Relaxed) >= 16
+            }
+        })
+        .await;
+        primary.kill();
+        stop.store(true, Ordering::Relaxed);
+        for caller in callers {
+            count.refused += caller.await.unwrap();
+        }
+        // Promoted once it saw its primary go (as Sentinel promotes it only after its
+        // primary was down for a while): by then it applied what reached it.
+        until("the replica's view of the kill", || {
+            replication_has(&replica.url, "master_link_status:down")
+        })
+        .await;
+        command(&replica.url, redis::cmd("REPLICAOF").arg("NO").arg("ONE"))
+            .await
+            .unwrap();
+        let promoted = RedisStore::connect(&replica.url).await.unwrap();
+        let acknowledged = acknowledged.lock().unwrap().clone();
+        count.acknowledged += acknowledged.len();
+        for key in &acknowledged {
+            if let Claim::Acquired { .. } = promoted
+                .claim(key, None, Duration::from_secs(60))
+                .await
+                .unwrap()
+            {
+                count.lost += 1;
+            }
+        }
+        count.failovers += 1;
+
+        // The old primary comes back as the replica of the new one.
+        let port = primary.port;
+        drop(primary);
+        primary = replica;
+        replica = PrivateRedis::start_on_with_args(port, &replica_args(primary.port))?;
+        until("the new replica's link", || {
+            replication_has(&replica.url, "master_link_status:up")
+        })
+        .await;
+        until("the new primary's view of its replica", || {
+            replication_has(&primary.url, "state=online")
+        })
+        .await;
+    }
+    Some(count)
+}
+
+/// The replication link during a round of the count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Link {
+    /// The replica follows the primary on loopback, as fast as it can.
+    Healthy,
+    /// The replica stopped following the primary before the claims.
+    Cut,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_replicas_no_acknowledged_claim_is_lost_in_a_failover() {
+    let mut counts = Vec::new();
+    for link in [Link::Healthy, Link::Cut] {
+        for replicas in [None, Some(1)] {
+            let Some(count) = count_lost_claims(replicas, link).await else {
+                return;
+            };
+            let knob = replicas.map_or("without with_replicas".into(), |n| {
+                format!("with_replicas({n}, 100 ms)")
+            });
+            println!("{link:?} link, {knob}: {count:?}");
+            counts.push((link, replicas, count));
+        }
+    }
+    for (link, replicas, count) in &counts {
+        match replicas {
+            Some(_) => assert_eq!(count.lost, 0, "{link:?}: an acknowledged claim was lost"),
+            None if *link == Link::Cut => assert_eq!(
+                count.lost, count.acknowledged,
+                "a cut replica has none of the claims the primary acknowledged"
+            ),
+            None => {}
+        }
+        if *link == Link::Healthy || replicas.is_none() {
+            assert!(count.acknowledged > 0, "{link:?} {replicas:?}: {count:?}");
+        }
+    }
+}
