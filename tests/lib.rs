@@ -780,6 +780,8 @@ pub struct PrivatePostgres {
     bin: std::path::PathBuf,
     dir: std::path::PathBuf,
     port: u16,
+    /// Server settings beyond the defaults, as `-c name=value` options.
+    settings: Vec<String>,
     /// Its URL.
     pub url: String,
 }
@@ -787,6 +789,88 @@ pub struct PrivatePostgres {
 impl PrivatePostgres {
     /// Starts one, or `None` (skipped) when PostgreSQL's server programs are not here.
     pub fn start() -> Option<Self> {
+        Self::start_with(&[])
+    }
+
+    /// Starts one with server `settings` (`("synchronous_standby_names", "standby")`).
+    pub fn start_with(settings: &[(&str, &str)]) -> Option<Self> {
+        let mut server = Self::prepared()?;
+        server.settings = settings
+            .iter()
+            .map(|(k, v)| format!("-c {k}={v}"))
+            .collect();
+        let data = server.dir.join("data");
+        let initdb = server.bin.join("initdb");
+        if let Err(e) = server.postgres(
+            &initdb,
+            &[
+                "-D",
+                data.to_str()?,
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "--no-sync",
+            ],
+        ) {
+            return unavailable("initdb (to start a private postgresql)", e);
+        }
+        if let Err(e) = server.ctl("start") {
+            return unavailable("a private postgresql", e);
+        }
+        Some(server)
+    }
+
+    /// A streaming standby of `primary`, copied with `pg_basebackup` and started on a port of
+    /// its own; it connects as `application_name=standby`.
+    pub fn standby_of(primary: &Self) -> Option<Self> {
+        let server = Self::prepared()?;
+        let data = server.dir.join("data");
+        let conninfo = format!(
+            "host=127.0.0.1 port={} user=postgres application_name=standby",
+            primary.port
+        );
+        let basebackup = server.bin.join("pg_basebackup");
+        if let Err(e) = server.postgres(
+            &basebackup,
+            &[
+                "-d",
+                &conninfo,
+                "-D",
+                data.to_str()?,
+                "-R",
+                "-X",
+                "stream",
+                "--no-sync",
+            ],
+        ) {
+            return unavailable("pg_basebackup (to start a standby)", e);
+        }
+        if let Err(e) = server.ctl("start") {
+            return unavailable("a private standby", e);
+        }
+        Some(server)
+    }
+
+    /// Stops the server as a crash would (`pg_ctl stop -m immediate`): no shutdown
+    /// checkpoint, and no more WAL for its standbys.
+    pub fn crash(&self) {
+        let data = self.dir.join("data").display().to_string();
+        let ctl = self.bin.join("pg_ctl");
+        self.postgres(&ctl, &["-D", &data, "-m", "immediate", "-w", "stop"])
+            .expect("stop the private postgresql");
+    }
+
+    /// Promotes a standby to a primary, and waits until it is one.
+    pub fn promote(&self) {
+        let data = self.dir.join("data").display().to_string();
+        let ctl = self.bin.join("pg_ctl");
+        self.postgres(&ctl, &["-D", &data, "-w", "promote"])
+            .expect("promote the private standby");
+    }
+
+    /// A server's directory and port, before anything runs there.
+    fn prepared() -> Option<Self> {
         let bin = match std::process::Command::new("pg_config")
             .arg("--bindir")
             .output()
@@ -813,28 +897,10 @@ impl PrivatePostgres {
             url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
             dir,
             port,
+            settings: Vec::new(),
         };
         if as_root() {
             run("chown", &["postgres:postgres", server.dir.to_str()?]).ok()?;
-        }
-        let data = server.dir.join("data");
-        let initdb = server.bin.join("initdb");
-        if let Err(e) = server.postgres(
-            &initdb,
-            &[
-                "-D",
-                data.to_str()?,
-                "-A",
-                "trust",
-                "-U",
-                "postgres",
-                "--no-sync",
-            ],
-        ) {
-            return unavailable("initdb (to start a private postgresql)", e);
-        }
-        if let Err(e) = server.ctl("start") {
-            return unavailable("a private postgresql", e);
         }
         Some(server)
     }
@@ -853,9 +919,10 @@ impl PrivatePostgres {
     fn ctl(&self, action: &str) -> Result<(), String> {
         let data = self.dir.join("data");
         let options = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c shared_preload_libraries=pg_stat_statements -c fsync=off",
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c shared_preload_libraries=pg_stat_statements -c fsync=off {}",
             self.port,
-            self.dir.display()
+            self.dir.display(),
+            self.settings.join(" ")
         );
         let log = self.dir.join("log");
         let ctl = self.bin.join("pg_ctl");
