@@ -7,6 +7,8 @@ use std::time::Duration;
 use idem_runtime::store::Claim;
 use idem_runtime::{async_trait, Bytes, Error, Fingerprint, Flights, Key, Store, Token};
 
+pub mod netns;
+
 /// Counts how many times a body ran.
 #[derive(Clone, Debug, Default)]
 pub struct Runs(Arc<AtomicUsize>);
@@ -998,11 +1000,21 @@ pub struct Child {
 impl Child {
     /// Starts the ignored test `test` of this binary, with `env` set.
     pub fn start(test: &str, env: &[(&str, &str)]) -> Self {
+        Self::start_as(
+            std::process::Command::new(std::env::current_exe().unwrap()),
+            test,
+            env,
+        )
+    }
+
+    /// Starts the ignored test `test` of this binary through `command`, a command that runs
+    /// this binary (in a host of its own: [`netns::Network::command`]), with `env` set.
+    pub fn start_as(mut command: std::process::Command, test: &str, env: &[(&str, &str)]) -> Self {
         use std::io::{BufRead, BufReader};
 
-        let mut command = std::process::Command::new(std::env::current_exe().unwrap());
         command
             .args(["--ignored", "--exact", test, "--nocapture"])
+            .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped());
         for (name, value) in env {
             command.env(name, value);
@@ -1020,16 +1032,35 @@ impl Child {
         Self { process, lines }
     }
 
+    /// Writes `line` to the child's standard input (its instructions).
+    pub fn say(&mut self, line: &str) {
+        use std::io::Write;
+        let stdin = self.process.stdin.as_mut().expect("the child's stdin");
+        writeln!(stdin, "{line}").expect("the child reads its stdin");
+    }
+
     /// Waits until the child prints a line containing `what` (its signal, never a sleep).
     /// Panics if it exits first, or says nothing for a minute.
     pub async fn wait_for(&mut self, what: &str) {
+        self.line_with(what).await;
+    }
+
+    /// Waits until the child prints a line containing `what`, and returns that line. Panics
+    /// if it exits first, or says nothing for a minute.
+    pub async fn line_with(&mut self, what: &str) -> String {
         loop {
-            let line = tokio::time::timeout(Duration::from_secs(60), self.lines.recv()).await;
-            let line = line.expect("the child stalled").expect("the child exited");
+            let line = self.next_line().await;
             if line.contains(what) {
-                return;
+                return line;
             }
         }
+    }
+
+    /// The next line the child prints. Panics if it exits first, or says nothing for a
+    /// minute.
+    pub async fn next_line(&mut self) -> String {
+        let line = tokio::time::timeout(Duration::from_secs(60), self.lines.recv()).await;
+        line.expect("the child stalled").expect("the child exited")
     }
 
     /// SIGKILL: no destructor runs, nothing is released. Returns how many of the lines it
