@@ -784,11 +784,20 @@ pub struct PrivatePostgres {
     port: u16,
     /// Server settings beyond the defaults, as `-c name=value` options.
     settings: Vec<String>,
+    /// The command its programs run under: nothing, or `ip netns exec <host>`.
+    within: Vec<String>,
+    /// The addresses it listens on.
+    listen: &'static str,
     /// Its URL.
     pub url: String,
 }
 
 impl PrivatePostgres {
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     /// Starts one, or `None` (skipped) when PostgreSQL's server programs are not here.
     pub fn start() -> Option<Self> {
         Self::start_with(&[])
@@ -796,7 +805,20 @@ impl PrivatePostgres {
 
     /// Starts one with server `settings` (`("synchronous_standby_names", "standby")`).
     pub fn start_with(settings: &[(&str, &str)]) -> Option<Self> {
+        Self::initialised(Self::prepared()?, settings)
+    }
+
+    /// Starts one in a host of the test's own (`within`: [`netns::Network::within`]),
+    /// listening on every address there; its `url` is the loopback one, which only that
+    /// host reaches.
+    pub fn start_within(within: Vec<String>) -> Option<Self> {
         let mut server = Self::prepared()?;
+        server.within = within;
+        server.listen = "*";
+        Self::initialised(server, &[])
+    }
+
+    fn initialised(mut server: Self, settings: &[(&str, &str)]) -> Option<Self> {
         server.settings = settings
             .iter()
             .map(|(k, v)| format!("-c {k}={v}"))
@@ -816,6 +838,12 @@ impl PrivatePostgres {
             ],
         ) {
             return unavailable("initdb (to start a private postgresql)", e);
+        }
+        if server.listen != "127.0.0.1" {
+            // Clients from other hosts, trusted as on loopback.
+            let hba = data.join("pg_hba.conf");
+            let rules = std::fs::read_to_string(&hba).ok()?;
+            std::fs::write(&hba, rules + "host all all 0.0.0.0/0 trust\n").ok()?;
         }
         if let Err(e) = server.ctl("start") {
             return unavailable("a private postgresql", e);
@@ -900,6 +928,8 @@ impl PrivatePostgres {
             dir,
             port,
             settings: Vec::new(),
+            within: Vec::new(),
+            listen: "127.0.0.1",
         };
         if as_root() {
             run("chown", &["postgres:postgres", server.dir.to_str()?]).ok()?;
@@ -921,9 +951,10 @@ impl PrivatePostgres {
     fn ctl(&self, action: &str) -> Result<(), String> {
         let data = self.dir.join("data");
         let options = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c shared_preload_libraries=pg_stat_statements -c fsync=off {}",
+            "-p {} -k {} -c listen_addresses={} -c shared_preload_libraries=pg_stat_statements -c fsync=off {}",
             self.port,
             self.dir.display(),
+            self.listen,
             self.settings.join(" ")
         );
         let log = self.dir.join("log");
@@ -948,13 +979,13 @@ impl PrivatePostgres {
     /// Runs a server program as `postgres` (it refuses to run as root).
     fn postgres(&self, program: &std::path::Path, args: &[&str]) -> Result<(), String> {
         let program = program.display().to_string();
+        let mut all: Vec<&str> = self.within.iter().map(String::as_str).collect();
         if as_root() {
-            let mut all = vec!["-u", "postgres", "--", program.as_str()];
-            all.extend_from_slice(args);
-            run("runuser", &all)
-        } else {
-            run(&program, args)
+            all.extend(["runuser", "-u", "postgres", "--"]);
         }
+        all.push(&program);
+        all.extend_from_slice(args);
+        run(all[0], &all[1..])
     }
 }
 

@@ -141,11 +141,20 @@ impl Network {
 
     /// A command that runs `program` in `host`.
     pub fn command(&self, host: &str, program: impl AsRef<std::ffi::OsStr>) -> Command {
-        let mut command = Command::new("ip");
+        let [ip, rest @ ..] = &self.within(host)[..] else {
+            unreachable!()
+        };
+        let mut command = Command::new(ip);
+        command.args(rest).arg(program);
         command
-            .args(["netns", "exec", &self.namespace(host)])
-            .arg(program);
-        command
+    }
+
+    /// The words that run a program in `host`, before the program's own:
+    /// `ip netns exec <namespace>`.
+    pub fn within(&self, host: &str) -> Vec<String> {
+        ["ip", "netns", "exec", &self.namespace(host)]
+            .map(String::from)
+            .to_vec()
     }
 
     fn between(&self, a: &str, b: &str) -> &Link {

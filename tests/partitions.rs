@@ -22,9 +22,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem_runtime::{attempt, Error, Operation, Outcome, RedisStore, Token};
+use idem_runtime::{attempt, Error, Operation, Outcome, PostgresStore, RedisStore, Store, Token};
 use idem_tests::netns::{Network, HERE};
-use idem_tests::{unavailable, Child};
+use idem_tests::{unavailable, Child, PrivatePostgres};
 use rand::{RngExt, SeedableRng};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -109,31 +109,85 @@ impl Downstream {
     }
 }
 
+/// The store the hosts share.
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Redis,
+    Postgres,
+}
+
 /// Three hosts and what runs in them. Fields drop in order: the instances and the server
-/// are killed before their namespaces are deleted.
+/// are stopped before their namespaces are deleted.
 struct Hosts {
     a: Child,
     b: Child,
-    _server: RedisServer,
+    _server: Server,
     /// The store, reached from this test's own namespace (to read what a key recorded).
-    store: RedisStore,
+    store: Arc<dyn Store>,
     downstream: Downstream,
     network: Network,
 }
 
-/// The Redis server in the store's host, killed on drop.
-struct RedisServer(std::process::Child, std::path::PathBuf);
+/// The server in the store's host, stopped on drop.
+enum Server {
+    Redis(std::process::Child, std::path::PathBuf),
+    Postgres(PrivatePostgres),
+}
 
-impl Drop for RedisServer {
+impl Drop for Server {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-        let _ = std::fs::remove_dir_all(&self.1);
+        if let Self::Redis(server, dir) = self {
+            let _ = server.kill();
+            let _ = server.wait();
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+impl Server {
+    /// Starts the store's server in the host `store` of `network`.
+    fn start(kind: Kind, network: &Network) -> Option<Self> {
+        match kind {
+            Kind::Redis => {
+                let dir = std::env::temp_dir().join(format!(
+                    "idem-partitions-{}-{}",
+                    std::process::id(),
+                    network.address(HERE, "store")
+                ));
+                std::fs::create_dir_all(&dir).unwrap();
+                let server = network
+                    .command("store", "redis-server")
+                    .args(["--port", "6379", "--bind", "0.0.0.0"])
+                    .args(["--protected-mode", "no", "--save", "", "--appendonly", "no"])
+                    .arg("--dir")
+                    .arg(&dir)
+                    .stdout(std::process::Stdio::null())
+                    .spawn();
+                match server {
+                    Ok(server) => Some(Self::Redis(server, dir)),
+                    Err(e) => unavailable("redis-server (for the store's host)", e),
+                }
+            }
+            Kind::Postgres => {
+                PrivatePostgres::start_within(network.within("store")).map(Self::Postgres)
+            }
+        }
+    }
+
+    /// The store's URL from `host`.
+    fn url(&self, network: &Network, host: &str) -> String {
+        let address = network.address(host, "store");
+        match self {
+            Self::Redis(..) => format!("redis://{address}:6379"),
+            Self::Postgres(server) => {
+                format!("postgres://postgres@{address}:{}/postgres", server.port())
+            }
+        }
     }
 }
 
 impl Hosts {
-    async fn start() -> Option<Self> {
+    async fn start(kind: Kind) -> Option<Self> {
         let mut network = Network::new(&["store", "a", "b"])?;
         for (x, y) in [
             ("a", "store"),
@@ -144,35 +198,12 @@ impl Hosts {
         ] {
             network.link(x, y);
         }
-        let dir = std::env::temp_dir().join(format!(
-            "idem-partitions-{}-{}",
-            std::process::id(),
-            network.address(HERE, "store")
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let server = match network
-            .command("store", "redis-server")
-            .args([
-                "--port",
-                "6379",
-                "--bind",
-                "0.0.0.0",
-                "--protected-mode",
-                "no",
-            ])
-            .args(["--save", "", "--appendonly", "no", "--dir"])
-            .arg(&dir)
-            .stdout(std::process::Stdio::null())
-            .spawn()
-        {
-            Ok(server) => RedisServer(server, dir),
-            Err(e) => return unavailable("redis-server (for the store's host)", e),
-        };
-        let store = connect(&format!("redis://{}:6379", network.address(HERE, "store"))).await?;
+        let server = Server::start(kind, &network)?;
+        let store = connect(&server.url(&network, HERE)).await?;
         let downstream = Downstream::default();
         let port = downstream.serve().await;
         let instance = |name: &str| {
-            let store_url = format!("redis://{}:6379", network.address(name, "store"));
+            let store_url = server.url(&network, name);
             let downstream = format!("{}:{port}", network.address(name, HERE));
             Child::start_as(
                 network.command(name, std::env::current_exe().unwrap()),
@@ -214,18 +245,30 @@ impl Hosts {
     }
 }
 
-/// A store on the server at `url`, once it answers (it was just started).
-async fn connect(url: &str) -> Option<RedisStore> {
+/// A store on the server at `url`, once it answers (it was just started), with its table
+/// made where it has one.
+async fn connect(url: &str) -> Option<Arc<dyn Store>> {
     let started = Instant::now();
     loop {
-        match RedisStore::connect(url).await {
+        match store(url).await {
             Ok(store) => return Some(store),
             Err(e) if started.elapsed() > Duration::from_secs(10) => {
-                return unavailable("the Redis server in the store's host", e)
+                return unavailable("the server in the store's host", e)
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
         }
     }
+}
+
+/// A store on the server at `url`: Redis or PostgreSQL, as the URL says.
+async fn store(url: &str) -> Result<Arc<dyn Store>, Error> {
+    Ok(if url.starts_with("redis:") {
+        Arc::new(RedisStore::connect(url).await?.with_timeout(STORE_TIMEOUT))
+    } else {
+        let store = PostgresStore::connect(url).await?;
+        store.migrate().await?;
+        Arc::new(store.with_timeout(STORE_TIMEOUT))
+    })
 }
 
 /// A line an instance printed about a call: `<event> <key> <rest…>`.
@@ -255,8 +298,17 @@ fn ended(words: &[&str]) -> Ended {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_holder_cut_off_from_its_store_is_fenced_after_the_takeover() {
-    let Some(mut hosts) = Hosts::start().await else {
+async fn a_holder_cut_off_from_redis_is_fenced_after_the_takeover() {
+    a_holder_cut_off_is_fenced_after_the_takeover(Kind::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_cut_off_from_postgres_is_fenced_after_the_takeover() {
+    a_holder_cut_off_is_fenced_after_the_takeover(Kind::Postgres).await;
+}
+
+async fn a_holder_cut_off_is_fenced_after_the_takeover(kind: Kind) {
+    let Some(mut hosts) = Hosts::start(kind).await else {
         return;
     };
     let key = "held";
@@ -307,7 +359,7 @@ async fn a_holder_cut_off_from_its_store_is_fenced_after_the_takeover() {
     assert_eq!(landed.len(), 1, "one effect landed: {writes:?}");
     assert_eq!((landed[0].by, landed[0].token), (owner.by, owner.token));
     println!(
-        "partition of the holder (lease {LEASE:?}): the other instance ran the key {took_over:?} \
+        "{kind:?}, partition of the holder (lease {LEASE:?}): the other instance ran the key {took_over:?} \
          after the cut; after the heal, the zombie's write was refused and its completion \
          fenced ({zombie_answered:?}); the key replayed in {replayed_in:?}"
     );
@@ -338,8 +390,17 @@ struct Count {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn partitions_at_random_points_leave_one_outcome_per_key() {
-    let Some(mut hosts) = Hosts::start().await else {
+async fn partitions_from_redis_at_random_points_leave_one_outcome_per_key() {
+    partitions_at_random_points_leave_one_outcome_per_key(Kind::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_from_postgres_at_random_points_leave_one_outcome_per_key() {
+    partitions_at_random_points_leave_one_outcome_per_key(Kind::Postgres).await;
+}
+
+async fn partitions_at_random_points_leave_one_outcome_per_key(kind: Kind) {
+    let Some(mut hosts) = Hosts::start(kind).await else {
         return;
     };
     let rounds: usize = std::env::var("IDEM_PARTITIONS").map_or(4, |n| n.parse().unwrap());
@@ -440,7 +501,7 @@ async fn partitions_at_random_points_leave_one_outcome_per_key() {
         }
         count.keys += KEYS;
     }
-    println!("{rounds} partitions at random points (seed {seed}): {count:?}");
+    println!("{kind:?}, {rounds} partitions at random points (seed {seed}): {count:?}");
 }
 
 /// What one instance said about one call.
@@ -493,10 +554,7 @@ async fn instance() {
         println!("started alone: the partition tests run this in a host of its own");
         return;
     };
-    let store = RedisStore::connect(&url)
-        .await
-        .unwrap()
-        .with_timeout(STORE_TIMEOUT);
+    let store = store(&url).await.unwrap();
     let op = Operation::new(NAMESPACE)
         .lease(LEASE)
         .wait_timeout(Duration::from_secs(60));
