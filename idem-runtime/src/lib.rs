@@ -42,7 +42,9 @@
 //! - `metrics` (feature `metrics`): outcome counts and claim latency, by namespace, through
 //!   the `metrics` facade.
 //!
-//! See the repository README for the guarantees and how each is tested.
+//! Running it: the [`guide`] has keys and fingerprints and their pitfalls, sizing leases and
+//! TTLs, choosing a store, what happens when things break, the failure model measured store
+//! by store, and every guarantee with the test behind it.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -57,6 +59,7 @@ mod default_store;
 mod engine;
 mod error;
 mod flights;
+pub mod guide;
 #[cfg(feature = "http")]
 pub mod http;
 mod key;

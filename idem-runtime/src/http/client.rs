@@ -78,10 +78,13 @@
 //! that is `Clone` — hyper-util's `Client`, a `tower::ServiceBuilder` stack around it, or an
 //! in-process service in tests. That is the client tower, axum and hyper users already have,
 //! and it keeps every retry inside one layer a stack can put where it wants (under a
-//! timeout, above tracing). reqwest's `Client` is a tower service of its own `Request` type;
-//! map requests with `reqwest::Request::try_from(http_request)` and responses with
-//! `http::Response::from(reqwest_response)` around it. We chose not to build on
-//! `reqwest-middleware`: it would tie the layer to one client and to its own middleware trait.
+//! timeout, above tracing).
+//!
+//! reqwest users extend their client with `reqwest-middleware`: with the feature `reqwest`,
+//! `IdempotencyKeyMiddleware` is the same keys, retries, errors and [`Delivery`] as a
+//! middleware, through the same loop of attempts (the two differ only in how one attempt
+//! is sent). Both pass the same end-to-end test: 1000 payments through a proxy that loses
+//! answers, cuts, refuses and stalls, each run once (`tests/client_network.rs`).
 
 use std::collections::hash_map::RandomState;
 use std::fmt;
@@ -90,20 +93,25 @@ use std::hash::{BuildHasher, Hasher};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::RETRY_AFTER;
-use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode};
+use http::{Method, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use tokio::time::Instant;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::header::{self, IdempotencyKey, IDEMPOTENCY_KEY};
-use super::record::IDEMPOTENT_REPLAYED;
+use self::attempts::{Attempts, Verdict};
+use super::header::IdempotencyKey;
 use crate::BoxError;
+
+mod attempts;
+#[cfg(feature = "reqwest")]
+mod reqwest;
+#[cfg(feature = "reqwest")]
+pub use self::reqwest::IdempotencyKeyMiddleware;
 
 /// The request body the layer buffers by default, in bytes (1 MiB, the server's default).
 pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
@@ -326,6 +334,10 @@ pub enum Error {
         /// The budget, [`Retry::budget`].
         budget: Duration,
     },
+    /// The request body is a stream, which cannot be resent (reqwest's `Body::wrap_stream`);
+    /// nothing was sent. Give a keyed request its body as bytes.
+    #[error("the request body is a stream, which cannot be resent on a retry; give it as bytes")]
+    BodyNotReplayable,
     /// The request's own `Idempotency-Key` would be refused by the server; nothing was sent.
     #[error("the request's `Idempotency-Key` is malformed: {0}")]
     KeyMalformed(&'static str),
@@ -397,9 +409,6 @@ impl fmt::Display for Problem {
     }
 }
 
-/// The largest problem+json body the layer reads from a retried answer.
-const MAX_PROBLEM: usize = 16 * 1024;
-
 impl<S, B, ResBody> Service<Request<B>> for IdempotencyKeyService<S>
 where
     S: Service<Request<Full<Bytes>>, Response = Response<ResBody>> + Clone + Send + 'static,
@@ -440,214 +449,40 @@ where
     S::Error: Into<BoxError>,
     B: Body,
     B::Error: Into<BoxError>,
-    ResBody: Body,
+    ResBody: Body + Send,
+    ResBody::Data: Send,
     ResBody::Error: Into<BoxError>,
 {
+    let started = Instant::now();
     let retry = &config.retry;
-    // `None`: a budget too long for the clock, which is no deadline at all.
-    let deadline = Instant::now().checked_add(retry.budget);
     let (mut parts, body) = request.into_parts();
-    let own_key = header::parse(&parts.headers).map_err(Error::KeyMalformed)?;
-    let body = within(deadline, buffer(body, config.max_body))
-        .await
-        .ok_or(Error::BodyTimedOut {
-            budget: retry.budget,
-        })??;
-    let key = match own_key {
-        Some(key) => key,
-        None if config.methods.contains(&parts.method) => {
-            let key = uuid::Uuid::now_v7().hyphenated().to_string();
-            let value =
-                HeaderValue::try_from(format!("\"{key}\"")).expect("a UUID is printable ASCII");
-            parts
-                .headers
-                .insert(HeaderName::from_static(IDEMPOTENCY_KEY), value);
-            IdempotencyKey::new(key)
-        }
-        None => {
-            let request = Request::from_parts(parts, Full::new(body));
-            return send(&mut inner, request)
-                .await
-                .map_err(|error| Error::Service(error.into()));
-        }
-    };
-
-    // Sends that may have reached the server, and tries of any kind (for the backoff).
-    let (mut attempts, mut tries) = (0_u32, 0_u32);
-    let mut problem = None;
-    loop {
-        tries += 1;
-        let request = Request::from_parts(parts.clone(), Full::new(body.clone()));
-        let attempt_deadline = match retry.timeout {
-            Some(timeout) => earliest(deadline, Instant::now().checked_add(timeout)),
-            None => deadline,
-        };
-        let sent = within(attempt_deadline, send(&mut inner, request))
+    let key = attempts::assign(&parts.method, &mut parts.headers, &config.methods)
+        .map_err(Error::KeyMalformed)?;
+    let body = attempts::within(
+        started.checked_add(retry.budget),
+        buffer(body, config.max_body),
+    )
+    .await
+    .ok_or(Error::BodyTimedOut {
+        budget: retry.budget,
+    })??;
+    let Some(key) = key else {
+        let request = Request::from_parts(parts, Full::new(body));
+        return send(&mut inner, request)
             .await
-            .map(|sent| sent.map_err(Into::<BoxError>::into));
-        let (failure, retry_after) = match sent {
-            Some(Ok(mut response)) if !retryable(response.status()) => {
-                let replayed = is_replayed(response.headers());
-                response.extensions_mut().insert(Delivery {
-                    key,
-                    attempts: attempts + 1,
-                    replayed,
-                });
-                return Ok(response);
-            }
-            Some(Ok(response)) => {
-                attempts += 1;
-                let after = retry_after(response.headers());
-                let status = response.status();
-                if let Some(explained) = read_problem(response, attempt_deadline).await {
-                    problem = Some(explained);
-                }
-                (Failure::Status(status), after)
-            }
-            Some(Err(error)) => {
-                if !refused(&*error) {
-                    attempts += 1;
-                }
-                (Failure::Transport(error), None)
-            }
-            None => {
-                attempts += 1;
-                (Failure::TimedOut, None)
-            }
-        };
-        let now = Instant::now();
-        let resume = match (attempts < retry.attempts)
-            .then(|| resume_at(retry, tries, retry_after, now, deadline))
-        {
-            Some(Some(resume)) => resume,
-            _ => {
-                return Err(Error::GaveUp {
-                    key,
-                    attempts,
-                    last: failure,
-                    problem,
-                })
-            }
-        };
-        tracing::debug!(
-            key = key.as_str(),
-            attempt = attempts,
-            failure = %failure,
-            wait_ms = resume.saturating_duration_since(now).as_millis() as u64,
-            "idempotent request retried"
-        );
-        tokio::time::sleep_until(resume).await;
-    }
-}
-
-/// When to send again after try number `tries`, or `None` to give up: after the jittered
-/// backoff, and no sooner than the server's `Retry-After`. A `Retry-After` past the deadline
-/// gives up (the server will not be ready in time); a backoff past it is shortened so that
-/// one last attempt gets what is left (see [`LAST_ATTEMPT`]).
-fn resume_at(
-    retry: &Retry,
-    tries: u32,
-    retry_after: Option<Duration>,
-    now: Instant,
-    deadline: Option<Instant>,
-) -> Option<Instant> {
-    let not_before = match retry_after {
-        Some(after) => Some(now.checked_add(after)?),
-        None => None,
+            .map_err(|error| Error::Service(error.into()));
     };
-    if let (Some(not_before), Some(deadline)) = (not_before, deadline) {
-        if not_before >= deadline {
-            return None;
+    let mut attempts = Attempts::new(retry, key, started);
+    loop {
+        let attempt_deadline = attempts.attempt_deadline();
+        let request = Request::from_parts(parts.clone(), Full::new(body.clone()));
+        let sent = attempts::within(attempt_deadline, send(&mut inner, request))
+            .await
+            .map(|sent| sent.map_err(Into::into));
+        if let Verdict::Answer(response) = attempts.judge(sent, attempt_deadline).await? {
+            return Ok(response);
         }
     }
-    let backoff = now.checked_add(retry.delay(tries));
-    let resume = match (backoff, not_before) {
-        (Some(backoff), Some(not_before)) => backoff.max(not_before),
-        (Some(backoff), None) => backoff,
-        (None, _) => deadline?,
-    };
-    let Some(deadline) = deadline else {
-        return Some(resume);
-    };
-    if now >= deadline {
-        return None;
-    }
-    if resume < deadline {
-        return Some(resume);
-    }
-    // Shortened once: the attempt it starts leaves less than `last_attempt`, so a failure
-    // of that one gives up instead of spinning at the deadline.
-    let last_attempt = LAST_ATTEMPT
-        .min(retry.budget / 10)
-        .min(retry.timeout.unwrap_or(LAST_ATTEMPT));
-    let start = deadline.checked_sub(last_attempt)?;
-    (start >= now).then(|| start.max(not_before.unwrap_or(start)))
-}
-
-/// What the last attempt of a budget is left, when a backoff would pass the deadline: a
-/// second, or a tenth of the budget, or the per-attempt timeout, whichever is least.
-const LAST_ATTEMPT: Duration = Duration::from_secs(1);
-
-/// `future`'s output, or `None` if `deadline` passed first (never, without a deadline).
-async fn within<F: Future>(deadline: Option<Instant>, future: F) -> Option<F::Output> {
-    match deadline {
-        Some(deadline) => tokio::time::timeout_at(deadline, future).await.ok(),
-        None => Some(future.await),
-    }
-}
-
-/// The earlier of two deadlines, either of which may be absent.
-fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
-    match (a, b) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
-}
-
-/// Whether the connection was refused: the request never left, and a server that is
-/// restarting refuses until it is back.
-fn refused(error: &(dyn std::error::Error + 'static)) -> bool {
-    std::iter::successors(Some(error), |error| error.source()).any(|error| {
-        error
-            .downcast_ref::<std::io::Error>()
-            .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
-    })
-}
-
-/// The problem a retried answer explains itself with, when it is `application/problem+json`
-/// and arrives whole, in time and within [`MAX_PROBLEM`] bytes.
-async fn read_problem<ResBody>(
-    response: Response<ResBody>,
-    deadline: Option<Instant>,
-) -> Option<Problem>
-where
-    ResBody: Body,
-    ResBody::Error: Into<BoxError>,
-{
-    let is_problem = response
-        .headers()
-        .get(http::header::CONTENT_TYPE)
-        .and_then(|value| value.to_str().ok())
-        .is_some_and(|value| value.trim_start().starts_with("application/problem+json"));
-    if !is_problem {
-        return None;
-    }
-    let collected = within(
-        deadline,
-        Limited::new(response.into_body(), MAX_PROBLEM).collect(),
-    );
-    let bytes = collected.await?.ok()?.to_bytes();
-    let json: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
-    let text = |member: &str| json.get(member)?.as_str().map(str::to_owned);
-    Some(Problem {
-        kind: text("type"),
-        title: text("title"),
-        status: json
-            .get("status")
-            .and_then(serde_json::Value::as_u64)
-            .and_then(|status| u16::try_from(status).ok()),
-        detail: text("detail"),
-    })
 }
 
 /// One attempt: waits for the service to be ready, then calls it.
@@ -672,39 +507,6 @@ where
         Err(error) if error.is::<LengthLimitError>() => Err(Error::BodyTooLarge { limit }),
         Err(error) => Err(Error::Body(error)),
     }
-}
-
-/// The answers worth another attempt: the key's first request still runs (`409`), the
-/// server sheds load (`429`, `503`), or a gateway lost the server (`502`, `504`).
-fn retryable(status: StatusCode) -> bool {
-    matches!(
-        status,
-        StatusCode::CONFLICT
-            | StatusCode::TOO_MANY_REQUESTS
-            | StatusCode::BAD_GATEWAY
-            | StatusCode::SERVICE_UNAVAILABLE
-            | StatusCode::GATEWAY_TIMEOUT
-    )
-}
-
-fn is_replayed(headers: &HeaderMap) -> bool {
-    headers
-        .get(IDEMPOTENT_REPLAYED)
-        .is_some_and(|value| value.as_bytes().trim_ascii().eq_ignore_ascii_case(b"true"))
-}
-
-/// `Retry-After` as delay-seconds or an HTTP date (RFC 9110 §10.2.3); an unreadable value
-/// counts as absent.
-fn retry_after(headers: &HeaderMap) -> Option<Duration> {
-    let value = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
-    if let Ok(seconds) = value.parse::<u64>() {
-        return Some(Duration::from_secs(seconds));
-    }
-    let date = httpdate::parse_http_date(value).ok()?;
-    Some(
-        date.duration_since(SystemTime::now())
-            .unwrap_or(Duration::ZERO),
-    )
 }
 
 impl fmt::Display for Delivery {
@@ -734,37 +536,5 @@ mod tests {
         }
         let draws: std::collections::HashSet<_> = (0..50).map(|_| retry.delay(3)).collect();
         assert!(draws.len() > 40, "the wait is drawn, not fixed: {draws:?}");
-    }
-
-    #[test]
-    fn retry_after_reads_seconds_and_dates() {
-        let mut headers = HeaderMap::new();
-        assert_eq!(retry_after(&headers), None);
-        headers.insert(RETRY_AFTER, HeaderValue::from_static("3"));
-        assert_eq!(retry_after(&headers), Some(Duration::from_secs(3)));
-        let later = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(120));
-        headers.insert(RETRY_AFTER, HeaderValue::try_from(later).unwrap());
-        let wait = retry_after(&headers).unwrap();
-        assert!(
-            wait > Duration::from_secs(100) && wait <= Duration::from_secs(120),
-            "{wait:?}"
-        );
-        headers.insert(
-            RETRY_AFTER,
-            HeaderValue::from_static("Wed, 21 Oct 2015 07:28:00 GMT"),
-        );
-        assert_eq!(retry_after(&headers), Some(Duration::ZERO));
-        headers.insert(RETRY_AFTER, HeaderValue::from_static("soon"));
-        assert_eq!(retry_after(&headers), None);
-    }
-
-    #[test]
-    fn only_the_documented_answers_are_retried() {
-        for code in [409, 429, 502, 503, 504] {
-            assert!(retryable(StatusCode::from_u16(code).unwrap()), "{code}");
-        }
-        for code in [200, 201, 400, 401, 403, 404, 422, 500] {
-            assert!(!retryable(StatusCode::from_u16(code).unwrap()), "{code}");
-        }
     }
 }

@@ -1,0 +1,50 @@
+//! The operator's guide: what idem promises, what it costs, and how to run it.
+//!
+//! - [`keys`]: keys and fingerprints, what goes in each, and the mistakes that make a retry
+//!   run twice or replay the wrong result.
+//! - [`leases`]: how long a lease and a TTL should be, and how they fit a client's retry
+//!   budget.
+//! - [`stores`]: choosing a store, and how each one claims, waits, fails and is tested.
+//! - [`transactions`]: exactly-once effects, the claim in the caller's own transaction, and
+//!   fencing downstream writes with the attempt's token.
+//! - [`http`]: the `Idempotency-Key` header on the server.
+//! - [`client`]: the client's half: keys, retries and their budget.
+//! - [`what_happens_when`]: a body fails, a caller is cancelled, a process crashes, a
+//!   completion is refused, a store goes away.
+//! - [`failure_model`]: what each store promises when things break, measured: crashes,
+//!   restarts, failovers, partitions between hosts.
+//! - [`guarantees`]: every guarantee, and the test that fails if it breaks.
+//! - [`decisions`]: where the design had to choose, and why it chose as it did.
+//!
+//! Every figure here comes with the command that reproduces it; the benchmarks, with their
+//! baselines and floors, are in the repository's `BENCHMARKS.md`.
+
+#[doc = include_str!("../guide/keys.md")]
+pub mod keys {}
+
+#[doc = include_str!("../guide/leases.md")]
+pub mod leases {}
+
+#[doc = include_str!("../guide/stores.md")]
+pub mod stores {}
+
+#[doc = include_str!("../guide/transactions.md")]
+pub mod transactions {}
+
+#[doc = include_str!("../guide/http.md")]
+pub mod http {}
+
+#[doc = include_str!("../guide/client.md")]
+pub mod client {}
+
+#[doc = include_str!("../guide/what-happens-when.md")]
+pub mod what_happens_when {}
+
+#[doc = include_str!("../guide/failure-model.md")]
+pub mod failure_model {}
+
+#[doc = include_str!("../guide/guarantees.md")]
+pub mod guarantees {}
+
+#[doc = include_str!("../guide/decisions.md")]
+pub mod decisions {}
