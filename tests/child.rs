@@ -1,0 +1,97 @@
+//! A child process of the test binary, run as one of its ignored tests.
+
+use std::time::Duration;
+
+/// A child process of this test binary, running one of its ignored tests (a holder to kill,
+/// a server to restart): its stdout read line by line, and SIGKILLed and reaped on drop, so
+/// that no test leaves one behind.
+pub struct Child {
+    process: std::process::Child,
+    lines: tokio::sync::mpsc::UnboundedReceiver<String>,
+}
+
+impl Child {
+    /// Starts the ignored test `test` of this binary, with `env` set.
+    pub fn start(test: &str, env: &[(&str, &str)]) -> Self {
+        Self::start_as(
+            std::process::Command::new(std::env::current_exe().unwrap()),
+            test,
+            env,
+        )
+    }
+
+    /// Starts the ignored test `test` of this binary through `command`, a command that runs
+    /// this binary (in a host of its own: [`netns::Network::command`]), with `env` set.
+    pub fn start_as(mut command: std::process::Command, test: &str, env: &[(&str, &str)]) -> Self {
+        use std::io::{BufRead, BufReader};
+
+        command
+            .args(["--ignored", "--exact", test, "--nocapture"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped());
+        for (name, value) in env {
+            command.env(name, value);
+        }
+        let mut process = command.spawn().unwrap();
+        let stdout = process.stdout.take().unwrap();
+        let (send, lines) = tokio::sync::mpsc::unbounded_channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if send.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self { process, lines }
+    }
+
+    /// Writes `line` to the child's standard input (its instructions).
+    pub fn say(&mut self, line: &str) {
+        use std::io::Write;
+        let stdin = self.process.stdin.as_mut().expect("the child's stdin");
+        writeln!(stdin, "{line}").expect("the child reads its stdin");
+    }
+
+    /// Waits until the child prints a line containing `what` (its signal, never a sleep).
+    /// Panics if it exits first, or says nothing for a minute.
+    pub async fn wait_for(&mut self, what: &str) {
+        self.line_with(what).await;
+    }
+
+    /// Waits until the child prints a line containing `what`, and returns that line. Panics
+    /// if it exits first, or says nothing for a minute.
+    pub async fn line_with(&mut self, what: &str) -> String {
+        loop {
+            let line = self.next_line().await;
+            if line.contains(what) {
+                return line;
+            }
+        }
+    }
+
+    /// The next line the child prints. Panics if it exits first, or says nothing for a
+    /// minute.
+    pub async fn next_line(&mut self) -> String {
+        let line = tokio::time::timeout(Duration::from_secs(60), self.lines.recv()).await;
+        line.expect("the child stalled").expect("the child exited")
+    }
+
+    /// SIGKILL: no destructor runs, nothing is released. Returns how many of the lines it
+    /// printed that the test has not read contain `what`.
+    pub fn kill(&mut self, what: &str) -> usize {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+        let mut count = 0;
+        while let Ok(line) = self.lines.try_recv() {
+            count += usize::from(line.contains(what));
+        }
+        count
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.process.kill();
+        let _ = self.process.wait();
+    }
+}
