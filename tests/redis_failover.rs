@@ -435,3 +435,69 @@ async fn with_replicas_no_acknowledged_claim_is_lost_in_a_failover() {
         }
     }
 }
+
+/// Sends `signal` (`STOP`, `CONT`) to process `pid`.
+fn signal(pid: u32, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .args([&format!("-{signal}"), &pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success(), "kill -{signal} {pid}");
+}
+
+/// With `with_replicas`, what no replica acknowledged fails closed: a renewal, a fence and a
+/// completion fail with `Error::Store` (applied on the primary all the same, as the README
+/// says), and a new claim is refused and released; once the replica answers again, claims
+/// are acknowledged again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_replicas_fails_what_no_replica_acknowledged() {
+    let Some(primary) = PrivateRedis::start_with_args(&fast_sync()) else {
+        return;
+    };
+    let Some(replica) = replica_of(&primary).await else {
+        return;
+    };
+    let plain = RedisStore::connect(&primary.url).await.unwrap();
+    let store = plain.clone().with_replicas(1, Duration::from_millis(100));
+    let op = Operation::new("replicas.refused");
+    let (held, refused, later) = (
+        op.key(&1).unwrap(),
+        op.key(&2).unwrap(),
+        op.key(&3).unwrap(),
+    );
+    let lease = Duration::from_secs(30);
+    let Claim::Acquired { token } = store.claim(&held, None, lease).await.unwrap() else {
+        panic!("a fresh key is free, and the replica acknowledges its claim");
+    };
+
+    signal(replica.pid(), "STOP");
+    let renewed = store.renew(&held, token, lease).await;
+    let fenced = store.fence(&held, token).await;
+    let completed = store
+        .complete(&held, token, "v\"done\"".into(), Duration::from_secs(60))
+        .await;
+    let claimed = store.claim(&refused, None, lease).await;
+    signal(replica.pid(), "CONT");
+
+    assert!(matches!(renewed, Err(Error::Store(_))), "{renewed:?}");
+    assert!(matches!(fenced, Err(Error::Store(_))), "{fenced:?}");
+    assert!(matches!(completed, Err(Error::Store(_))), "{completed:?}");
+    assert!(matches!(claimed, Err(Error::Store(_))), "{claimed:?}");
+    // The completion was applied on the primary; the refused claim was released there.
+    let record = plain
+        .lookup(&held)
+        .await
+        .unwrap()
+        .expect("recorded on the primary");
+    assert_eq!(&record.value[..], b"v\"done\"");
+    assert!(plain.lookup(&refused).await.unwrap().is_none());
+    assert!(matches!(
+        plain.claim(&refused, None, lease).await.unwrap(),
+        Claim::Acquired { .. }
+    ));
+
+    assert!(matches!(
+        store.claim(&later, None, lease).await.unwrap(),
+        Claim::Acquired { .. }
+    ));
+}

@@ -110,6 +110,11 @@ impl PrivateRedis {
         ))
     }
 
+    /// Its process id (to pause it: `kill -STOP`).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Kills the server at once.
     pub fn kill(&mut self) {
         let _ = self.child.kill();

@@ -497,3 +497,37 @@ async fn in_a_transaction_a_step_outlives_the_rollback() {
         "the charge ran once, in the rolled-back attempt"
     );
 }
+
+/// Removing a call's record (`Store::remove`) resets the call, not its steps: the body runs
+/// again and its recorded steps replay, as the README says (steps' records live out the
+/// call's TTL).
+#[tokio::test]
+async fn removing_a_calls_record_runs_the_body_again_and_replays_its_steps() {
+    use idem_runtime::Store;
+
+    let store = MemoryStore::new();
+    let op = Operation::new(namespace("steps_remove"));
+    let key = op.key(&"order-7").unwrap();
+    let (charge, body) = (Effect::default(), Effect::default());
+    let call = || {
+        let (charge, body) = (charge.clone(), body.clone());
+        async move {
+            let run = body.run("body").await?;
+            let paid = step("charge", charge.run("charge")).await?;
+            Ok::<_, Error>(format!("{run} {paid}"))
+        }
+    };
+    let first = op.run(&store, &key, None, call()).await.unwrap();
+    assert_eq!(first, Outcome::Executed("body:1 charge:1".to_string()));
+    assert!(
+        store.remove(&key).await.unwrap(),
+        "the call's record is removed"
+    );
+    let again = op.run(&store, &key, None, call()).await.unwrap();
+    assert_eq!(
+        again,
+        Outcome::Executed("body:2 charge:1".to_string()),
+        "the body ran again, its step replayed"
+    );
+    assert_eq!((body.runs(), charge.runs()), (2, 1));
+}

@@ -414,3 +414,40 @@ async fn a_removal_racing_copies_leaves_no_copy_behind() {
         );
     }
 }
+
+/// A copy the fast tier makes later than the tier allows for (a preempted thread, a slow
+/// round trip: here a fast tier held 50 ms at its `complete`) is dropped at once, since
+/// the fast tier counts its TTL from when it acts and it could outlive the durable record;
+/// replays go on through the durable tier, with the right value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_made_late_is_dropped_from_the_fast_tier() {
+    let fast = MemoryStore::new();
+    let (gated, gate) = Probe::gated(fast.clone());
+    let store = TieredStore::new(gated, MemoryStore::new());
+    let op = Operation::new(namespace("tiered-late-copy"));
+    let key = op.key(&1).unwrap();
+    let call = {
+        let (op, store) = (op.clone(), store.clone());
+        tokio::spawn(async move {
+            op.run(&store, &key, None, async { Ok::<_, Error>(7_u32) })
+                .await
+                .unwrap()
+                .into_inner()
+        })
+    };
+    // The copy into the fast tier reached its `complete`; it lands 50 ms late (a late
+    // landing is what is tested: more delay under load only makes it later).
+    gate.reached().await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    gate.open();
+    assert_eq!(call.await.unwrap(), 7);
+    assert!(
+        fast.lookup(&key).await.unwrap().is_none(),
+        "the late copy was dropped from the fast tier"
+    );
+    let replay = op
+        .run(&store, &key, None, async { Ok::<_, Error>(0_u32) })
+        .await
+        .unwrap();
+    assert_eq!(replay, idem_runtime::Outcome::Replayed(7));
+}
