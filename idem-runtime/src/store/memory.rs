@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use moka::notification::RemovalCause;
 use moka::policy::EvictionPolicy;
 use moka::sync::Cache;
 use moka::Expiry;
@@ -28,14 +27,15 @@ pub const DEFAULT_MAX_BYTES: u64 = 256 * 1024 * 1024;
 const ENTRY_OVERHEAD: u64 = 160;
 
 /// The default bound on the bytes of the marks of completed keys a [`MemoryStore`] keeps
-/// so that an evicted result answers [`Error::Gone`]: 64 MiB, about 175 000 marks, more
+/// so that an evicted result answers [`Error::Gone`]: 64 MiB, about 260 000 marks, more
 /// than the [`DEFAULT_CAPACITY`] results the store keeps.
 pub const DEFAULT_MAX_MARK_BYTES: u64 = 64 * 1024 * 1024;
 
 /// What the mark of a completed key is counted for against
-/// [`max_mark_bytes`](MemoryStoreBuilder::max_mark_bytes): its key, fingerprint and TTL in
-/// the cache's entry, measured at 338 heap bytes (`tests/gone.rs::bytes_of_marks`).
-pub const MARK_BYTES: u64 = 384;
+/// [`max_mark_bytes`](MemoryStoreBuilder::max_mark_bytes): its key, fingerprint and end in
+/// its shard's map and its place in the shard's order, measured at 224 heap bytes
+/// (`tests/gone.rs::bytes_of_marks`).
+pub const MARK_BYTES: u64 = 256;
 
 /// An in-process store: claims and results live in this process's memory.
 ///
@@ -54,7 +54,7 @@ pub const MARK_BYTES: u64 = 384;
 /// [`max_mark_bytes`](MemoryStoreBuilder::max_mark_bytes)) for its TTL: a call with a key
 /// whose result was evicted, or was larger than `max_bytes` on its own and never kept,
 /// gets [`Error::Gone`] (`410` over HTTP), not a second run. When the marks themselves
-/// are over their bound, the oldest go; each one that goes while its result is gone too is
+/// are over their bound, the oldest go (each shard of keys keeps its share of the bound); each one that goes while its result is gone too is
 /// counted ([`marks_dropped`](MemoryStore::marks_dropped)) and logged (`warn!`), since its
 /// key would run again. [`rerun_evicted`](MemoryStoreBuilder::rerun_evicted) turns the
 /// marks off: an evicted key then runs again.
@@ -86,9 +86,9 @@ struct Inner {
     claims: [Mutex<Claims>; SHARDS],
     /// Completed results: bounded, expiring after their TTL.
     results: Cache<Key, ResultRecord, KeyHasher>,
-    /// The marks of completed keys, for their TTL, whatever became of their results;
-    /// `None` with [`MemoryStoreBuilder::rerun_evicted`].
-    marks: Option<Cache<Key, Mark, KeyHasher>>,
+    /// How many marks of completed keys each shard keeps at most; `None` with
+    /// [`MemoryStoreBuilder::rerun_evicted`]: no marks.
+    marks_per_shard: Option<usize>,
     /// Marks dropped over their bound while their result was gone too.
     marks_dropped: Arc<AtomicU64>,
     /// The last token handed out; one counter for all keys makes every key's tokens grow.
@@ -100,12 +100,86 @@ struct Inner {
 
 const SHARDS: usize = 64;
 
-/// The claims of one shard. Lapsed claims are swept whenever the shard has doubled since
-/// the last sweep, which keeps the cost of sweeping constant per claim.
+/// The claims of one shard, and the marks of its completed keys. Lapsed claims are swept
+/// whenever the shard has doubled since the last sweep, which keeps the cost of sweeping
+/// constant per claim.
 #[derive(Default)]
 struct Claims {
     live: HashMap<Key, ClaimRecord, KeyHasher>,
     sweep_at: usize,
+    marks: Marks,
+}
+
+/// The marks of one shard's completed keys, oldest first. They live beside the claims, not
+/// in a cache of their own: a mark is written by every completion, under the shard's lock
+/// the completion holds anyway, and a second cache's insert doubled a first execution's
+/// time (`BENCHMARKS.md`, P2).
+#[derive(Default)]
+struct Marks {
+    by_key: HashMap<Key, Mark, KeyHasher>,
+    /// Keys in the order they were marked, with the mark's number: an entry whose key was
+    /// marked again since (or removed) is stale, and skipped.
+    order: std::collections::VecDeque<(Key, u64)>,
+    next: u64,
+}
+
+impl Marks {
+    /// Marks `key`; drops the oldest marks beyond `bound`, and those past their end at the
+    /// front. Returns the keys of dropped marks still within their TTL.
+    fn insert(
+        &mut self,
+        key: Key,
+        fingerprint: Option<Fingerprint>,
+        until: Instant,
+        bound: usize,
+        now: Instant,
+    ) -> Vec<Key> {
+        self.next += 1;
+        self.by_key.insert(
+            key,
+            Mark {
+                fingerprint,
+                until,
+                number: self.next,
+            },
+        );
+        self.order.push_back((key, self.next));
+        let mut dropped = Vec::new();
+        while let Some(&(oldest, number)) = self.order.front() {
+            let current = self
+                .by_key
+                .get(&oldest)
+                .filter(|mark| mark.number == number);
+            match current {
+                None => {}
+                Some(mark) if mark.until <= now => {
+                    self.by_key.remove(&oldest);
+                }
+                Some(_) if self.by_key.len() > bound => {
+                    self.by_key.remove(&oldest);
+                    dropped.push(oldest);
+                }
+                Some(_) => break,
+            }
+            self.order.pop_front();
+        }
+        // Stale entries behind a live one (keys removed or marked again) are dropped once
+        // they outnumber the marks, so the order stays within twice the marks.
+        if self.order.len() > 2 * self.by_key.len() + 64 {
+            let by_key = &self.by_key;
+            self.order
+                .retain(|(key, number)| by_key.get(key).is_some_and(|mark| mark.number == *number));
+        }
+        dropped
+    }
+
+    /// The mark of `key`, if it completed within its TTL.
+    fn get(&self, key: &Key, now: Instant) -> Option<Mark> {
+        self.by_key
+            .get(key)
+            .filter(|mark| mark.until > now)
+            .copied()
+    }
 }
 
 impl Claims {
@@ -161,7 +235,9 @@ impl ResultRecord {
 #[derive(Clone, Copy)]
 struct Mark {
     fingerprint: Option<Fingerprint>,
-    ttl: Duration,
+    until: Instant,
+    /// Its place in the shard's order of marks.
+    number: u64,
 }
 
 impl Mark {
@@ -171,12 +247,6 @@ impl Mark {
             value: Bytes::from_static(crate::codec::GONE),
             fingerprint: self.fingerprint,
         }
-    }
-}
-
-impl Expiry<Key, Mark> for Lifetime {
-    fn expire_after_create(&self, _: &Key, mark: &Mark, _: std::time::Instant) -> Option<Duration> {
-        Some(mark.ttl)
     }
 }
 
@@ -225,18 +295,7 @@ impl MemoryStore {
     /// [`max_mark_bytes`](MemoryStoreBuilder::max_mark_bytes) is too small for the keys the
     /// store completes within a TTL; each one is also a `warn!` event.
     pub fn marks_dropped(&self) -> u64 {
-        // Evictions are settled lazily: settle the results, then the marks, so that every
-        // mark over the bound by now is counted, and only those whose result is gone too.
-        if let Some(marks) = &self.inner.marks {
-            self.inner.results.run_pending_tasks();
-            marks.run_pending_tasks();
-        }
         self.inner.marks_dropped.load(Ordering::Relaxed)
-    }
-
-    /// The mark of `key`, if it completed within its TTL.
-    fn mark(&self, key: &Key) -> Option<Mark> {
-        self.inner.marks.as_ref()?.get(key)
     }
 
     /// The live result of `key`. Completed records never change, so reading one outside
@@ -271,16 +330,27 @@ impl MemoryStore {
             record.typed = None;
         }
         // The mark first: from here on the key answers, whatever becomes of its result.
-        if let Some(marks) = &self.inner.marks {
-            let mark = Mark {
-                fingerprint: record.fingerprint,
-                ttl: record.ttl,
-            };
-            marks.insert(*key, mark);
+        if let Some(bound) = self.inner.marks_per_shard {
+            let until = now + record.ttl;
+            let dropped = claims
+                .marks
+                .insert(*key, record.fingerprint, until, bound, now);
+            // A mark over the bound is harmless while its result is still kept.
+            for gone in dropped
+                .iter()
+                .filter(|gone| !self.inner.results.contains_key(*gone))
+            {
+                let total = self.inner.marks_dropped.fetch_add(1, Ordering::Relaxed) + 1;
+                tracing::warn!(
+                    key = %gone.short(),
+                    dropped = total,
+                    "a completed key's mark and result are both gone within its TTL: it would run again; raise `max_mark_bytes`"
+                );
+            }
         }
         if record.bytes() > self.inner.max_bytes {
             claims.live.remove(key);
-            if self.inner.marks.is_some() {
+            if self.inner.marks_per_shard.is_some() {
                 tracing::warn!(
                     outcome = "unrecorded",
                     bytes = record.bytes(),
@@ -387,32 +457,17 @@ impl MemoryStoreBuilder {
             .eviction_policy(EvictionPolicy::lru())
             .expire_after(Lifetime)
             .build_with_hasher(KeyHasher::default());
-        let marks_dropped = Arc::new(AtomicU64::new(0));
-        let marks = self.max_mark_bytes.map(|bytes| {
-            let (results, dropped) = (results.clone(), Arc::clone(&marks_dropped));
-            Cache::builder()
-                .max_capacity(bytes / MARK_BYTES)
-                .eviction_policy(EvictionPolicy::lru())
-                .expire_after(Lifetime)
-                .eviction_listener(move |key: Arc<Key>, _, cause| {
-                    // A mark over the bound is harmless while its result is still kept.
-                    if cause == RemovalCause::Size && !results.contains_key(&*key) {
-                        let total = dropped.fetch_add(1, Ordering::Relaxed) + 1;
-                        tracing::warn!(
-                            key = %key.short(),
-                            dropped = total,
-                            "a completed key's mark and result are both gone within its TTL: it would run again; raise `max_mark_bytes`"
-                        );
-                    }
-                })
-                .build_with_hasher(KeyHasher::default())
+        let marks_per_shard = self.max_mark_bytes.map(|bytes| {
+            usize::try_from(bytes / MARK_BYTES / SHARDS as u64)
+                .unwrap_or(usize::MAX)
+                .max(1)
         });
         MemoryStore {
             inner: Arc::new(Inner {
                 claims: std::array::from_fn(|_| Mutex::default()),
                 results,
-                marks,
-                marks_dropped,
+                marks_per_shard,
+                marks_dropped: Arc::new(AtomicU64::new(0)),
                 tokens: AtomicU64::new(0),
                 capacity: self.capacity,
                 max_bytes,
@@ -449,7 +504,7 @@ impl Store for MemoryStore {
             });
         }
         // Completed within its TTL, but its result is gone: never run again.
-        if let Some(mark) = self.mark(key) {
+        if let Some(mark) = claims.marks.get(key, now) {
             return Ok(mark.into_claim());
         }
         let token = Token::new(self.inner.tokens.fetch_add(1, Ordering::Relaxed) + 1);
@@ -502,11 +557,7 @@ impl Store for MemoryStore {
         let mut claims = self.claims(key);
         let claim = claims.live.remove(key).filter(|claim| claim.until > now);
         let result = self.inner.results.remove(key);
-        let mark = self
-            .inner
-            .marks
-            .as_ref()
-            .and_then(|marks| marks.remove(key));
+        let mark = claims.marks.by_key.remove(key);
         Ok(claim.is_some() || result.is_some() || mark.is_some())
     }
 
@@ -565,6 +616,31 @@ impl TypedStore for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn marks_go_oldest_first_and_never_a_newer_mark_of_a_key_marked_again() {
+        let key = |i: u32| Key::derive("marks", &i).unwrap();
+        let now = Instant::now();
+        let later = now + Duration::from_secs(3600);
+        let mut marks = Marks::default();
+        assert!(marks.insert(key(1), None, later, 2, now).is_empty());
+        assert!(marks.insert(key(2), None, later, 2, now).is_empty());
+        assert_eq!(marks.insert(key(3), None, later, 2, now), [key(1)]);
+        assert!(marks.get(&key(1), now).is_none());
+        // Marked again, key 2 is newer than key 3: key 3 goes first.
+        assert!(marks.insert(key(2), None, later, 2, now).is_empty());
+        assert_eq!(marks.insert(key(4), None, later, 2, now), [key(3)]);
+        assert!(marks.get(&key(2), now).is_some() && marks.get(&key(4), now).is_some());
+        // A mark past its end is never answered, and goes without counting as dropped.
+        assert!(marks.insert(key(5), None, now, 3, now).is_empty());
+        assert!(marks.get(&key(5), now).is_none());
+        // Stale places in the order (removed keys) do not pile up behind a live mark.
+        for i in 100..1000 {
+            marks.insert(key(i), None, later, 10_000, now);
+            marks.by_key.remove(&key(i));
+        }
+        assert!(marks.order.len() <= 2 * marks.by_key.len() + 64 + 1);
+    }
 
     fn claim(until: Instant) -> ClaimRecord {
         ClaimRecord {
