@@ -335,20 +335,24 @@ async fn conflict(
     (StatusCode::CONFLICT, [("retry-after", server.retry_after)])
 }
 
+/// A server of its own that always answers `409` with `retry_after`, and the count of the
+/// requests it answered.
+async fn conflict_server(retry_after: &'static str) -> (SocketAddr, Arc<AtomicUsize>) {
+    let seen = Arc::new(AtomicUsize::new(0));
+    let router = Router::new()
+        .route("/", post(conflict))
+        .with_state(Conflict {
+            seen: Arc::clone(&seen),
+            retry_after,
+        });
+    (support::serve(router).await, seen)
+}
+
 #[tokio::test]
 async fn a_server_that_always_answers_409_meets_the_budget() {
     // One server per case, so that an attempt cut by a budget and reaching its server late
     // is never counted by another case.
-    let server = |retry_after| async move {
-        let seen = Arc::new(AtomicUsize::new(0));
-        let router = Router::new()
-            .route("/", post(conflict))
-            .with_state(Conflict {
-                seen: Arc::clone(&seen),
-                retry_after,
-            });
-        (support::serve(router).await, seen)
-    };
+    let server = conflict_server;
     let hyper_client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     let post_to = |server: SocketAddr| {
         Request::post(format!("http://{server}/"))
@@ -422,14 +426,7 @@ async fn a_server_that_always_answers_409_meets_the_budget() {
 /// cannot be resent.
 #[tokio::test]
 async fn the_middlewares_errors_are_typed_like_the_layers() {
-    let seen = Arc::new(AtomicUsize::new(0));
-    let router = Router::new()
-        .route("/", post(conflict))
-        .with_state(Conflict {
-            seen: Arc::clone(&seen),
-            retry_after: "0",
-        });
-    let busy_server = support::serve(router).await;
+    let (busy_server, seen) = conflict_server("0").await;
     let client = |retry: Retry| {
         reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
             .with(IdempotencyKeyMiddleware::new().retry(retry))

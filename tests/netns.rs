@@ -13,7 +13,7 @@
 //! skipped loudly, or fails when `IDEM_REQUIRE_SERVICES=1` (CI).
 
 use std::net::Ipv4Addr;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::unavailable;
@@ -227,27 +227,14 @@ fn forget_networks_of_dead_processes() {
 }
 
 fn ip<S: AsRef<str>>(args: &[S]) -> Result<(), String> {
-    quiet("ip", args)
+    run_with("ip", args)
 }
 
 fn tc<S: AsRef<str>>(args: &[S]) -> Result<(), String> {
-    quiet("tc", args)
+    run_with("tc", args)
 }
 
-fn quiet<S: AsRef<str>>(program: &str, args: &[S]) -> Result<(), String> {
+fn run_with<S: AsRef<str>>(program: &str, args: &[S]) -> Result<(), String> {
     let args: Vec<&str> = args.iter().map(AsRef::as_ref).collect();
-    let out = Command::new(program)
-        .args(&args)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("{program}: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "{program} {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
+    crate::servers::run(program, &args)
 }

@@ -470,7 +470,8 @@ fn as_root() -> bool {
         .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).trim() == "0")
 }
 
-fn run(program: &str, args: &[&str]) -> Result<(), String> {
+/// Runs `program` with `args` to its end: `Err` with its stderr if it failed.
+pub(crate) fn run(program: &str, args: &[&str]) -> Result<(), String> {
     let out = std::process::Command::new(program)
         .args(args)
         .output()
