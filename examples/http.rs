@@ -5,7 +5,7 @@
 //! `redis://127.0.0.1:6379`), so that several instances share them;
 //! `cargo run -p idem-examples --example http -- --sqlite idem.db` keeps them in one SQLite
 //! file, so that a restart (a deploy) still replays what was recorded. Try it with curl (the
-//! README's "HTTP" section has a session). `cargo run -p idem-examples --example http -- --demo` runs that
+//! HTTP guide, `idem_runtime::guide::http`, has a session). `cargo run -p idem-examples --example http -- --demo` runs that
 //! session against itself on a free port and exits.
 //!
 //! Keys are scoped per API key (the bearer token): the same `Idempotency-Key` from two

@@ -68,7 +68,7 @@ async fn a_crashed_holder_frees_its_key_within_10s_on_every_shared_store() {
 /// Live holders with the default lease, bodies of two and a half leases each, while other
 /// "processes" (callers that share no registry) try to take every key every 200 ms: no key
 /// is ever taken over, every holder records its own value. Run with both cores busy to
-/// measure what a short lease costs (see the README's "Sizing the lease").
+/// measure what a short lease costs (see `idem_runtime::guide::leases`).
 async fn live_holders_are_never_taken_over<S: Store + Clone>(store: S) {
     const HOLDERS: usize = 16;
     let op = Operation::new(namespace("live_holders"));

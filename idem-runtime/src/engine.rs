@@ -35,8 +35,8 @@ pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 /// A holder renews its claim every quarter of the lease (2 s) while its body runs, so a body
 /// may run for hours; the lease only bounds how long a crashed holder's key stays locked: a
 /// retry after a SIGKILL runs within 8 s of the last renewal. Each renewal may be up to 6 s
-/// late (a starved runtime, a slow store) before a live holder can be taken over. See the
-/// README's "Sizing the lease" for what a shorter or longer one costs.
+/// late (a starved runtime, a slow store) before a live holder can be taken over. See
+/// [`guide::leases`](crate::guide::leases) for what a shorter or longer one costs.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(8);
 
 /// What a call does when it finds its key in progress.

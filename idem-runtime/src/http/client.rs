@@ -56,8 +56,8 @@
 //! spends up to 30 s, cuts each attempt at 10 s, and does not count refused connections
 //! (a restarting server) against its attempts, so a request whose server was killed
 //! mid-request and restarted is retried until the server runs it, or replays it. A budget
-//! shorter than the server's lease plus its restart time cannot outlast a crash: see the
-//! README's "Sizing the lease".
+//! shorter than the server's lease plus its restart time cannot outlast a crash: see
+//! [`guide::leases`](crate::guide::leases).
 //!
 //! # Where timeouts and retries may sit
 //!
