@@ -21,7 +21,7 @@ impl Child {
     }
 
     /// Starts the ignored test `test` of this binary through `command`, a command that runs
-    /// this binary (in a host of its own: [`netns::Network::command`]), with `env` set.
+    /// this binary (in a host of its own: [`crate::netns::Network::command`]), with `env` set.
     pub fn start_as(mut command: std::process::Command, test: &str, env: &[(&str, &str)]) -> Self {
         use std::io::{BufRead, BufReader};
 

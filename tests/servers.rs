@@ -273,7 +273,7 @@ impl PrivatePostgres {
         Self::initialised(Self::prepared()?, settings)
     }
 
-    /// Starts one in a host of the test's own (`within`: [`netns::Network::within`]),
+    /// Starts one in a host of the test's own (`within`: [`crate::netns::Network::within`]),
     /// listening on every address there; its `url` is the loopback one, which only that
     /// host reaches.
     pub fn start_within(within: Vec<String>) -> Option<Self> {
