@@ -159,8 +159,10 @@ impl Retry {
 
     /// The most time one request may take, reading its body, every attempt and wait
     /// included. An attempt still running when it is spent is cut, and the call fails with
-    /// [`Error::GaveUp`]. A backoff that would pass it is shortened, so that the last
-    /// attempt gets what is left.
+    /// [`Error::GaveUp`]. Every attempt is left at least a second, a tenth of the budget or
+    /// the per-attempt timeout, whichever is least: a backoff that would leave less is
+    /// shortened once, and a retry that a busy machine wakes too late for is not sent (the
+    /// call gives up with what the server last said).
     pub fn budget(mut self, budget: Duration) -> Self {
         self.budget = budget;
         self

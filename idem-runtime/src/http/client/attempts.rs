@@ -159,14 +159,7 @@ impl<'a> Attempts<'a> {
             .then(|| resume_at(self.retry, self.tries, retry_after, now, self.deadline))
         {
             Some(Some(resume)) => resume,
-            _ => {
-                return Err(Error::GaveUp {
-                    key: self.key.clone(),
-                    attempts: self.attempts,
-                    last: failure,
-                    problem: self.problem.take(),
-                })
-            }
+            _ => return Err(self.give_up(failure)),
         };
         tracing::debug!(
             key = self.key.as_str(),
@@ -176,14 +169,36 @@ impl<'a> Attempts<'a> {
             "idempotent request retried"
         );
         tokio::time::sleep_until(resume).await;
+        // A busy machine may wake us late. A try that has lost more than half the time it
+        // was planned to get is not started: cut before it could connect, it would count as
+        // an attempt that may have reached the server, and report `TimedOut` instead of what
+        // the server last said.
+        if let Some(deadline) = self.deadline {
+            let planned = deadline
+                .saturating_duration_since(resume)
+                .min(last_attempt(self.retry));
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() || left < planned / 2 {
+                return Err(self.give_up(failure));
+            }
+        }
         Ok(Verdict::Again)
+    }
+
+    fn give_up(&mut self, last: Failure) -> Error {
+        Error::GaveUp {
+            key: self.key.clone(),
+            attempts: self.attempts,
+            last,
+            problem: self.problem.take(),
+        }
     }
 }
 
 /// When to send again after try number `tries`, or `None` to give up: after the jittered
 /// backoff, and no sooner than the server's `Retry-After`. A `Retry-After` past the deadline
-/// gives up (the server will not be ready in time); a backoff past it is shortened so that
-/// one last attempt gets what is left (see [`LAST_ATTEMPT`]).
+/// gives up (the server will not be ready in time); a backoff that would leave the next try
+/// less than [`last_attempt`] is shortened so that one last attempt gets that much.
 pub(super) fn resume_at(
     retry: &Retry,
     tries: u32,
@@ -212,21 +227,24 @@ pub(super) fn resume_at(
     if now >= deadline {
         return None;
     }
-    if resume < deadline {
+    // The last attempt's window: a try resumed in it would be cut before it could be
+    // answered. Shortened once: the attempt it starts ends inside the window, so a failure
+    // of that one gives up instead of spinning at the deadline.
+    let start = deadline.checked_sub(last_attempt(retry))?;
+    if resume <= start {
         return Some(resume);
     }
-    // Shortened once: the attempt it starts leaves less than `last_attempt`, so a failure
-    // of that one gives up instead of spinning at the deadline.
-    let last_attempt = LAST_ATTEMPT
-        .min(retry.budget / 10)
-        .min(retry.timeout.unwrap_or(LAST_ATTEMPT));
-    let start = deadline.checked_sub(last_attempt)?;
-    (start >= now).then(|| start.max(not_before.unwrap_or(start)))
+    (start > now).then(|| start.max(not_before.unwrap_or(start)))
 }
 
-/// What the last attempt of a budget is left, when a backoff would pass the deadline: a
-/// second, or a tenth of the budget, or the per-attempt timeout, whichever is least.
-const LAST_ATTEMPT: Duration = Duration::from_secs(1);
+/// What the last attempt of a budget is given at least: a second, or a tenth of the budget,
+/// or the per-attempt timeout, whichever is least.
+fn last_attempt(retry: &Retry) -> Duration {
+    const AT_MOST: Duration = Duration::from_secs(1);
+    AT_MOST
+        .min(retry.budget / 10)
+        .min(retry.timeout.unwrap_or(AT_MOST))
+}
 
 /// `future`'s output, or `None` if `deadline` passed first (never, without a deadline).
 pub(super) async fn within<F: Future>(deadline: Option<Instant>, future: F) -> Option<F::Output> {
@@ -336,6 +354,30 @@ mod tests {
         assert_eq!(retry_after(&headers), Some(Duration::ZERO));
         headers.insert(RETRY_AFTER, HeaderValue::from_static("soon"));
         assert_eq!(retry_after(&headers), None);
+    }
+
+    /// Every try is left the last attempt's share of the budget: a backoff that would start
+    /// one later is shortened, and once inside that window the call gives up.
+    #[test]
+    fn every_try_gets_the_last_attempts_share_of_the_budget() {
+        let retry = Retry::new()
+            .budget(Duration::from_millis(200))
+            .backoff(Duration::from_millis(1), Duration::from_millis(5));
+        let share = last_attempt(&retry);
+        assert_eq!(share, Duration::from_millis(20));
+        let deadline = Instant::now() + Duration::from_secs(1);
+        for left in 0..400u64 {
+            let now = deadline - Duration::from_micros(left * 100);
+            for tries in 1..12 {
+                match resume_at(&retry, tries, None, now, Some(deadline)) {
+                    Some(resume) => {
+                        assert!(resume >= now, "{left} {tries}");
+                        assert!(deadline - resume >= share, "{left} {tries}");
+                    }
+                    None => assert!(deadline - now <= share, "gave up early: {left} {tries}"),
+                }
+            }
+        }
     }
 
     #[test]
