@@ -22,7 +22,9 @@
 //! and the gateway, which may have seen it before the kill, answer it once.
 //!
 //! The run checks that every checkout made exactly one reservation, one charge and one order,
-//! that every client got its own receipt, and that no claim is left held.
+//! that every client got its own receipt, and that no claim is left held.//!
+//! Here: the client and the driver; `checkout/service.rs`: the checkout service;
+//! `checkout/downstream.rs`: the shop and the gateway; `checkout/network.rs`: the proxy.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -51,6 +53,16 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tower::{ServiceBuilder, ServiceExt};
 
+#[path = "checkout/downstream.rs"]
+mod downstream;
+#[path = "checkout/network.rs"]
+mod network;
+#[path = "checkout/service.rs"]
+mod service;
+
+use downstream::*;
+use network::*;
+pub use service::serve_from_env;
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The checkout service's lease: how long a killed attempt's key stays held.
@@ -76,8 +88,6 @@ pub struct Receipt {
 struct Made {
     id: String,
 }
-
-// ---- the checkout service: its own process ----------------------------------------------
 
 /// A client that resends each request with the same `Idempotency-Key` until it succeeds or
 /// the budget is spent; one connection per attempt, so that each meets the network anew.
@@ -120,267 +130,6 @@ async fn send(
     let delivery = response.extensions().get::<Delivery>().cloned();
     let body = response.into_body().collect().await?.to_bytes();
     Ok((status, body, delivery))
-}
-
-/// What the checkout service runs with, passed to its process in the environment.
-struct Service {
-    shop: String,
-    gateway: String,
-    downstream: Keyed,
-    store: PostgresStore,
-    orders: String,
-}
-
-impl Service {
-    /// One downstream call of the running step, keyed by the step's own key: the same on
-    /// every attempt of the checkout, so that the service called dedupes it.
-    async fn call(&self, url: &str, order: &Order) -> Result<String, Error> {
-        let key = attempt()
-            .expect("a step runs under an attempt")
-            .key()
-            .to_hex();
-        let body = serde_json::to_vec(order).map_err(Error::codec)?;
-        let (status, body, _) = send(&self.downstream, url, Some(&key), body)
-            .await
-            .map_err(Error::store)?;
-        if status != StatusCode::CREATED {
-            return Err(Error::store(format!("{url} answered {status}")));
-        }
-        let made: Made = serde_json::from_slice(&body).map_err(Error::codec)?;
-        Ok(made.id)
-    }
-
-    /// The order row, claimed and written in one transaction under the step's key: a retry
-    /// of the step after a kill that came between the commit and the step's record finds
-    /// the committed claim and replays the row's id.
-    async fn write_order(&self, order: &Order, hold: &str, charge: &str) -> Result<i64, Error> {
-        let step = attempt()
-            .expect("a step runs under an attempt")
-            .key()
-            .to_hex();
-        let op = Operation::new("examples.checkout.order.v1").lease(LEASE);
-        let key = op.key(&step)?;
-        let insert = format!(
-            "INSERT INTO {} (order_id, hold, charge) VALUES ($1, $2, $3) RETURNING id",
-            self.orders
-        );
-        let mut tx = self.store.pool().begin().await.map_err(Error::store)?;
-        let row = op
-            .run_in_transaction(
-                &self.store,
-                &mut tx,
-                &key,
-                None,
-                async |tx: &mut PgConnection| {
-                    let (row,): (i64,) = sqlx::query_as(&insert)
-                        .bind(order.id as i64)
-                        .bind(hold)
-                        .bind(charge)
-                        .fetch_one(&mut *tx)
-                        .await
-                        .map_err(Error::store)?;
-                    Ok::<_, Error>(row)
-                },
-            )
-            .await?
-            .into_inner();
-        tx.commit().await.map_err(Error::store)?;
-        Ok(row)
-    }
-
-    async fn checkout(&self, order: &Order) -> Result<Receipt, Error> {
-        let hold = step("reserve", self.call(&self.shop, order)).await?;
-        let charge = step("charge", self.call(&self.gateway, order)).await?;
-        let row = step("order", self.write_order(order, &hold, &charge)).await?;
-        Ok(Receipt {
-            order: order.id,
-            hold,
-            charge,
-            row,
-        })
-    }
-}
-
-/// `POST /checkout`: a `201` with the receipt, or a `503` (not recorded: the client retries)
-/// that says nothing of the cause.
-async fn checkout(State(service): State<Arc<Service>>, Json(order): Json<Order>) -> Response {
-    match service.checkout(&order).await {
-        Ok(receipt) => (StatusCode::CREATED, Json(receipt)).into_response(),
-        Err(error) => {
-            eprintln!("checkout {}: {error}", order.id);
-            (StatusCode::SERVICE_UNAVAILABLE, "try again").into_response()
-        }
-    }
-}
-
-fn env(name: &str) -> Result<String, BoxError> {
-    std::env::var(name).map_err(|_| format!("{name} is not set").into())
-}
-
-/// The checkout service, configured by its environment: what the driver starts (and kills)
-/// as a process of its own. Prints `listening` once it accepts connections.
-pub async fn serve_from_env() -> Result<(), BoxError> {
-    let store = PostgresStore::connect(&env("IDEM_POSTGRES_URL")?)
-        .await?
-        .with_table(&env("IDEM_CHECKOUT_TABLE")?)?;
-    let service = Arc::new(Service {
-        shop: env("IDEM_CHECKOUT_SHOP")?,
-        gateway: env("IDEM_CHECKOUT_GATEWAY")?,
-        downstream: keyed_client(Duration::from_secs(10)),
-        store: store.clone(),
-        orders: env("IDEM_CHECKOUT_ORDERS")?,
-    });
-    let app = Router::new()
-        .route("/checkout", post(checkout))
-        .with_state(service)
-        .layer(
-            IdempotencyLayer::new(store)
-                .namespace("examples.checkout.v1")
-                .unscoped()
-                .required()
-                .lease(LEASE),
-        );
-    let listener = TcpListener::bind(("127.0.0.1", env("IDEM_CHECKOUT_PORT")?.parse()?)).await?;
-    println!("listening");
-    axum::serve(listener, app).await?;
-    Ok(())
-}
-
-// ---- the shop and the gateway: in the driver, so that their counts survive the kills -----
-
-/// How many times each order was reserved and charged, and how often each was asked.
-#[derive(Default)]
-struct Downstream {
-    reservations: Mutex<HashMap<u64, u32>>,
-    charges: Mutex<HashMap<u64, u32>>,
-    /// The gateway's own memory of keys, as a payment gateway keeps it: key → charge.
-    charged: Mutex<HashMap<String, String>>,
-    asked: AtomicU64,
-}
-
-/// `POST /reserve`, behind `IdempotencyLayer`: reserves the order's items.
-async fn reserve(State(down): State<Arc<Downstream>>, Json(order): Json<Order>) -> Response {
-    down.asked.fetch_add(1, Ordering::Relaxed);
-    let mut reservations = down.reservations.lock().unwrap();
-    let n = reservations.entry(order.id).or_default();
-    *n += 1;
-    let id = format!("hold_{}_{n}", order.id);
-    (StatusCode::CREATED, Json(Made { id })).into_response()
-}
-
-/// `POST /charge`: a gateway that charges once per `Idempotency-Key`, as real ones do, and
-/// counts the charges it makes.
-async fn charge(
-    State(down): State<Arc<Downstream>>,
-    headers: HeaderMap,
-    Json(order): Json<Order>,
-) -> Response {
-    down.asked.fetch_add(1, Ordering::Relaxed);
-    let Some(key) = headers.get("idempotency-key").and_then(|k| k.to_str().ok()) else {
-        return (StatusCode::BAD_REQUEST, "an Idempotency-Key is required").into_response();
-    };
-    let mut charged = down.charged.lock().unwrap();
-    let id = charged
-        .entry(key.to_string())
-        .or_insert_with(|| {
-            let mut charges = down.charges.lock().unwrap();
-            let n = charges.entry(order.id).or_default();
-            *n += 1;
-            format!("ch_{}_{n}", order.id)
-        })
-        .clone();
-    (StatusCode::CREATED, Json(Made { id })).into_response()
-}
-
-async fn serve(app: Router) -> Result<SocketAddr, BoxError> {
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let address = listener.local_addr()?;
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    Ok(address)
-}
-
-// ---- the network: a proxy that loses answers, refuses, cuts and stalls --------------------
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Fault {
-    None,
-    /// The request is processed; its answer is thrown away and the connection closed.
-    LoseAnswer,
-    /// Closed before anything is forwarded.
-    Refuse,
-    /// Part of the request is forwarded, then both sides are closed.
-    CutRequest,
-    /// The request is processed; the answer never comes.
-    Stall,
-}
-
-/// A deterministic draw for number `n` (splitmix64).
-fn draw(n: u64) -> u64 {
-    let mut z = n.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-fn fault(connection: u64) -> Fault {
-    match draw(connection) % 100 {
-        0..=69 => Fault::None,
-        70..=79 => Fault::LoseAnswer,
-        80..=87 => Fault::Refuse,
-        88..=94 => Fault::CutRequest,
-        _ => Fault::Stall,
-    }
-}
-
-async fn proxy(upstream: SocketAddr) -> Result<SocketAddr, BoxError> {
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let address = listener.local_addr()?;
-    tokio::spawn(async move {
-        for connection in 0_u64.. {
-            let Ok((client, _)) = listener.accept().await else {
-                continue;
-            };
-            tokio::spawn(relay(client, upstream, fault(connection)));
-        }
-    });
-    Ok(address)
-}
-
-async fn relay(mut client: TcpStream, upstream: SocketAddr, fault: Fault) {
-    if fault == Fault::Refuse {
-        return;
-    }
-    // The service may be down (killed): the client then sees its connection closed.
-    let Ok(mut server) = TcpStream::connect(upstream).await else {
-        return;
-    };
-    if fault == Fault::CutRequest {
-        let mut start = [0; 24];
-        if let Ok(read) = client.read(&mut start).await {
-            let _ = server.write_all(&start[..read]).await;
-        }
-        return;
-    }
-    let (mut client_read, mut client_write) = client.into_split();
-    let (mut server_read, mut server_write) = server.into_split();
-    let upward = tokio::spawn(async move {
-        let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
-    });
-    let mut answer = vec![0; 64 * 1024];
-    while let Ok(read @ 1..) = server_read.read(&mut answer).await {
-        match fault {
-            Fault::LoseAnswer => break,
-            Fault::Stall => {
-                let _ = upward.await;
-                return;
-            }
-            _ => {}
-        }
-        if client_write.write_all(&answer[..read]).await.is_err() {
-            break;
-        }
-    }
-    upward.abort();
 }
 
 // ---- the driver ----------------------------------------------------------------------------

@@ -25,7 +25,9 @@
 //! every `postgres` process on this machine (`/proc/<pid>/stat`: backends, WAL writer and
 //! the rest, all of which the calls make work for, and the exited backends the postmaster
 //! reaped). It is steadier than wall time on a shared
-//! machine, and it is what bounds a server shared by many clients.
+//! machine, and it is what bounds a server shared by many clients.//!
+//! Here: the harness and the table; `throughput/redis.rs` and `throughput/postgres.rs`: each
+//! server's rows.
 
 use std::future::Future;
 use std::process::{Child, Command, Stdio};
@@ -39,6 +41,10 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use self::common::{receipt, redis_floor};
 
 mod common;
+#[path = "throughput/postgres.rs"]
+mod postgres_rows;
+#[path = "throughput/redis.rs"]
+mod redis_rows;
 
 const CALLERS: u64 = 64;
 const PER_CALLER: u64 = 50;
@@ -117,39 +123,6 @@ fn postgres_cpu() -> Option<f64> {
         found = true;
     }
     found.then(|| ticks as f64 / TICKS)
-}
-
-/// A `redis-server` of the bench's own, on a free port, gone when dropped.
-struct PrivateRedis {
-    child: Child,
-    url: String,
-}
-
-impl PrivateRedis {
-    fn start() -> Option<Self> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .ok()?
-            .local_addr()
-            .ok()?
-            .port();
-        let child = Command::new("redis-server")
-            .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--save", "", "--appendonly", "no"])
-            .stdout(Stdio::null())
-            .spawn()
-            .ok()?;
-        Some(Self {
-            child,
-            url: format!("redis://127.0.0.1:{port}"),
-        })
-    }
-}
-
-impl Drop for PrivateRedis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// Operations per second of 64 callers each running `op` on `PER_CALLER` fresh numbers.
@@ -345,328 +318,6 @@ async fn compare<A, AF, B, BF>(
     );
 }
 
-/// The throughput rows of Redis; returns its server-cost rows.
-async fn redis() -> Vec<String> {
-    let private = std::env::var("IDEM_REDIS_URL")
-        .is_err()
-        .then(PrivateRedis::start)
-        .flatten();
-    let url = match &private {
-        Some(server) => server.url.clone(),
-        None => std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into()),
-    };
-    let mut store = Err(Error::store("not tried"));
-    // A server just started takes a moment to listen.
-    for _ in 0..50 {
-        store = RedisStore::connect(&url).await;
-        if store.is_ok() {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
-    let Ok(store) = store else {
-        println!("redis: skipped ({url} unreachable)");
-        return Vec::new();
-    };
-    let raw = redis::aio::ConnectionManager::new(redis::Client::open(url.as_str()).unwrap())
-        .await
-        .unwrap();
-    let op = Arc::new(Operation::new(format!(
-        "throughput.redis.{:?}",
-        Instant::now()
-    )));
-    let value = serde_json::to_vec(&receipt(1)).unwrap();
-    let server = Server::Redis(raw.clone());
-
-    let first = idempotent_calls(&op, &store, fresh);
-    let base_first = {
-        let (raw, value) = (raw.clone(), value.clone());
-        move |n: u64| {
-            let (mut raw, value) = (raw.clone(), value.clone());
-            async move {
-                let key = format!("throughput:{n}");
-                let _: Option<String> = redis::cmd("SET")
-                    .arg(&key)
-                    .arg("p")
-                    .arg("NX")
-                    .arg("PX")
-                    .arg(30_000)
-                    .query_async(&mut raw)
-                    .await
-                    .unwrap();
-                let _: () = redis::cmd("SET")
-                    .arg(&key)
-                    .arg(&value)
-                    .arg("PX")
-                    .arg(60_000)
-                    .query_async(&mut raw)
-                    .await
-                    .unwrap();
-            }
-        }
-    };
-    first_executions(
-        "redis, first executions, 64 callers",
-        &server,
-        Some(0.6),
-        first.clone(),
-        base_first.clone(),
-    )
-    .await;
-    let replay = idempotent_calls(&op, &store, recorded);
-    let base_replay = {
-        let raw = raw.clone();
-        move |n: u64| {
-            let mut raw = raw.clone();
-            async move {
-                let _: Option<Vec<u8>> = redis::cmd("GET")
-                    .arg(format!("throughput:{}", REPLAYED + n % RECORDED))
-                    .query_async(&mut raw)
-                    .await
-                    .unwrap();
-            }
-        }
-    };
-    compare(
-        "redis, replays, 64 callers",
-        &server,
-        Some(0.8),
-        replay.clone(),
-        base_replay.clone(),
-    )
-    .await;
-    // The floors: the least a hand-written client keeping idem's guarantees on Redis 7.0
-    // sends and computes (a SHA-256 key, a claim that returns what is there, a completion
-    // only its holder can make, the value in JSON), against the same baselines.
-    let floor_first = {
-        let raw = raw.clone();
-        move |n: u64| {
-            let mut raw = raw.clone();
-            async move {
-                let key = redis_floor::key(n);
-                if redis_floor::claim(&mut raw, &key, n).await.is_none() {
-                    let value = serde_json::to_vec(&receipt(n)).unwrap();
-                    assert!(redis_floor::complete(&mut raw, &key, n, &value).await);
-                }
-            }
-        }
-    };
-    first_executions(
-        "redis, first executions, floor (see the header)",
-        &server,
-        None,
-        floor_first.clone(),
-        base_first.clone(),
-    )
-    .await;
-    let floor_replay = {
-        let raw = raw.clone();
-        move |n: u64| {
-            let mut raw = raw.clone();
-            async move {
-                let n = REPLAYED + n % RECORDED;
-                let record = redis_floor::claim(&mut raw, &redis_floor::key(n), n)
-                    .await
-                    .expect("recorded");
-                let _: common::Receipt = serde_json::from_slice(&record[1..]).unwrap();
-            }
-        }
-    };
-    compare(
-        "redis, replays, floor (see the header)",
-        &server,
-        None,
-        floor_replay.clone(),
-        base_replay.clone(),
-    )
-    .await;
-    compare(
-        "redis, first executions vs the floor",
-        &server,
-        None,
-        first.clone(),
-        floor_first.clone(),
-    )
-    .await;
-    compare(
-        "redis, replays vs the floor",
-        &server,
-        None,
-        replay.clone(),
-        floor_replay,
-    )
-    .await;
-    vec![
-        server_cost(
-            "redis, first execution vs SET NX PX + SET PX",
-            &server,
-            1.5,
-            first,
-            base_first,
-        )
-        .await,
-        server_cost("redis, replay vs GET", &server, 1.2, replay, base_replay).await,
-    ]
-}
-
-/// The throughput rows of PostgreSQL with this pool; returns its server-cost rows when
-/// `cost` is set.
-async fn postgres(pool_size: u32, synchronous_commit: bool, cost: bool) -> Vec<String> {
-    let url = std::env::var("IDEM_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    let Ok(options) = url.parse::<PgConnectOptions>() else {
-        return Vec::new();
-    };
-    let options = options.options([(
-        "synchronous_commit",
-        if synchronous_commit { "on" } else { "off" },
-    )]);
-    let Ok(pool) = PgPoolOptions::new()
-        .max_connections(pool_size)
-        .connect_with(options)
-        .await
-    else {
-        println!("postgresql: skipped ({url} unreachable)");
-        return Vec::new();
-    };
-    let store = PostgresStore::from_pool(pool.clone())
-        .with_table("idem_records_throughput")
-        .unwrap();
-    store.migrate().await.unwrap();
-    sqlx::query(
-        "CREATE TABLE IF NOT EXISTS throughput_baseline \
-         (key bigint PRIMARY KEY, completed boolean NOT NULL, value bytea, expires_at timestamptz NOT NULL)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
-    let label = |what: &str| {
-        format!(
-            "postgres, {what}, pool {pool_size}, synchronous_commit {}",
-            if synchronous_commit { "on" } else { "off" }
-        )
-    };
-    let op = Arc::new(Operation::new(format!(
-        "throughput.pg.{:?}",
-        Instant::now()
-    )));
-    let first = idempotent_calls(&op, &store, fresh);
-    let base_first = {
-        let pool = pool.clone();
-        move |n: u64| {
-            let pool = pool.clone();
-            async move {
-                sqlx::query(
-                    "INSERT INTO throughput_baseline (key, completed, expires_at) \
-                     VALUES ($1, false, now() + interval '30 seconds') ON CONFLICT (key) DO NOTHING",
-                )
-                .bind(n as i64)
-                .execute(&pool)
-                .await
-                .unwrap();
-                sqlx::query(
-                    "UPDATE throughput_baseline SET completed = true, value = $2, \
-                     expires_at = now() + interval '1 day' WHERE key = $1",
-                )
-                .bind(n as i64)
-                .bind(serde_json::to_vec(&receipt(n)).unwrap())
-                .execute(&pool)
-                .await
-                .unwrap();
-            }
-        }
-    };
-    first_executions(
-        &label("first executions"),
-        &Server::Postgres,
-        Some(0.9),
-        first.clone(),
-        base_first.clone(),
-    )
-    .await;
-    let replay = idempotent_calls(&op, &store, recorded);
-    let base_replay = {
-        let pool = pool.clone();
-        move |n: u64| {
-            let pool = pool.clone();
-            async move {
-                let _: Option<(bool, Option<Vec<u8>>)> = sqlx::query_as(
-                "SELECT completed, value FROM throughput_baseline WHERE key = $1 AND expires_at > now()",
-            )
-            .bind((REPLAYED + n % RECORDED) as i64)
-            .fetch_optional(&pool)
-            .await
-            .unwrap();
-            }
-        }
-    };
-    compare(
-        &label("replays"),
-        &Server::Postgres,
-        Some(0.9),
-        replay.clone(),
-        base_replay.clone(),
-    )
-    .await;
-    if !cost {
-        return Vec::new();
-    }
-    // The floor of a replay (as P8g): the least statement that reads the record or, when
-    // there is none, claims the key, on the baseline's table.
-    let floor_replay = move |n: u64| {
-        let pool = pool.clone();
-        async move {
-            let found: Option<(bool, Option<Vec<u8>>)> = sqlx::query_as(
-                "WITH live AS (SELECT completed, value FROM throughput_baseline \
-                    WHERE key = $1 AND expires_at > now()), \
-                 claimed AS (INSERT INTO throughput_baseline (key, completed, expires_at) \
-                    SELECT $1, false, now() + interval '30 seconds' WHERE NOT EXISTS (SELECT 1 FROM live) \
-                    ON CONFLICT (key) DO NOTHING RETURNING completed, value) \
-                 SELECT completed, value FROM live UNION ALL SELECT completed, value FROM claimed",
-            )
-            .bind((REPLAYED + n % RECORDED) as i64)
-            .fetch_optional(&pool)
-            .await
-            .unwrap();
-            assert!(matches!(found, Some((true, Some(_)))), "recorded");
-        }
-    };
-    compare(
-        &label("replays, floor (see the header)"),
-        &Server::Postgres,
-        None,
-        floor_replay.clone(),
-        base_replay.clone(),
-    )
-    .await;
-    compare(
-        &label("replays vs the floor"),
-        &Server::Postgres,
-        None,
-        replay.clone(),
-        floor_replay,
-    )
-    .await;
-    vec![
-        server_cost(
-            "postgres, first execution vs INSERT + UPDATE",
-            &Server::Postgres,
-            1.5,
-            first,
-            base_first,
-        )
-        .await,
-        server_cost(
-            "postgres, replay vs SELECT",
-            &Server::Postgres,
-            1.2,
-            replay,
-            base_replay,
-        )
-        .await,
-    ]
-}
-
 fn main() {
     let rt = common::runtime();
     println!(
@@ -680,10 +331,10 @@ fn main() {
         "ratio"
     );
     let costs = rt.block_on(async {
-        let mut costs = redis().await;
-        costs.extend(postgres(16, true, true).await);
-        postgres(64, true, false).await;
-        postgres(16, false, false).await;
+        let mut costs = redis_rows::redis().await;
+        costs.extend(postgres_rows::postgres(16, true, true).await);
+        postgres_rows::postgres(64, true, false).await;
+        postgres_rows::postgres(16, false, false).await;
         costs
     });
     println!(
