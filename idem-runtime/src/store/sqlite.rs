@@ -16,16 +16,23 @@
 //! ) WITHOUT ROWID;
 //! CREATE INDEX idem_records_expires_at ON idem_records (expires_at);
 //! CREATE TABLE idem_records_token (id INTEGER PRIMARY KEY CHECK (id = 1), last INTEGER NOT NULL);
+//! -- the counter follows every token a row is given, in the statement that gives it
+//! CREATE TRIGGER idem_records_token_inserted AFTER INSERT ON idem_records BEGIN
+//!     UPDATE idem_records_token SET last = NEW.token WHERE id = 1 AND last < NEW.token; END;
+//! CREATE TRIGGER idem_records_token_updated AFTER UPDATE OF token ON idem_records BEGIN
+//!     UPDATE idem_records_token SET last = NEW.token WHERE id = 1 AND last < NEW.token; END;
 //! ```
 //!
 //! Expiry is judged by SQLite's clock (`julianday('now')`), the host's: every process on
 //! the file reads the same one. A claim first reads the key's live row, which in WAL mode
 //! waits for no writer (a replay or a held key writes nothing); otherwise it takes the key
 //! in a `BEGIN IMMEDIATE` transaction, which holds the file's write lock from its first
-//! statement, so two processes can never both take one key. Tokens come from a one-row
-//! counter table in the same transaction: they grow across rows, processes and restarts.
+//! statement, so two processes can never both take one key. The take is one statement: its
+//! token is the counter's next, and the triggers move the counter up to it, so tokens grow
+//! across rows, processes and restarts. A table made before the triggers existed is refused
+//! (`Error::Store`, naming [`migrate`](SqliteStore::migrate)) until `migrate` has added them.
 //! Every other write is one statement; the writes queued in a process commit together (see
-//! below). Expired rows are deleted by
+//! below), and a lone one commits by itself. Expired rows are deleted by
 //! [`purge_expired`](SqliteStore::purge_expired) or the task of
 //! [`purge_every`](SqliteStore::purge_every); until then an expired row counts as absent.
 //!
@@ -58,6 +65,7 @@
 
 use std::fmt;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -164,9 +172,14 @@ pub struct SqliteStore {
 /// The statements of one table, written once.
 struct Statements {
     table: String,
-    create: [String; 4],
+    create: [String; 6],
+    /// How many of the triggers that keep the token counter ahead of every row exist.
+    triggers: String,
+    /// Whether `triggers` found both, once per store (see [`Statements::checked`]).
+    checked: tokio::sync::OnceCell<()>,
     live: String,
-    next_token: String,
+    /// The key's row, whatever its expiry: the one a take left as it was.
+    held: String,
     take: String,
     complete: String,
     release: String,
@@ -179,6 +192,29 @@ struct Statements {
 }
 
 impl Statements {
+    /// Checks, once, that the table's token triggers exist: a table made by a version
+    /// without them would give every take the same token, so its claims are refused until
+    /// [`migrate`](SqliteStore::migrate) has run.
+    async fn checked(&self, pool: &SqlitePool) -> Result<(), sqlx::Error> {
+        self.checked
+            .get_or_try_init(|| async {
+                let found: i64 = sqlx::query_scalar(&self.triggers).fetch_one(pool).await?;
+                if found == 2 {
+                    Ok(())
+                } else {
+                    Err(sqlx::Error::Configuration(
+                        format!(
+                            "the table {:?} lacks the triggers that make its fencing tokens grow: run SqliteStore::migrate()",
+                            self.table
+                        )
+                        .into(),
+                    ))
+                }
+            })
+            .await
+            .map(|_| ())
+    }
+
     /// The statements of `table`, after checking the name.
     fn new(table: &str) -> Result<Self, Error> {
         Ok(Self::of(validate(table)?))
@@ -189,6 +225,8 @@ impl Statements {
         let t = format!("\"{name}\"");
         let counter = format!("\"{name}_token\"");
         let index = format!("\"{name}_expires_at\"");
+        let insert_trigger = format!("\"{name}_token_inserted\"");
+        let update_trigger = format!("\"{name}_token_updated\"");
         Self {
             table: name.to_string(),
             create: [
@@ -207,17 +245,40 @@ impl Statements {
                         id INTEGER PRIMARY KEY CHECK (id = 1), last INTEGER NOT NULL)"
                 ),
                 format!("INSERT OR IGNORE INTO {counter} (id, last) VALUES (1, 0)"),
+                // A take draws its token from the counter in its own statement; these move the
+                // counter up to every token a row is given, inside that statement.
+                format!(
+                    "CREATE TRIGGER IF NOT EXISTS {insert_trigger} AFTER INSERT ON {t} BEGIN \
+                     UPDATE {counter} SET last = NEW.token WHERE id = 1 AND last < NEW.token; END"
+                ),
+                format!(
+                    "CREATE TRIGGER IF NOT EXISTS {update_trigger} AFTER UPDATE OF token ON {t} BEGIN \
+                     UPDATE {counter} SET last = NEW.token WHERE id = 1 AND last < NEW.token; END"
+                ),
             ],
+            triggers: format!(
+                "SELECT count(*) FROM sqlite_master WHERE type = 'trigger' AND tbl_name = '{name}' \
+                 AND name IN ('{name}_token_inserted', '{name}_token_updated')"
+            ),
+            checked: tokio::sync::OnceCell::new(),
             live: format!(
                 "SELECT token, completed, fingerprint, value FROM {t} \
                  WHERE key = ?1 AND expires_at > {NOW}"
             ),
-            next_token: format!("UPDATE {counter} SET last = last + 1 WHERE id = 1 RETURNING last"),
+            held: format!("SELECT token, completed, fingerprint, value FROM {t} WHERE key = ?1"),
+            // A row is taken over when it lapsed, or is the caller's own claim (its nonce
+            // in `value`); a live row of another caller is left as it is.
+            // One statement: the token is the counter's next (the triggers move the counter
+            // up to it), and a row is taken over when it lapsed or is the caller's own claim
+            // (its nonce in `value`); a live row of another caller is left as it is, and
+            // nothing is returned.
             take: format!(
                 "INSERT INTO {t} (key, token, completed, fingerprint, value, expires_at) \
-                 VALUES (?1, ?2, 0, ?3, ?5, {NOW} + ?4) \
+                 VALUES (?1, (SELECT last + 1 FROM {counter} WHERE id = 1), 0, ?2, ?4, {NOW} + ?3) \
                  ON CONFLICT (key) DO UPDATE SET token = excluded.token, completed = 0, \
-                 fingerprint = excluded.fingerprint, value = excluded.value, expires_at = excluded.expires_at"
+                 fingerprint = excluded.fingerprint, value = excluded.value, expires_at = excluded.expires_at \
+                 WHERE {t}.expires_at <= {NOW} OR (NOT {t}.completed AND {t}.value = excluded.value) \
+                 RETURNING token"
             ),
             // The holder's own statements ask for its token in the row, not for a live lease:
             // a lease that ran out while nobody took the key over is still the holder's (a
@@ -335,13 +396,19 @@ impl SqliteStore {
     /// wait for a connection. The store's own connection for writes is opened with the pool's
     /// options.
     pub fn from_pool(pool: SqlitePool) -> Self {
+        let opened = Arc::new(AtomicU64::new(0));
+        let counted = Arc::clone(&opened);
         let writes = SqlitePoolOptions::new()
             .max_connections(1)
             .acquire_timeout(ACQUIRE_BOUND)
+            .after_connect(move |_, _| {
+                counted.fetch_add(1, Ordering::AcqRel);
+                Box::pin(async { Ok(()) })
+            })
             .connect_lazy_with((*pool.connect_options()).clone());
         Self {
             pool,
-            writes: Arc::new(Writes::new(writes)),
+            writes: Arc::new(Writes::new(writes, opened)),
             sql: Arc::new(Statements::of(DEFAULT_TABLE)),
             timeout: DEFAULT_TIMEOUT,
             flights: Arc::default(),
@@ -378,8 +445,9 @@ impl SqliteStore {
         &self.sql.table
     }
 
-    /// Switches the file to WAL, and creates the table, its index and its token counter if
-    /// they are absent. Safe to run from several processes at once: the creation is one
+    /// Switches the file to WAL, and creates the table, its index, its token counter and the
+    /// counter's triggers if they are absent (a table made by an earlier version gets the
+    /// triggers it lacks). Safe to run from several processes at once: the creation is one
     /// `BEGIN IMMEDIATE` transaction.
     ///
     /// # Errors
@@ -509,6 +577,7 @@ impl Store for SqliteStore {
             match live {
                 Some(row) if !sql::is_ours(&row, nonce) => Ok(Err(row)),
                 _ => {
+                    self.sql.checked(&self.pool).await?;
                     let job = Job::take(key, fingerprint, lease, nonce, started);
                     self.write(job, deadline).await
                 }
@@ -594,5 +663,85 @@ mod tests {
         ] {
             assert!(Statements::new(bad).is_err(), "{bad:?} was accepted");
         }
+    }
+
+    /// A store on a file of the test's own, migrated; the file goes with the guard.
+    async fn store(test: &str) -> (SqliteStore, impl Drop) {
+        struct File(std::path::PathBuf);
+        impl Drop for File {
+            fn drop(&mut self) {
+                for suffix in ["", "-wal", "-shm"] {
+                    let _ = std::fs::remove_file(format!("{}{suffix}", self.0.display()));
+                }
+            }
+        }
+        let file = File(
+            std::env::temp_dir().join(format!("idem-sqlite-{test}-{}.db", std::process::id())),
+        );
+        drop(File(file.0.clone())); // what an earlier run left
+        let store = SqliteStore::open(&file.0).await.unwrap();
+        store.migrate().await.unwrap();
+        (store, file)
+    }
+
+    async fn token(store: &SqliteStore, key: u8) -> Token {
+        match store
+            .claim(&Key::from_bytes([key; 32]), None, Duration::from_secs(60))
+            .await
+            .unwrap()
+        {
+            Claim::Acquired { token } => token,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A take draws its token from the counter in its own statement, and the triggers move
+    /// the counter: tokens grow across keys, and a key taken again after a release gets a
+    /// token above every earlier one, alone or in a batch of writes.
+    #[tokio::test]
+    async fn tokens_grow_across_keys_and_takes() {
+        let (store, _file) = store("tokens").await;
+        let a = token(&store, 1).await;
+        let b = token(&store, 2).await;
+        assert!(b > a, "{b:?} after {a:?}");
+        assert!(store.release(&Key::from_bytes([1; 32]), a).await.unwrap());
+        let again = token(&store, 1).await;
+        assert!(again > b, "{again:?} after {b:?}");
+        let mut claims = tokio::task::JoinSet::new();
+        for key in 10..30 {
+            let store = store.clone();
+            claims.spawn(async move { token(&store, key).await });
+        }
+        let crowd: Vec<Token> = claims.join_all().await;
+        let mut sorted = crowd.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), crowd.len(), "one token each: {crowd:?}");
+        assert!(sorted[0] > again);
+    }
+
+    /// A table made before the token triggers existed would give every take the same
+    /// token: its claims are refused, saying to migrate, and work once it has.
+    #[tokio::test]
+    async fn a_table_without_the_token_triggers_is_refused_until_migrated() {
+        let (migrated, _file) = store("triggers").await;
+        for trigger in ["idem_records_token_inserted", "idem_records_token_updated"] {
+            sqlx::query(&format!("DROP TRIGGER \"{trigger}\""))
+                .execute(migrated.pool())
+                .await
+                .unwrap();
+        }
+        let old = SqliteStore::from_pool(migrated.pool().clone());
+        let refused = old
+            .claim(&Key::from_bytes([1; 32]), None, Duration::from_secs(60))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(refused, Error::Store(_)) && refused.to_string().contains("migrate"),
+            "{refused}"
+        );
+        old.migrate().await.unwrap();
+        let old = SqliteStore::from_pool(migrated.pool().clone());
+        assert!(token(&old, 1).await > Token::new(0));
     }
 }

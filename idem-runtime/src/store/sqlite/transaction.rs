@@ -40,6 +40,7 @@ impl Transactional for SqliteStore {
     ) -> Result<Claim, Error> {
         let bound = self.timeout + call.wait.unwrap_or_default();
         let savepoint = &call.savepoint;
+        sql::within("sqlite", self.timeout, self.sql.checked(&self.pool)).await?;
         let taken = sql::within("sqlite", bound, async {
             sqlx::Executor::execute(
                 &mut *connection,
@@ -111,34 +112,31 @@ impl Transactional for SqliteStore {
     }
 }
 
-/// The claim under the call's savepoint: the lock and a token first, then the key's row in
-/// a snapshot that sees every transaction committed before, then the take if it is free.
+/// The claim under the call's savepoint: one statement takes the key if it is free, in the
+/// transaction's write lock (so it sees every transaction committed before), with a token
+/// from the counter; else the row that stayed is the answer.
 async fn claim(
     sql: &Statements,
     connection: &mut SqliteConnection,
     call: &Call<'_>,
 ) -> Result<Claim, sqlx::Error> {
-    let token: i64 = sqlx::query_scalar(&sql.next_token)
-        .fetch_one(&mut *connection)
-        .await?;
-    let live = sqlx::query(&sql.live)
+    let token: Option<i64> = sqlx::query_scalar(&sql.take)
         .bind(&call.key.as_bytes()[..])
-        .fetch_optional(&mut *connection)
-        .await?;
-    if let Some(row) = live {
-        return sql::held(&row).map_err(|err| sqlx::Error::Decode(err.into()));
-    }
-    sqlx::query(&sql.take)
-        .bind(&call.key.as_bytes()[..])
-        .bind(token)
         .bind(call.fingerprint.map(|f| &f.as_bytes()[..]))
         .bind(millis(call.lease))
         .bind(None::<&[u8]>) // no nonce: a claim in a transaction is never taken again
-        .execute(&mut *connection)
+        .fetch_optional(&mut *connection)
         .await?;
-    Ok(Claim::Acquired {
-        token: Token::new(token.unsigned_abs()),
-    })
+    if let Some(token) = token {
+        return Ok(Claim::Acquired {
+            token: Token::new(token.unsigned_abs()),
+        });
+    }
+    let held = sqlx::query(&sql.held)
+        .bind(&call.key.as_bytes()[..])
+        .fetch_one(&mut *connection)
+        .await?;
+    sql::held(&held).map_err(|err| sqlx::Error::Decode(err.into()))
 }
 
 async fn set_busy_timeout(

@@ -10,18 +10,25 @@
 //! takes the ones that came meanwhile. A renewal then waits for at most one transaction of
 //! its own process, and a crowd costs one commit per turn instead of one per call.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
+use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{SqlitePool, SqliteRow};
-use sqlx::{Connection, SqliteConnection};
+use sqlx::{Connection, Sqlite, SqliteConnection};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::{locked_out, writer, Statements};
-use crate::store::sql::{self, millis};
+use super::{locked_out, Statements};
+use crate::store::sql::millis;
 use crate::{Fingerprint, Key, Token};
+
+/// How much longer than what is left of its deadline a write's busy handler may wait, in
+/// milliseconds: the write's caller is answered at the deadline regardless, and the next
+/// transaction waits at most this much longer for the connection.
+const BUSY_SLACK: u128 = 50;
 
 /// A write's answer: where it goes, and what the write did until the commit sends it.
 pub(super) struct Answer<T> {
@@ -99,15 +106,47 @@ pub(super) struct Writes {
     queue: Mutex<Vec<Write>>,
     /// Held while a transaction of queued writes runs, so that one runs at a time.
     turn: Arc<tokio::sync::Mutex<()>>,
+    /// The busy timeout last set on the connection, in milliseconds, and the connection it
+    /// was set on (the count of connections `conn` has opened then; see [`Writes::new`]).
+    busy: Mutex<Option<(u64, u128)>>,
+    opened: Arc<AtomicU64>,
 }
 
 impl Writes {
-    pub(super) fn new(conn: SqlitePool) -> Self {
+    /// The queue of writes on `conn`, whose `opened` counts the connections it opens.
+    pub(super) fn new(conn: SqlitePool, opened: Arc<AtomicU64>) -> Self {
         Self {
             conn,
             queue: Mutex::default(),
             turn: Arc::default(),
+            busy: Mutex::default(),
+            opened,
         }
+    }
+
+    /// The store's connection, whose busy handler waits for the file's lock at most until
+    /// `deadline` (give or take [`BUSY_SLACK`]): the busy timeout is set only when what is
+    /// left differs from what was set, which for writes that do not wait is never.
+    async fn writer(&self, deadline: Instant) -> Result<PoolConnection<Sqlite>, sqlx::Error> {
+        let mut conn = self.conn.acquire().await?;
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .as_millis()
+            .clamp(1, i32::MAX as u128 - BUSY_SLACK);
+        let connection = self.opened.load(Ordering::Acquire);
+        let set = *self.busy.lock().unwrap_or_else(PoisonError::into_inner);
+        let current = matches!(set, Some((on, busy)) if on == connection && busy >= left && busy - left <= BUSY_SLACK);
+        if !current {
+            // Half the slack above what is left, so that the next call's fresh deadline,
+            // a little later than this one's, finds it current too.
+            let busy = left + BUSY_SLACK / 2;
+            sqlx::query(&format!("PRAGMA busy_timeout = {busy}"))
+                .persistent(false)
+                .execute(&mut *conn)
+                .await?;
+            *self.busy.lock().unwrap_or_else(PoisonError::into_inner) = Some((connection, busy));
+        }
+        Ok(conn)
     }
 
     /// Queues `job` for the next transaction of queued writes, and waits for its answer.
@@ -173,7 +212,19 @@ impl Writes {
             .unwrap_or_else(Instant::now);
         // Never past it either, so that the next transaction gets its turn.
         let transaction = async {
-            let mut conn = writer(&self.conn, deadline).await?;
+            let mut conn = self.writer(deadline).await?;
+            // A lone write of one statement commits by itself: the same lock and the same
+            // commit, two statements fewer. A take is not one: only once it holds the lock
+            // does it know how long it waited, and whether leases get time back first.
+            if let [write] = batch {
+                if write.job.is_one_statement() {
+                    return if write.job.abandoned() {
+                        Ok(())
+                    } else {
+                        write.job.run(&write.sql, &mut conn).await
+                    };
+                }
+            }
             let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
             give_time_back(&mut tx, batch).await?;
             for write in batch.iter_mut() {
@@ -275,6 +326,11 @@ impl Job {
         (Job::Remove { key: *key, answer }, answered)
     }
 
+    /// Whether the write is one statement, which needs no transaction of its own.
+    fn is_one_statement(&self) -> bool {
+        matches!(self, Job::Fenced { .. } | Job::Remove { .. })
+    }
+
     /// Whether the caller stopped waiting for the answer.
     fn abandoned(&self) -> bool {
         match self {
@@ -308,27 +364,22 @@ impl Job {
                 answer,
                 ..
             } => {
-                let live = sqlx::query(&sql.live)
+                // One statement takes the key (see `Statements::take`); when a live row of
+                // another caller stays, that row, read under the same lock, is the answer.
+                let token: Option<i64> = sqlx::query_scalar(&sql.take)
                     .bind(&key.as_bytes()[..])
-                    .fetch_optional(&mut *tx)
-                    .await?;
-                // The caller's own claim is taken again, with a new token and a whole lease.
-                if let Some(row) = live.filter(|row| !sql::is_ours(row, *nonce)) {
-                    answer.done = Some(Err(row));
-                    return Ok(());
-                }
-                let token: i64 = sqlx::query_scalar(&sql.next_token)
-                    .fetch_one(&mut *tx)
-                    .await?;
-                sqlx::query(&sql.take)
-                    .bind(&key.as_bytes()[..])
-                    .bind(token)
                     .bind(fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
                     .bind(millis(*lease))
                     .bind(&nonce.to_be_bytes()[..])
-                    .execute(&mut *tx)
+                    .fetch_optional(&mut *tx)
                     .await?;
-                answer.done = Some(Ok(Token::new(token.unsigned_abs())));
+                answer.done = Some(match token {
+                    Some(token) => Ok(Token::new(token.unsigned_abs())),
+                    None => Err(sqlx::query(&sql.held)
+                        .bind(&key.as_bytes()[..])
+                        .fetch_one(&mut *tx)
+                        .await?),
+                });
             }
             Job::Fenced {
                 statement,
