@@ -214,3 +214,44 @@ async fn expired_rows_are_purged_and_live_ones_kept() {
     assert_eq!(rows(lapsing).await, 0, "the lapsed claim's row is purged");
     assert_eq!(rows(live).await, 1, "the live claim's row stays");
 }
+
+/// A table made by an earlier version drew its tokens from a counter: once migrated, the
+/// tokens drawn from the `AUTO_INCREMENT` start above the counter's last, and the token
+/// table keeps no row per claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_start_above_an_earlier_versions_counter_and_leave_no_rows() {
+    let Some(store) = mysql_store().await else {
+        return;
+    };
+    let store = store.with_table("idem_upgraded").unwrap();
+    store.migrate().await.unwrap();
+    // As an earlier version left it: a counter far ahead, and no token table.
+    const LAST: i64 = 5_000_000_000;
+    for statement in [
+        "DROP TABLE idem_upgraded_tokens".to_string(),
+        format!("UPDATE idem_upgraded_token SET last = {LAST} WHERE id = 1"),
+    ] {
+        sqlx::query(&statement).execute(store.pool()).await.unwrap();
+    }
+    store.migrate().await.unwrap();
+    let op = Operation::new(namespace("mysql.upgraded"));
+    for n in 0..5 {
+        let claimed =
+            idem_runtime::Store::claim(&store, &op.key(&n).unwrap(), None, Duration::from_secs(60))
+                .await
+                .unwrap();
+        let idem_runtime::Claim::Acquired { token } = claimed else {
+            panic!("{claimed:?}");
+        };
+        assert!(
+            token.get() > LAST as u64,
+            "{token:?} is not above the old counter"
+        );
+    }
+    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idem_upgraded_tokens WHERE id > ?")
+        .bind(LAST)
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(rows, 0, "each claim deleted the row it drew its token with");
+}

@@ -7,27 +7,36 @@
 //! ```sql
 //! CREATE TABLE idem_records (
 //!     `key`       VARBINARY(32) NOT NULL PRIMARY KEY, -- sha256 of (version, namespace, key value)
-//!     token       BIGINT        NOT NULL,             -- fencing token, from idem_records_token
+//!     token       BIGINT        NOT NULL,             -- fencing token, from idem_records_tokens
 //!     completed   BOOLEAN       NOT NULL,             -- 0: in progress; 1: completed
 //!     fingerprint VARBINARY(32),                      -- 32 bytes, or NULL
 //!     value       LONGBLOB,                           -- the result once completed; the claim's nonce before
 //!     expires_at  BIGINT        NOT NULL,             -- lease end or result expiry, Unix ms
 //!     INDEX idem_records_expires_at (expires_at)
 //! ) ENGINE = InnoDB;
+//! -- tokens: the next value of its AUTO_INCREMENT (its rows are deleted as they are made)
+//! CREATE TABLE idem_records_tokens (id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY) ENGINE = InnoDB;
+//! -- the counter of earlier versions, which the tokens start above
 //! CREATE TABLE idem_records_token (id TINYINT PRIMARY KEY, last BIGINT NOT NULL) ENGINE = InnoDB;
 //! ```
 //!
 //! Expiry is judged by the server's clock (`UTC_TIMESTAMP(6)`, whatever the session's time
 //! zone), which every process reads alike. A claim first reads the key's live row (a replay or
-//! a held key writes nothing). A key with no row is taken by one `INSERT IGNORE`: the primary
+//! a held key writes nothing). A key with no row is taken by an `INSERT IGNORE`: the primary
 //! key lets one insert in. A key with a row that lapsed is taken in a transaction that locks
 //! that row (`SELECT … FOR UPDATE`) before it looks and writes, so two processes can never
-//! both take it. Tokens come from a one-row counter, bumped in a statement of its own
-//! (`LAST_INSERT_ID(last + 1)`), so the counter's lock is held for one statement, not for a
-//! claim: tokens grow across rows, processes and restarts. Every other operation is one
-//! statement. Expired rows are deleted by [`purge_expired`](MySqlStore::purge_expired) or
-//! the task of [`purge_every`](MySqlStore::purge_every); until then an expired row counts
-//! as absent.
+//! both take it. A token is drawn in the claim's transaction, in the message that inserts
+//! or takes the row (a takeover draws it after the lock): a row inserted into the token
+//! table takes the next value of its `AUTO_INCREMENT` and is deleted at once. InnoDB
+//! releases the `AUTO_INCREMENT` lock at the end of the insert and keeps the value across
+//! restarts (MySQL from 8.0, MariaDB from 10.2.4; `migrate` refuses older servers), so
+//! tokens grow across rows, processes and restarts, a claim commits once, and no claim
+//! waits for another's token. Every other operation is one statement. Expired rows are
+//! deleted by [`purge_expired`](MySqlStore::purge_expired) or the task of
+//! [`purge_every`](MySqlStore::purge_every); until then an expired row counts as absent.
+//!
+//! All processes on a table should run a version that draws tokens the same way: one that
+//! still bumps the counter would draw tokens the others' do not follow.
 
 use std::fmt;
 use std::sync::Arc;
@@ -90,14 +99,13 @@ pub struct MySqlStore {
 /// The statements of one table, written once.
 struct Statements {
     table: String,
-    create: [String; 3],
+    create: [String; 5],
+    /// Draws a token into the connection's `LAST_INSERT_ID()` (see [`Statements::of`]).
+    draw: String,
     live: String,
-    bump: String,
-    insert: String,
     lock: String,
     /// The key's row under a shared lock, for claims in the caller's transaction.
     share: String,
-    take: String,
     complete: String,
     release: String,
     renew: String,
@@ -121,17 +129,50 @@ impl Statements {
         )
     }
 
-    /// `insert`, with the claim's values written in.
-    fn insert_literal(&self, call: &crate::store::Call<'_>, token: i64) -> String {
-        let fingerprint = call.fingerprint.map_or("NULL".to_string(), |f| {
-            format!("X'{}'", hex::encode(f.as_bytes()))
-        });
+    /// The first claim of a key that has no row, as one message: a token drawn, and the
+    /// row inserted with it unless one is there. Its one row of answer: whether the row was
+    /// inserted (1 or 0), and the token. Every literal is the runtime's own: bytes in hex,
+    /// numbers in digits.
+    fn insert_message(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        nonce: Option<u64>,
+        lease: Duration,
+    ) -> String {
         format!(
-            "INSERT IGNORE INTO `{}` (`key`, token, completed, fingerprint, value, expires_at) \
-             VALUES (X'{}', {token}, FALSE, {fingerprint}, NULL, {NOW} + {})",
+            "{}; INSERT IGNORE INTO `{}` (`key`, token, completed, fingerprint, value, expires_at) \
+             VALUES (X'{}', LAST_INSERT_ID(), FALSE, {}, {}, {NOW} + {}); \
+             SELECT CAST(ROW_COUNT() AS SIGNED), CAST(LAST_INSERT_ID() AS SIGNED)",
+            self.draw,
             self.table,
-            hex::encode(call.key.as_bytes()),
-            millis(call.lease)
+            hex::encode(key.as_bytes()),
+            hex_or_null(fingerprint.map(|f| &f.as_bytes()[..])),
+            hex_or_null(nonce.map(u64::to_be_bytes).as_ref().map(|n| &n[..])),
+            millis(lease)
+        )
+    }
+
+    /// The takeover of the key's row, which the caller's transaction has locked, as one
+    /// message: a token drawn after the lock (so above the row's), and the row rewritten
+    /// with it. Its one row of answer: the token.
+    fn take_message(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        nonce: Option<u64>,
+        lease: Duration,
+    ) -> String {
+        format!(
+            "{}; UPDATE `{}` SET token = LAST_INSERT_ID(), completed = FALSE, fingerprint = {}, \
+             value = {}, expires_at = {NOW} + {} WHERE `key` = X'{}'; \
+             SELECT CAST(LAST_INSERT_ID() AS SIGNED)",
+            self.draw,
+            self.table,
+            hex_or_null(fingerprint.map(|f| &f.as_bytes()[..])),
+            hex_or_null(nonce.map(u64::to_be_bytes).as_ref().map(|n| &n[..])),
+            millis(lease),
+            hex::encode(key.as_bytes())
         )
     }
 
@@ -163,6 +204,7 @@ impl Statements {
     fn of(name: &str) -> Self {
         let t = format!("`{name}`");
         let counter = format!("`{name}_token`");
+        let tokens = format!("`{name}_tokens`");
         let index = format!("`{name}_expires_at`");
         let live_row = format!("`key` = ? AND expires_at > {NOW}");
         Self {
@@ -183,13 +225,26 @@ impl Statements {
                         id TINYINT NOT NULL PRIMARY KEY, last BIGINT NOT NULL) ENGINE = InnoDB"
                 ),
                 format!("INSERT IGNORE INTO {counter} (id, last) VALUES (1, 0)"),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {tokens} (\
+                        id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY) ENGINE = InnoDB"
+                ),
+                // A table made by an earlier version drew its tokens from the counter: the
+                // tokens drawn from now on start above its last.
+                format!(
+                    "INSERT IGNORE INTO {tokens} (id) SELECT last FROM {counter} WHERE id = 1 AND last > 0"
+                ),
             ],
-            live: format!("SELECT token, completed, fingerprint, value FROM {t} WHERE {live_row}"),
-            bump: format!("UPDATE {counter} SET last = LAST_INSERT_ID(last + 1) WHERE id = 1"),
-            insert: format!(
-                "INSERT IGNORE INTO {t} (`key`, token, completed, fingerprint, value, expires_at) \
-                 VALUES (?, ?, FALSE, ?, ?, {NOW} + ?)"
+            // A row of the token table takes the next value of its AUTO_INCREMENT, which
+            // only grows (InnoDB keeps it across restarts), and is deleted at once. Neither
+            // statement waits for another transaction: the AUTO_INCREMENT lock is released
+            // at the end of the insert, and the row is this transaction's own. So a token
+            // costs no commit of its own, and the claim's transaction (or the caller's)
+            // holds no lock that other claims need.
+            draw: format!(
+                "INSERT INTO {tokens} () VALUES (); DELETE FROM {tokens} WHERE id = LAST_INSERT_ID()"
             ),
+            live: format!("SELECT token, completed, fingerprint, value FROM {t} WHERE {live_row}"),
             lock: format!(
                 "SELECT token, completed, fingerprint, value, expires_at > {NOW} FROM {t} \
                  WHERE `key` = ? FOR UPDATE"
@@ -197,10 +252,6 @@ impl Statements {
             share: format!(
                 "SELECT token, completed, fingerprint, value, expires_at > {NOW} FROM {t} \
                  WHERE `key` = ? LOCK IN SHARE MODE"
-            ),
-            take: format!(
-                "UPDATE {t} SET token = ?, completed = FALSE, fingerprint = ?, value = ?, \
-                 expires_at = {NOW} + ? WHERE `key` = ?"
             ),
             complete: format!(
                 "UPDATE {t} SET completed = TRUE, value = ?, expires_at = {NOW} + ? \
@@ -287,13 +338,23 @@ impl MySqlStore {
         &self.sql.table
     }
 
-    /// Creates the table, its index and its token counter if they are absent. Safe to run
+    /// Creates the table, its index and its token tables if they are absent. Safe to run
     /// from several processes at once.
     ///
     /// # Errors
     ///
-    /// [`Error::Store`] when the statements fail (no `CREATE` privilege, say).
+    /// [`Error::Store`] when the statements fail (no `CREATE` privilege, say), or when the
+    /// server forgets an `AUTO_INCREMENT` on restart (MySQL before 8.0, MariaDB before
+    /// 10.2.4): its fencing tokens could go back, so it is refused.
     pub async fn migrate(&self) -> Result<(), Error> {
+        let version: String = self
+            .within(sqlx::query_scalar("SELECT VERSION()").fetch_one(&self.pool))
+            .await?;
+        if !keeps_auto_increment(&version) {
+            return Err(Error::store(format!(
+                "MySQL {version} forgets an AUTO_INCREMENT on restart, so fencing tokens could go back: use MySQL 8.0 or MariaDB 10.2.4 or later"
+            )));
+        }
         self.within(async {
             for statement in &self.sql.create {
                 sqlx::query(statement).execute(&self.pool).await?;
@@ -345,14 +406,8 @@ impl MySqlStore {
         sql::within("mysql", self.timeout, operation).await
     }
 
-    /// The next token: one statement, so that the counter's row lock is never held for
-    /// longer than it.
-    async fn next_token(&self, conn: &mut sqlx::MySqlConnection) -> Result<i64, sqlx::Error> {
-        let bumped = sqlx::query(&self.sql.bump).execute(&mut *conn).await?;
-        Ok(i64::try_from(bumped.last_insert_id()).unwrap_or(i64::MAX))
-    }
-
-    /// Takes the key if no live row holds it (or a row of the caller's own lost claim).
+    /// Takes the key if no live row holds it (or a row of the caller's own lost claim), in
+    /// one transaction with the token it draws: one commit.
     async fn take(
         &self,
         key: &Key,
@@ -361,22 +416,20 @@ impl MySqlStore {
         nonce: u64,
     ) -> Result<Result<Token, MySqlRow>, sqlx::Error> {
         let mut conn = self.pool.acquire().await?;
-        let fingerprint = fingerprint.map(|f| &f.as_bytes()[..]);
-        let nonce_bytes = nonce.to_be_bytes();
+        let insert = self
+            .sql
+            .insert_message(key, fingerprint, Some(nonce), lease);
         for _ in 0..CLAIM_LOOKS {
-            let token = self.next_token(&mut conn).await?;
             // No row: the primary key lets one insert in.
-            let inserted = sqlx::query(&self.sql.insert)
-                .bind(&key.as_bytes()[..])
-                .bind(token)
-                .bind(fingerprint)
-                .bind(&nonce_bytes[..])
-                .bind(millis(lease))
-                .execute(&mut *conn)
-                .await?;
-            if inserted.rows_affected() == 1 {
-                return Ok(Ok(Token::new(token.unsigned_abs())));
+            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+            let (inserted, token) = inserted(&mut tx, &insert).await?;
+            if inserted {
+                tx.commit().await?;
+                return Ok(Ok(token));
             }
+            // The ignored insert holds a shared lock on the row until its transaction ends:
+            // ended here, so that duplicates that all found the row cannot deadlock on it.
+            tx.rollback().await?;
             // A row: locked, then looked at, then taken over if it lapsed.
             let mut tx = sqlx::Connection::begin(&mut *conn).await?;
             let Some(row) = sqlx::query(&self.sql.lock)
@@ -384,22 +437,16 @@ impl MySqlStore {
                 .fetch_optional(&mut *tx)
                 .await?
             else {
-                continue; // purged meanwhile: insert again
+                continue; // purged meanwhile: insert again (the transaction rolls back)
             };
             let live: i64 = row.try_get(4)?;
             if live != 0 && !sql::is_ours(&row, nonce) {
                 return Ok(Err(row)); // the transaction rolls back when dropped
             }
-            sqlx::query(&self.sql.take)
-                .bind(token)
-                .bind(fingerprint)
-                .bind(&nonce_bytes[..])
-                .bind(millis(lease))
-                .bind(&key.as_bytes()[..])
-                .execute(&mut *tx)
-                .await?;
+            let take = self.sql.take_message(key, fingerprint, Some(nonce), lease);
+            let token = taken(&mut tx, &take).await?;
             tx.commit().await?;
-            return Ok(Ok(Token::new(token.unsigned_abs())));
+            return Ok(Ok(token));
         }
         Err(sqlx::Error::Protocol(
             "the key's row kept vanishing while it was claimed".into(),
@@ -413,6 +460,53 @@ impl MySqlStore {
         let done = self.within(query.execute(&self.pool)).await?;
         Ok(done.rows_affected() == 1)
     }
+}
+
+/// Runs an [`insert_message`](Statements::insert_message) on `conn`: whether it inserted
+/// the row, and the token it drew.
+async fn inserted(
+    conn: &mut sqlx::MySqlConnection,
+    message: &str,
+) -> Result<(bool, Token), sqlx::Error> {
+    let row = sqlx::Executor::fetch_one(&mut *conn, sqlx::raw_sql(message)).await?;
+    let (inserted, token): (i64, i64) = (row.try_get(0)?, row.try_get(1)?);
+    Ok((inserted == 1, Token::new(token.unsigned_abs())))
+}
+
+/// Runs a [`take_message`](Statements::take_message) on `conn`: the token it drew.
+async fn taken(conn: &mut sqlx::MySqlConnection, message: &str) -> Result<Token, sqlx::Error> {
+    let row = sqlx::Executor::fetch_one(&mut *conn, sqlx::raw_sql(message)).await?;
+    let token: i64 = row.try_get(0)?;
+    Ok(Token::new(token.unsigned_abs()))
+}
+
+/// Whether a server of `version` (`SELECT VERSION()`: `8.0.36`, `10.11.6-MariaDB-0+deb12u1`)
+/// keeps a table's `AUTO_INCREMENT` across restarts: MySQL from 8.0, MariaDB from 10.2.4.
+fn keeps_auto_increment(version: &str) -> bool {
+    let maria = version.contains("MariaDB");
+    // MariaDB's handshake (and some proxies) prefix its version with `5.5.5-`.
+    let version = match version.strip_prefix("5.5.5-") {
+        Some(rest) if maria => rest,
+        _ => version,
+    };
+    let numbers: Vec<u32> = version
+        .split(|c: char| !c.is_ascii_digit())
+        .take(3)
+        .map(|n| n.parse().unwrap_or(0))
+        .collect();
+    let at_least = |least: [u32; 3]| numbers.as_slice() >= &least[..];
+    if maria {
+        at_least([10, 2, 4])
+    } else {
+        at_least([8, 0, 0])
+    }
+}
+
+/// Bytes as a hex literal, or `NULL`.
+fn hex_or_null(bytes: Option<&[u8]>) -> String {
+    bytes.map_or("NULL".to_string(), |bytes| {
+        format!("X'{}'", hex::encode(bytes))
+    })
 }
 
 impl fmt::Debug for MySqlStore {
@@ -497,8 +591,8 @@ impl Store for MySqlStore {
         .await
     }
 
-    /// Claim tokens already grow here (they come from the counter table): the claim's own
-    /// token is its fencing token.
+    /// Claim tokens already grow here (they come from the token table's `AUTO_INCREMENT`):
+    /// the claim's own token is its fencing token.
     async fn fence(&self, _: &Key, token: Token) -> Result<Option<Token>, Error> {
         Ok(Some(token))
     }
@@ -556,6 +650,30 @@ mod tests {
         assert!(Statements::new(DEFAULT_TABLE).is_ok());
         for bad in ["", "1table", "idem records", "t`; DROP TABLE x; --", "db.t"] {
             assert!(Statements::new(bad).is_err(), "{bad:?} was accepted");
+        }
+    }
+
+    #[test]
+    fn servers_that_forget_auto_increment_on_restart_are_known() {
+        for kept in [
+            "8.0.36",
+            "8.4.0",
+            "9.1.0-commercial",
+            "10.2.4-MariaDB",
+            "10.11.6-MariaDB-0+deb12u1",
+            "11.4.2-MariaDB-ubu2404",
+            "5.5.5-10.11.6-MariaDB",
+        ] {
+            assert!(keeps_auto_increment(kept), "{kept}");
+        }
+        for forgotten in [
+            "5.7.44",
+            "5.7.44-log",
+            "10.2.3-MariaDB",
+            "10.1.48-MariaDB",
+            "5.5.5-10.1.2-MariaDB",
+        ] {
+            assert!(!keeps_auto_increment(forgotten), "{forgotten}");
         }
     }
 }

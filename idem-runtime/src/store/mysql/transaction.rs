@@ -8,16 +8,15 @@
 //! isolation level), and taken over only if it lapsed. A duplicate in another transaction
 //! waits on the holder's row lock, for the operation's wait (`innodb_lock_wait_timeout`, in whole seconds, set for the
 //! claim only), then sees the holder's committed record and replays it, or takes the key if
-//! the holder rolled back. The token comes from the counter on a pooled connection of the
-//! store's (a statement of its own), so that no transaction holds the counter's lock.
+//! the holder rolled back. The token is drawn in the caller's transaction, in the take's own
+//! message (the token table's `AUTO_INCREMENT`, see [`MySqlStore`]'s schema): it commits
+//! with the claim, and no lock is held for it past its statement. The draw sets the
+//! connection's `LAST_INSERT_ID()`.
 //!
 //! | outcome | round trips on the caller's connection |
 //! |---|---|
 //! | replay | 1: the savepoint (and the probe that the connection is in a transaction) with the read |
-//! | first execution | 3: that, the take (with the lock wait set around it), the completion with `RELEASE SAVEPOINT` |
-//!
-//! A first execution also takes its token on one of the store's pooled connections: an
-//! `UPDATE` of the counter that commits by itself.
+//! | first execution | 3: that, the take with its token (with the lock wait set around it), the completion with `RELEASE SAVEPOINT` |
 //!
 //! InnoDB keeps the row locks a claim took when the call rolls back to its savepoint (a
 //! refused claim, an `Err`): they are held until the caller's transaction ends. Two
@@ -41,8 +40,8 @@ impl Transactional for MySqlStore {
     type Connection = MySqlConnection;
 
     /// Two round trips for a first execution (the savepoint and a read of the snapshot;
-    /// the take, with the lock wait set around it in the same message), beside the token
-    /// from the counter; one for a replay.
+    /// the take and its token, with the lock wait set around them in the same message); one
+    /// for a replay.
     async fn __claim_in(
         &self,
         connection: &mut MySqlConnection,
@@ -134,10 +133,6 @@ impl MySqlStore {
         connection: &mut MySqlConnection,
         call: &Call<'_>,
     ) -> Result<Claim, sqlx::Error> {
-        let token = {
-            let mut pooled = self.pool.acquire().await?;
-            self.next_token(&mut pooled).await?
-        };
         // Whole seconds: MySQL's least is 1; MariaDB's 0 does not wait at all.
         let wait = call.wait.map_or(0, |wait| wait.as_secs_f64().ceil() as u64);
         let set_wait = format!(
@@ -146,18 +141,16 @@ impl MySqlStore {
             wait.min(1 << 30)
         );
         let restore = "SET SESSION innodb_lock_wait_timeout = @idem_lock_wait";
-        let insert = self.sql.insert_literal(call, token);
+        let insert = self
+            .sql
+            .insert_message(call.key, call.fingerprint, None, call.lease);
+        let message = format!("{set_wait}; {insert}; {restore}");
         for _ in 0..CLAIM_LOOKS {
-            let inserted = sqlx::Executor::execute(
-                &mut *connection,
-                sqlx::raw_sql(&format!("{set_wait}; {insert}; {restore}")),
-            )
-            .await;
-            match inserted {
-                Ok(done) if done.rows_affected() == 1 => return Ok(acquired(token)),
-                Ok(_) => {}
+            match super::inserted(connection, &message).await {
+                Ok((true, token)) => return Ok(Claim::Acquired { token }),
+                Ok((false, _)) => {}
                 Err(err) => {
-                    // The message stopped at the insert: the wait is put back before the error.
+                    // The message stopped before its end: the wait is put back before the error.
                     raw(connection, restore).await?;
                     return Err(err);
                 }
@@ -166,7 +159,7 @@ impl MySqlStore {
             // waited for the holder reads its record at once; exclusive locks would each
             // wait for the others' shared ones), taken over if it lapsed.
             raw(connection, &set_wait).await?;
-            let taken = self.take_lapsed(connection, call, token).await;
+            let taken = self.take_lapsed(connection, call).await;
             raw(connection, restore).await?;
             if let Some(claim) = taken? {
                 return Ok(claim);
@@ -177,16 +170,15 @@ impl MySqlStore {
         ))
     }
 
-    /// The key's row, if it is still there: held, or taken over because it lapsed.
+    /// The key's row, if it is still there: held, or taken over (with a token drawn after
+    /// the lock) because it lapsed.
     async fn take_lapsed(
         &self,
         connection: &mut MySqlConnection,
         call: &Call<'_>,
-        token: i64,
     ) -> Result<Option<Claim>, sqlx::Error> {
-        let key = &call.key.as_bytes()[..];
         let row: Option<MySqlRow> = sqlx::query(&self.sql.share)
-            .bind(key)
+            .bind(&call.key.as_bytes()[..])
             .fetch_optional(&mut *connection)
             .await?;
         let Some(row) = row else {
@@ -196,26 +188,16 @@ impl MySqlStore {
         if live != 0 {
             return sql::held(&row).map(Some).map_err(decode);
         }
-        sqlx::query(&self.sql.take)
-            .bind(token)
-            .bind(call.fingerprint.map(|f| &f.as_bytes()[..]))
-            .bind(None::<&[u8]>)
-            .bind(millis(call.lease))
-            .bind(key)
-            .execute(&mut *connection)
-            .await?;
-        Ok(Some(acquired(token)))
+        let take = self
+            .sql
+            .take_message(call.key, call.fingerprint, None, call.lease);
+        let token = super::taken(connection, &take).await?;
+        Ok(Some(Claim::Acquired { token }))
     }
 }
 
 fn decode(err: Error) -> sqlx::Error {
     sqlx::Error::Decode(err.into())
-}
-
-fn acquired(token: i64) -> Claim {
-    Claim::Acquired {
-        token: Token::new(token.unsigned_abs()),
-    }
 }
 
 /// A statement of the text protocol (savepoints and settings are not all preparable).
