@@ -8,11 +8,13 @@ use idem_runtime::store::Claim;
 use idem_runtime::{async_trait, Bytes, Error, Fingerprint, Flights, Key, Store, Token};
 
 mod child;
+mod mariadb_server;
 pub mod netns;
 pub mod scenarios;
 mod servers;
 
 pub use child::Child;
+pub use mariadb_server::PrivateMariaDb;
 pub use servers::{PrivatePostgres, PrivateRedis, PrivateRedisCluster};
 
 /// Counts how many times a body ran.

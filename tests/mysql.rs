@@ -1,6 +1,7 @@
 //! `MySqlStore` on the MariaDB server of this machine (written for MySQL 8 too): the store
 //! contract, two pools racing on one key, zombies fenced, a lapsed holder, a holder
-//! SIGKILLed mid-body, 10 % faults, a crowded pool.
+//! SIGKILLed mid-body, 10 % faults, a crowded pool, tokens after an upgrade; and on a private
+//! server of the test's own, SIGKILLed and started again.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -254,4 +255,74 @@ async fn tokens_start_above_an_earlier_versions_counter_and_leave_no_rows() {
         .await
         .unwrap();
     assert_eq!(rows, 0, "each claim deleted the row it drew its token with");
+}
+
+/// The server SIGKILLed and started again (a private `mariadbd`): the store's pool
+/// reconnects by itself, a recorded result replays, a key held across the crash lapses by
+/// the server's clock and is taken over with a larger token (InnoDB kept the
+/// `AUTO_INCREMENT` through the crash), and the crashed holder's completion is fenced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_killed_and_restarted_keeps_records_and_tokens_grow() {
+    use idem_runtime::{Claim, Store};
+
+    let Some(mut server) = idem_tests::PrivateMariaDb::start() else {
+        return;
+    };
+    let store = MySqlStore::connect(&server.url).await.unwrap();
+    store.migrate().await.unwrap();
+    let op = Operation::new(namespace("mysql.restart"));
+    let (recorded, held) = (op.key(&1).unwrap(), op.key(&2).unwrap());
+    let Claim::Acquired { token } = store
+        .claim(&recorded, None, Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key is free");
+    };
+    let receipt = idem_runtime::Bytes::from_static(b"receipt 1");
+    assert!(store
+        .complete(&recorded, token, receipt.clone(), Duration::from_secs(3600))
+        .await
+        .unwrap());
+    let lease = Duration::from_secs(2);
+    let Claim::Acquired { token: before } = store.claim(&held, None, lease).await.unwrap() else {
+        panic!("a fresh key is free");
+    };
+
+    server.kill();
+    server.start_again();
+
+    assert_eq!(
+        store
+            .claim(&recorded, None, Duration::from_secs(60))
+            .await
+            .unwrap(),
+        Claim::Completed {
+            value: receipt,
+            fingerprint: None
+        },
+        "a committed result survives the crash"
+    );
+    // Held until its lease ends by the server's clock, then taken over.
+    while store.lease_left(&held).await.unwrap().is_some() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let Claim::Acquired { token: after } = store.claim(&held, None, lease).await.unwrap() else {
+        panic!("the lapsed key is taken over");
+    };
+    assert!(
+        after > before,
+        "tokens grow through the crash: {after:?} after {before:?}"
+    );
+    assert!(
+        !store
+            .complete(&held, before, "zombie".into(), Duration::from_secs(60))
+            .await
+            .unwrap(),
+        "the crashed holder's completion is fenced"
+    );
+    assert!(store
+        .complete(&held, after, "new owner".into(), Duration::from_secs(60))
+        .await
+        .unwrap());
 }
