@@ -90,6 +90,57 @@ async fn sqlite_a_stale_deferred_transaction_fails_closed_and_its_retry_replays(
     retry.commit().await.unwrap();
 }
 
+/// SQLite: a claim sets the connection's busy timeout to the call's wait while it takes the
+/// lock, and puts the caller's back whether it took the key, found its record, or gave up
+/// waiting for another transaction's lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_claim_puts_the_callers_busy_timeout_back() {
+    use std::time::Duration;
+
+    use idem_runtime::{Error, Operation, Outcome};
+
+    async fn busy_timeout(conn: &mut sqlx::SqliteConnection) -> i64 {
+        sqlx::query_scalar("PRAGMA busy_timeout")
+            .fetch_one(conn)
+            .await
+            .unwrap()
+    }
+    async fn set(conn: &mut sqlx::SqliteConnection, millis: i64) {
+        sqlx::query(&format!("PRAGMA busy_timeout = {millis}"))
+            .execute(conn)
+            .await
+            .unwrap();
+    }
+
+    let (store, pool) = lite::open("tx.busy").await.unwrap();
+    let op = Operation::new(idem_tests::scenarios::namespace("tx.busy"))
+        .wait_timeout(Duration::from_millis(100));
+    let key = op.key(&"t").unwrap();
+    for (millis, expected) in [(4321, Outcome::Executed(1)), (4322, Outcome::Replayed(1))] {
+        let mut tx = lite::begin(&pool).await;
+        set(&mut tx, millis).await;
+        let ran = op
+            .run_in_transaction(&store, &mut tx, &key, None, async |_| Ok::<i64, Error>(1))
+            .await;
+        assert_eq!(ran.unwrap(), expected);
+        assert_eq!(busy_timeout(&mut tx).await, millis, "after {expected:?}");
+        tx.commit().await.unwrap();
+    }
+    // Another transaction holds the file's write lock past the call's wait.
+    let holder = lite::begin(&pool).await;
+    let mut tx = lite::begin_without_waiting(&pool).await;
+    set(&mut tx, 4323).await;
+    let waited = op
+        .run_in_transaction(&store, &mut tx, &op.key(&"u").unwrap(), None, async |_| {
+            Ok::<i64, Error>(2)
+        })
+        .await;
+    assert!(matches!(waited, Err(Error::InProgress)), "{waited:?}");
+    assert_eq!(busy_timeout(&mut tx).await, 4323, "after giving up");
+    tx.rollback().await.unwrap();
+    holder.rollback().await.unwrap();
+}
+
 /// MySQL: outside a transaction each statement would commit by itself, the claim before the
 /// body's writes; the call is refused and nothing is claimed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -225,6 +225,16 @@ impl Statements {
         let t = format!("\"{name}\"");
         let counter = format!("\"{name}_token\"");
         let index = format!("\"{name}_expires_at\"");
+        let take = |key: &str, fingerprint: &str, lease: &str, nonce: &str| {
+            format!(
+                "INSERT INTO {t} (key, token, completed, fingerprint, value, expires_at) \
+                 VALUES ({key}, (SELECT last + 1 FROM {counter} WHERE id = 1), 0, {fingerprint}, {nonce}, {NOW} + {lease}) \
+                 ON CONFLICT (key) DO UPDATE SET token = excluded.token, completed = 0, \
+                 fingerprint = excluded.fingerprint, value = excluded.value, expires_at = excluded.expires_at \
+                 WHERE {t}.expires_at <= {NOW} OR (NOT {t}.completed AND {t}.value = excluded.value) \
+                 RETURNING token"
+            )
+        };
         let insert_trigger = format!("\"{name}_token_inserted\"");
         let update_trigger = format!("\"{name}_token_updated\"");
         Self {
@@ -272,14 +282,7 @@ impl Statements {
             // up to it), and a row is taken over when it lapsed or is the caller's own claim
             // (its nonce in `value`); a live row of another caller is left as it is, and
             // nothing is returned.
-            take: format!(
-                "INSERT INTO {t} (key, token, completed, fingerprint, value, expires_at) \
-                 VALUES (?1, (SELECT last + 1 FROM {counter} WHERE id = 1), 0, ?2, ?4, {NOW} + ?3) \
-                 ON CONFLICT (key) DO UPDATE SET token = excluded.token, completed = 0, \
-                 fingerprint = excluded.fingerprint, value = excluded.value, expires_at = excluded.expires_at \
-                 WHERE {t}.expires_at <= {NOW} OR (NOT {t}.completed AND {t}.value = excluded.value) \
-                 RETURNING token"
-            ),
+            take: take("?1", "?2", "?3", "?4"),
             // The holder's own statements ask for its token in the row, not for a live lease:
             // a lease that ran out while nobody took the key over is still the holder's (a
             // takeover writes another token), so a renewal or a completion that was held up

@@ -3,24 +3,25 @@
 //!
 //! SQLite has one writer at a time per file, so a transaction that claims holds the file's
 //! write lock until it ends, and a duplicate's claim waits for that lock. The claim
-//! therefore writes first: it takes a token from the counter (which takes the lock, waiting
-//! up to the operation's wait), and only then reads the key's row, in a snapshot that
-//! includes every transaction committed before it got the lock: a duplicate that waited sees
-//! the holder's record and replays it. A transaction that read the file before the holder
-//! committed cannot take the lock at all (`SQLITE_BUSY_SNAPSHOT`): its claim fails, and a
-//! retry of the transaction replays. `BEGIN IMMEDIATE` avoids that by taking the lock first.
+//! therefore writes first: one statement takes the key if it is free (which takes the lock,
+//! waiting up to the operation's wait) with a token from the counter, in a snapshot that
+//! includes every transaction committed before it got the lock; when the key was not free,
+//! the row that stayed is read: a duplicate that waited sees the holder's record and replays
+//! it. A transaction that read the file before the holder committed cannot take the lock at
+//! all (`SQLITE_BUSY_SNAPSHOT`): its claim fails, and a retry of the transaction replays.
+//! `BEGIN IMMEDIATE` avoids that by taking the lock first.
 //!
 //! What a call sends on the caller's connection, beside the caller's own statements:
 //!
 //! | outcome | statements |
 //! |---|---|
-//! | replay | `SAVEPOINT`, the busy timeout, the token, the read, `ROLLBACK TO` and `RELEASE` |
-//! | first execution, `Ok` | `SAVEPOINT`, the busy timeout, the token, the read, the take, the completion, `RELEASE` |
-//! | first execution, `Err` | `SAVEPOINT`, …, the take, `ROLLBACK TO` and `RELEASE` |
+//! | replay | `SAVEPOINT` with a read of the busy timeout, the call's busy timeout, the take (which takes nothing), the caller's busy timeout, the read, `ROLLBACK TO` and `RELEASE` |
+//! | first execution, `Ok` | `SAVEPOINT` with a read of the busy timeout, the call's busy timeout, the take, the caller's busy timeout, the completion, `RELEASE` |
+//! | first execution, `Err` | the same up to the take, then `ROLLBACK TO` and `RELEASE` |
 
 use std::time::Duration;
 
-use sqlx::SqliteConnection;
+use sqlx::{Row, SqliteConnection};
 
 use super::{SqliteStore, Statements};
 use crate::store::sql::{self, millis};
@@ -42,19 +43,16 @@ impl Transactional for SqliteStore {
         let savepoint = &call.savepoint;
         sql::within("sqlite", self.timeout, self.sql.checked(&self.pool)).await?;
         let taken = sql::within("sqlite", bound, async {
-            sqlx::Executor::execute(
-                &mut *connection,
-                sqlx::raw_sql(&format!("SAVEPOINT {savepoint}")),
-            )
-            .await?;
-            // The caller's busy timeout is put back once the lock is ours (or not).
-            let caller: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
-                .fetch_one(&mut *connection)
-                .await?;
-            let wait = call.wait.map_or(0, millis).min(i64::from(i32::MAX));
-            set_busy_timeout(connection, wait).await?;
-            let claimed = claim(&self.sql, connection, call).await;
-            set_busy_timeout(connection, caller).await?;
+            // The caller's busy timeout is read with the savepoint, and put back once the
+            // lock is ours (or the take failed).
+            let opened = format!("SAVEPOINT {savepoint}; PRAGMA busy_timeout");
+            let caller: i64 = sqlx::Executor::fetch_one(&mut *connection, sqlx::raw_sql(&opened))
+                .await?
+                .try_get(0)?;
+            let claimed = claim(&self.sql, connection, call, caller).await;
+            if claimed.is_err() {
+                set_busy_timeout(connection, caller).await?;
+            }
             claimed
         })
         .await;
@@ -112,14 +110,18 @@ impl Transactional for SqliteStore {
     }
 }
 
-/// The claim under the call's savepoint: one statement takes the key if it is free, in the
-/// transaction's write lock (so it sees every transaction committed before), with a token
-/// from the counter; else the row that stayed is the answer.
+/// The claim under the call's savepoint, its busy timeout set to the call's wait: one
+/// statement takes the key if it is free, in the transaction's write lock (so it sees every
+/// transaction committed before), with a token from the counter; then the caller's busy
+/// timeout is put back. When the key was not free, the row that stayed is the answer.
 async fn claim(
     sql: &Statements,
     connection: &mut SqliteConnection,
     call: &Call<'_>,
+    caller: i64,
 ) -> Result<Claim, sqlx::Error> {
+    let wait = call.wait.map_or(0, millis).min(i64::from(i32::MAX));
+    set_busy_timeout(connection, wait).await?;
     let token: Option<i64> = sqlx::query_scalar(&sql.take)
         .bind(&call.key.as_bytes()[..])
         .bind(call.fingerprint.map(|f| &f.as_bytes()[..]))
@@ -127,6 +129,7 @@ async fn claim(
         .bind(None::<&[u8]>) // no nonce: a claim in a transaction is never taken again
         .fetch_optional(&mut *connection)
         .await?;
+    set_busy_timeout(connection, caller).await?;
     if let Some(token) = token {
         return Ok(Claim::Acquired {
             token: Token::new(token.unsigned_abs()),
