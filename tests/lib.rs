@@ -8,6 +8,7 @@ use idem_runtime::store::Claim;
 use idem_runtime::{async_trait, Bytes, Error, Fingerprint, Flights, Key, Store, Token};
 
 mod child;
+pub mod failover;
 mod mariadb_server;
 pub mod netns;
 pub mod scenarios;

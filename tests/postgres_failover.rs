@@ -9,11 +9,11 @@
 //! `IDEM_PG_FAILOVERS=20 cargo test -p idem-tests --all-features --test postgres_failover -- --nocapture`
 //! runs 20 failovers per mode (CI runs 3).
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
-use idem_runtime::{Claim, Key, PostgresStore, Store};
+use idem_runtime::{Claim, PostgresStore, Store};
+use idem_tests::failover::{until, Claimers};
 use idem_tests::PrivatePostgres;
 
 fn failovers() -> usize {
@@ -21,18 +21,6 @@ fn failovers() -> usize {
         .ok()
         .and_then(|n| n.parse().ok())
         .unwrap_or(3)
-}
-
-/// Polls until `check` holds, at most 60 s.
-async fn until<F: std::future::Future<Output = bool>>(what: &str, mut check: impl FnMut() -> F) {
-    let started = Instant::now();
-    while !check().await {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "{what}: not within 60 s"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// Whether `primary` streams to its standby, synchronously if `sync`.
@@ -109,48 +97,16 @@ async fn count_lost_claims(sync: bool, cut: bool) -> Option<Count> {
         }
         let store = store.with_timeout(Duration::from_millis(500));
 
-        let acknowledged = Arc::new(Mutex::new(Vec::<Key>::new()));
-        let refused = Arc::new(AtomicUsize::new(0));
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut callers = Vec::new();
-        for caller in 0..8_u64 {
-            let (store, acknowledged, stop) = (store.clone(), acknowledged.clone(), stop.clone());
-            let refused = Arc::clone(&refused);
-            callers.push(tokio::spawn(async move {
-                for n in 0_u64.. {
-                    if stop.load(Ordering::Relaxed) {
-                        break;
-                    }
-                    let key = Key::derive("postgres.failover", &(round, caller, n)).unwrap();
-                    match store.claim(&key, None, Duration::from_secs(60)).await {
-                        Ok(Claim::Acquired { .. }) => acknowledged.lock().unwrap().push(key),
-                        Ok(other) => panic!("a fresh key: {other:?}"),
-                        Err(_) => {
-                            refused.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                }
-            }));
-        }
+        let claimers = Claimers::start(&store, 8, "postgres.failover", round);
         // A point among the claims: after some were acknowledged, or refused.
-        let enough = 50 + round * 37 % 150;
-        until("claims before the crash", || {
-            let (acknowledged, refused) = (acknowledged.clone(), refused.clone());
-            async move {
-                acknowledged.lock().unwrap().len() >= enough || refused.load(Ordering::Relaxed) >= 8
-            }
-        })
-        .await;
+        claimers.until(50 + round * 37 % 150, 8).await;
         tokio::task::spawn_blocking({
             let primary = Arc::clone(&primary);
             move || primary.crash()
         })
         .await
         .unwrap();
-        stop.store(true, Ordering::Relaxed);
-        for caller in callers {
-            caller.await.unwrap();
-        }
+        let (acknowledged, refused) = claimers.stop().await;
         let standby = Arc::new(standby);
         tokio::task::spawn_blocking({
             let standby = Arc::clone(&standby);
@@ -159,9 +115,8 @@ async fn count_lost_claims(sync: bool, cut: bool) -> Option<Count> {
         .await
         .unwrap();
         let promoted = PostgresStore::connect(&standby.url).await.unwrap();
-        let acknowledged = acknowledged.lock().unwrap().clone();
         count.acknowledged += acknowledged.len();
-        count.refused += refused.load(Ordering::Relaxed);
+        count.refused += refused;
         for key in &acknowledged {
             let claim = promoted
                 .claim(key, None, Duration::from_secs(60))

@@ -7,11 +7,11 @@
 //! `IDEM_FAILOVERS=200 cargo test -p idem-tests --all-features --test redis_failover -- --nocapture`
 //! runs the count over 200 failovers per mode (CI runs 10).
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use idem_runtime::{Claim, Error, Key, Operation, Outcome, RedisStore, Store};
+use idem_runtime::{Claim, Error, Operation, Outcome, RedisStore, Store};
+use idem_tests::failover::{until, Claimers};
 use idem_tests::{unavailable, PrivateRedis};
 
 /// Asks `url` for `INFO replication` and whether its text has `expected`.
@@ -27,19 +27,6 @@ async fn replication_has(url: &str, expected: &str) -> bool {
         .query_async(&mut connection)
         .await;
     info.is_ok_and(|info| info.contains(expected))
-}
-
-/// Polls until `check` holds, at most 30 s: the state a step waits for (a link up, a
-/// promotion done), never a guess of how long it takes.
-async fn until<F: std::future::Future<Output = bool>>(what: &str, mut check: impl FnMut() -> F) {
-    let started = Instant::now();
-    while !check().await {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "{what}: not within 30 s"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 async fn command(url: &str, cmd: &redis::Cmd) -> redis::RedisResult<redis::Value> {
@@ -313,50 +300,15 @@ async fn count_lost_claims(replicas: Option<u32>, link: Link) -> Option<Count> {
             })
             .await;
         }
-        let acknowledged = Arc::new(Mutex::new(Vec::<Key>::new()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let mut callers = Vec::new();
-        let attempts = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        for caller in 0..8_u64 {
-            let (store, acknowledged, stop) = (store.clone(), acknowledged.clone(), stop.clone());
-            let attempts = Arc::clone(&attempts);
-            callers.push(tokio::spawn(async move {
-                let mut refused = 0;
-                for n in 0_u64.. {
-                    if stop.load(Ordering::Relaxed) {
-                        break;
-                    }
-                    attempts.fetch_add(1, Ordering::Relaxed);
-                    let key = Key::derive("redis.failover.count", &(round, caller, n)).unwrap();
-                    match store.claim(&key, None, Duration::from_secs(60)).await {
-                        Ok(Claim::Acquired { .. }) => acknowledged.lock().unwrap().push(key),
-                        Ok(other) => panic!("a fresh key: {other:?}"),
-                        // The kill, or the replicas' silence: refused, no body runs.
-                        Err(_) => refused += 1,
-                    }
-                }
-                refused
-            }));
-        }
+        let claimers = Claimers::start(&store, 8, "redis.failover.count", round);
         // A random moment after the callers got going.
         seed ^= seed << 13;
         seed ^= seed >> 7;
         seed ^= seed << 17;
-        let claims_before_kill = 20 + (seed % 200) as usize;
-        until("claims before the kill", || {
-            let acknowledged = acknowledged.clone();
-            let refused = Arc::clone(&attempts);
-            async move {
-                acknowledged.lock().unwrap().len() >= claims_before_kill
-                    || refused.load(Ordering::Relaxed) >= 16
-            }
-        })
-        .await;
+        claimers.until(20 + (seed % 200) as usize, 16).await;
         primary.kill();
-        stop.store(true, Ordering::Relaxed);
-        for caller in callers {
-            count.refused += caller.await.unwrap();
-        }
+        let (acknowledged, refused) = claimers.stop().await;
+        count.refused += refused;
         // Promoted once it saw its primary go (as Sentinel promotes it only after its
         // primary was down for a while): by then it applied what reached it.
         until("the replica's view of the kill", || {
@@ -367,7 +319,6 @@ async fn count_lost_claims(replicas: Option<u32>, link: Link) -> Option<Count> {
             .await
             .unwrap();
         let promoted = RedisStore::connect(&replica.url).await.unwrap();
-        let acknowledged = acknowledged.lock().unwrap().clone();
         count.acknowledged += acknowledged.len();
         for key in &acknowledged {
             if let Claim::Acquired { .. } = promoted
