@@ -2,11 +2,15 @@
 //! from a script (what is retried, with which key and body). End to end over real sockets:
 //! `client_network.rs`.
 
+#[path = "client_support.rs"]
+mod client_support;
+
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use client_support::{delivery, fast};
 use http::{Method, Request, Response};
 use http_body_util::{BodyExt, Full};
 use idem_runtime::http::client::{Delivery, Error, Failure, IdempotencyKeyLayer, Retry};
@@ -115,24 +119,10 @@ impl http_body::Body for Endless {
     }
 }
 
-fn fast() -> Retry {
-    Retry::new()
-        .attempts(6)
-        .backoff(Duration::from_millis(1), Duration::from_millis(5))
-}
-
 fn post_body(body: &'static str) -> Request<Full<Bytes>> {
     Request::post("http://payments.test/charges")
         .body(Full::from(body))
         .unwrap()
-}
-
-fn delivery<B>(response: &Response<B>) -> Delivery {
-    response
-        .extensions()
-        .get::<Delivery>()
-        .cloned()
-        .expect("a keyed request has a Delivery")
 }
 
 #[tokio::test]

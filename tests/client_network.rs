@@ -3,6 +3,9 @@
 //! layer (`IdempotencyKeyLayer`) and with reqwest (`IdempotencyKeyMiddleware`), and against
 //! a server that never stops answering `409`.
 
+#[path = "client_support.rs"]
+mod client_support;
+
 #[path = "http_support.rs"]
 mod support;
 
@@ -17,7 +20,8 @@ use axum::http::StatusCode;
 use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
-use http::{Request, Response};
+use client_support::{delivery, fast};
+use http::Request;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -31,20 +35,6 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tower::{Layer, ServiceBuilder, ServiceExt};
-
-fn delivery<B>(response: &Response<B>) -> Delivery {
-    response
-        .extensions()
-        .get::<Delivery>()
-        .cloned()
-        .expect("a keyed request has a Delivery")
-}
-
-fn fast() -> Retry {
-    Retry::new()
-        .attempts(6)
-        .backoff(Duration::from_millis(1), Duration::from_millis(5))
-}
 
 /// How many times each logical request's handler ran.
 #[derive(Clone, Default)]
@@ -217,6 +207,29 @@ impl FaultyNetwork {
         assert_eq!(answer["run"], 1, "payment {n}'s answer is its first run");
     }
 
+    /// Sends every payment through `pay` (given its number and the URL; it answers the
+    /// status, the body and the `Delivery`), `CONCURRENT` at a time, and checks each answer:
+    /// the deliveries.
+    async fn pay_all<F, Fut>(&self, pay: F) -> Vec<Delivery>
+    where
+        F: Fn(u64, String) -> Fut,
+        Fut: std::future::Future<Output = (u16, Bytes, Delivery)> + Send + 'static,
+    {
+        let slots = Arc::new(Semaphore::new(CONCURRENT));
+        let mut calls = JoinSet::new();
+        for n in 0..REQUESTS {
+            let slot = Arc::clone(&slots).acquire_owned().await.unwrap();
+            let paid = pay(n, self.url());
+            calls.spawn(async move {
+                let (status, body, delivered) = paid.await;
+                drop(slot);
+                FaultyNetwork::check(n, status, &body);
+                delivered
+            });
+        }
+        calls.join_all().await
+    }
+
     /// Every payment ran exactly once, some answers were lost and replayed.
     fn assert_each_ran_once(&self, client: &str, deliveries: &[Delivery]) {
         let attempts: u64 = deliveries.iter().map(|d| u64::from(d.attempts())).sum();
@@ -255,27 +268,23 @@ async fn every_logical_request_runs_once_through_a_faulty_network() {
         .layer(IdempotencyKeyLayer::new().retry(FaultyNetwork::retry()))
         .service(hyper_client);
 
-    let slots = Arc::new(Semaphore::new(CONCURRENT));
-    let mut calls = JoinSet::new();
-    for n in 0..REQUESTS {
-        let (client, url) = (client.clone(), network.url());
-        let slot = Arc::clone(&slots).acquire_owned().await.unwrap();
-        calls.spawn(async move {
-            let request = Request::post(url)
-                .header("content-type", "application/json")
-                .body(Full::<Bytes>::from(format!(r#"{{"n":{n},"amount":1000}}"#)))
-                .unwrap();
-            let response = client.oneshot(request).await;
-            drop(slot);
-            let response = response.unwrap_or_else(|error| panic!("payment {n}: {error}"));
-            let status = response.status();
-            let delivered = delivery(&response);
-            let body = response.into_body().collect().await.unwrap().to_bytes();
-            FaultyNetwork::check(n, status.as_u16(), &body);
-            delivered
-        });
-    }
-    let deliveries: Vec<_> = calls.join_all().await;
+    let deliveries = network
+        .pay_all(|n, url| {
+            let client = client.clone();
+            async move {
+                let request = Request::post(url)
+                    .header("content-type", "application/json")
+                    .body(Full::<Bytes>::from(format!(r#"{{"n":{n},"amount":1000}}"#)))
+                    .unwrap();
+                let response = client.oneshot(request).await;
+                let response = response.unwrap_or_else(|error| panic!("payment {n}: {error}"));
+                let delivered = delivery(&response);
+                let status = response.status().as_u16();
+                let body = response.into_body().collect().await.unwrap().to_bytes();
+                (status, body, delivered)
+            }
+        })
+        .await;
     network.assert_each_ran_once("tower", &deliveries);
 }
 
@@ -291,32 +300,27 @@ async fn every_logical_request_runs_once_through_a_faulty_network_with_reqwest()
         .with(IdempotencyKeyMiddleware::new().retry(FaultyNetwork::retry()))
         .build();
 
-    let slots = Arc::new(Semaphore::new(CONCURRENT));
-    let mut calls = JoinSet::new();
-    for n in 0..REQUESTS {
-        let (client, url) = (client.clone(), network.url());
-        let slot = Arc::clone(&slots).acquire_owned().await.unwrap();
-        calls.spawn(async move {
-            let response = client
-                .post(url)
-                .header("content-type", "application/json")
-                .body(format!(r#"{{"n":{n},"amount":1000}}"#))
-                .send()
-                .await;
-            drop(slot);
-            let response = response.unwrap_or_else(|error| panic!("payment {n}: {error}"));
-            let status = response.status();
-            let delivered = response
-                .extensions()
-                .get::<Delivery>()
-                .cloned()
-                .expect("a keyed request has a Delivery");
-            let body = response.bytes().await.unwrap();
-            FaultyNetwork::check(n, status.as_u16(), &body);
-            delivered
-        });
-    }
-    let deliveries: Vec<_> = calls.join_all().await;
+    let deliveries = network
+        .pay_all(|n, url| {
+            let client = client.clone();
+            async move {
+                let response = client
+                    .post(url)
+                    .header("content-type", "application/json")
+                    .body(format!(r#"{{"n":{n},"amount":1000}}"#))
+                    .send()
+                    .await;
+                let response = response.unwrap_or_else(|error| panic!("payment {n}: {error}"));
+                let delivered = response
+                    .extensions()
+                    .get::<Delivery>()
+                    .cloned()
+                    .expect("a keyed request has a Delivery");
+                let status = response.status().as_u16();
+                (status, response.bytes().await.unwrap(), delivered)
+            }
+        })
+        .await;
     network.assert_each_ran_once("reqwest", &deliveries);
 }
 
