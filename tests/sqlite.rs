@@ -1,5 +1,6 @@
 //! `SqliteStore` on real files: the store contract, two OS processes on one file, a holder
-//! SIGKILLed mid-body, a record that outlives the process that wrote it, zombies, purging.
+//! SIGKILLed mid-body, a record that outlives the process that wrote it, zombies, purging,
+//! fencing tokens that grow (and a table made before their triggers, refused).
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
@@ -498,4 +499,74 @@ async fn a_token_binds_and_reads_back_as_an_integer() {
         .fetch_one(pool)
         .await;
     assert!(negative.is_err(), "{negative:?}");
+}
+
+async fn token(store: &SqliteStore, key: u8) -> idem_runtime::Token {
+    match store
+        .claim(
+            &idem_runtime::Key::from_bytes([key; 32]),
+            None,
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap()
+    {
+        Claim::Acquired { token } => token,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A take draws its token from the counter in its own statement, and the triggers move
+/// the counter: tokens grow across keys, and a key taken again after a release gets a
+/// token above every earlier one, alone or in a batch of writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_grow_across_keys_and_takes() {
+    let store = open(&fresh_file("tokens")).await;
+    let a = token(&store, 1).await;
+    let b = token(&store, 2).await;
+    assert!(b > a, "{b:?} after {a:?}");
+    let key = idem_runtime::Key::from_bytes([1; 32]);
+    assert!(store.release(&key, a).await.unwrap());
+    let again = token(&store, 1).await;
+    assert!(again > b, "{again:?} after {b:?}");
+    let mut claims = tokio::task::JoinSet::new();
+    for key in 10..30 {
+        let store = store.clone();
+        claims.spawn(async move { token(&store, key).await });
+    }
+    let crowd = claims.join_all().await;
+    let mut sorted = crowd.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(sorted.len(), crowd.len(), "one token each: {crowd:?}");
+    assert!(sorted[0] > again);
+}
+
+/// A table made before the token triggers existed would give every take the same token:
+/// its claims are refused, saying to migrate, and work once it has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_without_the_token_triggers_is_refused_until_migrated() {
+    let migrated = open(&fresh_file("triggers")).await;
+    for trigger in ["idem_records_token_inserted", "idem_records_token_updated"] {
+        sqlx::query(&format!("DROP TRIGGER \"{trigger}\""))
+            .execute(migrated.pool())
+            .await
+            .unwrap();
+    }
+    let old = SqliteStore::from_pool(migrated.pool().clone());
+    let refused = old
+        .claim(
+            &idem_runtime::Key::from_bytes([1; 32]),
+            None,
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(refused, Error::Store(_)) && refused.to_string().contains("migrate"),
+        "{refused}"
+    );
+    old.migrate().await.unwrap();
+    let old = SqliteStore::from_pool(migrated.pool().clone());
+    assert!(token(&old, 1).await > idem_runtime::Token::new(0));
 }
