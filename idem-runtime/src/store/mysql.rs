@@ -140,15 +140,14 @@ impl Statements {
         nonce: Option<u64>,
         lease: Duration,
     ) -> String {
+        let [fingerprint, nonce] = literals(fingerprint, nonce);
         format!(
             "{}; INSERT IGNORE INTO `{}` (`key`, token, completed, fingerprint, value, expires_at) \
-             VALUES (X'{}', LAST_INSERT_ID(), FALSE, {}, {}, {NOW} + {}); \
+             VALUES (X'{}', LAST_INSERT_ID(), FALSE, {fingerprint}, {nonce}, {NOW} + {}); \
              SELECT CAST(ROW_COUNT() AS SIGNED), CAST(LAST_INSERT_ID() AS SIGNED)",
             self.draw,
             self.table,
             hex::encode(key.as_bytes()),
-            hex_or_null(fingerprint.map(|f| &f.as_bytes()[..])),
-            hex_or_null(nonce.map(u64::to_be_bytes).as_ref().map(|n| &n[..])),
             millis(lease)
         )
     }
@@ -163,14 +162,13 @@ impl Statements {
         nonce: Option<u64>,
         lease: Duration,
     ) -> String {
+        let [fingerprint, nonce] = literals(fingerprint, nonce);
         format!(
-            "{}; UPDATE `{}` SET token = LAST_INSERT_ID(), completed = FALSE, fingerprint = {}, \
-             value = {}, expires_at = {NOW} + {} WHERE `key` = X'{}'; \
-             SELECT CAST(LAST_INSERT_ID() AS SIGNED)",
+            "{}; UPDATE `{}` SET token = LAST_INSERT_ID(), completed = FALSE, \
+             fingerprint = {fingerprint}, value = {nonce}, expires_at = {NOW} + {} \
+             WHERE `key` = X'{}'; SELECT CAST(LAST_INSERT_ID() AS SIGNED)",
             self.draw,
             self.table,
-            hex_or_null(fingerprint.map(|f| &f.as_bytes()[..])),
-            hex_or_null(nonce.map(u64::to_be_bytes).as_ref().map(|n| &n[..])),
             millis(lease),
             hex::encode(key.as_bytes())
         )
@@ -502,11 +500,17 @@ fn keeps_auto_increment(version: &str) -> bool {
     }
 }
 
-/// Bytes as a hex literal, or `NULL`.
-fn hex_or_null(bytes: Option<&[u8]>) -> String {
-    bytes.map_or("NULL".to_string(), |bytes| {
-        format!("X'{}'", hex::encode(bytes))
-    })
+/// A claim's fingerprint and nonce as SQL literals: bytes in hex, or `NULL`.
+fn literals(fingerprint: Option<&Fingerprint>, nonce: Option<u64>) -> [String; 2] {
+    let hex_or_null = |bytes: Option<&[u8]>| {
+        bytes.map_or("NULL".to_string(), |bytes| {
+            format!("X'{}'", hex::encode(bytes))
+        })
+    };
+    [
+        hex_or_null(fingerprint.map(|f| &f.as_bytes()[..])),
+        hex_or_null(nonce.map(u64::to_be_bytes).as_ref().map(|n| &n[..])),
+    ]
 }
 
 impl fmt::Debug for MySqlStore {
