@@ -217,10 +217,10 @@ async fn expired_rows_are_purged_and_live_ones_kept() {
 }
 
 /// A table made by an earlier version drew its tokens from a counter: once migrated, the
-/// tokens drawn from the `AUTO_INCREMENT` start above the counter's last, and the token
-/// table keeps no row per claim.
+/// tokens drawn from the `AUTO_INCREMENT` start above the counter's last; the purge leaves
+/// the token table only its newest row.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tokens_start_above_an_earlier_versions_counter_and_leave_no_rows() {
+async fn tokens_start_above_an_earlier_versions_counter_and_are_purged() {
     let Some(store) = mysql_store().await else {
         return;
     };
@@ -249,12 +249,24 @@ async fn tokens_start_above_an_earlier_versions_counter_and_leave_no_rows() {
             "{token:?} is not above the old counter"
         );
     }
-    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idem_upgraded_tokens WHERE id > ?")
-        .bind(LAST)
-        .fetch_one(store.pool())
-        .await
-        .unwrap();
-    assert_eq!(rows, 0, "each claim deleted the row it drew its token with");
+    let rows = || async {
+        let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idem_upgraded_tokens")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        rows
+    };
+    assert!(rows().await >= 5, "a row per token drawn, until the purge");
+    store.purge_expired().await.unwrap();
+    assert_eq!(rows().await, 1, "the purge keeps only the newest");
+    let claimed =
+        idem_runtime::Store::claim(&store, &op.key(&5).unwrap(), None, Duration::from_secs(60))
+            .await
+            .unwrap();
+    assert!(
+        matches!(claimed, idem_runtime::Claim::Acquired { token } if token.get() > LAST as u64 + 5),
+        "tokens go on growing after the purge: {claimed:?}"
+    );
 }
 
 /// The server SIGKILLed and started again (a private `mariadbd`): the store's pool
@@ -325,4 +337,67 @@ async fn a_server_killed_and_restarted_keeps_records_and_tokens_grow() {
         .complete(&held, after, "new owner".into(), Duration::from_secs(60))
         .await
         .unwrap());
+}
+
+/// A purge beside a claim in a caller's open transaction neither waits for that
+/// transaction nor fails: it reads what to delete without locking, and deletes by key. The
+/// rows the transaction wrote (its claim, the token it drew) are left, and the next purge
+/// deletes the token row; the token table keeps only its newest row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purge_beside_an_open_transactions_claim_neither_waits_nor_fails() {
+    let Some(store) = mysql_store().await else {
+        return;
+    };
+    let store = store
+        .with_table("idem_token_purge")
+        .unwrap()
+        .with_timeout(Duration::from_secs(10));
+    store.migrate().await.unwrap();
+    let op = Operation::new(namespace("mysql.purge.open"));
+    // An expired row for the purge to delete.
+    let lapsing = op.key(&0).unwrap();
+    let short = Duration::from_millis(100);
+    let claimed = idem_runtime::Store::claim(&store, &lapsing, None, short).await;
+    assert!(matches!(
+        claimed.unwrap(),
+        idem_runtime::Claim::Acquired { .. }
+    ));
+    while idem_runtime::Store::lease_left(&store, &lapsing)
+        .await
+        .unwrap()
+        .is_some()
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let pool = sqlx::mysql::MySqlPool::connect(&mysql_url()).await.unwrap();
+    let mut open = pool.begin().await.unwrap();
+    let ran = op
+        .run_in_transaction(&store, &mut open, &op.key(&1).unwrap(), None, async |_| {
+            Ok::<u8, Error>(1)
+        })
+        .await;
+    assert_eq!(ran.unwrap(), idem_runtime::Outcome::Executed(1));
+    // A newer token, so that the open transaction's is below the newest.
+    let newer = op.key(&2).unwrap();
+    let claimed = idem_runtime::Store::claim(&store, &newer, None, Duration::from_secs(60)).await;
+    assert!(matches!(
+        claimed.unwrap(),
+        idem_runtime::Claim::Acquired { .. }
+    ));
+
+    // Waiting for the open transaction would end in the store's timeout, an error.
+    assert!(
+        store.purge_expired().await.unwrap() >= 1,
+        "the expired row went"
+    );
+    open.commit().await.unwrap();
+    store.purge_expired().await.unwrap();
+    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idem_token_purge_tokens")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(
+        rows, 1,
+        "the next purge deleted the token row, keeping the newest"
+    );
 }

@@ -35,12 +35,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Instant;
 
-use idem_runtime::{Error, Operation, PostgresStore, RedisStore, Store};
+use idem_runtime::{Error, MySqlStore, Operation, PostgresStore, RedisStore, Store};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use self::common::{receipt, redis_floor};
 
 mod common;
+#[path = "throughput/mysql.rs"]
+mod mysql_rows;
 #[path = "throughput/postgres.rs"]
 mod postgres_rows;
 #[path = "throughput/redis.rs"]
@@ -68,6 +70,8 @@ enum Server {
     Redis(redis::aio::ConnectionManager),
     /// Every `postgres` process on this machine.
     Postgres,
+    /// Every `mariadbd` or `mysqld` process on this machine.
+    Mysql,
 }
 
 impl Server {
@@ -87,13 +91,14 @@ impl Server {
                 };
                 Some(field("used_cpu_user")? + field("used_cpu_sys")?)
             }
-            Self::Postgres => postgres_cpu(),
+            Self::Postgres => processes_cpu(&["postgres"]),
+            Self::Mysql => processes_cpu(&["mariadbd", "mysqld"]),
         }
     }
 }
 
-/// CPU seconds of every process named `postgres`, from `/proc` (Linux).
-fn postgres_cpu() -> Option<f64> {
+/// CPU seconds of every process with one of these `names`, from `/proc` (Linux).
+fn processes_cpu(names: &[&str]) -> Option<f64> {
     // Clock ticks per second: 100 on every Linux this runs on (`getconf CLK_TCK`).
     const TICKS: f64 = 100.0;
     let mut ticks = 0_u64;
@@ -106,7 +111,7 @@ fn postgres_cpu() -> Option<f64> {
         let Some((head, rest)) = stat.rsplit_once(") ") else {
             continue;
         };
-        if !head.ends_with("(postgres") {
+        if !names.iter().any(|name| head.ends_with(&format!("({name}"))) {
             continue;
         }
         let fields: Vec<&str> = rest.split(' ').collect();
@@ -311,7 +316,8 @@ async fn compare<A, AF, B, BF>(
     println!(
         "{label:<52} {ours:>9.0} {base:>9.0} {ratio:>6.2} {cpu} {}",
         match target {
-            None => "(floor)".to_string(),
+            None if label.contains("floor") => "(floor)".to_string(),
+            None => "(no target)".to_string(),
             Some(target) if ratio >= target => "ok".to_string(),
             Some(target) => format!("MISSED (≥ {target})"),
         }
@@ -330,11 +336,25 @@ fn main() {
         "cpu base",
         "ratio"
     );
+    // `cargo bench --bench throughput -- mysql` runs only the servers named.
+    let named: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|arg| !arg.starts_with('-'))
+        .collect();
+    let runs = |server: &str| named.is_empty() || named.iter().any(|name| name == server);
     let costs = rt.block_on(async {
-        let mut costs = redis_rows::redis().await;
-        costs.extend(postgres_rows::postgres(16, true, true).await);
-        postgres_rows::postgres(64, true, false).await;
-        postgres_rows::postgres(16, false, false).await;
+        let mut costs = Vec::new();
+        if runs("redis") {
+            costs.extend(redis_rows::redis().await);
+        }
+        if runs("postgres") {
+            costs.extend(postgres_rows::postgres(16, true, true).await);
+            postgres_rows::postgres(64, true, false).await;
+            postgres_rows::postgres(16, false, false).await;
+        }
+        if runs("mysql") {
+            mysql_rows::mysql(16).await;
+        }
         costs
     });
     println!(

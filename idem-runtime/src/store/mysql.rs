@@ -14,7 +14,7 @@
 //!     expires_at  BIGINT        NOT NULL,             -- lease end or result expiry, Unix ms
 //!     INDEX idem_records_expires_at (expires_at)
 //! ) ENGINE = InnoDB;
-//! -- tokens: the next value of its AUTO_INCREMENT (its rows are deleted as they are made)
+//! -- tokens: the next value of its AUTO_INCREMENT (the purge deletes its rows but the newest)
 //! CREATE TABLE idem_records_tokens (id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY) ENGINE = InnoDB;
 //! -- the counter of earlier versions, which the tokens start above
 //! CREATE TABLE idem_records_token (id TINYINT PRIMARY KEY, last BIGINT NOT NULL) ENGINE = InnoDB;
@@ -25,15 +25,19 @@
 //! a held key writes nothing). A key with no row is taken by an `INSERT IGNORE`: the primary
 //! key lets one insert in. A key with a row that lapsed is taken in a transaction that locks
 //! that row (`SELECT … FOR UPDATE`) before it looks and writes, so two processes can never
-//! both take it. A token is drawn in the claim's transaction, in the message that inserts
-//! or takes the row (a takeover draws it after the lock): a row inserted into the token
-//! table takes the next value of its `AUTO_INCREMENT` and is deleted at once. InnoDB
-//! releases the `AUTO_INCREMENT` lock at the end of the insert and keeps the value across
-//! restarts (MySQL from 8.0, MariaDB from 10.2.4; `migrate` refuses older servers), so
-//! tokens grow across rows, processes and restarts, a claim commits once, and no claim
-//! waits for another's token. Every other operation is one statement. Expired rows are
+//! both take it. A token is a row inserted into the token table, which takes the next value
+//! of its `AUTO_INCREMENT`: InnoDB releases that lock at the end of the insert and keeps the
+//! value across restarts (MySQL from 8.0, MariaDB from 10.2.4; `migrate` refuses older
+//! servers), so tokens grow across rows, processes and restarts and no claim waits for
+//! another's token. An ordinary claim draws it in a statement of its own before its insert
+//! (two short statements: under 64 callers, one transaction around both served 16 % fewer
+//! claims); a takeover draws it after it locked the row, in its transaction; a claim in a
+//! caller's transaction draws it there, so it costs no commit of its own. Every other
+//! operation is one statement. Expired rows, and the token table's rows but its newest, are
 //! deleted by [`purge_expired`](MySqlStore::purge_expired) or the task of
-//! [`purge_every`](MySqlStore::purge_every); until then an expired row counts as absent.
+//! [`purge_every`](MySqlStore::purge_every), which read what to delete without a lock and
+//! delete it by key, so that they never wait for a caller's open transaction; until then an
+//! expired row counts as absent.
 //!
 //! All processes on a table should run a version that draws tokens the same way: one that
 //! still bumps the counter would draw tokens the others' do not follow.
@@ -100,12 +104,15 @@ pub struct MySqlStore {
 struct Statements {
     table: String,
     create: [String; 5],
-    /// Draws a token into the connection's `LAST_INSERT_ID()` (see [`Statements::of`]).
+    /// Draws a token: the insert's id, also the connection's `LAST_INSERT_ID()` (see
+    /// [`Statements::of`]).
     draw: String,
     live: String,
+    insert: String,
     lock: String,
     /// The key's row under a shared lock, for claims in the caller's transaction.
     share: String,
+    take: String,
     complete: String,
     release: String,
     renew: String,
@@ -113,7 +120,13 @@ struct Statements {
     remove: String,
     lookup: String,
     lease_left: String,
-    purge: String,
+    /// A batch of expired rows' keys, and the start of the statement that deletes them.
+    expired: String,
+    delete_expired: String,
+    /// A batch of the token table's rows below its newest, and the start of the statement
+    /// that deletes them.
+    old_tokens: String,
+    delete_tokens: String,
 }
 
 impl Statements {
@@ -234,15 +247,17 @@ impl Statements {
                 ),
             ],
             // A row of the token table takes the next value of its AUTO_INCREMENT, which
-            // only grows (InnoDB keeps it across restarts), and is deleted at once. Neither
-            // statement waits for another transaction: the AUTO_INCREMENT lock is released
-            // at the end of the insert, and the row is this transaction's own. So a token
-            // costs no commit of its own, and the claim's transaction (or the caller's)
-            // holds no lock that other claims need.
-            draw: format!(
-                "INSERT INTO {tokens} () VALUES (); DELETE FROM {tokens} WHERE id = LAST_INSERT_ID()"
-            ),
+            // only grows (InnoDB keeps it across restarts). The insert waits for no other
+            // transaction: the AUTO_INCREMENT lock is released at the end of the statement,
+            // and the row is the drawer's own. So a token drawn inside a transaction (a
+            // takeover, or a claim in the caller's) costs no commit of its own, and that
+            // transaction holds no lock other claims need. The rows are deleted by the purge.
+            draw: format!("INSERT INTO {tokens} () VALUES ()"),
             live: format!("SELECT token, completed, fingerprint, value FROM {t} WHERE {live_row}"),
+            insert: format!(
+                "INSERT IGNORE INTO {t} (`key`, token, completed, fingerprint, value, expires_at) \
+                 VALUES (?, ?, FALSE, ?, ?, {NOW} + ?)"
+            ),
             lock: format!(
                 "SELECT token, completed, fingerprint, value, expires_at > {NOW} FROM {t} \
                  WHERE `key` = ? FOR UPDATE"
@@ -250,6 +265,10 @@ impl Statements {
             share: format!(
                 "SELECT token, completed, fingerprint, value, expires_at > {NOW} FROM {t} \
                  WHERE `key` = ? LOCK IN SHARE MODE"
+            ),
+            take: format!(
+                "UPDATE {t} SET token = ?, completed = FALSE, fingerprint = ?, value = ?, \
+                 expires_at = {NOW} + ? WHERE `key` = ?"
             ),
             complete: format!(
                 "UPDATE {t} SET completed = TRUE, value = ?, expires_at = {NOW} + ? \
@@ -273,7 +292,25 @@ impl Statements {
             lease_left: format!(
                 "SELECT expires_at - {NOW} FROM {t} WHERE {live_row} AND NOT completed"
             ),
-            purge: format!("DELETE FROM {t} WHERE expires_at <= {NOW} LIMIT ?"),
+            // A purge reads what to delete without locking, then deletes it by primary key:
+            // a locking range scan would wait for the first row past the range when an open
+            // transaction holds it (a claim in a caller's transaction), and hold a gap that
+            // new claims insert into meanwhile.
+            expired: format!(
+                "SELECT `key` FROM {t} WHERE expires_at <= {NOW} ORDER BY expires_at LIMIT {PURGE_BATCH}"
+            ),
+            // `expires_at + 0`: kept off the expiry index, which the optimizer would take for
+            // a range scan (with the lock past the range), where the keys are point lookups.
+            delete_expired: format!(
+                "DELETE FROM {t} WHERE expires_at + 0 <= {NOW} AND `key` IN "
+            ),
+            // Every row but the newest, which keeps the AUTO_INCREMENT however the server
+            // treats an empty table. Rows of open transactions are not seen, and left.
+            old_tokens: format!(
+                "SELECT id FROM {tokens} WHERE id < (SELECT MAX(id) FROM {tokens}) \
+                 ORDER BY id LIMIT {PURGE_BATCH}"
+            ),
+            delete_tokens: format!("DELETE FROM {tokens} WHERE id IN "),
         }
     }
 }
@@ -363,23 +400,57 @@ impl MySqlStore {
     }
 
     /// Deletes every expired row (lapsed claims, results past their TTL), in batches of
-    /// 1000. Returns how many.
+    /// 1000, and the token table's rows but its newest. Returns how many expired rows. Rows
+    /// an open transaction holds are left for a later purge, never waited for.
     ///
     /// # Errors
     ///
     /// [`Error::Store`] when the statement fails.
     pub async fn purge_expired(&self) -> Result<u64, Error> {
+        let purged = self
+            .purge(
+                &self.sql.expired,
+                &self.sql.delete_expired,
+                |key: Vec<u8>| format!("X'{}'", hex::encode(key)),
+            )
+            .await?;
+        self.purge(&self.sql.old_tokens, &self.sql.delete_tokens, |id: i64| {
+            id.to_string()
+        })
+        .await?;
+        Ok(purged)
+    }
+
+    /// Deletes, a batch at a time, the rows `select` names (by a read that locks nothing),
+    /// with `delete` and their keys written in as `literal` writes them. Returns how many.
+    async fn purge<K>(
+        &self,
+        select: &str,
+        delete: &str,
+        literal: impl Fn(K) -> String,
+    ) -> Result<u64, Error>
+    where
+        K: for<'r> sqlx::Decode<'r, sqlx::MySql> + sqlx::Type<sqlx::MySql> + Send + Unpin,
+    {
         let mut purged = 0;
         loop {
+            let keys: Vec<K> = self
+                .within(sqlx::query_scalar(select).fetch_all(&self.pool))
+                .await?;
+            if keys.is_empty() {
+                return Ok(purged);
+            }
+            let batch = keys.len();
+            let listed: Vec<String> = keys.into_iter().map(&literal).collect();
+            let statement = format!("{delete}({})", listed.join(", "));
             let done = self
-                .within(
-                    sqlx::query(&self.sql.purge)
-                        .bind(PURGE_BATCH)
-                        .execute(&self.pool),
-                )
+                .within(sqlx::Executor::execute(
+                    &self.pool,
+                    sqlx::raw_sql(&statement),
+                ))
                 .await?;
             purged += done.rows_affected();
-            if done.rows_affected() < PURGE_BATCH as u64 {
+            if batch < PURGE_BATCH as usize {
                 return Ok(purged);
             }
         }
@@ -404,8 +475,13 @@ impl MySqlStore {
         sql::within("mysql", self.timeout, operation).await
     }
 
-    /// Takes the key if no live row holds it (or a row of the caller's own lost claim), in
-    /// one transaction with the token it draws: one commit.
+    /// A token, drawn on `conn` (in its transaction, if it is in one).
+    async fn draw(&self, conn: &mut sqlx::MySqlConnection) -> Result<Token, sqlx::Error> {
+        let drawn = sqlx::query(&self.sql.draw).execute(&mut *conn).await?;
+        Ok(Token::new(drawn.last_insert_id()))
+    }
+
+    /// Takes the key if no live row holds it (or a row of the caller's own lost claim).
     async fn take(
         &self,
         key: &Key,
@@ -414,21 +490,26 @@ impl MySqlStore {
         nonce: u64,
     ) -> Result<Result<Token, MySqlRow>, sqlx::Error> {
         let mut conn = self.pool.acquire().await?;
-        let insert = self
-            .sql
-            .insert_message(key, fingerprint, Some(nonce), lease);
+        let fingerprint = fingerprint.map(|f| &f.as_bytes()[..]);
+        let nonce_bytes = nonce.to_be_bytes();
         for _ in 0..CLAIM_LOOKS {
-            // No row: the primary key lets one insert in.
-            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-            let (inserted, token) = inserted(&mut tx, &insert).await?;
-            if inserted {
-                tx.commit().await?;
+            // No row: the primary key lets one insert in. Two statements that commit by
+            // themselves (the token's draw, the insert): cheaper under a crowd than one
+            // transaction around both, which costs two more round trips.
+            let token = self.draw(&mut conn).await?;
+            let inserted = sqlx::query(&self.sql.insert)
+                .bind(&key.as_bytes()[..])
+                .bind(token)
+                .bind(fingerprint)
+                .bind(&nonce_bytes[..])
+                .bind(millis(lease))
+                .execute(&mut *conn)
+                .await?;
+            if inserted.rows_affected() == 1 {
                 return Ok(Ok(token));
             }
-            // The ignored insert holds a shared lock on the row until its transaction ends:
-            // ended here, so that duplicates that all found the row cannot deadlock on it.
-            tx.rollback().await?;
-            // A row: locked, then looked at, then taken over if it lapsed.
+            // A row: locked, then looked at, then taken over if it lapsed, with a token
+            // drawn after the lock (so above the row's, whenever that was drawn).
             let mut tx = sqlx::Connection::begin(&mut *conn).await?;
             let Some(row) = sqlx::query(&self.sql.lock)
                 .bind(&key.as_bytes()[..])
@@ -441,8 +522,15 @@ impl MySqlStore {
             if live != 0 && !sql::is_ours(&row, nonce) {
                 return Ok(Err(row)); // the transaction rolls back when dropped
             }
-            let take = self.sql.take_message(key, fingerprint, Some(nonce), lease);
-            let token = taken(&mut tx, &take).await?;
+            let token = self.draw(&mut tx).await?;
+            sqlx::query(&self.sql.take)
+                .bind(token)
+                .bind(fingerprint)
+                .bind(&nonce_bytes[..])
+                .bind(millis(lease))
+                .bind(&key.as_bytes()[..])
+                .execute(&mut *tx)
+                .await?;
             tx.commit().await?;
             return Ok(Ok(token));
         }
