@@ -333,24 +333,6 @@ impl MySqlStore {
     }
 }
 
-/// Runs an [`insert_message`](Statements::insert_message) on `conn`: whether it inserted
-/// the row, and the token it drew.
-async fn inserted(
-    conn: &mut sqlx::MySqlConnection,
-    message: &str,
-) -> Result<(bool, Token), sqlx::Error> {
-    let row = sqlx::Executor::fetch_one(&mut *conn, sqlx::raw_sql(message)).await?;
-    let (inserted, token): (i64, i64) = (row.try_get(0)?, row.try_get(1)?);
-    Ok((inserted == 1, Token::new(token.unsigned_abs())))
-}
-
-/// Runs a [`take_message`](Statements::take_message) on `conn`: the token it drew.
-async fn taken(conn: &mut sqlx::MySqlConnection, message: &str) -> Result<Token, sqlx::Error> {
-    let row = sqlx::Executor::fetch_one(&mut *conn, sqlx::raw_sql(message)).await?;
-    let token: i64 = row.try_get(0)?;
-    Ok(Token::new(token.unsigned_abs()))
-}
-
 /// Whether a server of `version` (`SELECT VERSION()`: `8.0.36`, `10.11.6-MariaDB-0+deb12u1`)
 /// keeps a table's `AUTO_INCREMENT` across restarts: MySQL from 8.0, MariaDB from 10.2.4.
 fn keeps_auto_increment(version: &str) -> bool {

@@ -52,46 +52,44 @@ impl Statements {
         )
     }
 
-    /// The first claim of a key that has no row, as one message: a token drawn, and the
-    /// row inserted with it unless one is there. Its one row of answer: whether the row was
-    /// inserted (1 or 0), and the token. Every literal is the runtime's own: bytes in hex,
-    /// numbers in digits.
+    /// The first claim, in the caller's transaction, of a key that has no row, as one
+    /// message: a token drawn, and the row inserted with it unless one is there. Its one row
+    /// of answer: whether the row was inserted (1 or 0), and the token. (No nonce: a claim
+    /// in a transaction is never taken again by its own caller.)
     pub(super) fn insert_message(
         &self,
         key: &Key,
         fingerprint: Option<&Fingerprint>,
-        nonce: Option<u64>,
         lease: Duration,
     ) -> String {
-        let [fingerprint, nonce] = literals(fingerprint, nonce);
         format!(
             "{}; INSERT IGNORE INTO `{}` (`key`, token, completed, fingerprint, value, expires_at) \
-             VALUES (X'{}', LAST_INSERT_ID(), FALSE, {fingerprint}, {nonce}, {NOW} + {}); \
+             VALUES (X'{}', LAST_INSERT_ID(), FALSE, {}, NULL, {NOW} + {}); \
              SELECT CAST(ROW_COUNT() AS SIGNED), CAST(LAST_INSERT_ID() AS SIGNED)",
             self.draw,
             self.table,
             hex::encode(key.as_bytes()),
+            fingerprint_literal(fingerprint),
             millis(lease)
         )
     }
 
-    /// The takeover of the key's row, which the caller's transaction has locked, as one
-    /// message: a token drawn after the lock (so above the row's), and the row rewritten
-    /// with it. Its one row of answer: the token.
+    /// The takeover, in the caller's transaction, of the key's row, which that transaction
+    /// has locked, as one message: a token drawn after the lock (so above the row's), and
+    /// the row rewritten with it. Its one row of answer: the token.
     pub(super) fn take_message(
         &self,
         key: &Key,
         fingerprint: Option<&Fingerprint>,
-        nonce: Option<u64>,
         lease: Duration,
     ) -> String {
-        let [fingerprint, nonce] = literals(fingerprint, nonce);
         format!(
-            "{}; UPDATE `{}` SET token = LAST_INSERT_ID(), completed = FALSE, \
-             fingerprint = {fingerprint}, value = {nonce}, expires_at = {NOW} + {} \
-             WHERE `key` = X'{}'; SELECT CAST(LAST_INSERT_ID() AS SIGNED)",
+            "{}; UPDATE `{}` SET token = LAST_INSERT_ID(), completed = FALSE, fingerprint = {}, \
+             value = NULL, expires_at = {NOW} + {} WHERE `key` = X'{}'; \
+             SELECT CAST(LAST_INSERT_ID() AS SIGNED)",
             self.draw,
             self.table,
+            fingerprint_literal(fingerprint),
             millis(lease),
             hex::encode(key.as_bytes())
         )
@@ -231,15 +229,9 @@ impl Statements {
     }
 }
 
-/// A claim's fingerprint and nonce as SQL literals: bytes in hex, or `NULL`.
-fn literals(fingerprint: Option<&Fingerprint>, nonce: Option<u64>) -> [String; 2] {
-    let hex_or_null = |bytes: Option<&[u8]>| {
-        bytes.map_or("NULL".to_string(), |bytes| {
-            format!("X'{}'", hex::encode(bytes))
-        })
-    };
-    [
-        hex_or_null(fingerprint.map(|f| &f.as_bytes()[..])),
-        hex_or_null(nonce.map(u64::to_be_bytes).as_ref().map(|n| &n[..])),
-    ]
+/// A fingerprint as an SQL literal: its bytes in hex, or `NULL`.
+fn fingerprint_literal(fingerprint: Option<&Fingerprint>) -> String {
+    fingerprint.map_or("NULL".to_string(), |f| {
+        format!("X'{}'", hex::encode(f.as_bytes()))
+    })
 }

@@ -143,10 +143,10 @@ impl MySqlStore {
         let restore = "SET SESSION innodb_lock_wait_timeout = @idem_lock_wait";
         let insert = self
             .sql
-            .insert_message(call.key, call.fingerprint, None, call.lease);
+            .insert_message(call.key, call.fingerprint, call.lease);
         let message = format!("{set_wait}; {insert}; {restore}");
         for _ in 0..CLAIM_LOOKS {
-            match super::inserted(connection, &message).await {
+            match inserted(connection, &message).await {
                 Ok((true, token)) => return Ok(Claim::Acquired { token }),
                 Ok((false, _)) => {}
                 Err(err) => {
@@ -190,10 +190,28 @@ impl MySqlStore {
         }
         let take = self
             .sql
-            .take_message(call.key, call.fingerprint, None, call.lease);
-        let token = super::taken(connection, &take).await?;
+            .take_message(call.key, call.fingerprint, call.lease);
+        let token = taken(connection, &take).await?;
         Ok(Some(Claim::Acquired { token }))
     }
+}
+
+/// Runs an [`insert_message`](super::Statements::insert_message) on `conn`: whether it inserted
+/// the row, and the token it drew.
+async fn inserted(
+    conn: &mut sqlx::MySqlConnection,
+    message: &str,
+) -> Result<(bool, Token), sqlx::Error> {
+    let row = sqlx::Executor::fetch_one(&mut *conn, sqlx::raw_sql(message)).await?;
+    let (inserted, token): (i64, i64) = (row.try_get(0)?, row.try_get(1)?);
+    Ok((inserted == 1, Token::new(token.unsigned_abs())))
+}
+
+/// Runs a [`take_message`](super::Statements::take_message) on `conn`: the token it drew.
+async fn taken(conn: &mut sqlx::MySqlConnection, message: &str) -> Result<Token, sqlx::Error> {
+    let row = sqlx::Executor::fetch_one(&mut *conn, sqlx::raw_sql(message)).await?;
+    let token: i64 = row.try_get(0)?;
+    Ok(Token::new(token.unsigned_abs()))
 }
 
 fn decode(err: Error) -> sqlx::Error {
