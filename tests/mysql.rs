@@ -216,57 +216,140 @@ async fn expired_rows_are_purged_and_live_ones_kept() {
     assert_eq!(rows(live).await, 1, "the live claim's row stays");
 }
 
-/// A table made by an earlier version drew its tokens from a counter: once migrated, the
-/// tokens drawn from the `AUTO_INCREMENT` start above the counter's last; the purge leaves
-/// the token table only its newest row.
+/// A table made by an earlier version, whose tokens came from tables of their own (a
+/// counter, then an `AUTO_INCREMENT` of its own), is upgraded once by two processes
+/// migrating at the same time: its records still replay, and every token taken after (a
+/// new key, a lapsed row taken over) is above every token it drew.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tokens_start_above_an_earlier_versions_counter_and_are_purged() {
+async fn an_earlier_versions_table_is_upgraded_and_its_tokens_start_above_it() {
     let Some(store) = mysql_store().await else {
         return;
     };
     let store = store.with_table("idem_upgraded").unwrap();
-    store.migrate().await.unwrap();
-    // As an earlier version left it: a counter far ahead, and no token table.
-    const LAST: i64 = 5_000_000_000;
-    for statement in [
-        "DROP TABLE idem_upgraded_tokens".to_string(),
-        format!("UPDATE idem_upgraded_token SET last = {LAST} WHERE id = 1"),
-    ] {
-        sqlx::query(&statement).execute(store.pool()).await.unwrap();
+    // The first versions kept a counter; later ones an `AUTO_INCREMENT` table above it.
+    for drawn in [None, Some(6_000_000_000)] {
+        upgrade_from_an_earlier_version(&store, 5_000_000_000, drawn).await;
     }
-    store.migrate().await.unwrap();
+}
+
+/// An earlier version's table with tokens up to 4e9 in its rows, `counter` in its counter
+/// and `drawn` in its token table (if it had one), migrated by two processes at once.
+async fn upgrade_from_an_earlier_version(store: &MySqlStore, counter: i64, drawn: Option<i64>) {
+    use idem_runtime::{Claim, Store};
+
+    let pool = store.pool().clone();
+    let in_rows = 4_000_000_000_i64;
+    let mut statements = vec![
+        "DROP TABLE IF EXISTS idem_upgraded, idem_upgraded_token, idem_upgraded_tokens".to_string(),
+        "CREATE TABLE idem_upgraded (`key` VARBINARY(32) NOT NULL PRIMARY KEY, \
+         token BIGINT NOT NULL, completed BOOLEAN NOT NULL, fingerprint VARBINARY(32) NULL, \
+         value LONGBLOB NULL, expires_at BIGINT NOT NULL, \
+         INDEX idem_upgraded_expires_at (expires_at)) ENGINE = InnoDB"
+            .to_string(),
+        "CREATE TABLE idem_upgraded_token (id TINYINT NOT NULL PRIMARY KEY, last BIGINT NOT NULL)"
+            .to_string(),
+        format!("INSERT INTO idem_upgraded_token VALUES (1, {counter})"),
+    ];
+    if let Some(drawn) = drawn {
+        statements.push(
+            "CREATE TABLE idem_upgraded_tokens (id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY)"
+                .to_string(),
+        );
+        statements.push(format!("INSERT INTO idem_upgraded_tokens VALUES ({drawn})"));
+    }
+    for statement in statements {
+        sqlx::query(&statement).execute(&pool).await.unwrap();
+    }
     let op = Operation::new(namespace("mysql.upgraded"));
-    for n in 0..5 {
-        let claimed =
-            idem_runtime::Store::claim(&store, &op.key(&n).unwrap(), None, Duration::from_secs(60))
-                .await
-                .unwrap();
-        let idem_runtime::Claim::Acquired { token } = claimed else {
-            panic!("{claimed:?}");
+    let (recorded, lapsed) = (op.key(&"recorded").unwrap(), op.key(&"lapsed").unwrap());
+    let now = "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6)) DIV 1000)";
+    for (key, token, completed, value, lease) in [
+        (&recorded, in_rows, true, Some(&b"receipt1"[..]), 3_600_000),
+        (&lapsed, in_rows - 1, false, None, -1),
+    ] {
+        let insert = format!("INSERT INTO idem_upgraded VALUES (?, ?, ?, NULL, ?, {now} + ?)");
+        sqlx::query(&insert)
+            .bind(&key.as_bytes()[..])
+            .bind(token)
+            .bind(completed)
+            .bind(value)
+            .bind(lease)
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+
+    // Two processes' pools.
+    let other = mysql_store()
+        .await
+        .unwrap()
+        .with_table("idem_upgraded")
+        .unwrap();
+    let (first, second) = tokio::join!(store.migrate(), other.migrate());
+    first.unwrap();
+    second.unwrap();
+    store.migrate().await.unwrap(); // and again, once upgraded: nothing to do
+
+    assert_eq!(
+        store
+            .claim(&recorded, None, Duration::from_secs(60))
+            .await
+            .unwrap(),
+        Claim::Completed {
+            value: idem_runtime::Bytes::from_static(b"receipt1"),
+            fingerprint: None
+        },
+        "a record of the earlier version replays"
+    );
+    for key in [lapsed, op.key(&"new").unwrap()] {
+        let claimed = store.claim(&key, None, Duration::from_secs(60)).await;
+        let Claim::Acquired { token } = claimed.unwrap() else {
+            panic!("a lapsed row or a new key is taken");
         };
         assert!(
-            token.get() > LAST as u64,
-            "{token:?} is not above the old counter"
+            token.get() > drawn.unwrap_or(counter) as u64,
+            "{token:?} is not above the earlier version's tokens"
         );
     }
-    let rows = || async {
-        let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idem_upgraded_tokens")
-            .fetch_one(store.pool())
-            .await
-            .unwrap();
-        rows
+}
+
+/// InnoDB keeps the `AUTO_INCREMENT` past the rows that held the largest tokens: a key
+/// claimed after they were purged, or removed, takes a larger token still.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_grow_after_the_rows_with_the_largest_are_deleted() {
+    use idem_runtime::{Claim, Store};
+
+    let Some(store) = mysql_store().await else {
+        return;
     };
-    assert!(rows().await >= 5, "a row per token drawn, until the purge");
-    store.purge_expired().await.unwrap();
-    assert_eq!(rows().await, 1, "the purge keeps only the newest");
-    let claimed =
-        idem_runtime::Store::claim(&store, &op.key(&5).unwrap(), None, Duration::from_secs(60))
-            .await
-            .unwrap();
-    assert!(
-        matches!(claimed, idem_runtime::Claim::Acquired { token } if token.get() > LAST as u64 + 5),
-        "tokens go on growing after the purge: {claimed:?}"
-    );
+    let store = store.with_table("idem_token_growth").unwrap();
+    store.migrate().await.unwrap();
+    let op = Operation::new(namespace("mysql.token.growth"));
+    let mut last = 0;
+    for round in 0..3 {
+        let key = op.key(&round).unwrap();
+        let lease = Duration::from_millis(100);
+        let Claim::Acquired { token } = store.claim(&key, None, lease).await.unwrap() else {
+            panic!("a fresh key is free");
+        };
+        assert!(token.get() > last, "{token:?} after {last}");
+        last = token.get();
+        if round % 2 == 0 {
+            assert!(store.remove(&key).await.unwrap());
+        } else {
+            while store.lease_left(&key).await.unwrap().is_some() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert!(store.purge_expired().await.unwrap() >= 1);
+        }
+        let left: i64 =
+            sqlx::query_scalar("SELECT COUNT(*) FROM idem_token_growth WHERE `key` = ?")
+                .bind(&key.as_bytes()[..])
+                .fetch_one(store.pool())
+                .await
+                .unwrap();
+        assert_eq!(left, 0, "the row with the largest token is gone");
+    }
 }
 
 /// The server SIGKILLed and started again (a private `mariadbd`): the store's pool
@@ -300,6 +383,14 @@ async fn a_server_killed_and_restarted_keeps_records_and_tokens_grow() {
     let Claim::Acquired { token: before } = store.claim(&held, None, lease).await.unwrap() else {
         panic!("a fresh key is free");
     };
+    // The largest token drawn, in a row deleted before the crash: a server that took its
+    // AUTO_INCREMENT from the rows on restart would give it again.
+    let removed = op.key(&3).unwrap();
+    let Claim::Acquired { token: largest } = store.claim(&removed, None, lease).await.unwrap()
+    else {
+        panic!("a fresh key is free");
+    };
+    assert!(store.remove(&removed).await.unwrap());
 
     server.kill();
     server.start_again();
@@ -323,8 +414,8 @@ async fn a_server_killed_and_restarted_keeps_records_and_tokens_grow() {
         panic!("the lapsed key is taken over");
     };
     assert!(
-        after > before,
-        "tokens grow through the crash: {after:?} after {before:?}"
+        after > largest && largest > before,
+        "tokens grow through the crash: {after:?} after {largest:?} and {before:?}"
     );
     assert!(
         !store
@@ -341,15 +432,14 @@ async fn a_server_killed_and_restarted_keeps_records_and_tokens_grow() {
 
 /// A purge beside a claim in a caller's open transaction neither waits for that
 /// transaction nor fails: it reads what to delete without locking, and deletes by key. The
-/// rows the transaction wrote (its claim, the token it drew) are left, and the next purge
-/// deletes the token row; the token table keeps only its newest row.
+/// transaction's claim is left to it, and commits with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_purge_beside_an_open_transactions_claim_neither_waits_nor_fails() {
     let Some(store) = mysql_store().await else {
         return;
     };
     let store = store
-        .with_table("idem_token_purge")
+        .with_table("idem_open_purge")
         .unwrap()
         .with_timeout(Duration::from_secs(10));
     store.migrate().await.unwrap();
@@ -371,19 +461,13 @@ async fn a_purge_beside_an_open_transactions_claim_neither_waits_nor_fails() {
     }
     let pool = sqlx::mysql::MySqlPool::connect(&mysql_url()).await.unwrap();
     let mut open = pool.begin().await.unwrap();
+    let in_open = op.key(&1).unwrap();
     let ran = op
-        .run_in_transaction(&store, &mut open, &op.key(&1).unwrap(), None, async |_| {
+        .run_in_transaction(&store, &mut open, &in_open, None, async |_| {
             Ok::<u8, Error>(1)
         })
         .await;
     assert_eq!(ran.unwrap(), idem_runtime::Outcome::Executed(1));
-    // A newer token, so that the open transaction's is below the newest.
-    let newer = op.key(&2).unwrap();
-    let claimed = idem_runtime::Store::claim(&store, &newer, None, Duration::from_secs(60)).await;
-    assert!(matches!(
-        claimed.unwrap(),
-        idem_runtime::Claim::Acquired { .. }
-    ));
 
     // Waiting for the open transaction would end in the store's timeout, an error.
     assert!(
@@ -391,13 +475,18 @@ async fn a_purge_beside_an_open_transactions_claim_neither_waits_nor_fails() {
         "the expired row went"
     );
     open.commit().await.unwrap();
-    store.purge_expired().await.unwrap();
-    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM idem_token_purge_tokens")
-        .fetch_one(store.pool())
-        .await
-        .unwrap();
+    let replayed = op
+        .run_in_transaction(
+            &store,
+            &mut pool.begin().await.unwrap(),
+            &in_open,
+            None,
+            async |_| Ok::<u8, Error>(2),
+        )
+        .await;
     assert_eq!(
-        rows, 1,
-        "the next purge deleted the token row, keeping the newest"
+        replayed.unwrap(),
+        idem_runtime::Outcome::Replayed(1),
+        "the open transaction's claim was left to it and committed with it"
     );
 }

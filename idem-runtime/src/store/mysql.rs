@@ -7,40 +7,42 @@
 //! ```sql
 //! CREATE TABLE idem_records (
 //!     `key`       VARBINARY(32) NOT NULL PRIMARY KEY, -- sha256 of (version, namespace, key value)
-//!     token       BIGINT        NOT NULL,             -- fencing token, from idem_records_tokens
+//!     token       BIGINT NOT NULL AUTO_INCREMENT,     -- fencing token, taken by the row's insert
 //!     completed   BOOLEAN       NOT NULL,             -- 0: in progress; 1: completed
 //!     fingerprint VARBINARY(32),                      -- 32 bytes, or NULL
 //!     value       LONGBLOB,                           -- the result once completed; the claim's nonce before
 //!     expires_at  BIGINT        NOT NULL,             -- lease end or result expiry, Unix ms
+//!     INDEX idem_records_token (token),
 //!     INDEX idem_records_expires_at (expires_at)
 //! ) ENGINE = InnoDB;
-//! -- tokens: the next value of its AUTO_INCREMENT (the purge deletes its rows but the newest)
-//! CREATE TABLE idem_records_tokens (id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY) ENGINE = InnoDB;
-//! -- the counter of earlier versions, which the tokens start above
-//! CREATE TABLE idem_records_token (id TINYINT PRIMARY KEY, last BIGINT NOT NULL) ENGINE = InnoDB;
 //! ```
 //!
 //! Expiry is judged by the server's clock (`UTC_TIMESTAMP(6)`, whatever the session's time
 //! zone), which every process reads alike. A claim first reads the key's live row (a replay or
 //! a held key writes nothing). A key with no row is taken by an `INSERT IGNORE`: the primary
 //! key lets one insert in. A key with a row that lapsed is taken in a transaction that locks
-//! that row (`SELECT … FOR UPDATE`) before it looks and writes, so two processes can never
-//! both take it. A token is a row inserted into the token table, which takes the next value
-//! of its `AUTO_INCREMENT`: InnoDB releases that lock at the end of the insert and keeps the
-//! value across restarts (MySQL from 8.0, MariaDB from 10.2.4; `migrate` refuses older
-//! servers), so tokens grow across rows, processes and restarts and no claim waits for
-//! another's token. An ordinary claim draws it in a statement of its own before its insert
-//! (two short statements: under 64 callers, one transaction around both served 16 % fewer
-//! claims); a takeover draws it after it locked the row, in its transaction; a claim in a
-//! caller's transaction draws it there, so it costs no commit of its own. Every other
-//! operation is one statement. Expired rows, and the token table's rows but its newest, are
-//! deleted by [`purge_expired`](MySqlStore::purge_expired) or the task of
+//! that row (`SELECT … FOR UPDATE`) before it looks, then replaces it (`REPLACE`), so two
+//! processes can never both take it.
+//!
+//! A token is the next value of the table's `AUTO_INCREMENT`, taken by the statement that
+//! writes the claim's row: a first claim is one write that commits by itself, a takeover's
+//! token is taken after its lock (so above the row's), and a claim in a caller's transaction
+//! takes its token there. InnoDB releases that lock as soon as the value is taken (with
+//! `innodb_autoinc_lock_mode` 1 or 2, every server's default since MySQL 5.1; mode 0 holds it
+//! to the end of each insert, which then queues claims behind a claim that waits for a row
+//! lock), and keeps the value across restarts and after the rows holding the largest are
+//! deleted (MySQL from 8.0, MariaDB from 10.2.4; `migrate` refuses older servers), so tokens
+//! grow across rows, processes and restarts. `TRUNCATE TABLE` starts them again from 1: delete
+//! rows instead. Every other operation is one statement.
+//!
+//! Expired rows are deleted by [`purge_expired`](MySqlStore::purge_expired) or the task of
 //! [`purge_every`](MySqlStore::purge_every), which read what to delete without a lock and
 //! delete it by key, so that they never wait for a caller's open transaction; until then an
 //! expired row counts as absent.
 //!
-//! All processes on a table should run a version that draws tokens the same way: one that
-//! still bumps the counter would draw tokens the others' do not follow.
+//! All processes on a table should run a version that takes tokens the same way: an earlier
+//! one, which drew them from a table of their own, would draw tokens the others do not follow.
+//! [`migrate`](MySqlStore::migrate) upgrades such a table once.
 
 use std::fmt;
 use std::sync::Arc;
@@ -158,8 +160,13 @@ impl MySqlStore {
         &self.sql.table
     }
 
-    /// Creates the table, its index and its token tables if they are absent. Safe to run
-    /// from several processes at once.
+    /// Creates the table and its indexes if they are absent. Safe to run from several
+    /// processes at once.
+    ///
+    /// A table made by an earlier version, whose tokens came from a table of their own, is
+    /// upgraded once (its `token` column becomes the `AUTO_INCREMENT`, starting above every
+    /// token already drawn). That rebuilds the table, holding its writes meanwhile, and is
+    /// not bound by the store's timeout.
     ///
     /// # Errors
     ///
@@ -167,67 +174,111 @@ impl MySqlStore {
     /// server forgets an `AUTO_INCREMENT` on restart (MySQL before 8.0, MariaDB before
     /// 10.2.4): its fencing tokens could go back, so it is refused.
     pub async fn migrate(&self) -> Result<(), Error> {
-        let version: String = self
-            .within(sqlx::query_scalar("SELECT VERSION()").fetch_one(&self.pool))
+        let (version, lock_mode): (String, i64) = self
+            .within(
+                sqlx::query_as("SELECT VERSION(), CAST(@@innodb_autoinc_lock_mode AS SIGNED)")
+                    .fetch_one(&self.pool),
+            )
             .await?;
         if !keeps_auto_increment(&version) {
             return Err(Error::store(format!(
                 "MySQL {version} forgets an AUTO_INCREMENT on restart, so fencing tokens could go back: use MySQL 8.0 or MariaDB 10.2.4 or later"
             )));
         }
-        self.within(async {
-            for statement in &self.sql.create {
-                sqlx::query(statement).execute(&self.pool).await?;
+        if lock_mode == 0 {
+            tracing::warn!(
+                table = %self.sql.table,
+                "innodb_autoinc_lock_mode = 0 holds the AUTO_INCREMENT lock to the end of each insert: claims queue behind a claim that waits for a row lock; set it to 1 or 2"
+            );
+        }
+        let mut conn = self.within(self.pool.acquire()).await?;
+        let made = self
+            .within(async {
+                sqlx::query(&self.sql.create).execute(&mut *conn).await?;
+                self.tokens_grow(&mut conn).await
+            })
+            .await?;
+        if made {
+            return Ok(());
+        }
+        // Serialised across processes (a named lock), and looked at again under it.
+        let lock = format!("'idem_migrate_{}'", self.sql.table);
+        let upgraded = async {
+            let locked: Option<i64> = sqlx::query_scalar(&format!("SELECT GET_LOCK({lock}, 60)"))
+                .fetch_one(&mut *conn)
+                .await?;
+            if locked != Some(1) {
+                return Err(sqlx::Error::Protocol(
+                    "another process held the migration's lock for a minute".into(),
+                ));
             }
-            Ok(())
-        })
-        .await
+            let upgraded = self.upgrade(&mut conn).await;
+            sqlx::query(&format!("SELECT RELEASE_LOCK({lock})"))
+                .execute(&mut *conn)
+                .await?;
+            upgraded
+        };
+        upgraded.await.map_err(Error::store)
+    }
+
+    /// Whether the table's `token` column is the `AUTO_INCREMENT` tokens come from.
+    async fn tokens_grow(&self, conn: &mut sqlx::MySqlConnection) -> Result<bool, sqlx::Error> {
+        let extra: Option<String> = sqlx::query_scalar(&self.sql.token_column)
+            .bind(&self.sql.table)
+            .fetch_optional(&mut *conn)
+            .await?;
+        Ok(extra.is_some_and(|extra| extra.to_ascii_lowercase().contains("auto_increment")))
+    }
+
+    /// Makes an earlier version's `token` column the `AUTO_INCREMENT`, starting above the
+    /// table's tokens and above what its token tables drew (they are left as they are).
+    async fn upgrade(&self, conn: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
+        if self.tokens_grow(conn).await? {
+            return Ok(()); // another process upgraded it first
+        }
+        let mut floor: i64 = sqlx::query_scalar(&self.sql.upgrade_floor)
+            .fetch_one(&mut *conn)
+            .await?;
+        let legacy: Vec<(String, String)> = sqlx::query_as(&self.sql.legacy)
+            .fetch_all(&mut *conn)
+            .await?;
+        for (table, column) in legacy {
+            // Names from `Statements::legacy`: this table's name and a suffix, both checked.
+            let drawn: i64 = sqlx::query_scalar(&format!(
+                "SELECT CAST(COALESCE(MAX(`{column}`), 0) AS SIGNED) FROM `{table}`"
+            ))
+            .fetch_one(&mut *conn)
+            .await?;
+            floor = floor.max(drawn);
+        }
+        let upgrade = format!("{}{}", self.sql.upgrade, floor + 1);
+        sqlx::Executor::execute(&mut *conn, sqlx::raw_sql(&upgrade)).await?;
+        Ok(())
     }
 
     /// Deletes every expired row (lapsed claims, results past their TTL), in batches of
-    /// 1000, and the token table's rows but its newest. Returns how many expired rows. Rows
-    /// an open transaction holds are left for a later purge, never waited for.
+    /// 1000. Returns how many. Rows an open transaction holds are left for a later purge,
+    /// never waited for.
     ///
     /// # Errors
     ///
     /// [`Error::Store`] when the statement fails.
     pub async fn purge_expired(&self) -> Result<u64, Error> {
-        let purged = self
-            .purge(
-                &self.sql.expired,
-                &self.sql.delete_expired,
-                |key: Vec<u8>| format!("X'{}'", hex::encode(key)),
-            )
-            .await?;
-        self.purge(&self.sql.old_tokens, &self.sql.delete_tokens, |id: i64| {
-            id.to_string()
-        })
-        .await?;
-        Ok(purged)
-    }
-
-    /// Deletes, a batch at a time, the rows `select` names (by a read that locks nothing),
-    /// with `delete` and their keys written in as `literal` writes them. Returns how many.
-    async fn purge<K>(
-        &self,
-        select: &str,
-        delete: &str,
-        literal: impl Fn(K) -> String,
-    ) -> Result<u64, Error>
-    where
-        K: for<'r> sqlx::Decode<'r, sqlx::MySql> + sqlx::Type<sqlx::MySql> + Send + Unpin,
-    {
         let mut purged = 0;
         loop {
-            let keys: Vec<K> = self
-                .within(sqlx::query_scalar(select).fetch_all(&self.pool))
+            // Read without a lock, then deleted by key (see `Statements::expired`).
+            let keys: Vec<Vec<u8>> = self
+                .within(sqlx::query_scalar(&self.sql.expired).fetch_all(&self.pool))
                 .await?;
             if keys.is_empty() {
                 return Ok(purged);
             }
             let batch = keys.len();
-            let listed: Vec<String> = keys.into_iter().map(&literal).collect();
-            let statement = format!("{delete}({})", listed.join(", "));
+            let listed: Vec<String> = keys
+                .iter()
+                .map(|key| format!("X'{}'", hex::encode(key)))
+                .collect();
+            let statement = format!("{}({})", self.sql.delete_expired, listed.join(", "));
             let done = self
                 .within(sqlx::Executor::execute(
                     &self.pool,
@@ -260,12 +311,6 @@ impl MySqlStore {
         sql::within("mysql", self.timeout, operation).await
     }
 
-    /// A token, drawn on `conn` (in its transaction, if it is in one).
-    async fn draw(&self, conn: &mut sqlx::MySqlConnection) -> Result<Token, sqlx::Error> {
-        let drawn = sqlx::query(&self.sql.draw).execute(&mut *conn).await?;
-        Ok(Token::new(drawn.last_insert_id()))
-    }
-
     /// Takes the key if no live row holds it (or a row of the caller's own lost claim).
     async fn take(
         &self,
@@ -278,23 +323,21 @@ impl MySqlStore {
         let fingerprint = fingerprint.map(|f| &f.as_bytes()[..]);
         let nonce_bytes = nonce.to_be_bytes();
         for _ in 0..CLAIM_LOOKS {
-            // No row: the primary key lets one insert in. Two statements that commit by
-            // themselves (the token's draw, the insert): cheaper under a crowd than one
-            // transaction around both, which costs two more round trips.
-            let token = self.draw(&mut conn).await?;
+            // No row: the primary key lets one insert in, which takes the next token. It
+            // commits by itself, so the shared lock an ignored insert takes on the row ends
+            // with it (in a transaction, claimers upgrading it below would deadlock).
             let inserted = sqlx::query(&self.sql.insert)
                 .bind(&key.as_bytes()[..])
-                .bind(token)
                 .bind(fingerprint)
                 .bind(&nonce_bytes[..])
                 .bind(millis(lease))
                 .execute(&mut *conn)
                 .await?;
             if inserted.rows_affected() == 1 {
-                return Ok(Ok(token));
+                return Ok(Ok(Token::new(inserted.last_insert_id())));
             }
-            // A row: locked, then looked at, then taken over if it lapsed, with a token
-            // drawn after the lock (so above the row's, whenever that was drawn).
+            // A row: locked, then looked at, then replaced if it lapsed, by a row whose
+            // token is taken after the lock (so above the row's, whenever that was taken).
             let mut tx = sqlx::Connection::begin(&mut *conn).await?;
             let Some(row) = sqlx::query(&self.sql.lock)
                 .bind(&key.as_bytes()[..])
@@ -307,17 +350,15 @@ impl MySqlStore {
             if live != 0 && !sql::is_ours(&row, nonce) {
                 return Ok(Err(row)); // the transaction rolls back when dropped
             }
-            let token = self.draw(&mut tx).await?;
-            sqlx::query(&self.sql.take)
-                .bind(token)
+            let taken = sqlx::query(&self.sql.take)
+                .bind(&key.as_bytes()[..])
                 .bind(fingerprint)
                 .bind(&nonce_bytes[..])
                 .bind(millis(lease))
-                .bind(&key.as_bytes()[..])
                 .execute(&mut *tx)
                 .await?;
             tx.commit().await?;
-            return Ok(Ok(token));
+            return Ok(Ok(Token::new(taken.last_insert_id())));
         }
         Err(sqlx::Error::Protocol(
             "the key's row kept vanishing while it was claimed".into(),
@@ -437,7 +478,7 @@ impl Store for MySqlStore {
         .await
     }
 
-    /// Claim tokens already grow here (they come from the token table's `AUTO_INCREMENT`):
+    /// Claim tokens already grow here (they are the table's `AUTO_INCREMENT`):
     /// the claim's own token is its fencing token.
     async fn fence(&self, _: &Key, token: Token) -> Result<Option<Token>, Error> {
         Ok(Some(token))

@@ -13,10 +13,17 @@ const NOW: &str = "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMEST
 /// The statements of one table, written once.
 pub(super) struct Statements {
     pub(super) table: String,
-    pub(super) create: [String; 5],
-    /// Draws a token: the insert's id, also the connection's `LAST_INSERT_ID()` (see
-    /// [`Statements::of`]).
-    pub(super) draw: String,
+    pub(super) create: String,
+    /// The `token` column's `EXTRA` (`auto_increment` once migrated), by table name.
+    pub(super) token_column: String,
+    /// Makes an earlier version's `token` column an `AUTO_INCREMENT`, less its start.
+    pub(super) upgrade: String,
+    /// The largest token an earlier version's table and token tables hold, if any (see
+    /// `upgrade`).
+    pub(super) upgrade_floor: String,
+    /// The token tables of earlier versions (a counter `<table>_token (last)`, then an
+    /// `AUTO_INCREMENT` `<table>_tokens (id)`), as (table, column) rows.
+    pub(super) legacy: String,
     pub(super) live: String,
     pub(super) insert: String,
     pub(super) lock: String,
@@ -33,10 +40,6 @@ pub(super) struct Statements {
     /// A batch of expired rows' keys, and the start of the statement that deletes them.
     pub(super) expired: String,
     pub(super) delete_expired: String,
-    /// A batch of the token table's rows below its newest, and the start of the statement
-    /// that deletes them.
-    pub(super) old_tokens: String,
-    pub(super) delete_tokens: String,
 }
 
 impl Statements {
@@ -53,9 +56,9 @@ impl Statements {
     }
 
     /// The first claim, in the caller's transaction, of a key that has no row, as one
-    /// message: a token drawn, and the row inserted with it unless one is there. Its one row
-    /// of answer: whether the row was inserted (1 or 0), and the token. (No nonce: a claim
-    /// in a transaction is never taken again by its own caller.)
+    /// message: the row inserted unless one is there, with the next token. Its one row of
+    /// answer: whether the row was inserted (1 or 0), and the token. (No nonce: a claim in a
+    /// transaction is never taken again by its own caller.)
     pub(super) fn insert_message(
         &self,
         key: &Key,
@@ -63,10 +66,9 @@ impl Statements {
         lease: Duration,
     ) -> String {
         format!(
-            "{}; INSERT IGNORE INTO `{}` (`key`, token, completed, fingerprint, value, expires_at) \
-             VALUES (X'{}', LAST_INSERT_ID(), FALSE, {}, NULL, {NOW} + {}); \
+            "INSERT IGNORE INTO `{}` (`key`, completed, fingerprint, value, expires_at) \
+             VALUES (X'{}', FALSE, {}, NULL, {NOW} + {}); \
              SELECT CAST(ROW_COUNT() AS SIGNED), CAST(LAST_INSERT_ID() AS SIGNED)",
-            self.draw,
             self.table,
             hex::encode(key.as_bytes()),
             fingerprint_literal(fingerprint),
@@ -75,8 +77,8 @@ impl Statements {
     }
 
     /// The takeover, in the caller's transaction, of the key's row, which that transaction
-    /// has locked, as one message: a token drawn after the lock (so above the row's), and
-    /// the row rewritten with it. Its one row of answer: the token.
+    /// has locked, as one message: the row replaced by one with the next token (drawn after
+    /// the lock, so above the row's). Its one row of answer: the token.
     pub(super) fn take_message(
         &self,
         key: &Key,
@@ -84,14 +86,13 @@ impl Statements {
         lease: Duration,
     ) -> String {
         format!(
-            "{}; UPDATE `{}` SET token = LAST_INSERT_ID(), completed = FALSE, fingerprint = {}, \
-             value = NULL, expires_at = {NOW} + {} WHERE `key` = X'{}'; \
+            "REPLACE INTO `{}` (`key`, completed, fingerprint, value, expires_at) \
+             VALUES (X'{}', FALSE, {}, NULL, {NOW} + {}); \
              SELECT CAST(LAST_INSERT_ID() AS SIGNED)",
-            self.draw,
             self.table,
+            hex::encode(key.as_bytes()),
             fingerprint_literal(fingerprint),
-            millis(lease),
-            hex::encode(key.as_bytes())
+            millis(lease)
         )
     }
 
@@ -128,49 +129,46 @@ impl Statements {
     /// The statements of a checked table name.
     pub(super) fn of(name: &str) -> Self {
         let t = format!("`{name}`");
-        let counter = format!("`{name}_token`");
-        let tokens = format!("`{name}_tokens`");
         let index = format!("`{name}_expires_at`");
+        let token_index = format!("`{name}_token`");
         let live_row = format!("`key` = ? AND expires_at > {NOW}");
         Self {
             table: name.to_string(),
-            create: [
-                format!(
-                    "CREATE TABLE IF NOT EXISTS {t} (\
-                        `key` VARBINARY(32) NOT NULL PRIMARY KEY, \
-                        token BIGINT NOT NULL, \
-                        completed BOOLEAN NOT NULL, \
-                        fingerprint VARBINARY(32) NULL, \
-                        value LONGBLOB NULL, \
-                        expires_at BIGINT NOT NULL, \
-                        INDEX {index} (expires_at)) ENGINE = InnoDB"
-                ),
-                format!(
-                    "CREATE TABLE IF NOT EXISTS {counter} (\
-                        id TINYINT NOT NULL PRIMARY KEY, last BIGINT NOT NULL) ENGINE = InnoDB"
-                ),
-                format!("INSERT IGNORE INTO {counter} (id, last) VALUES (1, 0)"),
-                format!(
-                    "CREATE TABLE IF NOT EXISTS {tokens} (\
-                        id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY) ENGINE = InnoDB"
-                ),
-                // A table made by an earlier version drew its tokens from the counter: the
-                // tokens drawn from now on start above its last.
-                format!(
-                    "INSERT IGNORE INTO {tokens} (id) SELECT last FROM {counter} WHERE id = 1 AND last > 0"
-                ),
-            ],
-            // A row of the token table takes the next value of its AUTO_INCREMENT, which
-            // only grows (InnoDB keeps it across restarts). The insert waits for no other
-            // transaction: the AUTO_INCREMENT lock is released at the end of the statement,
-            // and the row is the drawer's own. So a token drawn inside a transaction (a
-            // takeover, or a claim in the caller's) costs no commit of its own, and that
-            // transaction holds no lock other claims need. The rows are deleted by the purge.
-            draw: format!("INSERT INTO {tokens} () VALUES ()"),
+            // A token is the next value of the table's AUTO_INCREMENT, taken by the insert
+            // (or the REPLACE of a takeover) that writes the row: no statement of its own.
+            // The value only grows (InnoDB keeps it across restarts, and after the rows that
+            // held the largest are deleted), and its lock is released as soon as it is
+            // taken, so no claim waits for another's token and a claim in a caller's
+            // transaction holds no lock other claims need for it.
+            create: format!(
+                "CREATE TABLE IF NOT EXISTS {t} (\
+                    `key` VARBINARY(32) NOT NULL PRIMARY KEY, \
+                    token BIGINT NOT NULL AUTO_INCREMENT, \
+                    completed BOOLEAN NOT NULL, \
+                    fingerprint VARBINARY(32) NULL, \
+                    value LONGBLOB NULL, \
+                    expires_at BIGINT NOT NULL, \
+                    INDEX {token_index} (token), \
+                    INDEX {index} (expires_at)) ENGINE = InnoDB"
+            ),
+            token_column: "SELECT EXTRA FROM information_schema.COLUMNS \
+                WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND COLUMN_NAME = 'token'"
+                .to_string(),
+            upgrade: format!(
+                "ALTER TABLE {t} MODIFY token BIGINT NOT NULL AUTO_INCREMENT, \
+                 ADD INDEX {token_index} (token), AUTO_INCREMENT = "
+            ),
+            upgrade_floor: format!("SELECT CAST(COALESCE(MAX(token), 0) AS SIGNED) FROM {t}"),
+            legacy: format!(
+                "SELECT TABLE_NAME, COLUMN_NAME FROM information_schema.COLUMNS \
+                 WHERE TABLE_SCHEMA = DATABASE() AND (\
+                    (TABLE_NAME = '{name}_token' AND COLUMN_NAME = 'last') OR \
+                    (TABLE_NAME = '{name}_tokens' AND COLUMN_NAME = 'id'))"
+            ),
             live: format!("SELECT token, completed, fingerprint, value FROM {t} WHERE {live_row}"),
             insert: format!(
-                "INSERT IGNORE INTO {t} (`key`, token, completed, fingerprint, value, expires_at) \
-                 VALUES (?, ?, FALSE, ?, ?, {NOW} + ?)"
+                "INSERT IGNORE INTO {t} (`key`, completed, fingerprint, value, expires_at) \
+                 VALUES (?, FALSE, ?, ?, {NOW} + ?)"
             ),
             lock: format!(
                 "SELECT token, completed, fingerprint, value, expires_at > {NOW} FROM {t} \
@@ -180,9 +178,10 @@ impl Statements {
                 "SELECT token, completed, fingerprint, value, expires_at > {NOW} FROM {t} \
                  WHERE `key` = ? LOCK IN SHARE MODE"
             ),
+            // The row replaced by a new one, which takes the next token.
             take: format!(
-                "UPDATE {t} SET token = ?, completed = FALSE, fingerprint = ?, value = ?, \
-                 expires_at = {NOW} + ? WHERE `key` = ?"
+                "REPLACE INTO {t} (`key`, completed, fingerprint, value, expires_at) \
+                 VALUES (?, FALSE, ?, ?, {NOW} + ?)"
             ),
             complete: format!(
                 "UPDATE {t} SET completed = TRUE, value = ?, expires_at = {NOW} + ? \
@@ -218,13 +217,6 @@ impl Statements {
             delete_expired: format!(
                 "DELETE FROM {t} WHERE expires_at + 0 <= {NOW} AND `key` IN "
             ),
-            // Every row but the newest, which keeps the AUTO_INCREMENT however the server
-            // treats an empty table. Rows of open transactions are not seen, and left.
-            old_tokens: format!(
-                "SELECT id FROM {tokens} WHERE id < (SELECT MAX(id) FROM {tokens}) \
-                 ORDER BY id LIMIT {PURGE_BATCH}"
-            ),
-            delete_tokens: format!("DELETE FROM {tokens} WHERE id IN "),
         }
     }
 }

@@ -8,10 +8,10 @@
 //! isolation level), and taken over only if it lapsed. A duplicate in another transaction
 //! waits on the holder's row lock, for the operation's wait (`innodb_lock_wait_timeout`, in whole seconds, set for the
 //! claim only), then sees the holder's committed record and replays it, or takes the key if
-//! the holder rolled back. The token is drawn in the caller's transaction, in the take's own
-//! message (the token table's `AUTO_INCREMENT`, see [`MySqlStore`]'s schema): it commits
-//! with the claim, and no lock is held for it past its statement. The draw sets the
-//! connection's `LAST_INSERT_ID()`.
+//! the holder rolled back. The token is the table's next `AUTO_INCREMENT`, taken by the
+//! insert (or the takeover's `REPLACE`) in the caller's transaction (see [`MySqlStore`]'s
+//! schema): it commits with the claim, and no lock is held for it past its statement. The
+//! insert sets the connection's `LAST_INSERT_ID()`.
 //!
 //! | outcome | round trips on the caller's connection |
 //! |---|---|
@@ -170,7 +170,7 @@ impl MySqlStore {
         ))
     }
 
-    /// The key's row, if it is still there: held, or taken over (with a token drawn after
+    /// The key's row, if it is still there: held, or taken over (with a token taken after
     /// the lock) because it lapsed.
     async fn take_lapsed(
         &self,
