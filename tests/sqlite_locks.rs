@@ -147,6 +147,50 @@ async fn a_writer_holding_the_lock_past_the_lease_does_not_lapse_a_live_holder()
     assert_eq!(runs.count(), 0, "the duplicate's body never ran");
 }
 
+/// The store-level core of the test above, without a holder's renewals racing the claim
+/// for the lock: a claim that waited out a lease for the file's lock finds the lapsed claim
+/// it came for given its time back (a lease from the moment the lock came free), not taken.
+/// A lone claim commits by itself only when it got the lock before such a wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_waited_out_a_lease_for_the_lock_gives_the_time_back() {
+    let path = fresh_file("time-back");
+    let holder = open(&path).await.with_timeout(Duration::from_secs(20));
+    let duplicate = open(&path).await.with_timeout(Duration::from_secs(20));
+    let lease = Duration::from_secs(1);
+    let key = Operation::new(namespace("sqlite.time-back"))
+        .key(&1)
+        .unwrap();
+    let Claim::Acquired { token } = holder.claim(&key, None, lease).await.unwrap() else {
+        panic!("a fresh key is free");
+    };
+
+    // The file locked (a process paused while it writes) until the claim lapsed, which
+    // nobody can write about meanwhile; then a duplicate comes and waits for the lock.
+    let writer = lock_the_file(&path).await;
+    while holder.lease_left(&key).await.unwrap().is_some() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (started, claiming) = tokio::sync::oneshot::channel();
+    let claim = tokio::spawn(async move {
+        let _ = started.send(());
+        duplicate.claim(&key, None, lease).await
+    });
+    claiming.await.unwrap();
+    tokio::time::sleep(lease * 2).await; // how much longer the writer holds the lock
+    assert!(!claim.is_finished(), "the claim waits for the lock");
+    unlock(writer).await;
+
+    assert_eq!(
+        claim.await.unwrap().unwrap(),
+        Claim::InProgress { fingerprint: None },
+        "the lapsed claim was given its time back, not taken over"
+    );
+    assert!(
+        holder.renew(&key, token, lease).await.unwrap(),
+        "its holder renews"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crowd_on_one_file_never_takes_a_key_from_a_live_holder() {
     // 4 pools (processes) × 64 callers, each key called once from every pool, every body

@@ -26,13 +26,16 @@
 //! Expiry is judged by SQLite's clock (`julianday('now')`), the host's: every process on
 //! the file reads the same one. A claim first reads the key's live row, which in WAL mode
 //! waits for no writer (a replay or a held key writes nothing); otherwise it takes the key
-//! in a `BEGIN IMMEDIATE` transaction, which holds the file's write lock from its first
-//! statement, so two processes can never both take one key. The take is one statement: its
-//! token is the counter's next, and the triggers move the counter up to it, so tokens grow
-//! across rows, processes and restarts. A table made before the triggers existed is refused
-//! (`Error::Store`, naming [`migrate`](SqliteStore::migrate)) until `migrate` has added them.
-//! Every other write is one statement; the writes queued in a process commit together (see
-//! below), and a lone one commits by itself. Expired rows are deleted by
+//! with one statement, which holds the file's write lock while it looks and writes, so two
+//! processes can never both take one key. Its token is the counter's next, and the triggers
+//! move the counter up to it, so tokens grow across rows, processes and restarts. A table
+//! made before the triggers existed is refused (`Error::Store`, naming
+//! [`migrate`](SqliteStore::migrate)) until `migrate` has added them. Every other write is
+//! one statement too; the writes queued in a process commit together in a `BEGIN IMMEDIATE`
+//! transaction (see below), and a lone one commits by itself: a lone take only when it got
+//! the lock before its caller stopped waiting and before leases were owed time back (the
+//! statement itself checks, by SQLite's clock), and in that transaction otherwise. Expired
+//! rows are deleted by
 //! [`purge_expired`](SqliteStore::purge_expired) or the task of
 //! [`purge_every`](SqliteStore::purge_every); until then an expired row counts as absent.
 //!
@@ -112,7 +115,12 @@ const LOCKED_OUT_FLOOR: Duration = Duration::from_millis(100);
 /// renewal, and the claim gives leases time back before it looks. A shorter wait cannot
 /// have cost a live holder its lease by itself.
 fn locked_out(waited: Duration, lease: Duration) -> bool {
-    waited >= (lease / 4).max(LOCKED_OUT_FLOOR)
+    waited >= lockout(lease)
+}
+
+/// How long a claim of `lease` waits before it takes the wait as a lockout ([`locked_out`]).
+fn lockout(lease: Duration) -> Duration {
+    (lease / 4).max(LOCKED_OUT_FLOOR)
 }
 
 /// How many expired rows one purge statement deletes: writers wait for the file's lock, so
@@ -181,6 +189,9 @@ struct Statements {
     /// The key's row, whatever its expiry: the one a take left as it was.
     held: String,
     take: String,
+    /// `take` for a claim that runs by itself, outside a transaction: only before a moment
+    /// (see [`Statements::of`]).
+    take_in_time: String,
     complete: String,
     release: String,
     renew: String,
@@ -225,16 +236,21 @@ impl Statements {
         let t = format!("\"{name}\"");
         let counter = format!("\"{name}_token\"");
         let index = format!("\"{name}_expires_at\"");
-        let take = |key: &str, fingerprint: &str, lease: &str, nonce: &str| {
+        // One statement: the token is the counter's next (the triggers move the counter up
+        // to it), and a row is taken over when it lapsed or is the caller's own claim (its
+        // nonce in `value`); a live row of another caller is left as it is, and nothing is
+        // returned. `row` is where the new row's values come from.
+        let take = |row: &str| {
             format!(
-                "INSERT INTO {t} (key, token, completed, fingerprint, value, expires_at) \
-                 VALUES ({key}, (SELECT last + 1 FROM {counter} WHERE id = 1), 0, {fingerprint}, {nonce}, {NOW} + {lease}) \
+                "INSERT INTO {t} (key, token, completed, fingerprint, value, expires_at) {row} \
                  ON CONFLICT (key) DO UPDATE SET token = excluded.token, completed = 0, \
                  fingerprint = excluded.fingerprint, value = excluded.value, expires_at = excluded.expires_at \
                  WHERE {t}.expires_at <= {NOW} OR (NOT {t}.completed AND {t}.value = excluded.value) \
                  RETURNING token"
             )
         };
+        let values =
+            format!("?1, (SELECT last + 1 FROM {counter} WHERE id = 1), 0, ?2, ?4, {NOW} + ?3");
         let insert_trigger = format!("\"{name}_token_inserted\"");
         let update_trigger = format!("\"{name}_token_updated\"");
         Self {
@@ -276,13 +292,11 @@ impl Statements {
                  WHERE key = ?1 AND expires_at > {NOW}"
             ),
             held: format!("SELECT token, completed, fingerprint, value FROM {t} WHERE key = ?1"),
-            // A row is taken over when it lapsed, or is the caller's own claim (its nonce
-            // in `value`); a live row of another caller is left as it is.
-            // One statement: the token is the counter's next (the triggers move the counter
-            // up to it), and a row is taken over when it lapsed or is the caller's own claim
-            // (its nonce in `value`); a live row of another caller is left as it is, and
-            // nothing is returned.
-            take: take("?1", "?2", "?3", "?4"),
+            take: take(&format!("VALUES ({values})")),
+            // `NOW` is read once the statement holds the file's write lock: it writes
+            // nothing unless that is before `?5`, when its caller stops waiting or would
+            // have waited long enough that leases get time back first (see `writes.rs`).
+            take_in_time: take(&format!("SELECT {values} WHERE {NOW} < ?5")),
             // The holder's own statements ask for its token in the row, not for a live lease:
             // a lease that ran out while nobody took the key over is still the holder's (a
             // takeover writes another token), so a renewal or a completion that was held up

@@ -15,8 +15,8 @@
 //!
 //! | outcome | statements |
 //! |---|---|
-//! | replay | `SAVEPOINT` with a read of the busy timeout, the call's busy timeout, the take (which takes nothing), the caller's busy timeout, the read, `ROLLBACK TO` and `RELEASE` |
-//! | first execution, `Ok` | `SAVEPOINT` with a read of the busy timeout, the call's busy timeout, the take, the caller's busy timeout, the completion, `RELEASE` |
+//! | replay | `SAVEPOINT` with a read of the busy timeout and the call's busy timeout, the take (which takes nothing), the caller's busy timeout, the read, `ROLLBACK TO` and `RELEASE` |
+//! | first execution, `Ok` | `SAVEPOINT` with a read of the busy timeout and the call's busy timeout, the take, the caller's busy timeout, the completion, `RELEASE` |
 //! | first execution, `Err` | the same up to the take, then `ROLLBACK TO` and `RELEASE` |
 
 use std::time::Duration;
@@ -43,12 +43,15 @@ impl Transactional for SqliteStore {
         let savepoint = &call.savepoint;
         sql::within("sqlite", self.timeout, self.sql.checked(&self.pool)).await?;
         let taken = sql::within("sqlite", bound, async {
-            // The caller's busy timeout is read with the savepoint, and put back once the
-            // lock is ours (or the take failed).
-            let opened = format!("SAVEPOINT {savepoint}; PRAGMA busy_timeout");
-            let caller: i64 = sqlx::Executor::fetch_one(&mut *connection, sqlx::raw_sql(&opened))
-                .await?
-                .try_get(0)?;
+            // With the savepoint, the caller's busy timeout is read and the call's set (the
+            // take waits for the file's lock up to the call's wait); the caller's is put
+            // back once the lock is ours (or the take failed).
+            let wait = call.wait.map_or(0, millis).min(i64::from(i32::MAX));
+            let opened =
+                format!("SAVEPOINT {savepoint}; PRAGMA busy_timeout; PRAGMA busy_timeout = {wait}");
+            // All of it: a stream read to its first row would leave the last statement unrun.
+            let read = sqlx::Executor::fetch_all(&mut *connection, sqlx::raw_sql(&opened)).await?;
+            let caller: i64 = read.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0)?;
             let claimed = claim(&self.sql, connection, call, caller).await;
             if claimed.is_err() {
                 set_busy_timeout(connection, caller).await?;
@@ -110,7 +113,7 @@ impl Transactional for SqliteStore {
     }
 }
 
-/// The claim under the call's savepoint, its busy timeout set to the call's wait: one
+/// The claim under the call's savepoint, with the busy timeout set to the call's wait: one
 /// statement takes the key if it is free, in the transaction's write lock (so it sees every
 /// transaction committed before), with a token from the counter; then the caller's busy
 /// timeout is put back. When the key was not free, the row that stayed is the answer.
@@ -120,8 +123,6 @@ async fn claim(
     call: &Call<'_>,
     caller: i64,
 ) -> Result<Claim, sqlx::Error> {
-    let wait = call.wait.map_or(0, millis).min(i64::from(i32::MAX));
-    set_busy_timeout(connection, wait).await?;
     let token: Option<i64> = sqlx::query_scalar(&sql.take)
         .bind(&call.key.as_bytes()[..])
         .bind(call.fingerprint.map(|f| &f.as_bytes()[..]))

@@ -12,7 +12,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use sqlx::pool::PoolConnection;
@@ -21,7 +21,7 @@ use sqlx::{Connection, Sqlite, SqliteConnection};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::{locked_out, Statements};
+use super::{locked_out, lockout, Statements};
 use crate::store::sql::millis;
 use crate::{Fingerprint, Key, Token};
 
@@ -201,8 +201,7 @@ impl Writes {
     }
 
     /// Runs `batch` in one `BEGIN IMMEDIATE` transaction, which holds the file's write lock
-    /// from its first statement: no other process writes between a take's look and its
-    /// write. The busy handler waits as long as the most patient caller. A write whose
+    /// from its first statement, or a lone write by itself (see below). The busy handler waits as long as the most patient caller. A write whose
     /// caller stopped waiting is left out: a claim nobody waits for is not taken.
     async fn transaction(&self, batch: &mut [Write]) -> Result<(), sqlx::Error> {
         let deadline = batch
@@ -214,15 +213,22 @@ impl Writes {
         let transaction = async {
             let mut conn = self.writer(deadline).await?;
             // A lone write of one statement commits by itself: the same lock and the same
-            // commit, two statements fewer. A take is not one: only once it holds the lock
-            // does it know how long it waited, and whether leases get time back first.
+            // commit, two statements fewer. So does a lone take that holds the lock before it
+            // waited long enough that leases get time back (it only knows once it holds it:
+            // the statement itself checks); otherwise it runs in the transaction below.
             if let [write] = batch {
+                if write.job.abandoned() {
+                    return Ok(());
+                }
                 if write.job.is_one_statement() {
-                    return if write.job.abandoned() {
-                        Ok(())
-                    } else {
-                        write.job.run(&write.sql, &mut conn).await
-                    };
+                    return write.job.run(&write.sql, &mut conn).await;
+                }
+                if write
+                    .job
+                    .take_in_time(&write.sql, &mut conn, deadline)
+                    .await?
+                {
+                    return Ok(());
                 }
             }
             let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
@@ -324,6 +330,53 @@ impl Job {
     pub(super) fn remove(key: &Key) -> (Self, Answered<Option<bool>>) {
         let (answer, answered) = Answer::new();
         (Job::Remove { key: *key, answer }, answered)
+    }
+
+    /// Runs a take by itself, outside a transaction, if it holds the file's write lock
+    /// before `deadline` (when its caller stops waiting) and before it waited long enough
+    /// that leases get time back ([`lockout`]): whether it took the key. A take that did not
+    /// (a live row of another caller, a lock held that long) is left to the transaction.
+    async fn take_in_time(
+        &mut self,
+        sql: &Statements,
+        conn: &mut SqliteConnection,
+        deadline: Instant,
+    ) -> Result<bool, sqlx::Error> {
+        let Job::Take {
+            key,
+            fingerprint,
+            lease,
+            nonce,
+            started,
+            answer,
+        } = self
+        else {
+            return Ok(false);
+        };
+        // That moment by SQLite's clock (the host's wall clock, which every lease is judged
+        // by too; a clock stepped forward only sends the take to the transaction).
+        let until = lockout(*lease)
+            .checked_sub(started.elapsed())
+            .map(|left| left.min(deadline.saturating_duration_since(Instant::now())))
+            .and_then(|left| SystemTime::now().checked_add(left))
+            .and_then(|until| until.duration_since(UNIX_EPOCH).ok())
+            .and_then(|until| i64::try_from(until.as_millis()).ok());
+        let Some(until) = until else {
+            return Ok(false);
+        };
+        let token: Option<i64> = sqlx::query_scalar(&sql.take_in_time)
+            .bind(&key.as_bytes()[..])
+            .bind(fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
+            .bind(millis(*lease))
+            .bind(&nonce.to_be_bytes()[..])
+            .bind(until)
+            .fetch_optional(&mut *conn)
+            .await?;
+        let Some(token) = token else {
+            return Ok(false);
+        };
+        answer.done = Some(Ok(Token::new(token.unsigned_abs())));
+        Ok(true)
     }
 
     /// Whether the write is one statement, which needs no transaction of its own.
