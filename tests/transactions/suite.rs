@@ -322,6 +322,38 @@ macro_rules! suite {
                 assert_eq!(replayed.unwrap(), Outcome::Replayed(1));
             }
 
+            /// An ordinary call's claim that lapsed is taken over in a transaction, with a
+            /// fencing token above its holder's, and replays once committed.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_lapsed_claim_is_taken_over_with_a_larger_token() {
+                use idem_runtime::{Claim, Store};
+                use std::time::Duration;
+
+                let Some(db) = db("tx.lapsed").await else { return };
+                let op = Operation::new(namespace("tx.lapsed"));
+                let key = op.key(&"t").unwrap();
+                let lease = Duration::from_millis(100);
+                let Claim::Acquired { token: lapsed } = db.store.claim(&key, None, lease).await.unwrap() else {
+                    panic!("a fresh key is free");
+                };
+                while db.store.lease_left(&key).await.unwrap().is_some() {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                let mut tx = begin(&db.pool).await;
+                let ran = op
+                    .run_in_transaction(&db.store, &mut tx, &key, None, async |tx: &mut Conn| {
+                        let attempt = idem_runtime::attempt().expect("the body runs under a claim");
+                        let token = attempt.token().await?;
+                        assert!(token > lapsed, "{token:?} is not above the lapsed holder's {lapsed:?}");
+                        db.transfer(tx, "t", 5).await
+                    })
+                    .await;
+                assert_eq!(ran.unwrap(), Outcome::Executed(5));
+                tx.commit().await.unwrap();
+                assert_eq!(db.lines("t").await, 1);
+                assert_eq!(db.call(&op, "t", 6).await.unwrap(), Outcome::Replayed(5));
+            }
+
             /// The tables of a killed holder's run, named for its parent's.
             const KILLED_RUN: &str = "IDEM_TX_KILLED_RUN";
 

@@ -55,11 +55,10 @@ impl Statements {
         )
     }
 
-    /// The first claim, in the caller's transaction, of a key that has no row, as one
-    /// message: the row inserted unless one is there, with the next token. Its one row of
-    /// answer: whether the row was inserted (1 or 0), and the token. (No nonce: a claim in a
-    /// transaction is never taken again by its own caller.)
-    pub(super) fn insert_message(
+    /// The first claim, in the caller's transaction, of a key that has no row: the row
+    /// inserted unless one is there, with the next token (the insert's id). (No nonce: a
+    /// claim in a transaction is never taken again by its own caller.)
+    pub(super) fn insert_literal(
         &self,
         key: &Key,
         fingerprint: Option<&Fingerprint>,
@@ -67,8 +66,7 @@ impl Statements {
     ) -> String {
         format!(
             "INSERT IGNORE INTO `{}` (`key`, completed, fingerprint, value, expires_at) \
-             VALUES (X'{}', FALSE, {}, NULL, {NOW} + {}); \
-             SELECT CAST(ROW_COUNT() AS SIGNED), CAST(LAST_INSERT_ID() AS SIGNED)",
+             VALUES (X'{}', FALSE, {}, NULL, {NOW} + {})",
             self.table,
             hex::encode(key.as_bytes()),
             fingerprint_literal(fingerprint),
@@ -77,9 +75,9 @@ impl Statements {
     }
 
     /// The takeover, in the caller's transaction, of the key's row, which that transaction
-    /// has locked, as one message: the row replaced by one with the next token (drawn after
-    /// the lock, so above the row's). Its one row of answer: the token.
-    pub(super) fn take_message(
+    /// has locked: the row replaced by one with the next token (the insert's id; taken after
+    /// the lock, so above the row's).
+    pub(super) fn take_literal(
         &self,
         key: &Key,
         fingerprint: Option<&Fingerprint>,
@@ -87,8 +85,7 @@ impl Statements {
     ) -> String {
         format!(
             "REPLACE INTO `{}` (`key`, completed, fingerprint, value, expires_at) \
-             VALUES (X'{}', FALSE, {}, NULL, {NOW} + {}); \
-             SELECT CAST(LAST_INSERT_ID() AS SIGNED)",
+             VALUES (X'{}', FALSE, {}, NULL, {NOW} + {})",
             self.table,
             hex::encode(key.as_bytes()),
             fingerprint_literal(fingerprint),

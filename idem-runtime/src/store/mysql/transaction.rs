@@ -143,7 +143,7 @@ impl MySqlStore {
         let restore = "SET SESSION innodb_lock_wait_timeout = @idem_lock_wait";
         let insert = self
             .sql
-            .insert_message(call.key, call.fingerprint, call.lease);
+            .insert_literal(call.key, call.fingerprint, call.lease);
         let message = format!("{set_wait}; {insert}; {restore}");
         for _ in 0..CLAIM_LOOKS {
             match inserted(connection, &message).await {
@@ -190,28 +190,38 @@ impl MySqlStore {
         }
         let take = self
             .sql
-            .take_message(call.key, call.fingerprint, call.lease);
-        let token = taken(connection, &take).await?;
+            .take_literal(call.key, call.fingerprint, call.lease);
+        let taken = sqlx::Executor::execute(&mut *connection, sqlx::raw_sql(&take)).await?;
+        let token = Token::new(taken.last_insert_id());
         Ok(Some(Claim::Acquired { token }))
     }
 }
 
-/// Runs an [`insert_message`](super::Statements::insert_message) on `conn`: whether it inserted
-/// the row, and the token it drew.
+/// Runs `message`, the lock wait's setting, an
+/// [`insert_literal`](super::Statements::insert_literal) and the setting put back, on `conn`:
+/// whether the insert inserted the row, and its token (both from the insert's own result,
+/// which the server sends for each statement).
 async fn inserted(
     conn: &mut sqlx::MySqlConnection,
     message: &str,
 ) -> Result<(bool, Token), sqlx::Error> {
-    let row = sqlx::Executor::fetch_one(&mut *conn, sqlx::raw_sql(message)).await?;
-    let (inserted, token): (i64, i64) = (row.try_get(0)?, row.try_get(1)?);
-    Ok((inserted == 1, Token::new(token.unsigned_abs())))
-}
-
-/// Runs a [`take_message`](super::Statements::take_message) on `conn`: the token it drew.
-async fn taken(conn: &mut sqlx::MySqlConnection, message: &str) -> Result<Token, sqlx::Error> {
-    let row = sqlx::Executor::fetch_one(&mut *conn, sqlx::raw_sql(message)).await?;
-    let token: i64 = row.try_get(0)?;
-    Ok(Token::new(token.unsigned_abs()))
+    let mut results = sqlx::Executor::fetch_many(&mut *conn, sqlx::raw_sql(message));
+    let mut done = Vec::with_capacity(3);
+    while let Some(result) = std::future::poll_fn(|cx| results.as_mut().poll_next(cx)).await {
+        if let sqlx::Either::Left(result) = result? {
+            done.push(result);
+        }
+    }
+    let [_, insert, _] = &done[..] else {
+        return Err(sqlx::Error::Protocol(format!(
+            "a claim's message of 3 statements had {} results",
+            done.len()
+        )));
+    };
+    Ok((
+        insert.rows_affected() == 1,
+        Token::new(insert.last_insert_id()),
+    ))
 }
 
 fn decode(err: Error) -> sqlx::Error {
