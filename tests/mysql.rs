@@ -225,9 +225,9 @@ async fn an_earlier_versions_table_is_upgraded_and_its_tokens_start_above_it() {
     let Some(store) = mysql_store().await else {
         return;
     };
-    let store = store.with_table("idem_upgraded").unwrap();
     // The first versions kept a counter; later ones an `AUTO_INCREMENT` table above it.
     for drawn in [None, Some(6_000_000_000)] {
+        let store = store.clone().with_table("idem_upgraded").unwrap();
         upgrade_from_an_earlier_version(&store, 5_000_000_000, drawn).await;
     }
 }
@@ -279,6 +279,20 @@ async fn upgrade_from_an_earlier_version(store: &MySqlStore, counter: i64, drawn
             .unwrap();
     }
 
+    // Until migrated, its claims are refused (an insert would give each the token 0), in
+    // a transaction too, and nothing is written.
+    let fresh = op.key(&"fresh").unwrap();
+    let claimed = store.claim(&fresh, None, Duration::from_secs(60)).await;
+    assert!(
+        matches!(&claimed, Err(Error::Store(e)) if e.to_string().contains("migrate()")),
+        "{claimed:?}"
+    );
+    let mut tx = pool.begin().await.unwrap();
+    let ran = op
+        .run_in_transaction(store, &mut tx, &fresh, None, async |_| Ok::<u8, Error>(1))
+        .await;
+    assert!(matches!(&ran, Err(Error::Store(_))), "{ran:?}");
+    tx.rollback().await.unwrap();
     // Two processes' pools.
     let other = mysql_store()
         .await
@@ -301,7 +315,7 @@ async fn upgrade_from_an_earlier_version(store: &MySqlStore, counter: i64, drawn
         },
         "a record of the earlier version replays"
     );
-    for key in [lapsed, op.key(&"new").unwrap()] {
+    for key in [lapsed, fresh, op.key(&"new").unwrap()] {
         let claimed = store.claim(&key, None, Duration::from_secs(60)).await;
         let Claim::Acquired { token } = claimed.unwrap() else {
             panic!("a lapsed row or a new key is taken");

@@ -42,7 +42,9 @@
 //!
 //! All processes on a table should run a version that takes tokens the same way: an earlier
 //! one, which drew them from a table of their own, would draw tokens the others do not follow.
-//! [`migrate`](MySqlStore::migrate) upgrades such a table once.
+//! [`migrate`](MySqlStore::migrate) upgrades such a table once; until then its claims are
+//! refused ([`Error::Store`], naming `migrate`), as on a server that forgets an
+//! `AUTO_INCREMENT` on restart (checked once per store, whether or not it ran `migrate`).
 
 use std::fmt;
 use std::sync::Arc;
@@ -180,11 +182,7 @@ impl MySqlStore {
                     .fetch_one(&self.pool),
             )
             .await?;
-        if !keeps_auto_increment(&version) {
-            return Err(Error::store(format!(
-                "MySQL {version} forgets an AUTO_INCREMENT on restart, so fencing tokens could go back: use MySQL 8.0 or MariaDB 10.2.4 or later"
-            )));
-        }
+        refuse_forgetful(&version).map_err(Error::store)?;
         if lock_mode == 0 {
             tracing::warn!(
                 table = %self.sql.table,
@@ -219,6 +217,32 @@ impl MySqlStore {
             upgraded
         };
         upgraded.await.map_err(Error::store)
+    }
+
+    /// Checks, once, that the server keeps an `AUTO_INCREMENT` across restarts and that the
+    /// table's tokens come from its own: on a table of an earlier version (tokens from a
+    /// table of their own) an insert would give every claim the token 0, so its claims are
+    /// refused until [`migrate`](Self::migrate) has upgraded it.
+    async fn checked(&self) -> Result<(), sqlx::Error> {
+        self.sql
+            .checked
+            .get_or_try_init(|| async {
+                let (version, token): (String, Option<String>) =
+                    sqlx::query_as(&self.sql.check).fetch_one(&self.pool).await?;
+                refuse_forgetful(&version)?;
+                let table = &self.sql.table;
+                match token {
+                    Some(extra) if extra.to_ascii_lowercase().contains("auto_increment") => Ok(()),
+                    Some(_) => Err(sqlx::Error::Configuration(format!(
+                        "the table {table:?} was made by an earlier version, whose fencing tokens came from a table of their own: run MySqlStore::migrate() to upgrade it"
+                    ).into())),
+                    None => Err(sqlx::Error::Configuration(format!(
+                        "the table {table:?} does not exist: run MySqlStore::migrate()"
+                    ).into())),
+                }
+            })
+            .await
+            .map(|_| ())
     }
 
     /// Whether the table's `token` column is the `AUTO_INCREMENT` tokens come from.
@@ -334,7 +358,7 @@ impl MySqlStore {
                 .execute(&mut *conn)
                 .await?;
             if inserted.rows_affected() == 1 {
-                return Ok(Ok(Token::new(inserted.last_insert_id())));
+                return given(inserted.last_insert_id()).map(Ok);
             }
             // A row: locked, then looked at, then replaced if it lapsed, by a row whose
             // token is taken after the lock (so above the row's, whenever that was taken).
@@ -357,8 +381,9 @@ impl MySqlStore {
                 .bind(millis(lease))
                 .execute(&mut *tx)
                 .await?;
+            let token = given(taken.last_insert_id())?;
             tx.commit().await?;
-            return Ok(Ok(Token::new(taken.last_insert_id())));
+            return Ok(Ok(token));
         }
         Err(sqlx::Error::Protocol(
             "the key's row kept vanishing while it was claimed".into(),
@@ -372,6 +397,27 @@ impl MySqlStore {
         let done = self.within(query.execute(&self.pool)).await?;
         Ok(done.rows_affected() == 1)
     }
+}
+
+/// The token an insert took from the table's `AUTO_INCREMENT`: never 0, which an insert
+/// gives only where the column is not one (a table changed behind the store's back).
+fn given(id: u64) -> Result<Token, sqlx::Error> {
+    if id == 0 {
+        return Err(sqlx::Error::Protocol(
+            "the claim's insert took no token: the table's token column is not its AUTO_INCREMENT; run MySqlStore::migrate()".into(),
+        ));
+    }
+    Ok(Token::new(id))
+}
+
+/// Refuses a server of `version` that forgets an `AUTO_INCREMENT` on restart.
+fn refuse_forgetful(version: &str) -> Result<(), sqlx::Error> {
+    if keeps_auto_increment(version) {
+        return Ok(());
+    }
+    Err(sqlx::Error::Configuration(
+        format!("MySQL {version} forgets an AUTO_INCREMENT on restart, so fencing tokens could go back: use MySQL 8.0 or MariaDB 10.2.4 or later").into(),
+    ))
 }
 
 /// Whether a server of `version` (`SELECT VERSION()`: `8.0.36`, `10.11.6-MariaDB-0+deb12u1`)
@@ -428,6 +474,7 @@ impl Store for MySqlStore {
         nonce: u64,
     ) -> Result<Claim, Error> {
         self.within(async {
+            self.checked().await?;
             // A replay, or a key someone holds: answered by a read, which locks nothing.
             let live = sqlx::query(&self.sql.live)
                 .bind(&key.as_bytes()[..])

@@ -13,6 +13,11 @@ const NOW: &str = "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMEST
 /// The statements of one table, written once.
 pub(super) struct Statements {
     pub(super) table: String,
+    /// The server's version, and the `token` column's `EXTRA` (see `checked`).
+    pub(super) check: String,
+    /// Whether `check` found a server and a table that make tokens grow, once per store (see
+    /// `MySqlStore::checked`).
+    pub(super) checked: tokio::sync::OnceCell<()>,
     pub(super) create: String,
     /// The `token` column's `EXTRA` (`auto_increment` once migrated), by table name.
     pub(super) token_column: String,
@@ -131,6 +136,11 @@ impl Statements {
         let live_row = format!("`key` = ? AND expires_at > {NOW}");
         Self {
             table: name.to_string(),
+            check: format!(
+                "SELECT VERSION(), (SELECT EXTRA FROM information_schema.COLUMNS \
+                 WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = '{name}' AND COLUMN_NAME = 'token')"
+            ),
+            checked: tokio::sync::OnceCell::new(),
             // A token is the next value of the table's AUTO_INCREMENT, taken by the insert
             // (or the REPLACE of a takeover) that writes the row: no statement of its own.
             // The value only grows (InnoDB keeps it across restarts, and after the rows that

@@ -48,6 +48,7 @@ impl Transactional for MySqlStore {
         call: &Call<'_>,
         first: bool,
     ) -> Result<Claim, Error> {
+        sql::within("mysql", self.timeout, self.checked()).await?;
         let bound = self.timeout + call.wait.unwrap_or_default();
         let savepoint = &call.savepoint;
         let mut look = String::new();
@@ -147,8 +148,8 @@ impl MySqlStore {
         let message = format!("{set_wait}; {insert}; {restore}");
         for _ in 0..CLAIM_LOOKS {
             match inserted(connection, &message).await {
-                Ok((true, token)) => return Ok(Claim::Acquired { token }),
-                Ok((false, _)) => {}
+                Ok(Some(token)) => return Ok(Claim::Acquired { token }),
+                Ok(None) => {}
                 Err(err) => {
                     // The message stopped before its end: the wait is put back before the error.
                     raw(connection, restore).await?;
@@ -192,19 +193,19 @@ impl MySqlStore {
             .sql
             .take_literal(call.key, call.fingerprint, call.lease);
         let taken = sqlx::Executor::execute(&mut *connection, sqlx::raw_sql(&take)).await?;
-        let token = Token::new(taken.last_insert_id());
+        let token = super::given(taken.last_insert_id())?;
         Ok(Some(Claim::Acquired { token }))
     }
 }
 
 /// Runs `message`, the lock wait's setting, an
 /// [`insert_literal`](super::Statements::insert_literal) and the setting put back, on `conn`:
-/// whether the insert inserted the row, and its token (both from the insert's own result,
-/// which the server sends for each statement).
+/// the token of the row it inserted, if it did (both from the insert's own result, which
+/// the server sends for each statement).
 async fn inserted(
     conn: &mut sqlx::MySqlConnection,
     message: &str,
-) -> Result<(bool, Token), sqlx::Error> {
+) -> Result<Option<Token>, sqlx::Error> {
     let mut results = sqlx::Executor::fetch_many(&mut *conn, sqlx::raw_sql(message));
     let mut done = Vec::with_capacity(3);
     while let Some(result) = std::future::poll_fn(|cx| results.as_mut().poll_next(cx)).await {
@@ -218,10 +219,10 @@ async fn inserted(
             done.len()
         )));
     };
-    Ok((
-        insert.rows_affected() == 1,
-        Token::new(insert.last_insert_id()),
-    ))
+    if insert.rows_affected() == 0 {
+        return Ok(None);
+    }
+    super::given(insert.last_insert_id()).map(Some)
 }
 
 fn decode(err: Error) -> sqlx::Error {
