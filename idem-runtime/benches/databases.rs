@@ -6,7 +6,9 @@
 //! claim before the body and its result after it: an `INSERT` and an `UPDATE`; a claim in
 //! a transaction writes a row before the body and updates it after). Target: the floor's
 //! ratio + 10 %. Beside it, informative, the floor of a design whose replays take no write
-//! lock, which reads the key before it claims it (a `SELECT`, then the floor's two).
+//! lock, which reads the key before it claims it (a `SELECT`, then the floor's two), and in
+//! a transaction the floor with a savepoint around the call (so that an `Err` undoes the
+//! call alone) and, on MySQL, the read before the claim.
 //!
 //! `cargo bench -p idem-runtime --bench databases --features sqlite,mysql`
 //! (MySQL at `IDEM_MYSQL_URL`, default `mysql://root@127.0.0.1:3306/test`; a database that
@@ -66,6 +68,9 @@ struct Dialect {
     create_claims: &'static str,
     insert_claim: &'static str,
     update_claim: &'static str,
+    /// Whether a claim in a transaction reads the key before it writes (MySQL: so that a
+    /// replay locks nothing); SQLite's takes the write lock first anyway.
+    reads_in_transaction: bool,
 }
 
 /// Measures one database: `begin` opens the caller's transaction on `pool`.
@@ -233,11 +238,29 @@ macro_rules! database {
             &mut side(rt, bare),
             BUDGET,
         );
-        let transfer_floor = measure(
-            &mut side(rt, || async {
+        // The floor: a row written before the body and updated after it; `guarded`: also a
+        // savepoint around the call (so that an `Err` undoes the call alone) and, where the
+        // design reads first, the read (informative: the target stays on the floor).
+        let transfer = |guarded: bool| {
+            let (op, json) = (&op, &json);
+            move || async move {
                 let key = op.key(&fresh()).unwrap();
                 let $p = pool;
                 let mut tx = $begin;
+                if guarded {
+                    sqlx::raw_sql("SAVEPOINT bench")
+                        .execute(&mut *tx)
+                        .await
+                        .unwrap();
+                    if d.reads_in_transaction {
+                        let found: Option<(Vec<u8>,)> = sqlx::query_as(d.select)
+                            .bind(&key.as_bytes()[..])
+                            .fetch_optional(&mut *tx)
+                            .await
+                            .unwrap();
+                        assert!(found.is_none(), "a fresh key has no row");
+                    }
+                }
                 sqlx::query(d.insert_claim)
                     .bind(&key.as_bytes()[..])
                     .execute(&mut *tx)
@@ -245,21 +268,41 @@ macro_rules! database {
                     .unwrap();
                 sqlx::query(d.transfer).execute(&mut *tx).await.unwrap();
                 sqlx::query(d.update_claim)
-                    .bind(&json)
+                    .bind(json)
                     .bind(&key.as_bytes()[..])
                     .execute(&mut *tx)
                     .await
                     .unwrap();
+                if guarded {
+                    sqlx::raw_sql("RELEASE SAVEPOINT bench")
+                        .execute(&mut *tx)
+                        .await
+                        .unwrap();
+                }
                 tx.commit().await.unwrap();
-            }),
-            &mut side(rt, bare),
-            BUDGET,
-        );
+            }
+        };
+        let transfer_floor = measure(&mut side(rt, transfer(false)), &mut side(rt, bare), BUDGET);
+        let guarded_floor = measure(&mut side(rt, transfer(true)), &mut side(rt, bare), BUDGET);
         $rows.push(Row::floored(
             format!("transfer in a transaction, {}", $name),
             in_transaction,
             transfer_floor,
         ));
+        $rows.push(Row {
+            path: format!(
+                "  floor with a savepoint{}, {}",
+                if d.reads_in_transaction {
+                    " and a read"
+                } else {
+                    ""
+                },
+                $name
+            ),
+            ours: guarded_floor,
+            floor: None,
+            target: None,
+        });
     }};
 }
 
@@ -275,6 +318,7 @@ const SQLITE: Dialect = Dialect {
     create_claims: "CREATE TABLE IF NOT EXISTS bench_claims (key BLOB PRIMARY KEY, value BLOB)",
     insert_claim: "INSERT INTO bench_claims (key) VALUES (?1)",
     update_claim: "UPDATE bench_claims SET value = ?1 WHERE key = ?2",
+    reads_in_transaction: false,
 };
 
 const MYSQL: Dialect = Dialect {
@@ -288,6 +332,7 @@ const MYSQL: Dialect = Dialect {
     create_claims: "CREATE TABLE IF NOT EXISTS bench_claims (`key` VARBINARY(32) PRIMARY KEY, value LONGBLOB) ENGINE = InnoDB",
     insert_claim: "INSERT INTO bench_claims (`key`) VALUES (?)",
     update_claim: "UPDATE bench_claims SET value = ? WHERE `key` = ?",
+    reads_in_transaction: true,
 };
 
 fn sqlite(rt: &Runtime, rows: &mut Vec<Row>) {
