@@ -232,7 +232,7 @@ impl MySqlStore {
                 refuse_forgetful(&version)?;
                 let table = &self.sql.table;
                 match token {
-                    Some(extra) if extra.to_ascii_lowercase().contains("auto_increment") => Ok(()),
+                    Some(extra) if is_auto_increment(&extra) => Ok(()),
                     Some(_) => Err(sqlx::Error::Configuration(format!(
                         "the table {table:?} was made by an earlier version, whose fencing tokens came from a table of their own: run MySqlStore::migrate() to upgrade it"
                     ).into())),
@@ -247,11 +247,10 @@ impl MySqlStore {
 
     /// Whether the table's `token` column is the `AUTO_INCREMENT` tokens come from.
     async fn tokens_grow(&self, conn: &mut sqlx::MySqlConnection) -> Result<bool, sqlx::Error> {
-        let extra: Option<String> = sqlx::query_scalar(&self.sql.token_column)
-            .bind(&self.sql.table)
-            .fetch_optional(&mut *conn)
+        let (_, extra): (String, Option<String>) = sqlx::query_as(&self.sql.check)
+            .fetch_one(&mut *conn)
             .await?;
-        Ok(extra.is_some_and(|extra| extra.to_ascii_lowercase().contains("auto_increment")))
+        Ok(extra.is_some_and(|extra| is_auto_increment(&extra)))
     }
 
     /// Makes an earlier version's `token` column the `AUTO_INCREMENT`, starting above the
@@ -408,6 +407,11 @@ fn given(id: u64) -> Result<Token, sqlx::Error> {
         ));
     }
     Ok(Token::new(id))
+}
+
+/// Whether a column's `EXTRA` in `information_schema` says it is an `AUTO_INCREMENT`.
+fn is_auto_increment(extra: &str) -> bool {
+    extra.to_ascii_lowercase().contains("auto_increment")
 }
 
 /// Refuses a server of `version` that forgets an `AUTO_INCREMENT` on restart.

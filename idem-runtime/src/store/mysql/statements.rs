@@ -13,14 +13,13 @@ const NOW: &str = "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMEST
 /// The statements of one table, written once.
 pub(super) struct Statements {
     pub(super) table: String,
-    /// The server's version, and the `token` column's `EXTRA` (see `checked`).
+    /// The server's version, and the `token` column's `EXTRA` (`auto_increment` once
+    /// migrated; see `MySqlStore::checked`).
     pub(super) check: String,
     /// Whether `check` found a server and a table that make tokens grow, once per store (see
     /// `MySqlStore::checked`).
     pub(super) checked: tokio::sync::OnceCell<()>,
     pub(super) create: String,
-    /// The `token` column's `EXTRA` (`auto_increment` once migrated), by table name.
-    pub(super) token_column: String,
     /// Makes an earlier version's `token` column an `AUTO_INCREMENT`, less its start.
     pub(super) upgrade: String,
     /// The largest token an earlier version's table and token tables hold, if any (see
@@ -158,9 +157,6 @@ impl Statements {
                     INDEX {token_index} (token), \
                     INDEX {index} (expires_at)) ENGINE = InnoDB"
             ),
-            token_column: "SELECT EXTRA FROM information_schema.COLUMNS \
-                WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? AND COLUMN_NAME = 'token'"
-                .to_string(),
             upgrade: format!(
                 "ALTER TABLE {t} MODIFY token BIGINT NOT NULL AUTO_INCREMENT, \
                  ADD INDEX {token_index} (token), AUTO_INCREMENT = "

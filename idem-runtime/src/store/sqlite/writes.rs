@@ -201,8 +201,9 @@ impl Writes {
     }
 
     /// Runs `batch` in one `BEGIN IMMEDIATE` transaction, which holds the file's write lock
-    /// from its first statement, or a lone write by itself (see below). The busy handler waits as long as the most patient caller. A write whose
-    /// caller stopped waiting is left out: a claim nobody waits for is not taken.
+    /// from its first statement, or a lone write by itself (see below). The busy handler
+    /// waits as long as the most patient caller. A write whose caller stopped waiting is left
+    /// out: a claim nobody waits for is not taken.
     async fn transaction(&self, batch: &mut [Write]) -> Result<(), sqlx::Error> {
         let deadline = batch
             .iter()
