@@ -11,6 +11,13 @@ use idem_runtime::{Error, MySqlStore, Operation};
 use idem_tests::scenarios::{self, namespace};
 use idem_tests::{mysql_store, mysql_url, Probe, Runs};
 
+/// A store on a table of the test's own, migrated; `None` when the server is unavailable.
+async fn on_table(table: &str) -> Option<MySqlStore> {
+    let store = mysql_store().await?.with_table(table).unwrap();
+    store.migrate().await.unwrap();
+    Some(store)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_store_keeps_the_store_contract() {
     let Some(store) = mysql_store().await else {
@@ -170,11 +177,9 @@ async fn a_crowded_pool_runs_each_body_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expired_rows_are_purged_and_live_ones_kept() {
-    let Some(store) = mysql_store().await else {
+    let Some(store) = on_table("idem_purge").await else {
         return;
     };
-    let store = store.with_table("idem_purge").unwrap();
-    store.migrate().await.unwrap();
     store.purge_expired().await.unwrap(); // what earlier runs left
     let op = Operation::new(namespace("mysql.purge"));
     let lapsing = op.key(&1).unwrap();
@@ -333,11 +338,9 @@ async fn upgrade_from_an_earlier_version(store: &MySqlStore, counter: i64, drawn
 async fn tokens_grow_after_the_rows_with_the_largest_are_deleted() {
     use idem_runtime::{Claim, Store};
 
-    let Some(store) = mysql_store().await else {
+    let Some(store) = on_table("idem_token_growth").await else {
         return;
     };
-    let store = store.with_table("idem_token_growth").unwrap();
-    store.migrate().await.unwrap();
     let op = Operation::new(namespace("mysql.token.growth"));
     let mut last = 0;
     for round in 0..3 {
@@ -449,14 +452,10 @@ async fn a_server_killed_and_restarted_keeps_records_and_tokens_grow() {
 /// transaction's claim is left to it, and commits with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_purge_beside_an_open_transactions_claim_neither_waits_nor_fails() {
-    let Some(store) = mysql_store().await else {
+    let Some(store) = on_table("idem_open_purge").await else {
         return;
     };
-    let store = store
-        .with_table("idem_open_purge")
-        .unwrap()
-        .with_timeout(Duration::from_secs(10));
-    store.migrate().await.unwrap();
+    let store = store.with_timeout(Duration::from_secs(10));
     let op = Operation::new(namespace("mysql.purge.open"));
     // An expired row for the purge to delete.
     let lapsing = op.key(&0).unwrap();
