@@ -35,8 +35,7 @@
 //! transaction (see below), and a lone one commits by itself: a lone take only when it got
 //! the lock before its caller stopped waiting and before leases were owed time back (the
 //! statement itself checks, by SQLite's clock), and in that transaction otherwise. Expired
-//! rows are deleted by
-//! [`purge_expired`](SqliteStore::purge_expired) or the task of
+//! rows are deleted by [`purge_expired`](SqliteStore::purge_expired) or the task of
 //! [`purge_every`](SqliteStore::purge_every); until then an expired row counts as absent.
 //!
 //! Commits are durable (`synchronous = FULL` with [`open`](SqliteStore::open)): a result the
