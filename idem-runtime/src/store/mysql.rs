@@ -343,19 +343,20 @@ impl MySqlStore {
         nonce: u64,
     ) -> Result<Result<Token, MySqlRow>, sqlx::Error> {
         let mut conn = self.pool.acquire().await?;
-        let fingerprint = fingerprint.map(|f| &f.as_bytes()[..]);
         let nonce_bytes = nonce.to_be_bytes();
+        // The claim's row, as `insert` and `take` write it.
+        let claim_row = |statement| {
+            sqlx::query(statement)
+                .bind(&key.as_bytes()[..])
+                .bind(fingerprint.map(|f| &f.as_bytes()[..]))
+                .bind(&nonce_bytes[..])
+                .bind(millis(lease))
+        };
         for _ in 0..CLAIM_LOOKS {
             // No row: the primary key lets one insert in, which takes the next token. It
             // commits by itself, so the shared lock an ignored insert takes on the row ends
             // with it (in a transaction, claimers upgrading it below would deadlock).
-            let inserted = sqlx::query(&self.sql.insert)
-                .bind(&key.as_bytes()[..])
-                .bind(fingerprint)
-                .bind(&nonce_bytes[..])
-                .bind(millis(lease))
-                .execute(&mut *conn)
-                .await?;
+            let inserted = claim_row(&self.sql.insert).execute(&mut *conn).await?;
             if inserted.rows_affected() == 1 {
                 return given(inserted.last_insert_id()).map(Ok);
             }
@@ -373,13 +374,7 @@ impl MySqlStore {
             if live != 0 && !sql::is_ours(&row, nonce) {
                 return Ok(Err(row)); // the transaction rolls back when dropped
             }
-            let taken = sqlx::query(&self.sql.take)
-                .bind(&key.as_bytes()[..])
-                .bind(fingerprint)
-                .bind(&nonce_bytes[..])
-                .bind(millis(lease))
-                .execute(&mut *tx)
-                .await?;
+            let taken = claim_row(&self.sql.take).execute(&mut *tx).await?;
             let token = given(taken.last_insert_id())?;
             tx.commit().await?;
             return Ok(Ok(token));

@@ -68,14 +68,7 @@ impl Statements {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
     ) -> String {
-        format!(
-            "INSERT IGNORE INTO `{}` (`key`, completed, fingerprint, value, expires_at) \
-             VALUES (X'{}', FALSE, {}, NULL, {NOW} + {})",
-            self.table,
-            hex::encode(key.as_bytes()),
-            fingerprint_literal(fingerprint),
-            millis(lease)
-        )
+        self.claim_literal("INSERT IGNORE", key, fingerprint, lease)
     }
 
     /// The takeover, in the caller's transaction, of the key's row, which that transaction
@@ -87,8 +80,19 @@ impl Statements {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
     ) -> String {
+        self.claim_literal("REPLACE", key, fingerprint, lease)
+    }
+
+    /// A claim's row written by `verb`, with its values written in.
+    fn claim_literal(
+        &self,
+        verb: &str,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> String {
         format!(
-            "REPLACE INTO `{}` (`key`, completed, fingerprint, value, expires_at) \
+            "{verb} INTO `{}` (`key`, completed, fingerprint, value, expires_at) \
              VALUES (X'{}', FALSE, {}, NULL, {NOW} + {})",
             self.table,
             hex::encode(key.as_bytes()),
