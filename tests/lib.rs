@@ -538,6 +538,15 @@ pub fn mysql_url() -> String {
     std::env::var("IDEM_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
 }
 
+/// Waits until `key`'s claim has lapsed by the store's own clock (the judge of leases),
+/// polling it; fails after a minute.
+pub async fn until_lapsed<S: idem_runtime::Store + ?Sized>(store: &S, key: &idem_runtime::Key) {
+    failover::until("the claim's lease lapses", || async {
+        store.lease_left(key).await.unwrap().is_none()
+    })
+    .await;
+}
+
 /// A migrated store on the database of [`mysql_url`], or `None` (skipped) when it is
 /// unreachable. Its pool has 8 connections.
 pub async fn mysql_store() -> Option<idem_runtime::MySqlStore> {

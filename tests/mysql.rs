@@ -9,7 +9,7 @@ use std::time::Duration;
 use idem_runtime::store::testkit;
 use idem_runtime::{Error, MySqlStore, Operation};
 use idem_tests::scenarios::{self, namespace};
-use idem_tests::{mysql_store, mysql_url, Probe, Runs};
+use idem_tests::{mysql_store, mysql_url, until_lapsed, Probe, Runs};
 
 /// A store on a table of the test's own, migrated; `None` when the server is unavailable.
 async fn on_table(table: &str) -> Option<MySqlStore> {
@@ -198,13 +198,7 @@ async fn expired_rows_are_purged_and_live_ones_kept() {
         idem_runtime::Claim::Acquired { .. }
     ));
     // Until the short lease has lapsed by the server's clock.
-    while idem_runtime::Store::lease_left(&store, &lapsing)
-        .await
-        .unwrap()
-        .is_some()
-    {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_lapsed(&store, &lapsing).await;
     // At least the lapsed claim (an earlier run's claims may lapse meanwhile too).
     assert!(store.purge_expired().await.unwrap() >= 1);
     let rows = |key: idem_runtime::Key| {
@@ -354,9 +348,7 @@ async fn tokens_grow_after_the_rows_with_the_largest_are_deleted() {
         if round % 2 == 0 {
             assert!(store.remove(&key).await.unwrap());
         } else {
-            while store.lease_left(&key).await.unwrap().is_some() {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            until_lapsed(&store, &key).await;
             assert!(store.purge_expired().await.unwrap() >= 1);
         }
         let left: i64 =
@@ -424,9 +416,7 @@ async fn a_server_killed_and_restarted_keeps_records_and_tokens_grow() {
         "a committed result survives the crash"
     );
     // Held until its lease ends by the server's clock, then taken over.
-    while store.lease_left(&held).await.unwrap().is_some() {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    until_lapsed(&store, &held).await;
     let Claim::Acquired { token: after } = store.claim(&held, None, lease).await.unwrap() else {
         panic!("the lapsed key is taken over");
     };
@@ -465,13 +455,7 @@ async fn a_purge_beside_an_open_transactions_claim_neither_waits_nor_fails() {
         claimed.unwrap(),
         idem_runtime::Claim::Acquired { .. }
     ));
-    while idem_runtime::Store::lease_left(&store, &lapsing)
-        .await
-        .unwrap()
-        .is_some()
-    {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_lapsed(&store, &lapsing).await;
     let pool = sqlx::mysql::MySqlPool::connect(&mysql_url()).await.unwrap();
     let mut open = pool.begin().await.unwrap();
     let in_open = op.key(&1).unwrap();

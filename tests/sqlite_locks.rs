@@ -167,9 +167,7 @@ async fn a_claim_that_waited_out_a_lease_for_the_lock_gives_the_time_back() {
     // The file locked (a process paused while it writes) until the claim lapsed, which
     // nobody can write about meanwhile; then a duplicate comes and waits for the lock.
     let writer = lock_the_file(&path).await;
-    while holder.lease_left(&key).await.unwrap().is_some() {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    idem_tests::until_lapsed(&holder, &key).await;
     let (started, claiming) = tokio::sync::oneshot::channel();
     let claim = tokio::spawn(async move {
         let _ = started.send(());

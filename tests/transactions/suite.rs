@@ -336,9 +336,7 @@ macro_rules! suite {
                 let Claim::Acquired { token: lapsed } = db.store.claim(&key, None, lease).await.unwrap() else {
                     panic!("a fresh key is free");
                 };
-                while db.store.lease_left(&key).await.unwrap().is_some() {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
+                idem_tests::until_lapsed(&db.store, &key).await;
                 let mut tx = begin(&db.pool).await;
                 let ran = op
                     .run_in_transaction(&db.store, &mut tx, &key, None, async |tx: &mut Conn| {
