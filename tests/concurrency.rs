@@ -249,3 +249,32 @@ async fn by_default_a_waiter_waits_one_lease() {
         waiter_gives_up_after(Operation::new("concurrency.default_wait").lease(lease)).await;
     assert_eq!(waited, lease, "waited {waited:?} for a lease of {lease:?}");
 }
+
+/// A body that blocks its thread (a synchronous write, a long computation) keeps its claim:
+/// the heartbeat runs as a task of its own, on another worker. The body blocks until the
+/// store has seen a renewal (a signal, bounded by a minute), which a heartbeat polled only
+/// beside the body could never send.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_blocks_its_thread_keeps_its_claim_renewed() {
+    let probe = Probe::apart(MemoryStore::new());
+    let op = Operation::new("concurrency.blocking_body").lease(Duration::from_millis(400));
+    let key = op.key(&"blocking").unwrap();
+    let watched = probe.clone();
+    let renewed = op
+        .run(&probe, &key, None, async move {
+            // Let the call start its heartbeat (it does at the body's first wait), then block.
+            tokio::task::yield_now().await;
+            let trips = watched.trips();
+            let started = std::time::Instant::now();
+            while watched.trips() == trips && started.elapsed() < Duration::from_secs(60) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Ok::<_, Error>(watched.trips() > trips)
+        })
+        .await
+        .unwrap();
+    assert!(
+        renewed.into_inner(),
+        "no renewal reached the store while the body blocked its thread"
+    );
+}

@@ -12,7 +12,7 @@ async fn after_the_ttl_the_body_runs_again() {
     // A memory store's result TTLs follow real time (its leases follow tokio::time).
     let store = MemoryStore::new();
     let ttl = Duration::from_millis(300);
-    let op = Operation::new("expiry.ttl").ttl(ttl);
+    let op = Operation::new("expiry.ttl").lease(ttl).ttl(ttl);
     let key = op.key(&1).unwrap();
     let runs = Runs::default();
     let call = || {

@@ -61,6 +61,12 @@ pub struct Probe<S> {
     claims: Runs,
     /// `complete` calls.
     completes: Runs,
+    /// Holds every `record_step` until the test opens it.
+    step_gate: Option<Gate>,
+    /// Holds every `steps` read until the test opens it.
+    steps_gate: Option<Gate>,
+    /// Every operation that reached the store: its round trips.
+    trips: Runs,
 }
 
 /// Failures and delays drawn from a seed: a failure either before the inner call (the
@@ -156,7 +162,39 @@ impl<S> Probe<S> {
             lost_claim_replies: Arc::default(),
             completes: Runs::default(),
             claims: Runs::default(),
+            step_gate: None,
+            steps_gate: None,
+            trips: Runs::default(),
         }
+    }
+
+    /// Another process paused past its lease (its renewals faked: it believes it holds the
+    /// key) with a step's record on the way: its records wait at a gate until the test
+    /// opens it.
+    pub fn frozen_step_gated(inner: S) -> (Self, Gate) {
+        let gate = Gate::default();
+        let probe = Self {
+            step_gate: Some(gate.clone()),
+            ..Self::frozen(inner)
+        };
+        (probe, gate)
+    }
+
+    /// Another process whose reads of a call's steps wait at a gate until the test opens
+    /// it: the answer of the round trip before a step is late.
+    pub fn steps_gated(inner: S) -> (Self, Gate) {
+        let gate = Gate::default();
+        let probe = Self {
+            steps_gate: Some(gate.clone()),
+            ..Self::apart(inner)
+        };
+        (probe, gate)
+    }
+
+    /// How many operations reached the store so far (each one round trip on a network
+    /// store); `remove` is not counted.
+    pub fn trips(&self) -> usize {
+        self.trips.count()
     }
 
     /// Fails `fail` of the operations (half before, half after the inner call) and delays
@@ -188,6 +226,7 @@ impl<S> Probe<S> {
         &self,
         operation: impl std::future::Future<Output = Result<T, Error>>,
     ) -> Result<T, Error> {
+        self.trips.hit();
         let Some(faults) = &self.faults else {
             return operation.await;
         };
@@ -390,7 +429,30 @@ impl<S: Store + Clone> Store for Probe<S> {
     }
 
     async fn fence(&self, key: &Key, token: Token) -> Result<Option<Token>, Error> {
+        self.trips.hit();
         self.inner.fence(key, token).await
+    }
+
+    async fn record_step(
+        &self,
+        call: &Key,
+        token: Token,
+        step: &Key,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        if let Some(gate) = &self.step_gate {
+            gate.pass().await;
+        }
+        self.apply(self.inner.record_step(call, token, step, value, ttl))
+            .await
+    }
+
+    async fn steps(&self, call: &Key) -> Result<Vec<(Key, Bytes)>, Error> {
+        if let Some(gate) = &self.steps_gate {
+            gate.pass().await;
+        }
+        self.apply(self.inner.steps(call)).await
     }
 
     async fn remove(&self, key: &Key) -> Result<bool, Error> {

@@ -203,7 +203,9 @@ async fn purge_deletes_expired_rows_only() {
     };
     let store = store.with_table("idem_records_purge").unwrap();
     store.migrate().await.unwrap();
-    let op = Operation::new(namespace("purge")).ttl(Duration::from_millis(100));
+    let op = Operation::new(namespace("purge"))
+        .lease(Duration::from_millis(100))
+        .ttl(Duration::from_millis(100));
     let short = op.key(&"short").unwrap();
     let long = op.key(&"long").unwrap();
     let _ = op

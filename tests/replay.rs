@@ -220,26 +220,30 @@ async fn a_record_that_does_not_decode_is_a_codec_error_and_the_body_does_not_ru
     assert_eq!(runs.count(), 0);
 }
 
+/// A result JSON cannot carry (map keys must be strings) reaches its caller, and the key is
+/// recorded as gone: a retry gets `Error::Gone`, never a second run of the body.
 #[tokio::test]
-async fn a_result_that_cannot_be_encoded_is_a_codec_error_and_releases() {
+async fn a_result_that_cannot_be_encoded_answers_its_caller_and_gone_after() {
     use std::collections::HashMap;
-    // JSON map keys must be strings: a map keyed by tuples cannot be encoded.
     let store = MemoryStore::new();
     let op = Operation::new("replay.encode");
     let key = op.key(&1).unwrap();
     let bad: HashMap<(u8, u8), u8> = [((1, 2), 3)].into();
-    let err = op
+    let first = op
         .run(&store, &key, None, async move { Ok::<_, Error>(bad) })
         .await
-        .unwrap_err();
-    assert!(matches!(err, Error::Codec(_)), "{err}");
+        .unwrap();
+    assert_eq!(first.into_inner()[&(1, 2)], 3, "the caller gets its value");
+    let runs = Runs::default();
+    let r = runs.clone();
     let again = op
-        .run(&store, &key, None, async {
+        .run(&store, &key, None, async move {
+            r.hit();
             Ok::<_, Error>(HashMap::<(u8, u8), u8>::new())
         })
-        .await
-        .unwrap();
-    assert!(!again.is_replayed(), "the key was released");
+        .await;
+    assert!(matches!(again, Err(Error::Gone)), "{again:?}");
+    assert_eq!(runs.count(), 0, "the body did not run again");
 }
 
 #[tokio::test]

@@ -146,7 +146,9 @@ async fn a_zombie_cannot_overwrite_the_new_owner() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn purging_deletes_expired_rows_only() {
     let store = open(&fresh_file("purge")).await;
-    let op = Operation::new(namespace("purge")).ttl(Duration::from_millis(200));
+    let op = Operation::new(namespace("purge"))
+        .lease(Duration::from_millis(200))
+        .ttl(Duration::from_millis(200));
     let short = op.key(&"short").unwrap();
     let _ = op
         .run(&store, &short, None, async { Ok::<_, Error>(1_u32) })
@@ -403,7 +405,9 @@ async fn a_copy_never_outlives_its_durable_record() {
     const KEYS: u32 = 40;
     let durable = open(&fresh_file("copy-expiry")).await;
     let tier = TieredStore::new(MemoryStore::new(), durable.clone());
-    let op = Operation::new(namespace("copy_expiry")).ttl(Duration::from_millis(300));
+    let op = Operation::new(namespace("copy_expiry"))
+        .lease(Duration::from_millis(300))
+        .ttl(Duration::from_millis(300));
     let mut watchers = Vec::new();
     for i in 0..KEYS {
         let (op, tier, durable) = (op.clone(), tier.clone(), durable.clone());

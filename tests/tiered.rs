@@ -94,7 +94,9 @@ async fn a_copy_never_outlives_its_durable_record() {
     // Long enough that a loaded machine copies each record before it expires, short
     // enough to wait out twice.
     let ttl = Duration::from_secs(2);
-    let op = Operation::new(namespace("tiered.expiry")).ttl(ttl);
+    let op = Operation::new(namespace("tiered.expiry"))
+        .lease(ttl)
+        .ttl(ttl);
     for (name, fast) in [
         ("memory", Box::new(MemoryStore::new()) as Box<dyn Store>),
         ("redis", Box::new(redis.clone())),

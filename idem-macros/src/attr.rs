@@ -124,11 +124,36 @@ impl Parse for Args {
             }
             input.parse::<Token![,]>()?;
         }
+        args.check_ttl_against_lease();
         Ok(args)
     }
 }
 
 impl Args {
+    /// A literal `ttl` shorter than the lease (a literal, or the default): refused here, as
+    /// the runtime refuses it for expressions, since a call could outlive its own record's
+    /// time and a recorded step expire while its call still runs.
+    fn check_ttl_against_lease(&mut self) {
+        let Some(Duration::Millis(ttl, span)) = &self.ttl else {
+            return;
+        };
+        let lease = match &self.lease {
+            Some(Duration::Millis(lease, _)) => *lease,
+            Some(Duration::Expr(_)) => return,
+            None => DEFAULT_LEASE_MS,
+        };
+        if *ttl < lease {
+            let (ttl, span) = (*ttl, *span);
+            self.push_error(syn::Error::new(
+                span,
+                format!(
+                    "`ttl` ({ttl}ms) must be at least the lease ({lease}ms{}): a result must be kept at least as long as a call may hold its key, or its steps could expire while it runs; raise `ttl` or set a shorter `lease`",
+                    if self.lease.is_none() { ", the default" } else { "" }
+                ),
+            ));
+        }
+    }
+
     fn parse_one(&mut self, input: ParseStream<'_>) -> syn::Result<()> {
         let lookahead = input.lookahead1();
         macro_rules! arg {
@@ -268,6 +293,8 @@ fn string_literal(value: &Expr) -> Option<&LitStr> {
 /// literals so that they fail at compile time; `tests/limits.rs` keeps the two in step.
 const MIN_LEASE_MS: u64 = 100;
 const MAX_MS: u64 = 365 * 86_400_000;
+/// The runtime's `DEFAULT_LEASE`, for a literal `ttl` without a `lease`.
+const DEFAULT_LEASE_MS: u64 = 8_000;
 
 fn duration(value: Expr, name: &str) -> syn::Result<Duration> {
     if let Some(lit) = string_literal(&value) {

@@ -27,11 +27,19 @@ pub(crate) fn check(item: &ItemFn, args: &Args, parsed: bool) -> syn::Result<()>
         ));
     }
 
-    if let ReturnType::Default = sig.output {
-        errors.push(syn::Error::new(
+    match &sig.output {
+        ReturnType::Default => errors.push(syn::Error::new(
             sig.paren_token.span.close(),
             "`#[idempotent]` functions must return `Result<T, E>`: add a return type, e.g. `-> Result<Receipt, PayError>`",
-        ));
+        )),
+        ReturnType::Type(_, ty) => {
+            if let Some(nested) = ok_type(ty).and_then(nested_option) {
+                errors.push(syn::Error::new(
+                    nested.span(),
+                    "`#[idempotent]` cannot replay `Option<Option<_>>` as itself: JSON records `Some(None)` and `None` alike (`null`), so a replay of `Some(None)` would be `None`; return a type that tells them apart, e.g. `enum Lookup<T> { Missing, Found(Option<T>) }` or a struct around the inner `Option`",
+                ));
+            }
+        }
     }
 
     let receiver = sig.receiver();
@@ -89,6 +97,35 @@ pub(crate) fn check(item: &ItemFn, args: &Args, parsed: bool) -> syn::Result<()>
             all
         })
         .map_or(Ok(()), Err)
+}
+
+/// The `T` of a return type written `Result<T, E>` (any path ending in `Result`).
+fn ok_type(ty: &Type) -> Option<&Type> {
+    first_argument(ty, "Result")
+}
+
+/// The inner `Option` of `Option<Option<_>>`, as written.
+fn nested_option(ty: &Type) -> Option<&Type> {
+    first_argument(ty, "Option").filter(|inner| first_argument(inner, "Option").is_some())
+}
+
+/// The first type argument of `ty` when it is a path ending in `name<…>`.
+fn first_argument<'t>(ty: &'t Type, name: &str) -> Option<&'t Type> {
+    let Type::Path(path) = ty else {
+        return None;
+    };
+    let last = path
+        .path
+        .segments
+        .last()
+        .filter(|last| last.ident == name)?;
+    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
+        return None;
+    };
+    args.args.iter().find_map(|arg| match arg {
+        syn::GenericArgument::Type(ty) => Some(ty),
+        _ => None,
+    })
 }
 
 /// The names the parameters bind, and `self`.

@@ -7,10 +7,13 @@
 //! - a three-step body's first run against the same body without steps, on PostgreSQL:
 //!   each step is one committed `INSERT` (an effect of the size of a write to another
 //!   system). Target ≤ 1.3.
+//! - a step that runs (an effect that costs nothing, so that what is measured is its
+//!   record) against one raw write of the same store (Redis `SET`, a committed `INSERT` on
+//!   PostgreSQL, SQLite and MySQL), both inside a running body. Target ≤ 1.2.
 //!
-//! `cargo bench -p idem-runtime --bench steps --features postgres`
-//! (PostgreSQL at `IDEM_POSTGRES_URL`, default `postgres://postgres@127.0.0.1:5432/test`;
-//! skipped with a line saying so when it is unreachable.)
+//! `cargo bench -p idem-runtime --bench steps --features memory,redis,postgres,sqlite,mysql`
+//! (Redis, PostgreSQL and MySQL at `IDEM_REDIS_URL`, `IDEM_POSTGRES_URL`, `IDEM_MYSQL_URL`, or
+//! their defaults; a server that is unreachable is skipped with a line saying so.)
 
 #[allow(dead_code)] // the Redis helpers are other benches'
 mod common;
@@ -21,7 +24,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use idem_runtime::{step, Error, MemoryStore, Operation, PostgresStore};
+use idem_runtime::{
+    step, Error, MemoryStore, MySqlStore, Operation, PostgresStore, RedisStore, SqliteStore, Store,
+};
 use interleaved::{measure, on as side, Ratio};
 use tokio::runtime::Runtime;
 
@@ -35,8 +40,9 @@ const RECORDED: u64 = 1 << 16;
 /// Runs `body` as the body of an attempt of `op`'s call `call` in `store`, releases the key
 /// (the body fails), and returns how long `body` took: one batch of a side measured inside a
 /// running body.
-fn in_a_body<F>(rt: &Runtime, store: &MemoryStore, op: &Operation, call: u64, body: F) -> Duration
+fn in_a_body<S, F>(rt: &Runtime, store: &S, op: &Operation, call: u64, body: F) -> Duration
 where
+    S: Store + Clone,
     F: std::future::Future<Output = Result<(), Error>>,
 {
     let took = Mutex::new(Duration::ZERO);
@@ -59,13 +65,7 @@ fn replayed_step(rt: &Runtime) -> Ratio {
     let store = MemoryStore::builder().capacity(4 * RECORDED).build();
     let outer = Operation::new("bench.steps.call");
     let nested = Operation::new("bench.steps.nested");
-    // Record the steps of call 1, and the nested calls the baseline replays.
-    in_a_body(rt, &store, &outer, 1, async {
-        for _ in 0..RECORDED {
-            step("charge", async { Ok::<_, Error>(common::receipt(1)) }).await?;
-        }
-        Ok(())
-    });
+    // Record the nested calls the baseline replays.
     rt.block_on(async {
         for n in 0..RECORDED {
             let key = nested.key(&(1_u64, "charge", n)).unwrap();
@@ -78,7 +78,16 @@ fn replayed_step(rt: &Runtime) -> Ratio {
     measure(
         &mut |iters: u64| {
             assert!(iters <= RECORDED, "a batch replays only recorded steps");
-            in_a_body(rt, &store, &outer, 1, async {
+            // A call of its own with `iters` recorded steps (not timed), then its replay:
+            // what is timed reads them in one step and replays each.
+            let call = fresh();
+            in_a_body(rt, &store, &outer, call, async {
+                for _ in 0..iters {
+                    step("charge", async { Ok::<_, Error>(common::receipt(1)) }).await?;
+                }
+                Ok(())
+            });
+            in_a_body(rt, &store, &outer, call, async {
                 for _ in 0..iters {
                     let replayed = step("charge", async {
                         unreachable!("a recorded step does not run")
@@ -203,6 +212,165 @@ fn three_steps_on_postgres(rt: &Runtime) -> Option<(Ratio, Ratio)> {
     Some((ratio, floor))
 }
 
+/// Steps that run, a batch in one body, against as many raw writes of `write`, in a body of
+/// the same store: what a step's record costs over the write it is.
+fn step_vs_write<S, W, Fut>(rt: &Runtime, store: &S, write: W) -> Ratio
+where
+    S: Store + Clone,
+    W: Fn(u64) -> Fut,
+    Fut: std::future::Future<Output = Result<(), Error>>,
+{
+    let op = Operation::new(format!("bench.steps.write.{}", common::run_start()));
+    measure(
+        &mut |iters: u64| {
+            in_a_body(rt, store, &op, fresh(), async {
+                for i in 0..iters {
+                    black_box(step("write", async move { Ok::<_, Error>(i) }).await?);
+                }
+                Ok(())
+            })
+        },
+        &mut |iters: u64| {
+            in_a_body(rt, store, &op, fresh(), async {
+                for i in 0..iters {
+                    write(i).await?;
+                }
+                Ok(())
+            })
+        },
+        BUDGET,
+    )
+}
+
+/// A table of one process's raw writes, `(n, v)`, made in `pool`'s database by `create`.
+fn bench_table() -> String {
+    format!("bench_step_writes_{}", std::process::id())
+}
+
+fn redis_row(rt: &Runtime) -> Option<Ratio> {
+    let url = std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let (Ok(store), Ok(client)) = (
+        rt.block_on(RedisStore::connect(&url)),
+        redis::Client::open(url.as_str()),
+    ) else {
+        println!("skipped: redis at {url} is unreachable");
+        return None;
+    };
+    let con = rt
+        .block_on(redis::aio::ConnectionManager::new(client))
+        .ok()?;
+    let run = common::run_start();
+    Some(step_vs_write(rt, &store, |i| {
+        let mut con = con.clone();
+        async move {
+            let key = format!("bench:step-write:{run}:{i}");
+            redis::cmd("SET")
+                .arg(key)
+                .arg(format!("v{i}"))
+                .arg("PX")
+                .arg(60_000)
+                .query_async::<()>(&mut con)
+                .await
+                .map_err(Error::store)
+        }
+    }))
+}
+
+fn postgres_row(rt: &Runtime) -> Option<Ratio> {
+    let url = std::env::var("IDEM_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let Ok(store) = rt.block_on(PostgresStore::connect(&url)) else {
+        println!("skipped: postgres at {url} is unreachable");
+        return None;
+    };
+    rt.block_on(store.migrate()).unwrap();
+    let (pool, table) = (store.pool().clone(), bench_table());
+    let create = format!("CREATE TABLE {table} (n bigint NOT NULL, v bytea NOT NULL)");
+    rt.block_on(sqlx::query(&create).execute(&pool)).unwrap();
+    let insert = format!("INSERT INTO {table} (n, v) VALUES ($1, $2)");
+    let ratio = step_vs_write(rt, &store, |i| {
+        let (pool, insert) = (&pool, &insert);
+        async move {
+            let value = format!("v{i}");
+            sqlx::query(insert)
+                .bind(i as i64)
+                .bind(value.as_bytes())
+                .execute(pool)
+                .await
+                .map(drop)
+                .map_err(Error::store)
+        }
+    });
+    let drop_table = format!("DROP TABLE {table}");
+    rt.block_on(sqlx::query(&drop_table).execute(&pool))
+        .unwrap();
+    rt.block_on(store.purge_expired()).ok();
+    Some(ratio)
+}
+
+fn sqlite_row(rt: &Runtime) -> Ratio {
+    let dir = std::env::temp_dir().join(format!("idem-bench-steps-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let store = rt
+        .block_on(SqliteStore::open(dir.join("steps.db")))
+        .unwrap();
+    rt.block_on(store.migrate()).unwrap();
+    let (pool, table) = (store.pool().clone(), bench_table());
+    let create = format!("CREATE TABLE {table} (n INTEGER NOT NULL, v BLOB NOT NULL)");
+    rt.block_on(sqlx::query(&create).execute(&pool)).unwrap();
+    let insert = format!("INSERT INTO {table} (n, v) VALUES (?1, ?2)");
+    let ratio = step_vs_write(rt, &store, |i| {
+        let (pool, insert) = (&pool, &insert);
+        async move {
+            let value = format!("v{i}");
+            sqlx::query(insert)
+                .bind(i as i64)
+                .bind(value.as_bytes())
+                .execute(pool)
+                .await
+                .map(drop)
+                .map_err(Error::store)
+        }
+    });
+    drop(store);
+    std::fs::remove_dir_all(&dir).ok();
+    ratio
+}
+
+fn mysql_row(rt: &Runtime) -> Option<Ratio> {
+    let url = std::env::var("IDEM_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+    let Ok(store) = rt.block_on(MySqlStore::connect(&url)) else {
+        println!("skipped: mysql at {url} is unreachable");
+        return None;
+    };
+    rt.block_on(store.migrate()).unwrap();
+    let (pool, table) = (store.pool().clone(), bench_table());
+    let create = format!(
+        "CREATE TABLE {table} (n BIGINT NOT NULL, v VARBINARY(64) NOT NULL) ENGINE = InnoDB"
+    );
+    rt.block_on(sqlx::query(&create).execute(&pool)).unwrap();
+    let insert = format!("INSERT INTO {table} (n, v) VALUES (?, ?)");
+    let ratio = step_vs_write(rt, &store, |i| {
+        let (pool, insert) = (&pool, &insert);
+        async move {
+            let value = format!("v{i}");
+            sqlx::query(insert)
+                .bind(i as i64)
+                .bind(value.as_bytes())
+                .execute(pool)
+                .await
+                .map(drop)
+                .map_err(Error::store)
+        }
+    });
+    let drop_table = format!("DROP TABLE {table}");
+    rt.block_on(sqlx::query(&drop_table).execute(&pool))
+        .unwrap();
+    rt.block_on(store.purge_expired()).ok();
+    Some(ratio)
+}
+
 fn main() {
     let rt = common::runtime();
     let mut rows = vec![(
@@ -221,6 +389,17 @@ fn main() {
             floor,
             None,
         ));
+    }
+    let step_rows = [
+        ("a step run vs a raw SET, redis", redis_row(&rt)),
+        ("a step run vs a raw INSERT, postgres", postgres_row(&rt)),
+        ("a step run vs a raw INSERT, sqlite", Some(sqlite_row(&rt))),
+        ("a step run vs a raw INSERT, mysql", mysql_row(&rt)),
+    ];
+    for (path, ratio) in step_rows {
+        if let Some(ratio) = ratio {
+            rows.push((path, ratio, Some(1.2)));
+        }
     }
     println!(
         "\n{:<48} {:>10} {:>10} {:>6} {:>13} {:>7} {:>6}",

@@ -34,6 +34,11 @@ pub(crate) trait ValueCodec<T> {
 
     /// Decodes what follows the tag.
     fn decode(payload: &[u8]) -> Result<T, Error>;
+
+    /// The record of `value`, tag included.
+    fn record(value: &T) -> Result<Bytes, Error> {
+        encode_value::<Self, T>(value)
+    }
 }
 
 /// Values as `serde_json`: the format of every operation but the HTTP layer's.
@@ -49,6 +54,30 @@ impl<T: Serialize + DeserializeOwned> ValueCodec<T> for Json {
     fn decode(payload: &[u8]) -> Result<T, Error> {
         serde_json::from_slice(payload).map_err(|e| Error::codec(DecodeError(e)))
     }
+
+    /// A value is recorded only if its encoding decodes back as `T`: JSON has no NaN or
+    /// infinity (`serde_json` writes `null`), and a map key must be a string. A value that
+    /// cannot make the trip is recorded as [`GONE`] instead: its caller gets the value, and
+    /// every retry [`Error::Gone`], never a second run and never a record that cannot be
+    /// replayed until its TTL. (`Some(None)` encodes as `None` does and decodes as `None`:
+    /// no check at run time can see it; the attribute refuses such a type.)
+    fn record(value: &T) -> Result<Bytes, Error> {
+        let faithful =
+            encode_value::<Self, T>(value).and_then(|record| {
+                match serde_json::from_slice::<T>(&record[1..]) {
+                    Ok(_) => Ok(record),
+                    Err(err) => Err(Error::codec(UnfaithfulError(err))),
+                }
+            });
+        Ok(faithful.unwrap_or_else(|err| {
+            tracing::error!(
+                outcome = "gone",
+                error = %err,
+                "the result cannot be recorded as itself: its key is recorded as gone, and retries get `Error::Gone`"
+            );
+            Bytes::from_static(GONE)
+        }))
+    }
 }
 
 fn encode<V: Serialize + ?Sized>(tag: u8, value: &V) -> Result<Bytes, Error> {
@@ -58,7 +87,7 @@ fn encode<V: Serialize + ?Sized>(tag: u8, value: &V) -> Result<Bytes, Error> {
     Ok(buf.into())
 }
 
-pub(crate) fn encode_value<C: ValueCodec<T>, T>(value: &T) -> Result<Bytes, Error> {
+pub(crate) fn encode_value<C: ValueCodec<T> + ?Sized, T>(value: &T) -> Result<Bytes, Error> {
     let mut buf = Vec::with_capacity(128);
     buf.push(C::TAG);
     C::encode_into(value, &mut buf)?;
@@ -90,9 +119,14 @@ pub(crate) const HTTP: u8 = b'h';
 #[error("encoding the result failed: {0}")]
 struct EncodeError(#[source] serde_json::Error);
 
+/// The encoding of a result does not decode back as its own type.
+#[derive(Debug, thiserror::Error)]
+#[error("the result's encoding does not decode back as its type (a NaN or infinite float?): {0}")]
+struct UnfaithfulError(#[source] serde_json::Error);
+
 /// The record could not be decoded as the caller's type.
 #[derive(Debug, thiserror::Error)]
-#[error("the recorded result does not decode as this call's type: {0}")]
+#[error("the recorded result does not decode as this call's type (did the type change since it was recorded? `Store::remove` of the call's key resets it, steps included): {0}")]
 struct DecodeError(#[source] serde_json::Error);
 
 /// What happens to an `Err` returned by the body.

@@ -56,15 +56,19 @@ pub enum Error {
     #[error("the idempotency store failed: {0}")]
     Store(#[source] BoxError),
 
-    /// The result could not be encoded for recording, or a recorded result could not be
-    /// decoded as the caller's type. A decode failure never re-runs the body: change the
-    /// type compatibly, or bump the operation's namespace (HTTP 500).
+    /// A recorded result could not be decoded as the caller's type (the type changed since
+    /// it was recorded), or a recorded error as the error type. It never re-runs the body:
+    /// change the type compatibly, bump the operation's namespace, or reset the call with
+    /// [`Store::remove`](crate::Store::remove) of its key, which removes its steps too (HTTP
+    /// 500). (A value that cannot be encoded as itself is recorded as gone instead.)
     #[error("idempotency record codec failed: {0}")]
     Codec(#[source] BoxError),
 
     /// The key completed within its TTL, but its result can no longer be replayed: the
     /// store evicted it (the memory store under its bounds), it was larger than the store
-    /// keeps, or an HTTP response was over the recording limit. The body did **not** run
+    /// keeps, an HTTP response was over the recording limit, or the value's encoding did not
+    /// decode back as itself (a NaN, a map with non-string keys: the first caller got the
+    /// value, and a step's body its step's). The body did **not** run
     /// again: a second run could repeat an effect (a charge) without a word. Look the
     /// outcome up elsewhere, or use a new key for a new operation (HTTP 410).
     #[error("the idempotency key completed, but its result can no longer be replayed")]

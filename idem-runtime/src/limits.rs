@@ -13,7 +13,8 @@ pub const MIN_LEASE: Duration = Duration::from_millis(100);
 /// they are handed directly to it, so that no expiry overflows a clock or a column.
 pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 
-/// Checks the durations of one operation; the error names the setting and its limits.
+/// Checks the durations of one operation; the error names the setting and its limits. A
+/// TTL shorter than the lease is refused too.
 pub(crate) fn check(
     ttl: Duration,
     lease: Duration,
@@ -21,6 +22,11 @@ pub(crate) fn check(
 ) -> Result<(), Error> {
     within("ttl", ttl, Duration::from_millis(1))?;
     within("lease", lease, MIN_LEASE)?;
+    if ttl < lease {
+        return Err(Error::config(format!(
+            "the ttl of {ttl:?} is shorter than the lease of {lease:?}: a result must be kept at least as long as a call may hold its key, or its steps could expire while it runs; raise the ttl or shorten the lease"
+        )));
+    }
     match wait_timeout {
         Some(wait) => within("wait timeout", wait, Duration::ZERO),
         None => Ok(()),
@@ -65,6 +71,12 @@ mod tests {
             (day, Duration::from_millis(1), None, "lease"),
             (day, Duration::MAX, None, "lease"),
             (day, MIN_LEASE, Some(Duration::MAX), "wait timeout"),
+            (
+                Duration::from_secs(1),
+                Duration::from_secs(2),
+                None,
+                "shorter than the lease",
+            ),
         ] {
             let err = check(ttl, lease, wait).unwrap_err();
             assert!(matches!(err, Error::Config(_)), "{err}");

@@ -284,8 +284,54 @@ pub trait Store: Send + Sync + 'static {
     /// [`Error::Store`] when the store cannot be reached or fails.
     async fn fence(&self, key: &Key, token: Token) -> Result<Option<Token>, Error>;
 
-    /// Deletes the record of `key` whatever its state (an administrative reset). Returns
-    /// whether there was one. A holder of a removed claim can no longer complete it.
+    /// Records `value` as the step `step` of the call `call`, kept for `ttl`, in **one atomic
+    /// conditional write** that succeeds only while `call` is in progress under claim
+    /// `token` with a live lease (by the store's clock), as
+    /// [`complete`](Store::complete) would. A holder whose lease ran out, or whose call was
+    /// taken over, is refused with `Ok(false)` and writes nothing, so the new holder never
+    /// replays a step that the old one recorded after losing the key. Recording a step again
+    /// under the same claim replaces it.
+    ///
+    /// A step's key shares its call's first 16 bytes ([`Key::as_bytes`]), so a store whose
+    /// keys are ordered finds a call's steps in one range of keys.
+    ///
+    /// The default refuses with [`Error::Config`]: a store that cannot make this write
+    /// atomic must not record steps at all, and a body that runs a step on it fails before
+    /// the step's future starts ([`steps`](Store::steps) refuses first).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot be reached or fails; nothing was written, or
+    /// the write landed (a lost reply): recording the step again under the same claim is
+    /// safe either way.
+    async fn record_step(
+        &self,
+        call: &Key,
+        token: Token,
+        step: &Key,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        let _ = (call, token, step, value, ttl);
+        Err(no_steps(std::any::type_name::<Self>()))
+    }
+
+    /// Every live step record of the call `call` ([`record_step`](Store::record_step)), in
+    /// one round trip: what a retry of the call replays instead of running.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot be reached or fails; [`Error::Config`] from a
+    /// store that does not record steps (the default).
+    async fn steps(&self, call: &Key) -> Result<Vec<(Key, Bytes)>, Error> {
+        let _ = call;
+        Err(no_steps(std::any::type_name::<Self>()))
+    }
+
+    /// Deletes the record of `key` whatever its state (an administrative reset), with the
+    /// records of its steps, so that the next call runs its body and every step again.
+    /// Returns whether there was a record of the call. A holder of a removed claim can no
+    /// longer complete it or record a step.
     ///
     /// # Errors
     ///
@@ -341,6 +387,14 @@ pub trait Store: Send + Sync + 'static {
     fn typed(&self) -> Option<&dyn TypedStore> {
         None
     }
+}
+
+/// What a store that does not record steps answers: steps need a conditional write that
+/// the store does not make, so none runs.
+fn no_steps(store: &str) -> Error {
+    Error::config(format!(
+        "`{store}` does not record steps (`Store::record_step`): a step's record must be one write fenced by its call's claim; run steps on a store that implements it"
+    ))
 }
 
 /// A claim's nonce ([`Store::claim_with_nonce`]), drawn once per call by the engine and by
@@ -422,6 +476,21 @@ macro_rules! forward_store {
 
             async fn fence(&self, key: &Key, token: Token) -> Result<Option<Token>, Error> {
                 (**self).fence(key, token).await
+            }
+
+            async fn record_step(
+                &self,
+                call: &Key,
+                token: Token,
+                step: &Key,
+                value: Bytes,
+                ttl: Duration,
+            ) -> Result<bool, Error> {
+                (**self).record_step(call, token, step, value, ttl).await
+            }
+
+            async fn steps(&self, call: &Key) -> Result<Vec<(Key, Bytes)>, Error> {
+                (**self).steps(call).await
             }
 
             async fn remove(&self, key: &Key) -> Result<bool, Error> {

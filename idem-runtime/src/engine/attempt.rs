@@ -1,14 +1,17 @@
 //! The attempt a body runs under, visible to the body through [`attempt()`], and the check
 //! that keeps a call from waiting for its own enclosing call.
 
-use std::borrow::Cow;
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::OnceCell;
 
 use super::lease::Lease;
-use super::{InFlight, Operation, Settings};
-use crate::codec::ReleaseErrors;
-use crate::namespace::Namespace;
+use super::Settings;
+use crate::key::KeyHasher;
 use crate::{Error, Fingerprint, Flights, Key, Store, Token};
 
 tokio::task_local! {
@@ -68,8 +71,8 @@ struct Frame {
     /// The attempt of the call whose body made this call, if any.
     enclosing: Option<Attempt>,
     /// What the body's [`step`](crate::step)s need: where and for how long they are
-    /// recorded, and how their occurrences are counted.
-    journal: Journal,
+    /// recorded, and how their occurrences are counted; shared with the steps' own attempts.
+    journal: Arc<Journal>,
 }
 
 /// Where an attempt's fencing token comes from.
@@ -82,6 +85,8 @@ enum Fence {
         store: Arc<dyn Store>,
         taken: OnceLock<Token>,
     },
+    /// A step's attempt: the fencing token of the call it is a step of.
+    Call(Attempt),
 }
 
 impl Attempt {
@@ -92,7 +97,7 @@ impl Attempt {
             store: Arc::clone(store),
             taken: OnceLock::new(),
         };
-        Self::with_fence(&**store, key, token, fence, journal)
+        Self::with_fence(&**store, key, token, fence, Arc::new(journal))
     }
 
     /// Like [`enter`](Self::enter), for a claim whose token is already its fencing token.
@@ -106,7 +111,21 @@ impl Attempt {
         token: Token,
         journal: Journal,
     ) -> Self {
-        Self::with_fence(store, key, token, Fence::Claim, journal)
+        Self::with_fence(store, key, token, Fence::Claim, Arc::new(journal))
+    }
+
+    /// The attempt of this call's step `key`: inside the step's future, `attempt()` is it.
+    /// It shares the call's journal (a step's own steps are the call's) and fences with
+    /// the call's token, since the call's claim is what makes the step exclusive.
+    pub(super) fn step(&self, key: Key) -> Self {
+        Self(Arc::new(Frame {
+            key,
+            token: self.0.token,
+            fence: Fence::Call(self.clone()),
+            store: self.0.store,
+            enclosing: Some(self.clone()),
+            journal: Arc::clone(&self.0.journal),
+        }))
     }
 
     fn with_fence<S: Store + ?Sized>(
@@ -114,7 +133,7 @@ impl Attempt {
         key: Key,
         token: Token,
         fence: Fence,
-        journal: Journal,
+        journal: Arc<Journal>,
     ) -> Self {
         Self(Arc::new(Frame {
             key,
@@ -131,7 +150,11 @@ impl Attempt {
         &self.0.journal
     }
 
-    /// The key the body runs under.
+    /// The key the body runs under. Inside a [`step`](crate::step()), the step's own key:
+    /// derived from the call's key and fingerprint, the step's name and its occurrence (the
+    /// first step of a name is occurrence 0, the next 1, …), the same on every attempt of
+    /// the call, so two steps of one name send different keys downstream, and a deploy that
+    /// removes one of them shifts the others' keys: name steps by what they do to what.
     pub fn key(&self) -> &Key {
         &self.0.key
     }
@@ -146,8 +169,10 @@ impl Attempt {
     /// held (its lease ran out, or the record was removed): the body must then not write
     /// downstream, and returning the error ends the call without recording anything.
     pub async fn token(&self) -> Result<Token, Error> {
-        let Fence::Store { store, taken } = &self.0.fence else {
-            return Ok(self.0.token);
+        let (store, taken) = match &self.0.fence {
+            Fence::Claim => return Ok(self.0.token),
+            Fence::Call(call) => return Box::pin(call.token()).await,
+            Fence::Store { store, taken } => (store, taken),
         };
         if let Some(token) = taken.get() {
             return Ok(*token);
@@ -161,10 +186,6 @@ impl Attempt {
     }
 
     /// Runs `body` with this attempt as the current one.
-    #[cfg_attr(
-        not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
-        allow(dead_code)
-    )]
     pub(crate) fn scope<F: std::future::Future>(
         self,
         body: F,
@@ -255,47 +276,51 @@ fn unkeyed() -> Scope {
 
 /// What the steps of one attempt are recorded with.
 pub(crate) struct Journal {
-    /// The enclosing call's store: the steps' records live beside its own.
-    pub(super) store: Arc<dyn Store>,
-    /// The enclosing call's settings: its namespace names the steps, its lease and TTL are
-    /// theirs.
-    settings: Settings,
+    /// The call's key: its steps are recorded under it, and their keys start with its first
+    /// bytes.
+    pub(super) call: Key,
     /// The enclosing call's fingerprint: a retry with another payload runs its own steps.
     pub(super) fingerprint: Option<Fingerprint>,
-    /// The enclosing claim, to confirm before a step is recorded; `None` for a claim in the
-    /// caller's transaction, which no other call can take while the transaction lives.
+    /// How long the steps' records live: the call's TTL.
+    pub(super) ttl: Duration,
+    /// The enclosing claim, whose lease a step checks before it starts and whose token
+    /// fences its record; `None` for a claim in the caller's transaction, whose steps are
+    /// not recorded (see [`step`](crate::step)).
     pub(super) holder: Option<Arc<Lease>>,
+    /// The steps earlier attempts recorded, read once, when the first step of this
+    /// attempt asks.
+    recorded: OnceCell<HashMap<Key, Bytes, KeyHasher>>,
     /// How many times each step name was used so far in this attempt.
-    seen: Mutex<Vec<(Box<str>, u32)>>,
+    seen: Mutex<HashMap<Box<str>, u32>>,
 }
 
 impl Journal {
-    /// The journal of a claim in the caller's transaction: nothing to confirm, since no
-    /// other call can take the key while the transaction holds it.
+    /// The journal of a claim in the caller's transaction: its steps run unrecorded.
     #[cfg_attr(
         not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
         allow(dead_code)
     )]
     pub(crate) fn in_transaction(
-        store: Arc<dyn Store>,
+        call: Key,
         settings: &Settings,
         fingerprint: Option<Fingerprint>,
     ) -> Self {
-        Self::new(store, settings, fingerprint, None)
+        Self::new(call, settings, fingerprint, None)
     }
 
     pub(super) fn new(
-        store: Arc<dyn Store>,
+        call: Key,
         settings: &Settings,
         fingerprint: Option<Fingerprint>,
         holder: Option<Arc<Lease>>,
     ) -> Self {
         Self {
-            store,
-            settings: settings.clone(),
+            call,
             fingerprint,
+            ttl: settings.ttl,
             holder,
-            seen: Mutex::new(Vec::new()),
+            recorded: OnceCell::new(),
+            seen: Mutex::new(HashMap::new()),
         }
     }
 
@@ -303,32 +328,30 @@ impl Journal {
     /// more for each later one in this attempt.
     pub(super) fn occurrence(&self, name: &str) -> u32 {
         let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
-        match seen.iter_mut().find(|(seen, _)| **seen == *name) {
-            Some((_, count)) => {
+        match seen.get_mut(name) {
+            Some(count) => {
                 *count += 1;
                 *count - 1
             }
             None => {
-                seen.push((name.into(), 1));
+                seen.insert(name.into(), 1);
                 0
             }
         }
     }
 
-    /// The operation a step named `name` runs as: the enclosing call's lease and TTL, under
-    /// a namespace of its own (`checkout.v1/charge`) so that its metrics and spans are the
-    /// step's. A step found held waits for it (a holder whose key was taken over, still
-    /// running the step), at most a lease.
-    pub(super) fn operation(&self, name: &str) -> Operation {
-        let mut settings = self.settings.clone();
-        settings.namespace =
-            Namespace::from(Cow::Owned(format!("{}/{name}", &*settings.namespace)));
-        settings.in_flight = InFlight::Wait;
-        settings.wait_timeout = None;
-        Operation {
-            settings,
-            errors: ReleaseErrors,
-        }
+    /// The steps that earlier attempts of the call recorded: one round trip to `holder`'s
+    /// store for the first step of this attempt, none after.
+    pub(super) async fn recorded(
+        &self,
+        holder: &Lease,
+    ) -> Result<&HashMap<Key, Bytes, KeyHasher>, Error> {
+        self.recorded
+            .get_or_try_init(|| async {
+                let steps = holder.store.steps(&self.call).await?;
+                Ok(steps.into_iter().collect())
+            })
+            .await
     }
 }
 
@@ -377,17 +400,17 @@ mod tests {
         let key = Key::derive("attempt", &1).unwrap();
         let other = Key::derive("attempt", &2).unwrap();
         assert!(!held_by_caller(&a, &key), "outside any attempt");
-        let journal = |store: &MemoryStore| {
+        let journal = |key: Key| {
             let settings = crate::Operation::new("attempt").settings;
-            Journal::in_transaction(Arc::new(store.clone()), &settings, None)
+            Journal::in_transaction(key, &settings, None)
         };
-        let outer = Attempt::enter_fenced(&a, key, Token::new(1), journal(&a));
+        let outer = Attempt::enter_fenced(&a, key, Token::new(1), journal(key));
         outer
             .scope(async {
                 assert!(held_by_caller(&a, &key));
                 assert!(!held_by_caller(&b, &key), "the same key in another store");
                 assert!(!held_by_caller(&a, &other));
-                let inner = Attempt::enter_fenced(&b, other, Token::new(2), journal(&b));
+                let inner = Attempt::enter_fenced(&b, other, Token::new(2), journal(other));
                 inner
                     .scope(async {
                         assert!(held_by_caller(&a, &key), "an enclosing call's key");

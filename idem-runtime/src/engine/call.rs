@@ -199,9 +199,10 @@ where
     fn ending(&self, keep_typed: bool) -> Ending {
         match &*self.output {
             Some(Ok(value)) => {
-                let encoded = codec::encode_value::<C, R::Ok>(value);
+                let encoded = C::record(value);
+                let kept = matches!(&encoded, Ok(record) if record[..] != *codec::GONE);
                 let typed = match self.typing {
-                    Some(typing) if keep_typed && encoded.is_ok() => Some((typing.keep)(value)),
+                    Some(typing) if keep_typed && kept => Some((typing.keep)(value)),
                     _ => None,
                 };
                 Ending::Value(encoded, typed)

@@ -12,7 +12,7 @@
 
 use std::future::{poll_fn, Future};
 use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -77,7 +77,24 @@ pub(super) enum Ending {
 
 /// The heartbeat of a running body, from the first poll that found the body waiting: a
 /// body that returns at once never starts one.
-pub(super) type Beat = Option<Pin<Box<dyn Future<Output = ()> + Send>>>;
+pub(super) type Beat = Option<Heartbeat>;
+
+/// A running body's heartbeat, polled beside the body (so that it renews only while the
+/// call's task runs), and its watchdog, a task of its own on the body's runtime that
+/// renews while the body blocks its thread inside a poll (see [`Lease::watchdog`]). Both
+/// end when the call stops running the body.
+pub(super) struct Heartbeat {
+    beat: Pin<Box<dyn Future<Output = ()> + Send>>,
+    watchdog: Option<tokio::task::AbortHandle>,
+}
+
+impl Drop for Heartbeat {
+    fn drop(&mut self) {
+        if let Some(watchdog) = &self.watchdog {
+            watchdog.abort();
+        }
+    }
+}
 
 /// What the holder still has to tell the store.
 enum Owed {
@@ -135,8 +152,10 @@ impl Held {
             expires: Mutex::new(expires),
             flight: flight.clone(),
             lost: AtomicBool::new(false),
+            polling: AtomicU64::new(0),
+            born: Instant::now(),
         });
-        let journal = Journal::new(store, settings, fingerprint, Some(Arc::clone(&claim)));
+        let journal = Journal::new(key, settings, fingerprint, Some(Arc::clone(&claim)));
         let attempt = Attempt::enter(&claim.store, key, token, journal);
         Self {
             claim,
@@ -154,7 +173,8 @@ impl Held {
     }
 
     /// One poll of the running body (`body` polls it), as the current [`Attempt`] and in
-    /// the call's span; while it waits, the heartbeat renews the lease.
+    /// the call's span; while it waits, the heartbeat renews the lease, and while it blocks
+    /// its thread inside a poll, the watchdog does.
     pub(super) fn poll_body(
         &self,
         cx: &mut Context<'_>,
@@ -162,14 +182,29 @@ impl Held {
         body: &mut dyn FnMut(&mut Context<'_>) -> Poll<()>,
     ) -> Poll<()> {
         let _entered = self.span.enter();
-        if self.attempt.clone().sync_scope(|| body(cx)).is_ready() {
+        // Marked only once the heartbeat runs: a body that returns at once costs nothing.
+        let watched = heartbeat.is_some();
+        if watched {
+            self.claim.polling(true);
+        }
+        let polled = self.attempt.clone().sync_scope(|| body(cx));
+        if watched {
+            self.claim.polling(false);
+        }
+        if polled.is_ready() {
             return Poll::Ready(());
         }
+        let heartbeat = heartbeat.get_or_insert_with(|| Heartbeat {
+            beat: Box::pin(Arc::clone(&self.claim).heartbeat()),
+            watchdog: tokio::runtime::Handle::try_current().ok().map(|runtime| {
+                let watchdog = Arc::clone(&self.claim).watchdog();
+                runtime
+                    .spawn(watchdog.instrument(self.span.clone()))
+                    .abort_handle()
+            }),
+        });
         // The heartbeat never finishes; it only needs to be polled beside the body.
-        let _ = heartbeat
-            .get_or_insert_with(|| Box::pin(Arc::clone(&self.claim).heartbeat()))
-            .as_mut()
-            .poll(cx);
+        let _ = heartbeat.beat.as_mut().poll(cx);
         Poll::Pending
     }
 
@@ -343,9 +378,9 @@ impl Held {
                 tracing::warn!(
                     outcome = "lease lost",
                     token = self.claim.token.get(),
-                    "{what}: the claim was taken over first; nothing was changed"
+                    "{what}: the claim was no longer held (its lease lapsed, or another call took the key over); nothing was changed"
                 );
-                // Another holder owns the key now: the waiters ask the store, which has the
+                // The store has the key's state now: the waiters ask the store, which has the
                 // one result every later call will see.
                 Some(Landing::Released)
             }

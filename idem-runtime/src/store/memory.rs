@@ -18,8 +18,10 @@ use crate::store::{Recorded, Typed, TypedStore};
 use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
 mod marks;
+mod steps;
 
 use marks::Marks;
+use steps::Steps;
 
 /// The default number of completed results a [`MemoryStore`] keeps.
 pub const DEFAULT_CAPACITY: u64 = 100_000;
@@ -63,6 +65,11 @@ pub const MARK_BYTES: u64 = 256;
 /// key would run again. [`rerun_evicted`](MemoryStoreBuilder::rerun_evicted) turns the
 /// marks off: an evicted key then runs again.
 ///
+/// A call's steps ([`step`](crate::step())) are kept beside its record, for the call's TTL,
+/// for at most [`capacity`](MemoryStoreBuilder::capacity) calls (past it the least recently
+/// used call's steps go, and its next attempt runs them again under the same
+/// `attempt().key()`).
+///
 /// Leases follow `tokio::time`, so `tokio::time::pause` drives their expiry in tests. Result
 /// TTLs follow the cache's own clock (real time): a replay then reads no clock at all.
 ///
@@ -90,6 +97,8 @@ struct Inner {
     claims: [Mutex<Claims>; SHARDS],
     /// Completed results: bounded, expiring after their TTL.
     results: Cache<Key, ResultRecord, KeyHasher>,
+    /// The recorded steps of calls, by call.
+    steps: Steps,
     /// How many marks of completed keys each shard keeps at most; `None` with
     /// [`MemoryStoreBuilder::rerun_evicted`]: no marks.
     marks_per_shard: Option<usize>,
@@ -379,6 +388,7 @@ impl MemoryStoreBuilder {
             inner: Arc::new(Inner {
                 claims: std::array::from_fn(|_| Mutex::default()),
                 results,
+                steps: Steps::new(self.capacity),
                 marks_per_shard,
                 marks_dropped: Arc::new(AtomicU64::new(0)),
                 tokens: AtomicU64::new(0),
@@ -465,9 +475,33 @@ impl Store for MemoryStore {
         Ok(Some(token))
     }
 
+    async fn record_step(
+        &self,
+        call: &Key,
+        token: Token,
+        step: &Key,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        let now = Instant::now();
+        let mut claims = self.claims(call);
+        if claims.held(call, token, now).is_none() {
+            return Ok(false);
+        }
+        self.inner
+            .steps
+            .record(call, step, value, limits::clamp(ttl));
+        Ok(true)
+    }
+
+    async fn steps(&self, call: &Key) -> Result<Vec<(Key, Bytes)>, Error> {
+        Ok(self.inner.steps.of(call))
+    }
+
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
         let now = Instant::now();
         let mut claims = self.claims(key);
+        self.inner.steps.remove(key);
         let claim = claims.live.remove(key).filter(|claim| claim.until > now);
         let result = self.inner.results.remove(key);
         let marked = claims.marks.remove(key);

@@ -17,6 +17,12 @@
 //! ) ENGINE = InnoDB;
 //! ```
 //!
+//! A call's steps ([`step`](crate::step())) are completed rows of the same table, keyed by
+//! the step's key, which starts with the call key's first 16 bytes: one range of the
+//! primary key holds a call's steps, read in one statement. A step's record is one
+//! `REPLACE … SELECT` from the call's row read `LOCK IN SHARE MODE` under the holder's
+//! token and a live lease: a takeover waits for it, or it finds the new token.
+//!
 //! Expiry is judged by the server's clock (`UTC_TIMESTAMP(6)`, whatever the session's time
 //! zone), which every process reads alike. A claim first reads the key's live row (a replay or
 //! a held key writes nothing). A key with no row is taken by an `INSERT IGNORE`: the primary
@@ -530,6 +536,43 @@ impl Store for MySqlStore {
         Ok(Some(token))
     }
 
+    async fn record_step(
+        &self,
+        call: &Key,
+        token: Token,
+        step: &Key,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        let done = self
+            .within(
+                sqlx::query(&self.sql.record_step)
+                    .bind(&step.as_bytes()[..])
+                    .bind(&value[..])
+                    .bind(millis(ttl))
+                    .bind(&call.as_bytes()[..])
+                    .bind(token)
+                    .execute(&self.pool),
+            )
+            .await?;
+        // 1: inserted; 2: an earlier record of the step replaced.
+        Ok(done.rows_affected() > 0)
+    }
+
+    async fn steps(&self, call: &Key) -> Result<Vec<(Key, Bytes)>, Error> {
+        let (first, last) = sql::steps_range(call);
+        let rows = self
+            .within(
+                sqlx::query_as(&self.sql.steps)
+                    .bind(&first[..])
+                    .bind(&last[..])
+                    .bind(&call.as_bytes()[..])
+                    .fetch_all(&self.pool),
+            )
+            .await?;
+        sql::steps(rows)
+    }
+
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
         self.within(async {
             let mut tx = self.pool.begin().await?;
@@ -538,6 +581,13 @@ impl Store for MySqlStore {
                 .fetch_optional(&mut *tx)
                 .await?;
             sqlx::query(&self.sql.remove)
+                .bind(&key.as_bytes()[..])
+                .execute(&mut *tx)
+                .await?;
+            let (first, last) = sql::steps_range(key);
+            sqlx::query(&self.sql.remove_steps)
+                .bind(&first[..])
+                .bind(&last[..])
                 .bind(&key.as_bytes()[..])
                 .execute(&mut *tx)
                 .await?;

@@ -21,7 +21,14 @@
 //! one statement that returns the live row if there is one (a replay writes nothing), and
 //! otherwise takes the key with `INSERT … ON CONFLICT … DO UPDATE … WHERE expires_at <= now()
 //! RETURNING`. Tokens come from the sequence, so
-//! they grow across rows and restarts. Completed, released and expired rows are deleted by
+//! they grow across rows and restarts.
+//!
+//! A call's steps ([`step`](crate::step())) are completed rows of the same table, keyed by
+//! the step's key, which starts with the call key's first 16 bytes: one range of the
+//! primary key holds a call's steps, read in one statement when a retry resumes. A step's
+//! record is one `INSERT … SELECT` from the call's row locked `FOR SHARE`, under the
+//! holder's token and a live lease: a takeover waits for it or it finds the new token.
+//! [`remove`](Store::remove) deletes the call's row and that range. Completed, released and expired rows are deleted by
 //! [`purge_expired`](PostgresStore::purge_expired) or the task of
 //! [`purge_every`](PostgresStore::purge_every); until then an expired row is treated as absent.
 
@@ -117,6 +124,8 @@ struct Statements {
     complete: String,
     release: String,
     renew: String,
+    record_step: String,
+    steps: String,
     remove: String,
     lookup: String,
     lease_left: String,
@@ -152,8 +161,24 @@ impl Statements {
                 "UPDATE {t} SET expires_at = now() + $3 * interval '1 millisecond' \
                  WHERE key = $1 AND token = $2 AND NOT completed AND expires_at > now()"
             ),
+            // The call's row is locked (`FOR SHARE`) by the statement that reads it, so a
+            // takeover waits for the step's record, or the record finds the new token.
+            record_step: format!(
+                "WITH held AS (\
+                    SELECT token FROM {t} \
+                    WHERE key = $1 AND token = $2 AND NOT completed AND expires_at > now() FOR SHARE) \
+                 INSERT INTO {t} (key, token, completed, fingerprint, value, expires_at) \
+                 SELECT $5, token, true, NULL, $3, now() + $4 * interval '1 millisecond' FROM held \
+                 ON CONFLICT (key) DO UPDATE SET token = EXCLUDED.token, completed = true, \
+                    fingerprint = NULL, value = EXCLUDED.value, expires_at = EXCLUDED.expires_at"
+            ),
+            steps: format!(
+                "SELECT key, value FROM {t} \
+                 WHERE key BETWEEN $2 AND $3 AND key <> $1 AND completed AND expires_at > now()"
+            ),
             remove: format!(
-                "WITH removed AS (DELETE FROM {t} WHERE key = $1 RETURNING expires_at > now() AS live) \
+                "WITH steps AS (DELETE FROM {t} WHERE key BETWEEN $2 AND $3 AND key <> $1), \
+                 removed AS (DELETE FROM {t} WHERE key = $1 RETURNING expires_at > now() AS live) \
                  SELECT coalesce(bool_or(live), false) FROM removed"
             ),
             // Rounded down: the time a copy of the record may live must not exceed the row's.
@@ -558,10 +583,49 @@ impl Store for PostgresStore {
         Ok(Some(token))
     }
 
+    async fn record_step(
+        &self,
+        call: &Key,
+        token: Token,
+        step: &Key,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        let done = self
+            .within(
+                sqlx::query(&self.sql.record_step)
+                    .bind(&call.as_bytes()[..])
+                    .bind(token)
+                    .bind(&value[..])
+                    .bind(millis(ttl))
+                    .bind(&step.as_bytes()[..])
+                    .execute(&self.pool),
+            )
+            .await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn steps(&self, call: &Key) -> Result<Vec<(Key, Bytes)>, Error> {
+        let (first, last) = sql::steps_range(call);
+        let rows = self
+            .within(
+                sqlx::query_as(&self.sql.steps)
+                    .bind(&call.as_bytes()[..])
+                    .bind(&first[..])
+                    .bind(&last[..])
+                    .fetch_all(&self.pool),
+            )
+            .await?;
+        sql::steps(rows)
+    }
+
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
+        let (first, last) = sql::steps_range(key);
         self.within(
             sqlx::query_scalar(&self.sql.remove)
                 .bind(&key.as_bytes()[..])
+                .bind(&first[..])
+                .bind(&last[..])
                 .fetch_one(&self.pool),
         )
         .await

@@ -14,7 +14,9 @@
 //! completed:    "c" | n | fingerprint (n bytes) | value
 //! ```
 //!
-//! where `n` is one byte, 0 or 32. The key's own expiry (`PX`, judged by the server's clock)
+//! where `n` is one byte, 0 or 32. A call's steps are a hash beside its record, at the
+//! record's key followed by `:steps` (the same hash tag), from each step's key to its
+//! value, expiring with the TTL of the last one recorded. The key's own expiry (`PX`, judged by the server's clock)
 //! is the lease while in progress and the TTL once completed.
 //!
 //! # Commands
@@ -31,7 +33,9 @@
 //!   once and returns it. A later holder can only claim after this holder's record is gone,
 //!   and takes its own fence after its claim, so fences grow as long as the server's clock
 //!   does not go back (the assumption every expiry already makes).
-//! - **Remove:** a native `DEL`.
+//! - **Record a step:** a script that writes the step into the call's hash only while the
+//!   call's record starts with `p` and this token; **read the steps:** one `HGETALL`.
+//! - **Remove:** a script that deletes the record and its steps.
 //!
 //! Scripts are sent with `EVALSHA` (one round trip; loaded again transparently after a
 //! `NOSCRIPT`); every operation runs under a per-operation timeout.
@@ -50,7 +54,7 @@ use redis::{Cmd, Pipeline, RedisFuture, Script, ScriptInvocation, Value};
 
 use self::record::{
     holder, in_progress, malformed, parse_claim, unexpected, COMPLETE, FENCE, LEASE_LEFT, LOOKUP,
-    RELEASE, RENEW,
+    RECORD_STEP, RELEASE, REMOVE, RENEW,
 };
 use self::sentinel::Primary;
 use crate::store::Recorded;
@@ -349,6 +353,13 @@ impl RedisStore {
         record
     }
 
+    /// The Redis key of the steps of the call `key`: beside its record, in its slot.
+    fn steps_of(&self, key: &Key) -> Vec<u8> {
+        let mut steps = self.record(key);
+        steps.extend_from_slice(b":steps");
+        steps
+    }
+
     /// Sends one command under the timeout: one round trip.
     async fn send(&self, command: &Cmd) -> Result<Value, Error> {
         let mut connection = self.connection.clone();
@@ -568,10 +579,52 @@ impl Store for RedisStore {
         }
     }
 
+    async fn record_step(
+        &self,
+        call: &Key,
+        token: Token,
+        step: &Key,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        let mut invocation = self.script(&RECORD_STEP, call, token);
+        invocation
+            .key(self.steps_of(call))
+            .arg(&step.as_bytes()[..])
+            .arg(&value[..])
+            .arg(millis(ttl));
+        self.fenced(invocation, "the step's record").await
+    }
+
+    async fn steps(&self, call: &Key) -> Result<Vec<(Key, Bytes)>, Error> {
+        let mut command = redis::cmd("HGETALL");
+        command.arg(self.steps_of(call));
+        let pairs = match self.send(&command).await? {
+            Value::Map(pairs) => pairs,
+            Value::Array(flat) => {
+                let mut flat = flat.into_iter();
+                std::iter::from_fn(|| Some((flat.next()?, flat.next()?))).collect()
+            }
+            other => return Err(unexpected(&other)),
+        };
+        pairs
+            .into_iter()
+            .map(|pair| match pair {
+                (Value::BulkString(step), Value::BulkString(value)) => {
+                    let step: [u8; 32] = step
+                        .try_into()
+                        .map_err(|_| malformed("a step key that is not 32 bytes"))?;
+                    Ok((Key::from_bytes(step), Bytes::from(value)))
+                }
+                (step, _) => Err(unexpected(&step)),
+            })
+            .collect()
+    }
+
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
-        let mut command = redis::cmd("DEL");
-        command.arg(self.record(key));
-        match self.send(&command).await? {
+        let mut invocation = REMOVE.key(self.record(key));
+        invocation.key(self.steps_of(key));
+        match self.run_script(invocation).await? {
             Value::Int(removed) => Ok(removed > 0),
             other => Err(unexpected(&other)),
         }

@@ -13,7 +13,7 @@ use sqlx::{ColumnIndex, Decode, Row, Type};
 use crate::store::Recorded;
 #[cfg(any(feature = "sqlite", feature = "mysql"))]
 use crate::Claim;
-use crate::{limits, Error, Fingerprint};
+use crate::{limits, Error, Fingerprint, Key};
 
 /// A table or schema name: a plain identifier, so that it can never inject SQL.
 pub(crate) fn is_identifier(identifier: &str) -> bool {
@@ -31,6 +31,28 @@ pub(crate) fn millis(duration: Duration) -> i64 {
     i64::try_from(limits::clamp(duration).as_millis())
         .unwrap_or(i64::MAX)
         .max(1)
+}
+
+/// The keys a call's steps can have, first and last (a step's key starts with its call's
+/// first 16 bytes): the range every SQL store reads a call's steps from. The call's own
+/// key is in it too, and is left out by the statements.
+pub(crate) fn steps_range(call: &Key) -> ([u8; 32], [u8; 32]) {
+    let (mut first, mut last) = ([0; 32], [0xff; 32]);
+    first[..16].copy_from_slice(&call.as_bytes()[..16]);
+    last[..16].copy_from_slice(&call.as_bytes()[..16]);
+    (first, last)
+}
+
+/// A call's step records, as rows of (step key, value).
+pub(crate) fn steps(rows: Vec<(Vec<u8>, Option<Vec<u8>>)>) -> Result<Vec<(Key, Bytes)>, Error> {
+    rows.into_iter()
+        .map(|(key, value)| {
+            let key: [u8; 32] = key
+                .try_into()
+                .map_err(|_| Error::store("a step's key is not 32 bytes"))?;
+            Ok((Key::from_bytes(key), Bytes::from(value.unwrap_or_default())))
+        })
+        .collect()
 }
 
 /// A fingerprint column: 32 bytes, or NULL.

@@ -23,6 +23,12 @@
 //!     UPDATE idem_records_token SET last = NEW.token WHERE id = 1 AND last < NEW.token; END;
 //! ```
 //!
+//! A call's steps ([`step`](crate::step())) are completed rows of the same table, keyed by
+//! the step's key, which starts with the call key's first 16 bytes: one range of keys
+//! holds a call's steps, read in one statement. A step's record is one `INSERT … SELECT`
+//! from the call's row under the holder's token (as a completion asks), so it is written
+//! only while that claim is the row's.
+//!
 //! Expiry is judged by SQLite's clock (`julianday('now')`), the host's: every process on
 //! the file reads the same one. A claim first reads the key's live row, which in WAL mode
 //! waits for no writer (a replay or a held key writes nothing); otherwise it takes the key
@@ -194,7 +200,10 @@ struct Statements {
     complete: String,
     release: String,
     renew: String,
+    record_step: String,
+    steps: String,
     credit: String,
+    remove_steps: String,
     remove: String,
     lookup: String,
     lease_left: String,
@@ -309,10 +318,24 @@ impl Statements {
                 "UPDATE {t} SET expires_at = {NOW} + ?3 \
                  WHERE key = ?1 AND token = ?2 AND NOT completed"
             ),
+            // Like `complete`, it asks for the holder's token in the call's row, not for a
+            // live lease: a takeover writes another token.
+            record_step: format!(
+                "INSERT INTO {t} (key, token, completed, fingerprint, value, expires_at) \
+                 SELECT ?5, token, 1, NULL, ?3, {NOW} + ?4 FROM {t} \
+                 WHERE key = ?1 AND token = ?2 AND NOT completed \
+                 ON CONFLICT (key) DO UPDATE SET token = excluded.token, completed = 1, \
+                 fingerprint = NULL, value = excluded.value, expires_at = excluded.expires_at"
+            ),
+            steps: format!(
+                "SELECT key, value FROM {t} \
+                 WHERE key BETWEEN ?2 AND ?3 AND key <> ?1 AND completed AND expires_at > {NOW}"
+            ),
             credit: format!(
                 "UPDATE {t} SET expires_at = MAX(expires_at, {NOW} + ?2) \
                  WHERE NOT completed AND expires_at > {NOW} - ?1 AND expires_at < {NOW} + ?2"
             ),
+            remove_steps: format!("DELETE FROM {t} WHERE key BETWEEN ?2 AND ?3 AND key <> ?1"),
             remove: format!("DELETE FROM {t} WHERE key = ?1 RETURNING expires_at > {NOW}"),
             // Rounded down: `NOW` truncates to the millisecond, so the difference could be a
             // fraction over what is left, and a copy must never outlive the row.
@@ -627,6 +650,38 @@ impl Store for SqliteStore {
     /// token is its fencing token.
     async fn fence(&self, _: &Key, token: Token) -> Result<Option<Token>, Error> {
         Ok(Some(token))
+    }
+
+    async fn record_step(
+        &self,
+        call: &Key,
+        token: Token,
+        step: &Key,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        self.fenced(
+            Fence::RecordStep(*step),
+            call,
+            token,
+            Some(value),
+            Some(millis(ttl)),
+        )
+        .await
+    }
+
+    async fn steps(&self, call: &Key) -> Result<Vec<(Key, Bytes)>, Error> {
+        let (first, last) = sql::steps_range(call);
+        let rows = self
+            .within(
+                sqlx::query_as(&self.sql.steps)
+                    .bind(&call.as_bytes()[..])
+                    .bind(&first[..])
+                    .bind(&last[..])
+                    .fetch_all(&self.pool),
+            )
+            .await?;
+        sql::steps(rows)
     }
 
     async fn remove(&self, key: &Key) -> Result<bool, Error> {

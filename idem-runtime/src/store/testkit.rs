@@ -2,7 +2,8 @@
 //!
 //! One suite checks every backend against the [`Store`] contract: atomic claims, claim
 //! tokens that differ and fencing tokens that grow, compare-and-set completion, release and renewal, expiry of leases and
-//! results by the store's clock, and administrative removal. The author of a third-party
+//! results by the store's clock, administrative removal, and steps' records fenced by their
+//! call's claim. The author of a third-party
 //! backend runs it on theirs:
 //!
 //! ```no_run
@@ -45,6 +46,7 @@ pub async fn conformance<S: Store + Clone>(store: &S) {
     lookup_reads_completed_records_only(store, &keys).await;
     lease_left_is_the_live_claims_only(store, &keys).await;
     a_claim_again_with_its_nonce_is_its_own(store, &keys).await;
+    step_records_are_fenced_by_the_calls_claim(store, &keys).await;
     steps_resume_where_the_last_attempt_stopped(store, &keys).await;
 }
 
@@ -505,6 +507,94 @@ async fn a_claim_again_with_its_nonce_is_its_own<S: Store>(store: &S, keys: &Key
     assert!(
         matches!(claim(41).await, Claim::Completed { .. }),
         "a completed key replays, whatever the nonce"
+    );
+}
+
+/// The key of step `n` of `call`: its first 16 bytes are the call's, as the engine's are.
+fn step_of(call: &Key, n: u8) -> Key {
+    let mut step = [n; 32];
+    step[..16].copy_from_slice(&call.as_bytes()[..16]);
+    Key::from_bytes(step)
+}
+
+/// [`Store::record_step`] writes only under the call's live claim, and [`Store::steps`]
+/// reads back what it wrote; recording again replaces; a stale token, a released or
+/// completed call write nothing; [`Store::remove`] of the call removes its steps.
+async fn step_records_are_fenced_by_the_calls_claim<S: Store>(store: &S, keys: &Keys) {
+    let (call, other) = (keys.fresh(), keys.fresh());
+    let token = acquire(store, &call, None).await;
+    let value = |v: &'static [u8]| Bytes::from_static(v);
+    let record = |step: Key, token: Token, v: &'static [u8]| async move {
+        store
+            .record_step(&call, token, &step, value(v), Duration::from_secs(60))
+            .await
+    };
+    let read = |call: Key| async move {
+        let mut steps = store.steps(&call).await.expect("steps");
+        steps.sort_by_key(|(key, _)| *key);
+        steps
+    };
+    assert!(read(call).await.is_empty(), "a new call has no steps");
+    assert!(record(step_of(&call, 1), token, b"one")
+        .await
+        .expect("record_step"));
+    assert!(record(step_of(&call, 2), token, b"two")
+        .await
+        .expect("record_step"));
+    assert!(
+        record(step_of(&call, 2), token, b"two again")
+            .await
+            .expect("record_step"),
+        "a step recorded again under the same claim is replaced"
+    );
+    let stale = Token::new(token.get().wrapping_add(1));
+    assert!(
+        !record(step_of(&call, 3), stale, b"stale")
+            .await
+            .expect("record_step"),
+        "a token that is not the claim's records nothing"
+    );
+    assert_eq!(
+        read(call).await,
+        vec![
+            (step_of(&call, 1), value(b"one")),
+            (step_of(&call, 2), value(b"two again"))
+        ],
+        "the steps read back as recorded"
+    );
+    assert!(
+        read(other).await.is_empty(),
+        "another call's steps are its own"
+    );
+
+    assert!(store.release(&call, token).await.expect("release"));
+    assert!(
+        !record(step_of(&call, 4), token, b"late")
+            .await
+            .expect("record_step"),
+        "a released claim records no step"
+    );
+    assert_eq!(
+        read(call).await.len(),
+        2,
+        "a release keeps the steps for the next attempt"
+    );
+
+    let token = acquire(store, &call, None).await;
+    assert!(store
+        .complete(&call, token, value(b"done"), Duration::from_secs(60))
+        .await
+        .expect("complete"));
+    assert!(
+        !record(step_of(&call, 5), token, b"late")
+            .await
+            .expect("record_step"),
+        "a completed call records no step"
+    );
+    assert!(store.remove(&call).await.expect("remove"));
+    assert!(
+        read(call).await.is_empty(),
+        "removing a call removes its steps"
     );
 }
 

@@ -328,6 +328,25 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
         self.durable.fence(key, token).await
     }
 
+    /// The durable store's: a step is recorded where its call's claim is.
+    async fn record_step(
+        &self,
+        call: &Key,
+        token: Token,
+        step: &Key,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        self.durable
+            .record_step(call, token, step, value, ttl)
+            .await
+    }
+
+    /// The durable store's: the fast tier never holds a step.
+    async fn steps(&self, call: &Key) -> Result<Vec<(Key, Bytes)>, Error> {
+        self.durable.steps(call).await
+    }
+
     /// Removes the record from both tiers: the fast one before and after the durable one.
     /// A copy in flight meanwhile holds a claim in the fast tier taken before it read or
     /// wrote the durable record; the first removal deletes that claim and refuses the copy,

@@ -11,7 +11,6 @@
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
@@ -19,7 +18,7 @@ use serde::Serialize;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use crate::codec::{self, ErrorPolicy, Json};
+use crate::codec::{ErrorPolicy, Json, ValueCodec};
 use crate::engine::attempt::{self, Attempt, Journal};
 use crate::engine::settle::{pause_before_polling, Settled};
 use crate::engine::Settings;
@@ -205,13 +204,12 @@ impl<P> Operation<P> {
                 Settled::Replay(record) => return self.replay::<Json, _, _>(&record),
                 Settled::Run(token) => token,
             };
-            let journal =
-                Journal::in_transaction(Arc::new(store.clone()), &self.settings, fingerprint.copied());
+            let journal = Journal::in_transaction(*key, &self.settings, fingerprint.copied());
             let attempt = Attempt::enter_fenced(store, *key, token, journal);
             let result = attempt.scope(body(&mut *connection)).await;
             let ttl = self.settings.ttl;
             let recorded = match result {
-                Ok(value) => match codec::encode_value::<Json, T>(&value) {
+                Ok(value) => match <Json as ValueCodec<T>>::record(&value) {
                     Ok(record) => complete(store, connection, &call, token, &record, ttl)
                         .await
                         .map(|()| Ok(value)),

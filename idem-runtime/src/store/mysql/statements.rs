@@ -37,7 +37,10 @@ pub(super) struct Statements {
     pub(super) complete: String,
     pub(super) release: String,
     pub(super) renew: String,
+    pub(super) record_step: String,
+    pub(super) steps: String,
     pub(super) remove_lock: String,
+    pub(super) remove_steps: String,
     pub(super) remove: String,
     pub(super) lookup: String,
     pub(super) lease_left: String,
@@ -201,7 +204,21 @@ impl Statements {
                 "UPDATE {t} SET expires_at = {NOW} + ? \
                  WHERE `key` = ? AND token = ? AND NOT completed AND expires_at > {NOW}"
             ),
+            // The call's row is read under a shared lock, so a takeover waits for the step's
+            // record, or the record finds the new token; a step recorded again under the
+            // same claim is replaced. The step's row keeps the call's token.
+            record_step: format!(
+                "REPLACE INTO {t} (`key`, token, completed, fingerprint, value, expires_at) \
+                 SELECT ?, token, TRUE, NULL, ?, {NOW} + ? FROM {t} \
+                 WHERE `key` = ? AND token = ? AND NOT completed AND expires_at > {NOW} \
+                 LOCK IN SHARE MODE"
+            ),
+            steps: format!(
+                "SELECT `key`, value FROM {t} \
+                 WHERE `key` BETWEEN ? AND ? AND `key` <> ? AND completed AND expires_at > {NOW}"
+            ),
             remove_lock: format!("SELECT expires_at > {NOW} FROM {t} WHERE `key` = ? FOR UPDATE"),
+            remove_steps: format!("DELETE FROM {t} WHERE `key` BETWEEN ? AND ? AND `key` <> ?"),
             remove: format!("DELETE FROM {t} WHERE `key` = ?"),
             // Rounded down by a millisecond: `NOW` truncates, and a copy in a fast tier must
             // never outlive the row.

@@ -66,6 +66,30 @@ return fence
 
 pub(super) static FENCE: LazyLock<Script> = LazyLock::new(|| Script::new(FENCE_LUA));
 
+// KEYS[2] is the call's steps: a hash of step key to value, beside the call's record.
+const RECORD_STEP_LUA: &str = r"
+local record = redis.call('GET', KEYS[1])
+if not record or string.sub(record, 1, 9) ~= ARGV[1] then
+    return 0
+end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+return 1
+";
+
+/// Records a step while the call's claim holds the key: the check and the write in one
+/// script.
+pub(super) static RECORD_STEP: LazyLock<Script> = LazyLock::new(|| Script::new(RECORD_STEP_LUA));
+
+const REMOVE_LUA: &str = r"
+local removed = redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[2])
+return removed
+";
+
+/// Removes a call's record and its steps: whether there was a record.
+pub(super) static REMOVE: LazyLock<Script> = LazyLock::new(|| Script::new(REMOVE_LUA));
+
 const LOOKUP_LUA: &str = r"
 local record = redis.call('GET', KEYS[1])
 if not record or string.sub(record, 1, 1) ~= 'c' then
@@ -183,7 +207,13 @@ mod tests {
         assert_eq!(record.len(), HEAD);
         assert_eq!(record[..9], holder(Token::new(0x0102_0304_0506_0708)));
         assert_eq!(&record[9..HEAD - 1], NO_FENCE);
-        for source in [COMPLETE_LUA, RELEASE_LUA, RENEW_LUA, FENCE_LUA] {
+        for source in [
+            COMPLETE_LUA,
+            RELEASE_LUA,
+            RENEW_LUA,
+            FENCE_LUA,
+            RECORD_STEP_LUA,
+        ] {
             assert!(
                 source.contains("string.sub(record, 1, 9) ~= ARGV[1]"),
                 "{source}"

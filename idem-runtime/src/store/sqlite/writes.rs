@@ -97,6 +97,8 @@ pub(super) enum Fence {
     Complete,
     Release,
     Renew,
+    /// The record of the step with this key.
+    RecordStep(Key),
 }
 
 /// The write queue of one store and its clones.
@@ -443,23 +445,32 @@ impl Job {
                 millis,
                 answer,
             } => {
-                let statement = match statement {
-                    Fence::Complete => &sql.complete,
-                    Fence::Release => &sql.release,
-                    Fence::Renew => &sql.renew,
+                let (text, step) = match statement {
+                    Fence::Complete => (&sql.complete, None),
+                    Fence::Release => (&sql.release, None),
+                    Fence::Renew => (&sql.renew, None),
+                    Fence::RecordStep(step) => (&sql.record_step, Some(step)),
                 };
-                let mut query = sqlx::query(statement)
-                    .bind(&key.as_bytes()[..])
-                    .bind(*token);
+                let mut query = sqlx::query(text).bind(&key.as_bytes()[..]).bind(*token);
                 if let Some(value) = value {
                     query = query.bind(&value[..]);
                 }
                 if let Some(millis) = millis {
                     query = query.bind(*millis);
                 }
+                if let Some(step) = step {
+                    query = query.bind(&step.as_bytes()[..]);
+                }
                 answer.done = Some(query.execute(&mut *tx).await?.rows_affected() == 1);
             }
             Job::Remove { key, answer } => {
+                let (first, last) = crate::store::sql::steps_range(key);
+                sqlx::query(&sql.remove_steps)
+                    .bind(&key.as_bytes()[..])
+                    .bind(&first[..])
+                    .bind(&last[..])
+                    .execute(&mut *tx)
+                    .await?;
                 answer.done = Some(
                     sqlx::query_scalar(&sql.remove)
                         .bind(&key.as_bytes()[..])

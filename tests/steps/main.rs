@@ -14,6 +14,11 @@ use idem_tests::scenarios::namespace;
 use idem_tests::{postgres_store, Child, Probe};
 use tokio::sync::{oneshot, Notify};
 
+mod costs;
+mod fences;
+mod stores;
+mod values;
+
 /// Counts the runs of one step's future and hands out its values: `name:run`.
 #[derive(Clone, Default)]
 struct Effect(Arc<AtomicU32>);
@@ -454,55 +459,79 @@ async fn a_sigkill_between_steps_resumes_at_the_step_it_did_not_finish() {
     );
 }
 
-/// Inside `transaction =`: the transaction rolls back the database writes of a failed
-/// attempt, and the step records the external effect that the rollback cannot undo.
+/// Inside `transaction =`, a step runs unrecorded (its record could not be fenced by a
+/// claim no other connection sees, and SQLite's transaction holds the only write lock):
+/// an attempt that rolls back runs the step again on the retry, under the same
+/// `attempt().key()` for the downstream service to dedupe. Never a wait for the lock its
+/// own transaction holds, on any of the three databases.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn in_a_transaction_a_step_outlives_the_rollback() {
-    let Some(store) = postgres_store().await else {
-        return;
-    };
+async fn in_a_transaction_a_step_runs_under_the_same_key_on_every_attempt() {
+    if let Some(store) = postgres_store().await {
+        let pool = store.pool().clone();
+        in_a_transaction("postgres", &store, || pool.begin()).await;
+    }
+    let store = stores::sqlite_store("transaction").await;
+    let pool = store.pool().clone();
+    in_a_transaction("sqlite", &store, || pool.begin()).await;
+    if let Some(store) = idem_tests::mysql_store().await {
+        let pool = store.pool().clone();
+        in_a_transaction("mysql", &store, || pool.begin()).await;
+    }
+}
+
+async fn in_a_transaction<S, DB, B, Fut>(name: &str, store: &S, begin: B)
+where
+    S: idem_runtime::store::Transactional<Connection = DB::Connection>,
+    DB: sqlx::Database,
+    B: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<sqlx::Transaction<'static, DB>, sqlx::Error>>,
+{
     let op = Operation::new(namespace("steps_transaction"));
     let key = op.key(&"order-7").unwrap();
     let charge = Effect::default();
-    let pool = store.pool().clone();
+    let keys = Arc::new(std::sync::Mutex::new(Vec::new()));
     for fail in [true, false] {
-        let mut tx = pool.begin().await.unwrap();
-        let charge = charge.clone();
+        let mut tx = begin().await.unwrap();
+        let (charge, keys) = (charge.clone(), keys.clone());
         let outcome = op
-            .run_in_transaction(
-                &store,
-                &mut tx,
-                &key,
-                None,
-                async move |_tx: &mut sqlx::PgConnection| {
-                    let paid = step("charge", charge.run("charge")).await?;
-                    if fail {
-                        return Err(Error::store("the order insert failed"));
-                    }
-                    Ok::<_, Error>(paid)
-                },
-            )
+            .run_in_transaction(store, &mut *tx, &key, None, async move |_tx| {
+                let paid = step("charge", async {
+                    let attempt = attempt().expect("a step's own attempt");
+                    keys.lock().unwrap().push(*attempt.key());
+                    charge.run("charge").await
+                })
+                .await?;
+                if fail {
+                    return Err(Error::store("the order insert failed"));
+                }
+                Ok::<_, Error>(paid)
+            })
             .await;
         if fail {
-            assert!(outcome.is_err());
+            assert!(outcome.is_err(), "{name}");
             tx.rollback().await.unwrap();
         } else {
-            assert_eq!(outcome.unwrap(), Outcome::Executed("charge:1".to_string()));
+            assert_eq!(
+                outcome.unwrap(),
+                Outcome::Executed("charge:2".to_string()),
+                "{name}: the rolled-back attempt's run is not replayed"
+            );
             tx.commit().await.unwrap();
         }
     }
+    let keys = keys.lock().unwrap();
+    assert_eq!(keys.len(), 2, "{name}");
     assert_eq!(
-        charge.runs(),
-        1,
-        "the charge ran once, in the rolled-back attempt"
+        keys[0], keys[1],
+        "{name}: one downstream key on every attempt"
     );
+    assert_ne!(keys[0], key, "{name}: the step's key, not the call's");
 }
 
-/// Removing a call's record (`Store::remove`) resets the call, not its steps: the body runs
-/// again and its recorded steps replay, as the README says (steps' records live out the
-/// call's TTL).
+/// Removing a call's record (`Store::remove`) resets the call with its steps: the body
+/// and every step run again.
 #[tokio::test]
-async fn removing_a_calls_record_runs_the_body_again_and_replays_its_steps() {
+async fn removing_a_calls_record_resets_its_steps_too() {
     use idem_runtime::Store;
 
     let store = MemoryStore::new();
@@ -526,8 +555,8 @@ async fn removing_a_calls_record_runs_the_body_again_and_replays_its_steps() {
     let again = op.run(&store, &key, None, call()).await.unwrap();
     assert_eq!(
         again,
-        Outcome::Executed("body:2 charge:1".to_string()),
-        "the body ran again, its step replayed"
+        Outcome::Executed("body:2 charge:2".to_string()),
+        "the body and its step ran again"
     );
-    assert_eq!((body.runs(), charge.runs()), (2, 1));
+    assert_eq!((body.runs(), charge.runs()), (2, 2));
 }

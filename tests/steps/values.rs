@@ -1,0 +1,59 @@
+//! Values that JSON cannot carry as themselves: recorded as gone, so that the caller gets
+//! its value and every retry `Error::Gone`, never a second run and never a record that
+//! fails to decode until its TTL.
+
+use idem_runtime::{step, Error, MemoryStore, Operation, Outcome};
+use idem_tests::scenarios::namespace;
+
+use super::Effect;
+
+#[tokio::test]
+async fn a_nan_result_answers_its_caller_and_gone_to_every_retry() {
+    let store = MemoryStore::new();
+    let op = Operation::new(namespace("values_nan"));
+    let key = op.key(&"reading-1").unwrap();
+    let runs = Effect::default();
+    let call = || {
+        let runs = runs.clone();
+        async move {
+            runs.run("measure").await?;
+            Ok::<f64, Error>(f64::NAN)
+        }
+    };
+    let first = op.run(&store, &key, None, call()).await.unwrap();
+    assert!(matches!(first, Outcome::Executed(value) if value.is_nan()));
+    for _ in 0..2 {
+        let again = op.run(&store, &key, None, call()).await;
+        assert!(matches!(again, Err(Error::Gone)), "{again:?}");
+    }
+    assert_eq!(runs.runs(), 1, "the body ran once");
+}
+
+/// A step whose value cannot be recorded as itself: the body gets it, and a later attempt
+/// that reaches the step gets `Error::Gone` instead of running its effect again.
+#[tokio::test]
+async fn a_step_whose_value_cannot_be_recorded_answers_gone_on_the_next_attempt() {
+    let store = MemoryStore::new();
+    let op = Operation::new(namespace("values_step_nan"));
+    let key = op.key(&"order-9").unwrap();
+    let measure = Effect::default();
+    let attempt = |fail: bool| {
+        let measure = measure.clone();
+        async move {
+            let value = step("measure", async {
+                measure.run("measure").await?;
+                Ok::<f64, Error>(f64::INFINITY)
+            })
+            .await?;
+            if fail {
+                return Err(Error::store("a later write failed"));
+            }
+            Ok::<_, Error>(value)
+        }
+    };
+    let first = op.run(&store, &key, None, attempt(true)).await;
+    assert!(first.is_err());
+    let retry = op.run(&store, &key, None, attempt(false)).await;
+    assert!(matches!(retry, Err(Error::Gone)), "{retry:?}");
+    assert_eq!(measure.runs(), 1, "the step's effect ran once");
+}
