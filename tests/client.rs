@@ -582,3 +582,43 @@ async fn an_answer_cut_mid_body_is_handed_over_with_its_key_for_a_safe_resend() 
         "the resend carries the first request's key"
     );
 }
+
+/// Inside a step, a request without a key of its own takes the step's key
+/// (`attempt().key()` in hex): the same on every attempt of the call, so the next service
+/// dedupes the step across a crash of this one. `step_keys(false)` turns it off.
+#[tokio::test]
+async fn a_request_sent_inside_a_step_takes_the_steps_key() {
+    use idem_runtime::{attempt, step, MemoryStore, Operation, Store};
+
+    let script = Script::new([]);
+    let store = MemoryStore::new();
+    let op = Operation::new("client.step_keys");
+    let call = op.key(&"order-1").unwrap();
+    for (layer, from_step) in [
+        (IdempotencyKeyLayer::new(), true),
+        (IdempotencyKeyLayer::new().step_keys(false), false),
+    ] {
+        let client = ServiceBuilder::new()
+            .layer(layer.retry(fast()))
+            .service(script.service());
+        let step_key = op
+            .run(&store, &call, None, async {
+                step(if from_step { "charge" } else { "charge:uuid" }, async {
+                    let key = attempt().expect("inside a step").key().to_hex();
+                    let response = client
+                        .oneshot(post_body("{}"))
+                        .await
+                        .map_err(|e| idem_runtime::Error::store(e.to_string()))?;
+                    assert_eq!(response.status(), 200);
+                    Ok::<_, idem_runtime::Error>(key)
+                })
+                .await
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let sent = script.seen().last().unwrap().key.clone().unwrap();
+        assert_eq!(sent == format!("\"{step_key}\""), from_step, "{sent}");
+        store.remove(&call).await.unwrap();
+    }
+}

@@ -527,3 +527,169 @@ async fn a_response_future_dropped_mid_handler_still_records() {
     assert_eq!(retry.headers()["idempotent-replayed"], "true");
     assert_eq!(app.runs(), 1);
 }
+
+/// `IdempotencyKey` as an axum extractor: required, it answers a missing or malformed key
+/// `400` problem+json before the handler runs; optional, it runs without one and still
+/// refuses a malformed one. `Outcome` answers as its value, marked when replayed.
+#[tokio::test]
+async fn the_key_extractor_and_the_outcome_answer_as_the_layer_does() {
+    use axum::routing::post;
+    use idem_runtime::http::IdempotencyKey;
+    use idem_runtime::Outcome;
+    use tower::ServiceExt;
+
+    let ran = Arc::new(AtomicUsize::new(0));
+    let app = axum::Router::new()
+        .route(
+            "/required",
+            post({
+                let ran = ran.clone();
+                move |key: IdempotencyKey| async move {
+                    ran.fetch_add(1, Ordering::SeqCst);
+                    let outcome = if key.as_str() == "again" {
+                        Outcome::Replayed(key.to_string())
+                    } else {
+                        Outcome::Executed(key.to_string())
+                    };
+                    outcome.map(|key| (StatusCode::CREATED, key))
+                }
+            }),
+        )
+        .route(
+            "/optional",
+            post(|key: Option<IdempotencyKey>| async move {
+                key.map_or("none".to_string(), |key| key.to_string())
+            }),
+        );
+    let send = |path: &'static str, key: Option<&'static str>| {
+        let app = app.clone();
+        async move {
+            let mut request = http::Request::post(path);
+            if let Some(key) = key {
+                request = request.header("idempotency-key", key);
+            }
+            let response = app
+                .oneshot(request.body(axum::body::Body::empty()).unwrap())
+                .await
+                .unwrap();
+            let status = response.status();
+            let replayed = response.headers().get("idempotent-replayed").cloned();
+            let kind = response.headers().get("content-type").cloned();
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            (
+                status,
+                replayed,
+                kind,
+                String::from_utf8(body.to_vec()).unwrap(),
+            )
+        }
+    };
+
+    let (status, replayed, _, body) = send("/required", Some("\"k-1\"")).await;
+    assert_eq!(
+        (status, replayed, body.as_str()),
+        (StatusCode::CREATED, None, "k-1")
+    );
+    let (status, replayed, _, body) = send("/required", Some("again")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(replayed.unwrap(), "true");
+    assert_eq!(body, "again");
+    for (key, problem) in [(None, "#key-missing"), (Some("\"open"), "#key-malformed")] {
+        let (status, _, kind, body) = send("/required", key).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_eq!(kind.unwrap(), "application/problem+json");
+        assert!(body.contains(problem), "{body}");
+    }
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        2,
+        "refused requests never ran the handler"
+    );
+
+    assert_eq!(send("/optional", None).await.3, "none");
+    assert_eq!(send("/optional", Some("k-2")).await.3, "k-2");
+    assert_eq!(
+        send("/optional", Some("\"open")).await.0,
+        StatusCode::BAD_REQUEST
+    );
+}
+
+mod on_sqlite {
+    //! The endpoint of "One request, one transaction" on SQLite: the claim, the row and the
+    //! answer in the handler's own transaction.
+
+    use axum::extract::State;
+    use axum::http::StatusCode;
+    use axum::Json;
+    use idem_runtime::http::IdempotencyKey;
+    use idem_runtime::{idempotent, Error, Outcome, SqliteStore};
+    use sqlx::SqliteConnection;
+    use tower::ServiceExt;
+
+    #[derive(Clone)]
+    struct App {
+        store: SqliteStore,
+    }
+
+    #[idempotent(key = key, fingerprint = sku, store = store, transaction = tx)]
+    async fn place(
+        key: &IdempotencyKey,
+        sku: &String,
+        store: &SqliteStore,
+        tx: &mut SqliteConnection,
+    ) -> Result<i64, Error> {
+        sqlx::query_scalar("INSERT INTO orders (sku) VALUES (?1) RETURNING id")
+            .bind(sku)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(Error::store)
+    }
+
+    async fn create(
+        State(app): State<App>,
+        key: IdempotencyKey,
+        Json(sku): Json<String>,
+    ) -> Result<Outcome<(StatusCode, Json<i64>)>, Error> {
+        let mut tx = app.store.pool().begin().await.map_err(Error::store)?;
+        let outcome = place_outcome(&key, &sku, &app.store, &mut tx).await?;
+        tx.commit().await.map_err(Error::store)?;
+        Ok(outcome.map(|id| (StatusCode::CREATED, Json(id))))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_order_is_written_once_and_its_answer_replayed() {
+        let file = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("http-orders.db");
+        for stale in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{stale}", file.display()));
+        }
+        let store = SqliteStore::open(&file).await.unwrap();
+        store.migrate().await.unwrap();
+        sqlx::query("CREATE TABLE orders (id INTEGER PRIMARY KEY, sku TEXT NOT NULL)")
+            .execute(store.pool())
+            .await
+            .unwrap();
+        let app = axum::Router::new()
+            .route("/orders", axum::routing::post(create))
+            .with_state(App {
+                store: store.clone(),
+            });
+        let mut answers = Vec::new();
+        for _ in 0..2 {
+            let request = http::Request::post("/orders")
+                .header("idempotency-key", "order-1")
+                .header("content-type", "application/json")
+                .body(axum::body::Body::from("\"sku-1\""))
+                .unwrap();
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_eq!(response.status(), StatusCode::CREATED);
+            answers.push(response.headers().get("idempotent-replayed").cloned());
+        }
+        assert_eq!(answers[0], None);
+        assert_eq!(answers[1].as_ref().unwrap(), "true");
+        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM orders")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        assert_eq!(rows, 1);
+    }
+}

@@ -12,15 +12,12 @@ struct Service {
 }
 
 impl Service {
-    /// One downstream call of the running step, keyed by the step's own key: the same on
-    /// every attempt of the checkout, so that the service called dedupes it.
+    /// One downstream call of the running step. The client's `IdempotencyKeyLayer` keys it
+    /// with the step's own key (`attempt().key()`): the same on every attempt of the
+    /// checkout, so that the service called dedupes it.
     async fn call(&self, url: &str, order: &Order) -> Result<String, Error> {
-        let key = attempt()
-            .expect("a step runs under an attempt")
-            .key()
-            .to_hex();
         let body = serde_json::to_vec(order).map_err(Error::codec)?;
-        let (status, body, _) = send(&self.downstream, url, Some(&key), body)
+        let (status, body, _) = send(&self.downstream, url, None, body)
             .await
             .map_err(Error::store)?;
         if status != StatusCode::CREATED {

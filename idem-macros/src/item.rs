@@ -104,6 +104,43 @@ fn ok_type(ty: &Type) -> Option<&Type> {
     first_argument(ty, "Result")
 }
 
+/// Whether a return type is written as a `Result`: a path whose last segment is `Result` or
+/// ends with it (an alias such as `PayResult<T>` or `io::Result<T>`). Only those get the
+/// `name_outcome` sibling; any other type is refused with its own error.
+pub(crate) fn names_a_result(ty: &Type) -> bool {
+    let Type::Path(path) = ty else {
+        return false;
+    };
+    path.path
+        .segments
+        .last()
+        .is_some_and(|last| last.ident.to_string().ends_with("Result"))
+}
+
+/// `T` and `E` of a return type written `Result<T, E>` (any path ending in `Result`, with
+/// two type arguments).
+pub(crate) fn result_arguments(ty: &Type) -> Option<(&Type, &Type)> {
+    let Type::Path(path) = ty else {
+        return None;
+    };
+    let last = path
+        .path
+        .segments
+        .last()
+        .filter(|last| last.ident == "Result")?;
+    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
+        return None;
+    };
+    let mut types = args.args.iter().filter_map(|arg| match arg {
+        syn::GenericArgument::Type(ty) => Some(ty),
+        _ => None,
+    });
+    match (types.next(), types.next(), types.next()) {
+        (Some(ok), Some(err), None) => Some((ok, err)),
+        _ => None,
+    }
+}
+
 /// The inner `Option` of `Option<Option<_>>`, as written.
 fn nested_option(ty: &Type) -> Option<&Type> {
     first_argument(ty, "Option").filter(|inner| first_argument(inner, "Option").is_some())

@@ -84,6 +84,40 @@ impl<T> Outcome<T> {
     pub fn is_replayed(&self) -> bool {
         matches!(self, Self::Replayed(_))
     }
+
+    /// The same outcome of another value: how a handler turns a recorded value into its
+    /// answer and keeps whether it was replayed
+    /// (`outcome.map(|receipt| (StatusCode::CREATED, Json(receipt)))`).
+    ///
+    /// ```
+    /// use idem_runtime::Outcome;
+    ///
+    /// let outcome = Outcome::Replayed(7).map(|n| n * 6);
+    /// assert_eq!(outcome, Outcome::Replayed(42));
+    /// ```
+    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Outcome<U> {
+        match self {
+            Self::Executed(value) => Outcome::Executed(f(value)),
+            Self::Replayed(value) => Outcome::Replayed(f(value)),
+        }
+    }
+}
+
+/// An outcome answers HTTP as its value does; a replay adds `Idempotent-Replayed: true`, as
+/// [`IdempotencyLayer`](crate::http::IdempotencyLayer)'s replays do (feature `axum`).
+#[cfg(feature = "axum")]
+impl<T: axum::response::IntoResponse> axum::response::IntoResponse for Outcome<T> {
+    fn into_response(self) -> axum::response::Response {
+        let replayed = self.is_replayed();
+        let mut response = self.into_inner().into_response();
+        if replayed {
+            response.headers_mut().insert(
+                http::HeaderName::from_static(crate::http::IDEMPOTENT_REPLAYED),
+                http::HeaderValue::from_static("true"),
+            );
+        }
+        response
+    }
 }
 
 /// One idempotent operation: its stable name and its policies.

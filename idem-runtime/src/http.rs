@@ -45,7 +45,11 @@
 //! decimal value (`1.0` is `1`; `0.1` is not `0.10000000000000000001`). With the feature
 //! `axum`, the path is the one the client sent, also under `Router::nest`. A handler reads the key through
 //! the request extension [`IdempotencyKey`] (axum: `Option<Extension<IdempotencyKey>>`), and
-//! the claim's fencing token through [`attempt()`](crate::attempt()).
+//! the claim's fencing token through [`attempt()`](crate::attempt()). Without the layer,
+//! [`IdempotencyKey`] is an axum extractor (feature `axum`) for an endpoint whose claim,
+//! writes and answer commit in one transaction (`transaction =`, and the `name_outcome`
+//! sibling every `#[idempotent]` function has, whose [`Outcome`](crate::Outcome) answers
+//! HTTP with `Idempotent-Replayed: true` on a replay).
 //!
 //! # Problems
 //!

@@ -178,8 +178,15 @@ fn derived(
 }
 
 /// The bare return value of an `#[idempotent]` function.
-fn bare<R: IdemResult>(outcome: Result<crate::Outcome<R::Ok>, R::Err>) -> R {
+pub fn bare<R: IdemResult>(outcome: Result<crate::Outcome<R::Ok>, R::Err>) -> R {
     R::from_result(outcome.map(crate::Outcome::into_inner))
+}
+
+/// What the entry points answer: the outcome (`name_outcome`), which `name` makes bare.
+pub type Answered<R> = Result<crate::Outcome<<R as IdemResult>::Ok>, <R as IdemResult>::Err>;
+
+fn answered<R: IdemResult>(outcome: Answered<R>) -> Answered<R> {
+    outcome
 }
 
 /// Asks, where the function's return type `R` is known, whether its success type can be
@@ -252,7 +259,7 @@ pub fn run<'a, P, S, R, F, Y>(
     fingerprint: Option<Result<Fingerprint, Error>>,
     body: F,
     typing: Y,
-) -> impl Future<Output = R> + use<'a, P, S, R, F, Y>
+) -> impl Future<Output = Answered<R>> + use<'a, P, S, R, F, Y>
 where
     R: IdemResult,
     R::Ok: Recordable,
@@ -263,7 +270,13 @@ where
     Y: IntoTyping<R::Ok>,
 {
     let derived = derived(key, fingerprint);
-    operation.call_typed::<Json, S, R, F, R>(store, derived, body, bare::<R>, typing.into_typing())
+    operation.call_typed::<Json, S, R, F, Answered<R>>(
+        store,
+        derived,
+        body,
+        answered::<R>,
+        typing.into_typing(),
+    )
 }
 
 /// `Operation::run_to_completion`, as [`run`].
@@ -273,7 +286,7 @@ pub async fn run_to_completion<P, S, R, F>(
     key: Result<Option<Key>, Error>,
     fingerprint: Option<Result<Fingerprint, Error>>,
     body: F,
-) -> R
+) -> Answered<R>
 where
     R: IdemResult,
     R::Ok: Recordable + Send + 'static,
@@ -282,11 +295,9 @@ where
     S: StoreValue,
     F: Future<Output = R> + Send + 'static,
 {
-    bare(
-        operation
-            .run_to_completion_as::<Json, S, R, F>(store, derived(key, fingerprint), body)
-            .await,
-    )
+    operation
+        .run_to_completion_as::<Json, S, R, F>(store, derived(key, fingerprint), body)
+        .await
 }
 
 /// `Operation::run_in_transaction`, as [`run`]: `transaction = tx`.
@@ -298,7 +309,7 @@ pub async fn run_in_transaction<P, S, R, F>(
     key: Result<Option<Key>, Error>,
     fingerprint: Option<Result<Fingerprint, Error>>,
     body: F,
-) -> R
+) -> Answered<R>
 where
     S: crate::store::Transactional,
     R: IdemResult,
@@ -311,17 +322,18 @@ where
         Ok(Some((key, fingerprint))) => {
             let body =
                 async move |connection: &mut S::Connection| body(connection).await.into_result();
-            bare(
-                operation
-                    .run_in_transaction(store, connection, &key, fingerprint.as_ref(), body)
-                    .await,
-            )
+            operation
+                .run_in_transaction(store, connection, &key, fingerprint.as_ref(), body)
+                .await
         }
         Ok(None) => {
             crate::engine::unkeyed();
-            crate::engine::attempt::scope_unkeyed(body(connection)).await
+            crate::engine::attempt::scope_unkeyed(body(connection))
+                .await
+                .into_result()
+                .map(crate::Outcome::Executed)
         }
-        Err(err) => R::from_result(Err(err.into())),
+        Err(err) => Err(err.into()),
     }
 }
 
@@ -329,14 +341,14 @@ where
 /// store check fails first, with its own message ([`InTransaction`]); this only lets the
 /// rest of the expansion type-check, so that the check's error is the only one.
 #[cfg(not(any(feature = "postgres", feature = "sqlite", feature = "mysql")))]
-pub async fn run_in_transaction<P, S: Uninhabited, R, F>(
+pub async fn run_in_transaction<P, S: Uninhabited, R: IdemResult, F>(
     _: &Operation<P>,
     store: &S,
     _: &mut dyn std::any::Any,
     _: Result<Option<Key>, Error>,
     _: Option<Result<Fingerprint, Error>>,
     _: F,
-) -> R {
+) -> Answered<R> {
     match store.never() {}
 }
 

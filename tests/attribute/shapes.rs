@@ -402,3 +402,67 @@ async fn success_types_with_lifetimes_compile_and_replay() {
     assert_eq!(static_cow(&store, 2).await.unwrap(), "receipt 2");
     assert_eq!(static_cow(&store, 2).await.unwrap(), "receipt 2");
 }
+
+// --- the `_outcome` sibling ------------------------------------------------------------
+
+use idem_runtime::Outcome;
+
+/// A free function with a pattern parameter and a generic one: its sibling answers
+/// executed or replayed, and shares its keys.
+#[idempotent(key = (id, label.to_string()), store = store, ignore = runs)]
+async fn siblings<T: std::fmt::Display>(
+    store: &MemoryStore,
+    (id, _): (u64, u8),
+    label: T,
+    runs: &Runs,
+) -> Result<String, AppError> {
+    runs.hit();
+    Ok(format!("{id}:{label}"))
+}
+
+impl Payments {
+    /// An associated function without `self` whose signature names `Self`.
+    #[idempotent(key = id, store = store, namespace = "payments.open.v1")]
+    async fn open(store: &MemoryStore, id: u64) -> Result<u64, AppError>
+    where
+        Self: Sized,
+    {
+        Ok(id)
+    }
+}
+
+#[tokio::test]
+async fn every_function_has_an_outcome_sibling_that_shares_its_keys() {
+    let (store, runs) = (store(), Runs::default());
+    let first = siblings_outcome(&store, (7, 0), "x", &runs).await.unwrap();
+    assert_eq!(first, Outcome::Executed("7:x".to_string()));
+    assert_eq!(siblings(&store, (7, 1), "x", &runs).await.unwrap(), "7:x");
+    let again = siblings_outcome(&store, (7, 2), "x", &runs).await.unwrap();
+    assert_eq!(again, Outcome::Replayed("7:x".to_string()));
+    assert_eq!(runs.count(), 1);
+
+    let payments = Payments {
+        store: store.clone(),
+        runs: Runs::default(),
+        charged: 0,
+    };
+    let req = Request {
+        id: 3,
+        amount: 70,
+        note: "tea".into(),
+    };
+    assert_eq!(
+        payments.charge_outcome(&req).await.unwrap(),
+        Outcome::Executed(70)
+    );
+    assert_eq!(payments.charge(&req).await.unwrap(), 70);
+    assert_eq!(
+        payments.charge_outcome(&req).await.unwrap(),
+        Outcome::Replayed(70)
+    );
+    assert_eq!(
+        Payments::open_outcome(&store, 1).await.unwrap(),
+        Outcome::Executed(1)
+    );
+    assert_eq!(Payments::open(&store, 1).await.unwrap(), 1);
+}

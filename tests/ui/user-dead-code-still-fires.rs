@@ -11,7 +11,8 @@ impl From<idem_runtime::Error> for PayError {
     }
 }
 
-// An annotated function that nothing calls is still dead code.
+// An annotated function that nothing calls is still dead code, and so is its `_outcome`
+// sibling (a call of either keeps both).
 #[idempotent(key = id)]
 async fn never_called(id: u64) -> Result<u64, PayError> {
     Ok(id)

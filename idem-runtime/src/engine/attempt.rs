@@ -231,6 +231,22 @@ pub fn attempt() -> Option<Attempt> {
         .flatten()
 }
 
+/// The key of the step the code that calls this runs in, if it runs inside one: what a
+/// client sends downstream as its `Idempotency-Key`.
+#[cfg_attr(not(feature = "client"), allow(dead_code))]
+pub(crate) fn step_key() -> Option<Key> {
+    CURRENT
+        .try_with(|scope| {
+            scope
+                .attempt
+                .as_ref()
+                .filter(|attempt| matches!(attempt.0.fence, Fence::Call(_)))
+                .map(|attempt| attempt.0.key)
+        })
+        .ok()
+        .flatten()
+}
+
 /// Where a [`step`](crate::step) is called.
 pub(crate) enum Place {
     /// Outside every idempotent call.

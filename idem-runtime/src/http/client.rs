@@ -231,6 +231,7 @@ struct Config {
     retry: Retry,
     methods: Vec<Method>,
     max_body: usize,
+    step_keys: bool,
 }
 
 impl IdempotencyKeyLayer {
@@ -241,6 +242,7 @@ impl IdempotencyKeyLayer {
                 retry: Retry::new(),
                 methods: vec![Method::POST, Method::PATCH],
                 max_body: DEFAULT_MAX_BODY,
+                step_keys: true,
             }),
         }
     }
@@ -262,6 +264,16 @@ impl IdempotencyKeyLayer {
     /// [`Error::BodyTooLarge`] before anything is sent.
     pub fn max_body(mut self, bytes: usize) -> Self {
         Arc::make_mut(&mut self.config).max_body = bytes;
+        self
+    }
+
+    /// Whether a request sent inside a [`step`](crate::step()) without a key of its own
+    /// takes the step's key (`attempt().key()`, in hex: the same on every attempt of the
+    /// call, so the next service dedupes the step across crashes of this one). On by
+    /// default; `false` gives it a fresh UUIDv7 like any other request. One keyed request
+    /// per step: a second one to the same service would be answered as the first's retry.
+    pub fn step_keys(mut self, on: bool) -> Self {
+        Arc::make_mut(&mut self.config).step_keys = on;
         self
     }
 }
@@ -458,7 +470,7 @@ where
     let started = Instant::now();
     let retry = &config.retry;
     let (mut parts, body) = request.into_parts();
-    let key = attempts::assign(&parts.method, &mut parts.headers, &config.methods)
+    let key = attempts::assign(&parts.method, &mut parts.headers, &config)
         .map_err(Error::KeyMalformed)?;
     let body = attempts::within(
         started.checked_add(retry.budget),

@@ -9,12 +9,67 @@ pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// The longest key accepted, in characters (the draft's recommendation, Stripe's limit).
 pub const MAX_KEY_LEN: usize = 255;
 
-/// The key a request carries, as a request extension: a handler reads it (with axum,
-/// `Option<Extension<IdempotencyKey>>`) to know whether it runs under one. It serializes as
-/// its string, so it can be part of an `#[idempotent]` key (`key = (customer.id, key)`).
+/// The `Idempotency-Key` a request carries. It serializes as its string, so it can be part
+/// of an `#[idempotent]` key (`key = (customer.id, key)`).
+///
+/// Behind [`IdempotencyLayer`](super::IdempotencyLayer) it is a request extension (axum:
+/// `Option<Extension<IdempotencyKey>>`). Without the layer, with the feature `axum`, it is
+/// an **extractor** that reads and checks the header exactly as the layer does: a handler
+/// that takes `key: IdempotencyKey` answers a request without a key, or with a malformed
+/// one, `400` problem+json (`key-missing`, `key-malformed`) before it runs; one that takes
+/// `Option<IdempotencyKey>` runs without a key and refuses only a malformed one. That is
+/// the shape of an endpoint whose effect is a write in the same database: the key's claim,
+/// the write and the answer commit in one transaction (`transaction =`; see the README's
+/// "One request, one transaction").
+///
+/// ```
+/// # #[cfg(feature = "axum")] {
+/// use axum::{routing::post, Router};
+/// use idem_runtime::http::IdempotencyKey;
+///
+/// async fn create(key: IdempotencyKey) -> String {
+///     format!("created under {key}")
+/// }
+/// let app: Router = Router::new().route("/orders", post(create));
+/// # }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize)]
 #[serde(transparent)]
 pub struct IdempotencyKey(String);
+
+impl std::fmt::Display for IdempotencyKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[cfg(feature = "axum")]
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for IdempotencyKey {
+    type Rejection = axum::response::Response;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _: &S,
+    ) -> Result<Self, Self::Rejection> {
+        match parse(&parts.headers) {
+            Ok(Some(key)) => Ok(key),
+            Ok(None) => Err(super::problem::key_missing()),
+            Err(why) => Err(super::problem::key_malformed(why)),
+        }
+    }
+}
+
+#[cfg(feature = "axum")]
+impl<S: Send + Sync> axum::extract::OptionalFromRequestParts<S> for IdempotencyKey {
+    type Rejection = axum::response::Response;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _: &S,
+    ) -> Result<Option<Self>, Self::Rejection> {
+        parse(&parts.headers).map_err(super::problem::key_malformed)
+    }
+}
 
 impl IdempotencyKey {
     #[cfg(feature = "client")]

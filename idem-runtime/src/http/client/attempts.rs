@@ -53,21 +53,30 @@ where
 }
 
 /// The key of a request: its own, when it has one (checked as the server checks it: `Err`
-/// says why it would be refused); a fresh UUIDv7, set in `headers`, for a method in
-/// `methods`; else `None`, a request the client's half leaves alone.
+/// says why it would be refused); for a method in the config's `methods`, the key of the
+/// step it is sent in (unless the config says otherwise), or a fresh UUIDv7, set in
+/// `headers`; else `None`, a request the client's half leaves alone.
 pub(super) fn assign(
     method: &Method,
     headers: &mut HeaderMap,
-    methods: &[Method],
+    config: &super::Config,
 ) -> Result<Option<IdempotencyKey>, &'static str> {
     if let Some(own) = header::parse(headers)? {
         return Ok(Some(own));
     }
-    if !methods.contains(method) {
+    if !config.methods.contains(method) {
         return Ok(None);
     }
-    let key = uuid::Uuid::now_v7().hyphenated().to_string();
-    let value = HeaderValue::try_from(format!("\"{key}\"")).expect("a UUID is printable ASCII");
+    let step = config
+        .step_keys
+        .then(crate::engine::attempt::step_key)
+        .flatten();
+    let key = match step {
+        Some(step) => step.to_hex(),
+        None => uuid::Uuid::now_v7().hyphenated().to_string(),
+    };
+    let value = HeaderValue::try_from(format!("\"{key}\""))
+        .expect("a UUID or hex digits are printable ASCII");
     headers.insert(HeaderName::from_static(IDEMPOTENCY_KEY), value);
     Ok(Some(IdempotencyKey::new(key)))
 }

@@ -67,6 +67,12 @@ impl IdempotencyKeyMiddleware {
     pub fn max_body(self, bytes: usize) -> Self {
         IdempotencyKeyLayer::from(self).max_body(bytes).into()
     }
+
+    /// Whether a request sent inside a [`step`](crate::step()) without a key of its own
+    /// takes the step's key (on by default); see [`IdempotencyKeyLayer::step_keys`].
+    pub fn step_keys(self, on: bool) -> Self {
+        IdempotencyKeyLayer::from(self).step_keys(on).into()
+    }
 }
 
 impl Default for IdempotencyKeyMiddleware {
@@ -103,7 +109,7 @@ impl Middleware for IdempotencyKeyMiddleware {
         let started = Instant::now();
         let config = &self.config;
         let method = request.method().clone();
-        let key = attempts::assign(&method, request.headers_mut(), &config.methods)
+        let key = attempts::assign(&method, request.headers_mut(), config)
             .map_err(|why| reqwest_middleware::Error::middleware(Error::KeyMalformed(why)))?;
         let Some(key) = key else {
             return next.run(request, extensions).await;
