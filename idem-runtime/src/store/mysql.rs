@@ -560,17 +560,8 @@ impl Store for MySqlStore {
     }
 
     async fn steps(&self, call: &Key) -> Result<Vec<(Key, Bytes)>, Error> {
-        let (first, last) = sql::steps_range(call);
-        let rows = self
-            .within(
-                sqlx::query_as(&self.sql.steps)
-                    .bind(&first[..])
-                    .bind(&last[..])
-                    .bind(&call.as_bytes()[..])
-                    .fetch_all(&self.pool),
-            )
-            .await?;
-        sql::steps(rows)
+        self.within(sql::read_steps(&self.pool, &self.sql.steps, call))
+            .await
     }
 
     async fn remove(&self, key: &Key) -> Result<bool, Error> {

@@ -43,13 +43,33 @@ pub(crate) fn steps_range(call: &Key) -> ([u8; 32], [u8; 32]) {
     (first, last)
 }
 
-/// A call's step records, as rows of (step key, value).
-pub(crate) fn steps(rows: Vec<(Vec<u8>, Option<Vec<u8>>)>) -> Result<Vec<(Key, Bytes)>, Error> {
+/// A call's step records, read by `statement` (whose parameters are the call's key, then the
+/// first and last key of [`steps_range`]; its columns the step's key and value) on
+/// `executor`: what every SQL store's [`Store::steps`](crate::Store::steps) is.
+pub(crate) async fn read_steps<'e, DB, E>(
+    executor: E,
+    statement: &str,
+    call: &Key,
+) -> Result<Vec<(Key, Bytes)>, sqlx::Error>
+where
+    DB: sqlx::Database,
+    E: sqlx::Executor<'e, Database = DB>,
+    for<'q> &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'q> <DB as sqlx::Database>::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+    for<'r> (Vec<u8>, Option<Vec<u8>>): sqlx::FromRow<'r, DB::Row>,
+{
+    let (first, last) = steps_range(call);
+    let rows: Vec<(Vec<u8>, Option<Vec<u8>>)> = sqlx::query_as(statement)
+        .bind(&call.as_bytes()[..])
+        .bind(&first[..])
+        .bind(&last[..])
+        .fetch_all(executor)
+        .await?;
     rows.into_iter()
         .map(|(key, value)| {
             let key: [u8; 32] = key
                 .try_into()
-                .map_err(|_| Error::store("a step's key is not 32 bytes"))?;
+                .map_err(|_| sqlx::Error::Protocol("a step's key is not 32 bytes".into()))?;
             Ok((Key::from_bytes(key), Bytes::from(value.unwrap_or_default())))
         })
         .collect()

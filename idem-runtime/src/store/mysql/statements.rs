@@ -215,7 +215,7 @@ impl Statements {
             ),
             steps: format!(
                 "SELECT `key`, value FROM {t} \
-                 WHERE `key` BETWEEN ? AND ? AND `key` <> ? AND completed AND expires_at > {NOW}"
+                 WHERE `key` <> ? AND `key` BETWEEN ? AND ? AND completed AND expires_at > {NOW}"
             ),
             remove_lock: format!("SELECT expires_at > {NOW} FROM {t} WHERE `key` = ? FOR UPDATE"),
             remove_steps: format!("DELETE FROM {t} WHERE `key` BETWEEN ? AND ? AND `key` <> ?"),
