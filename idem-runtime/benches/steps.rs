@@ -242,7 +242,7 @@ where
     )
 }
 
-/// A table of one process's raw writes, `(n, v)`, made in `pool`'s database by `create`.
+/// The table of one process's raw writes, `(n, v)`.
 fn bench_table() -> String {
     format!("bench_step_writes_{}", std::process::id())
 }
@@ -276,20 +276,30 @@ fn redis_row(rt: &Runtime) -> Option<Ratio> {
     }))
 }
 
-fn postgres_row(rt: &Runtime) -> Option<Ratio> {
-    let url = std::env::var("IDEM_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    let Ok(store) = rt.block_on(PostgresStore::connect(&url)) else {
-        println!("skipped: postgres at {url} is unreachable");
-        return None;
-    };
-    rt.block_on(store.migrate()).unwrap();
-    let (pool, table) = (store.pool().clone(), bench_table());
-    let create = format!("CREATE TABLE {table} (n bigint NOT NULL, v bytea NOT NULL)");
-    rt.block_on(sqlx::query(&create).execute(&pool)).unwrap();
-    let insert = format!("INSERT INTO {table} (n, v) VALUES ($1, $2)");
-    let ratio = step_vs_write(rt, &store, |i| {
-        let (pool, insert) = (&pool, &insert);
+/// A step run against a committed `INSERT` into a table of `pool`'s database, made with the
+/// column types `columns` and filled with `insert` (the table name written in), dropped
+/// after.
+fn insert_row<S, DB>(
+    rt: &Runtime,
+    store: &S,
+    pool: &sqlx::Pool<DB>,
+    columns: &str,
+    insert: &str,
+) -> Ratio
+where
+    S: Store + Clone,
+    DB: sqlx::Database,
+    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    for<'q> <DB as sqlx::Database>::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+    for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'q> &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    let table = bench_table();
+    let create = format!("CREATE TABLE {table} {columns}");
+    rt.block_on(sqlx::query(&create).execute(pool)).unwrap();
+    let insert = insert.replace("{table}", &table);
+    let ratio = step_vs_write(rt, store, |i| {
+        let insert = &insert;
         async move {
             let value = format!("v{i}");
             sqlx::query(insert)
@@ -302,8 +312,25 @@ fn postgres_row(rt: &Runtime) -> Option<Ratio> {
         }
     });
     let drop_table = format!("DROP TABLE {table}");
-    rt.block_on(sqlx::query(&drop_table).execute(&pool))
-        .unwrap();
+    rt.block_on(sqlx::query(&drop_table).execute(pool)).unwrap();
+    ratio
+}
+
+fn postgres_row(rt: &Runtime) -> Option<Ratio> {
+    let url = std::env::var("IDEM_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let Ok(store) = rt.block_on(PostgresStore::connect(&url)) else {
+        println!("skipped: postgres at {url} is unreachable");
+        return None;
+    };
+    rt.block_on(store.migrate()).unwrap();
+    let ratio = insert_row(
+        rt,
+        &store,
+        store.pool(),
+        "(n bigint NOT NULL, v bytea NOT NULL)",
+        "INSERT INTO {table} (n, v) VALUES ($1, $2)",
+    );
     rt.block_on(store.purge_expired()).ok();
     Some(ratio)
 }
@@ -315,23 +342,13 @@ fn sqlite_row(rt: &Runtime) -> Ratio {
         .block_on(SqliteStore::open(dir.join("steps.db")))
         .unwrap();
     rt.block_on(store.migrate()).unwrap();
-    let (pool, table) = (store.pool().clone(), bench_table());
-    let create = format!("CREATE TABLE {table} (n INTEGER NOT NULL, v BLOB NOT NULL)");
-    rt.block_on(sqlx::query(&create).execute(&pool)).unwrap();
-    let insert = format!("INSERT INTO {table} (n, v) VALUES (?1, ?2)");
-    let ratio = step_vs_write(rt, &store, |i| {
-        let (pool, insert) = (&pool, &insert);
-        async move {
-            let value = format!("v{i}");
-            sqlx::query(insert)
-                .bind(i as i64)
-                .bind(value.as_bytes())
-                .execute(pool)
-                .await
-                .map(drop)
-                .map_err(Error::store)
-        }
-    });
+    let ratio = insert_row(
+        rt,
+        &store,
+        store.pool(),
+        "(n INTEGER NOT NULL, v BLOB NOT NULL)",
+        "INSERT INTO {table} (n, v) VALUES (?1, ?2)",
+    );
     drop(store);
     std::fs::remove_dir_all(&dir).ok();
     ratio
@@ -345,28 +362,13 @@ fn mysql_row(rt: &Runtime) -> Option<Ratio> {
         return None;
     };
     rt.block_on(store.migrate()).unwrap();
-    let (pool, table) = (store.pool().clone(), bench_table());
-    let create = format!(
-        "CREATE TABLE {table} (n BIGINT NOT NULL, v VARBINARY(64) NOT NULL) ENGINE = InnoDB"
+    let ratio = insert_row(
+        rt,
+        &store,
+        store.pool(),
+        "(n BIGINT NOT NULL, v VARBINARY(64) NOT NULL) ENGINE = InnoDB",
+        "INSERT INTO {table} (n, v) VALUES (?, ?)",
     );
-    rt.block_on(sqlx::query(&create).execute(&pool)).unwrap();
-    let insert = format!("INSERT INTO {table} (n, v) VALUES (?, ?)");
-    let ratio = step_vs_write(rt, &store, |i| {
-        let (pool, insert) = (&pool, &insert);
-        async move {
-            let value = format!("v{i}");
-            sqlx::query(insert)
-                .bind(i as i64)
-                .bind(value.as_bytes())
-                .execute(pool)
-                .await
-                .map(drop)
-                .map_err(Error::store)
-        }
-    });
-    let drop_table = format!("DROP TABLE {table}");
-    rt.block_on(sqlx::query(&drop_table).execute(&pool))
-        .unwrap();
     rt.block_on(store.purge_expired()).ok();
     Some(ratio)
 }
