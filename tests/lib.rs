@@ -467,6 +467,10 @@ impl<S: Store + Clone> Store for Probe<S> {
         self.apply(self.inner.lease_left(key)).await
     }
 
+    fn claim_timeout(&self) -> Option<Duration> {
+        self.inner.claim_timeout()
+    }
+
     fn flights(&self) -> Option<&Flights> {
         if self.coalesces {
             self.inner.flights()

@@ -363,6 +363,16 @@ pub trait Store: Send + Sync + 'static {
         Ok(None)
     }
 
+    /// The longest one [`claim`](Store::claim) may take on this store (its timeout), if it
+    /// bounds its operations. A call that sends its claim again after a failure (a reply
+    /// may have been lost after the claim landed) sends it only within this bound, counted
+    /// from the first try: the tries share one deadline, so a call during a partition or a
+    /// stall fails after this long, not after a multiple of it. `None` (the default): the
+    /// tries are not bounded together (a store in this process, which never stalls).
+    fn claim_timeout(&self) -> Option<Duration> {
+        None
+    }
+
     /// A synchronous look at the record of `key`, for stores that hold their records in
     /// this process and can answer without I/O: `Some(Claim::Completed { .. })` for a live
     /// completed record lets a replay skip [`claim`](Store::claim). Any other answer, and
@@ -504,6 +514,10 @@ macro_rules! forward_store {
             async fn lease_left(&self, key: &Key) -> Result<Option<Duration>, Error> {
                 (**self).lease_left(key).await
             }
+            fn claim_timeout(&self) -> Option<Duration> {
+                (**self).claim_timeout()
+            }
+
             fn peek(&self, key: &Key) -> Option<Claim> {
                 (**self).peek(key)
             }

@@ -4,10 +4,12 @@
 //! promises: no body runs twice, and no key stays held past its lease; and that no call
 //! hangs past its store's timeout.//!
 //! Here: faulty operations and seeded cancellations; `network.rs`: a stalling and cutting
-//! proxy; `locks.rs`: a locked table and a crowded pool.
+//! proxy; `locks.rs`: a locked table and a crowded pool; `stalls.rs`: the deadline a claim's
+//! tries share.
 
 mod locks;
 mod network;
+mod stalls;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -148,7 +148,8 @@ impl Settings {
     }
 
     /// Claims `key`, and claims it again after a store failure, up to [`CLAIM_TRIES`] in
-    /// all: the failure may be a reply lost after the store applied the claim, which the
+    /// all and within the store's [`claim_timeout`](Store::claim_timeout) from the first
+    /// try: the failure may be a reply lost after the store applied the claim, which the
     /// same `nonce` finds as this call's own. After the last failure the call fails closed.
     async fn claim(
         &self,
@@ -157,17 +158,31 @@ impl Settings {
         fingerprint: Option<&Fingerprint>,
         nonce: u64,
     ) -> Result<Claim, Error> {
+        // The first try is bounded by the store itself; the clock is read only for a store
+        // that bounds its claims, and a try sent again must end by the same deadline.
+        let deadline = store.claim_timeout().map(|bound| Instant::now() + bound);
         let mut failures = 0;
+        let mut claimed = store
+            .claim_with_nonce(key, fingerprint, self.lease, nonce)
+            .await;
         loop {
-            match store
-                .claim_with_nonce(key, fingerprint, self.lease, nonce)
-                .await
-            {
+            match claimed {
                 Err(Error::Store(err)) if failures + 1 < CLAIM_TRIES => {
                     failures += 1;
+                    let again = Instant::now() + backoff(failures);
+                    if deadline.is_some_and(|deadline| again >= deadline) {
+                        return Err(Error::Store(err));
+                    }
                     tracing::debug!(error = %err, failures, "the claim failed; claiming again with its nonce");
-                    // Boxed: the slow path's timer stays out of the state of every call.
-                    Box::pin(tokio::time::sleep(backoff(failures))).await;
+                    // Boxed: the slow path's timers stay out of the state of every call.
+                    Box::pin(tokio::time::sleep_until(again)).await;
+                    let sent = store.claim_with_nonce(key, fingerprint, self.lease, nonce);
+                    claimed = match deadline {
+                        Some(deadline) => Box::pin(tokio::time::timeout_at(deadline, sent))
+                            .await
+                            .unwrap_or_else(|_| Err(claim_timed_out(store))),
+                        None => sent.await,
+                    };
                 }
                 claimed => return claimed,
             }
@@ -249,6 +264,14 @@ fn check_fingerprint(
         );
         Err(Error::PayloadMismatch)
     }
+}
+
+/// What a claim sent again answers when the tries' shared deadline passes first.
+fn claim_timed_out(store: &dyn Store) -> Error {
+    let bound = store.claim_timeout().unwrap_or_default();
+    Error::store(format!(
+        "the claim was sent again after a store failure and got no answer within the store's timeout ({bound:?} from the first try)"
+    ))
 }
 
 fn timed_out() -> Error {

@@ -610,6 +610,10 @@ impl Store for MySqlStore {
         Ok(sql::left(left))
     }
 
+    fn claim_timeout(&self) -> Option<Duration> {
+        Some(self.timeout)
+    }
+
     fn flights(&self) -> Option<&Flights> {
         Some(&self.flights)
     }

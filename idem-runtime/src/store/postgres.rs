@@ -644,6 +644,10 @@ impl Store for PostgresStore {
         Ok(sql::left(left))
     }
 
+    fn claim_timeout(&self) -> Option<Duration> {
+        Some(self.timeout)
+    }
+
     fn flights(&self) -> Option<&Flights> {
         Some(&self.flights)
     }

@@ -630,6 +630,15 @@ impl Store for RedisStore {
         }
     }
 
+    /// The command's timeout, and with [`with_replicas`](Self::with_replicas) the wait for
+    /// the replicas after it.
+    fn claim_timeout(&self) -> Option<Duration> {
+        let replicas = self
+            .replicas
+            .map_or(Duration::ZERO, |(_, wait)| self.timeout + wait);
+        Some(self.timeout + replicas)
+    }
+
     fn flights(&self) -> Option<&Flights> {
         Some(&self.flights)
     }

@@ -703,6 +703,10 @@ impl Store for SqliteStore {
         Ok(sql::left(left))
     }
 
+    fn claim_timeout(&self) -> Option<Duration> {
+        Some(self.timeout)
+    }
+
     fn flights(&self) -> Option<&Flights> {
         Some(&self.flights)
     }

@@ -384,6 +384,13 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
     }
 
     /// The durable store's: that is where calls run.
+    /// The durable store's, after the fast tier's look.
+    fn claim_timeout(&self) -> Option<Duration> {
+        self.durable
+            .claim_timeout()
+            .map(|durable| durable + self.fast_timeout)
+    }
+
     fn flights(&self) -> Option<&Flights> {
         self.durable.flights()
     }
