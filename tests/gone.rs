@@ -142,6 +142,91 @@ async fn marks_over_their_bound_are_counted_when_their_result_is_gone_too() {
     );
 }
 
+/// Completes `keys` keys (small results) and then calls each once more: how many bodies ran
+/// again on the second pass.
+async fn completed_then_retried(store: &MemoryStore, op: &Operation, keys: u32) -> usize {
+    let runs = Runs::default();
+    let call = |i: u32| {
+        let runs = runs.clone();
+        async move {
+            let key = op.key(&i).unwrap();
+            op.run(store, &key, None, async {
+                runs.hit();
+                Ok::<_, Error>(i)
+            })
+            .await
+        }
+    };
+    for i in 0..keys {
+        assert_eq!(call(i).await.unwrap(), Outcome::Executed(i));
+    }
+    assert_eq!(runs.count(), keys as usize);
+    for i in 0..keys {
+        match call(i).await {
+            Ok(Outcome::Replayed(value)) => assert_eq!(value, i),
+            Ok(Outcome::Executed(value)) => assert_eq!(value, i),
+            Err(Error::Gone) => {}
+            other => panic!("key {i}: {other:?}"),
+        }
+    }
+    runs.count() - keys as usize
+}
+
+/// A store that keeps 100 results and `marks` marks: nearly every result is evicted, so a
+/// completed key answers by its mark.
+fn with_marks(marks: u64) -> MemoryStore {
+    MemoryStore::builder()
+        .capacity(100)
+        .max_mark_bytes(marks * MARK_BYTES)
+        .build()
+}
+
+#[tokio::test]
+async fn up_to_their_bound_marks_keep_every_completed_key_from_running_again() {
+    // The bound is the store's, not each shard's share of it: at 90 % and at 100 % of it,
+    // every key whose result was evicted answers `Gone`.
+    for keys in [9_000, 10_000] {
+        let store = with_marks(10_000);
+        let op = Operation::new(format!("gone.bound.{keys}")).ttl(TTL);
+        let reruns = completed_then_retried(&store, &op, keys).await;
+        assert_eq!(reruns, 0, "{keys} keys within a bound of 10 000 marks");
+        assert_eq!(store.marks_dropped(), 0);
+    }
+}
+
+#[tokio::test]
+async fn past_their_bound_a_rerun_never_costs_another_key_its_mark() {
+    // 12 000 keys for 10 000 marks: 2 000 marks are not kept; the keys that have one keep
+    // it, so retrying every key reruns at most those 2 000, however often it is retried.
+    let store = with_marks(10_000);
+    let op = Operation::new("gone.past").ttl(TTL);
+    let reruns = completed_then_retried(&store, &op, 12_000).await;
+    let dropped = store.marks_dropped();
+    println!("12 000 keys, 10 000 marks: {dropped} marks not kept, {reruns} bodies ran again");
+    assert_eq!(
+        dropped as usize,
+        2_000 + reruns,
+        "every rerun's mark is refused too"
+    );
+    assert!(reruns <= 2_000, "{reruns} reruns for 2 000 marks not kept");
+    // The first 10 000 keys kept their marks through the reruns: none runs again.
+    let runs = Runs::default();
+    for i in 0..10_000_u32 {
+        let key = op.key(&i).unwrap();
+        let again = op
+            .run(&store, &key, None, async {
+                runs.hit();
+                Ok::<_, Error>(i)
+            })
+            .await;
+        assert!(
+            matches!(again, Err(Error::Gone) | Ok(Outcome::Replayed(_))),
+            "key {i}: {again:?}"
+        );
+    }
+    assert_eq!(runs.count(), 0);
+}
+
 /// What a mark costs: the heap of a store that keeps marks, less one that does not, per
 /// completed key, with every result kept by both; printed as `per mark <bytes>`.
 #[tokio::test]

@@ -20,7 +20,7 @@ use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
 mod marks;
 mod steps;
 
-use marks::Marks;
+use marks::{Marked, Marks};
 use steps::Steps;
 
 /// The default number of completed results a [`MemoryStore`] keeps.
@@ -33,8 +33,8 @@ pub const DEFAULT_MAX_BYTES: u64 = 256 * 1024 * 1024;
 const ENTRY_OVERHEAD: u64 = 160;
 
 /// The default bound on the bytes of the marks of completed keys a [`MemoryStore`] keeps
-/// so that an evicted result answers [`Error::Gone`]: 64 MiB, about 260 000 marks, more
-/// than the [`DEFAULT_CAPACITY`] results the store keeps.
+/// so that an evicted result answers [`Error::Gone`]: 64 MiB, 262 144 marks, more than the
+/// [`DEFAULT_CAPACITY`] results the store keeps.
 pub const DEFAULT_MAX_MARK_BYTES: u64 = 64 * 1024 * 1024;
 
 /// What the mark of a completed key is counted for against
@@ -59,10 +59,13 @@ pub const MARK_BYTES: u64 = 256;
 /// small mark (its fingerprint and TTL, [`MARK_BYTES`] each, within
 /// [`max_mark_bytes`](MemoryStoreBuilder::max_mark_bytes)) for its TTL: a call with a key
 /// whose result was evicted, or was larger than `max_bytes` on its own and never kept,
-/// gets [`Error::Gone`] (`410` over HTTP), not a second run. When the marks themselves
-/// are over their bound, the oldest go (each shard of keys keeps its share of the bound); each one that goes while its result is gone too is
-/// counted ([`marks_dropped`](MemoryStore::marks_dropped)) and logged (`warn!`), since its
-/// key would run again. [`rerun_evicted`](MemoryStoreBuilder::rerun_evicted) turns the
+/// gets [`Error::Gone`] (`410` over HTTP), not a second run. The bound holds for the whole
+/// store: up to it, no completed key runs again within its TTL. At the bound (every mark
+/// live), a new mark is not kept: that key is then protected by its result alone, the
+/// newest in the results' order, and runs again only if that is evicted within its TTL.
+/// The marks kept are never pushed out, so a rerun never costs another key its mark (no
+/// cascade: at most one rerun per mark not kept). Each mark not kept is counted
+/// ([`marks_dropped`](MemoryStore::marks_dropped)) and logged (`warn!`). [`rerun_evicted`](MemoryStoreBuilder::rerun_evicted) turns the
 /// marks off: an evicted key then runs again.
 ///
 /// A call's steps ([`step`](crate::step())) are kept beside its record, for the call's TTL,
@@ -99,10 +102,13 @@ struct Inner {
     results: Cache<Key, ResultRecord, KeyHasher>,
     /// The recorded steps of calls, by call.
     steps: Steps,
-    /// How many marks of completed keys each shard keeps at most; `None` with
+    /// The marks of completed keys, within one bound for the store. Locked after a shard's
+    /// claims, never before.
+    marks: Mutex<Marks>,
+    /// How many marks of completed keys the store keeps at most; `None` with
     /// [`MemoryStoreBuilder::rerun_evicted`]: no marks.
-    marks_per_shard: Option<usize>,
-    /// Marks dropped over their bound while their result was gone too.
+    marks_bound: Option<usize>,
+    /// Marks not kept over their bound.
     marks_dropped: Arc<AtomicU64>,
     /// The last token handed out; one counter for all keys makes every key's tokens grow.
     tokens: AtomicU64,
@@ -113,14 +119,13 @@ struct Inner {
 
 const SHARDS: usize = 64;
 
-/// The claims of one shard, and the marks of its completed keys. Lapsed claims are swept
+/// The claims of one shard. Lapsed claims are swept
 /// whenever the shard has doubled since the last sweep, which keeps the cost of sweeping
 /// constant per claim.
 #[derive(Default)]
 struct Claims {
     live: HashMap<Key, ClaimRecord, KeyHasher>,
     sweep_at: usize,
-    marks: Marks,
 }
 
 impl Claims {
@@ -212,8 +217,9 @@ impl MemoryStore {
         }
     }
 
-    /// How many marks of completed keys were dropped over their bound while their result
-    /// was gone too: keys that would run again within their TTL. Zero unless
+    /// How many marks of completed keys were not kept, the store's marks being at their
+    /// bound: keys protected by their result alone, which run again if it is evicted
+    /// within their TTL. Zero unless
     /// [`max_mark_bytes`](MemoryStoreBuilder::max_mark_bytes) is too small for the keys the
     /// store completes within a TTL; each one is also a `warn!` event.
     pub fn marks_dropped(&self) -> u64 {
@@ -252,27 +258,25 @@ impl MemoryStore {
             record.typed = None;
         }
         // The mark first: from here on the key answers, whatever becomes of its result.
-        if let Some(bound) = self.inner.marks_per_shard {
+        let mut marked = false;
+        if let Some(bound) = self.inner.marks_bound {
             let until = now + record.ttl;
-            let dropped = claims
-                .marks
+            let kept = self
+                .marks()
                 .insert(*key, record.fingerprint, until, bound, now);
-            // A mark over the bound is harmless while its result is still kept.
-            for gone in dropped
-                .iter()
-                .filter(|gone| !self.inner.results.contains_key(*gone))
-            {
+            marked = kept == Marked::Kept;
+            if !marked {
                 let total = self.inner.marks_dropped.fetch_add(1, Ordering::Relaxed) + 1;
                 tracing::warn!(
-                    key = %gone.short(),
+                    key = %key.short(),
                     dropped = total,
-                    "a completed key's mark and result are both gone within its TTL: it would run again; raise `max_mark_bytes`"
+                    "the memory store's marks are at their bound: this key runs again if its result is evicted within its TTL; raise `max_mark_bytes`"
                 );
             }
         }
         if record.bytes() > self.inner.max_bytes {
             claims.live.remove(key);
-            if self.inner.marks_per_shard.is_some() {
+            if marked {
                 tracing::warn!(
                     outcome = "unrecorded",
                     bytes = record.bytes(),
@@ -301,6 +305,14 @@ impl MemoryStore {
         // The key is a sha256 digest already: any byte of it is uniformly distributed.
         let shard = &self.inner.claims[usize::from(key.as_bytes()[1]) % SHARDS];
         shard.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The marks of completed keys, locked; taken under a shard's lock, never the reverse.
+    fn marks(&self) -> MutexGuard<'_, Marks> {
+        self.inner
+            .marks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -379,8 +391,8 @@ impl MemoryStoreBuilder {
             .eviction_policy(EvictionPolicy::lru())
             .expire_after(Lifetime)
             .build_with_hasher(KeyHasher::default());
-        let marks_per_shard = self.max_mark_bytes.map(|bytes| {
-            usize::try_from(bytes / MARK_BYTES / SHARDS as u64)
+        let marks_bound = self.max_mark_bytes.map(|bytes| {
+            usize::try_from(bytes / MARK_BYTES)
                 .unwrap_or(usize::MAX)
                 .max(1)
         });
@@ -389,7 +401,8 @@ impl MemoryStoreBuilder {
                 claims: std::array::from_fn(|_| Mutex::default()),
                 results,
                 steps: Steps::new(self.capacity),
-                marks_per_shard,
+                marks: Mutex::default(),
+                marks_bound,
                 marks_dropped: Arc::new(AtomicU64::new(0)),
                 tokens: AtomicU64::new(0),
                 capacity: self.capacity,
@@ -427,7 +440,7 @@ impl Store for MemoryStore {
             });
         }
         // Completed within its TTL, but its result is gone: never run again.
-        if let Some(mark) = claims.marks.get(key, now) {
+        if let Some(mark) = self.marks().get(key, now) {
             return Ok(mark.into_claim());
         }
         let token = Token::new(self.inner.tokens.fetch_add(1, Ordering::Relaxed) + 1);
@@ -504,7 +517,7 @@ impl Store for MemoryStore {
         self.inner.steps.remove(key);
         let claim = claims.live.remove(key).filter(|claim| claim.until > now);
         let result = self.inner.results.remove(key);
-        let marked = claims.marks.remove(key);
+        let marked = self.marks().remove(key);
         Ok(claim.is_some() || result.is_some() || marked)
     }
 

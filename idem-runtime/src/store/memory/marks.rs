@@ -10,10 +10,8 @@ use tokio::time::Instant;
 use crate::key::KeyHasher;
 use crate::{Claim, Fingerprint, Key};
 
-/// The marks of one shard's completed keys, oldest first. They live beside the claims, not
-/// in a cache of their own: a mark is written by every completion, under the shard's lock
-/// the completion holds anyway, and a second cache's insert doubled a first execution's
-/// time (`BENCHMARKS.md`, P2).
+/// The marks of the store's completed keys, oldest first, within one bound for the whole
+/// store (a bound per shard of keys filled its busiest shards at ~80 % of the total).
 #[derive(Default)]
 pub(super) struct Marks {
     by_key: HashMap<Key, Mark, KeyHasher>,
@@ -21,11 +19,25 @@ pub(super) struct Marks {
     /// marked again since (or removed) is stale, and skipped.
     order: std::collections::VecDeque<(Key, u64)>,
     next: u64,
+    /// Marks refused since the last sweep of the whole map for marks past their end.
+    refused_since_sweep: usize,
+}
+
+/// Whether a mark was kept.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Marked {
+    Kept,
+    /// The marks are at their bound with live marks: this one is not kept.
+    Full,
 }
 
 impl Marks {
-    /// Marks `key`; drops the oldest marks beyond `bound`, and those past their end at the
-    /// front. Returns the keys of dropped marks still within their TTL.
+    /// Marks `key`, within `bound` marks: marks past their end go first (from the front,
+    /// and by a sweep of the whole map when the front holds none); if every mark is live,
+    /// the new one is refused. The marks kept are those of keys that completed earlier,
+    /// whose results are the likelier to be evicted already: dropping one of them would let
+    /// its key run again at once, and that run's own mark would push out another, a cascade.
+    /// A refused key still has its result, the newest in the results' LRU order.
     pub(super) fn insert(
         &mut self,
         key: Key,
@@ -33,7 +45,22 @@ impl Marks {
         until: Instant,
         bound: usize,
         now: Instant,
-    ) -> Vec<Key> {
+    ) -> Marked {
+        self.expire_front(now);
+        let marked_before = self.by_key.contains_key(&key);
+        if !marked_before && self.by_key.len() >= bound {
+            // Marks past their end behind a live one at the front (a longer TTL marked
+            // earlier): swept, at most once per `bound / 16` refusals, so that a store
+            // over its bound does not scan its marks on every completion.
+            self.refused_since_sweep += 1;
+            if self.refused_since_sweep > bound / 16 {
+                self.refused_since_sweep = 0;
+                self.by_key.retain(|_, mark| mark.until > now);
+            }
+            if self.by_key.len() >= bound {
+                return Marked::Full;
+            }
+        }
         self.next += 1;
         self.by_key.insert(
             key,
@@ -44,25 +71,6 @@ impl Marks {
             },
         );
         self.order.push_back((key, self.next));
-        let mut dropped = Vec::new();
-        while let Some(&(oldest, number)) = self.order.front() {
-            let current = self
-                .by_key
-                .get(&oldest)
-                .filter(|mark| mark.number == number);
-            match current {
-                None => {}
-                Some(mark) if mark.until <= now => {
-                    self.by_key.remove(&oldest);
-                }
-                Some(_) if self.by_key.len() > bound => {
-                    self.by_key.remove(&oldest);
-                    dropped.push(oldest);
-                }
-                Some(_) => break,
-            }
-            self.order.pop_front();
-        }
         // Stale entries behind a live one (keys removed or marked again) are dropped once
         // they outnumber the marks, so the order stays within twice the marks.
         if self.order.len() > 2 * self.by_key.len() + 64 {
@@ -70,7 +78,25 @@ impl Marks {
             self.order
                 .retain(|(key, number)| by_key.get(key).is_some_and(|mark| mark.number == *number));
         }
-        dropped
+        Marked::Kept
+    }
+
+    /// Drops the marks past their end, and stale places, at the front of the order.
+    fn expire_front(&mut self, now: Instant) {
+        while let Some(&(oldest, number)) = self.order.front() {
+            let current = self
+                .by_key
+                .get(&oldest)
+                .filter(|mark| mark.number == number);
+            match current {
+                Some(mark) if mark.until > now => break,
+                Some(_) => {
+                    self.by_key.remove(&oldest);
+                }
+                None => {}
+            }
+            self.order.pop_front();
+        }
     }
 
     /// Forgets `key`'s mark (its place in the order goes stale): whether there was one.
@@ -113,22 +139,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn marks_go_oldest_first_and_never_a_newer_mark_of_a_key_marked_again() {
+    fn past_the_bound_new_marks_are_refused_and_old_ones_kept() {
         let key = |i: u32| Key::derive("marks", &i).unwrap();
         let now = Instant::now();
         let later = now + Duration::from_secs(3600);
         let mut marks = Marks::default();
-        assert!(marks.insert(key(1), None, later, 2, now).is_empty());
-        assert!(marks.insert(key(2), None, later, 2, now).is_empty());
-        assert_eq!(marks.insert(key(3), None, later, 2, now), [key(1)]);
-        assert!(marks.get(&key(1), now).is_none());
-        // Marked again, key 2 is newer than key 3: key 3 goes first.
-        assert!(marks.insert(key(2), None, later, 2, now).is_empty());
-        assert_eq!(marks.insert(key(4), None, later, 2, now), [key(3)]);
-        assert!(marks.get(&key(2), now).is_some() && marks.get(&key(4), now).is_some());
-        // A mark past its end is never answered, and goes without counting as dropped.
-        assert!(marks.insert(key(5), None, now, 3, now).is_empty());
-        assert!(marks.get(&key(5), now).is_none());
+        assert_eq!(marks.insert(key(1), None, later, 2, now), Marked::Kept);
+        assert_eq!(marks.insert(key(2), None, later, 2, now), Marked::Kept);
+        assert_eq!(marks.insert(key(3), None, later, 2, now), Marked::Full);
+        assert!(marks.get(&key(1), now).is_some() && marks.get(&key(2), now).is_some());
+        assert!(marks.get(&key(3), now).is_none());
+        // A key marked again keeps its place in the bound.
+        assert_eq!(marks.insert(key(2), None, later, 2, now), Marked::Kept);
+        // A mark past its end is never answered, and makes room.
+        let mut short = Marks::default();
+        assert_eq!(short.insert(key(5), None, now, 1, now), Marked::Kept);
+        assert!(short.get(&key(5), now).is_none());
+        assert_eq!(short.insert(key(6), None, later, 1, now), Marked::Kept);
+        // Past its end behind a live mark at the front: found by the sweep.
+        let mut behind = Marks::default();
+        let soon = now + Duration::from_secs(1);
+        assert_eq!(behind.insert(key(7), None, later, 2, now), Marked::Kept);
+        assert_eq!(behind.insert(key(8), None, soon, 2, now), Marked::Kept);
+        let after = soon + Duration::from_secs(1);
+        assert_eq!(behind.insert(key(9), None, later, 2, after), Marked::Kept);
+        assert!(behind.get(&key(7), after).is_some() && behind.get(&key(9), after).is_some());
         // Stale places in the order (removed keys) do not pile up behind a live mark.
         for i in 100..1000 {
             marks.insert(key(i), None, later, 10_000, now);
