@@ -69,12 +69,12 @@ impl Token {
 }
 
 /// A token binds as a signed 64-bit integer in the SQL databases (`bigint` in PostgreSQL,
-/// `INTEGER` in SQLite), and reads back from one, for fenced writes such as
+/// `INTEGER` in SQLite), and reads back from one (or from MySQL's `BIGINT UNSIGNED`), for fenced writes such as
 /// `UPDATE … SET fence = $1 WHERE … AND fence < $1`. Tokens count claims from 1, so every
 /// one a store hands out fits; a raw token over `i64::MAX` is refused when bound, and a
 /// negative integer when read, never wrapped.
 macro_rules! token_is_an_integer_in {
-    ($feature:literal, $database:ty) => {
+    ($feature:literal, $database:ty, $unsigned:ty) => {
         #[cfg(feature = $feature)]
         impl sqlx::Type<$database> for Token {
             fn type_info() -> <$database as sqlx::Database>::TypeInfo {
@@ -83,6 +83,7 @@ macro_rules! token_is_an_integer_in {
 
             fn compatible(ty: &<$database as sqlx::Database>::TypeInfo) -> bool {
                 <i64 as sqlx::Type<$database>>::compatible(ty)
+                    || <$unsigned as sqlx::Type<$database>>::compatible(ty)
             }
         }
 
@@ -104,6 +105,15 @@ macro_rules! token_is_an_integer_in {
             fn decode(
                 value: <$database as sqlx::Database>::ValueRef<'r>,
             ) -> Result<Self, sqlx::error::BoxDynError> {
+                // An unsigned column (MySQL's `BIGINT UNSIGNED`) reads as one.
+                let ty = sqlx::ValueRef::type_info(&value);
+                if !<i64 as sqlx::Type<$database>>::compatible(&ty) {
+                    let raw = <$unsigned as sqlx::Decode<'r, $database>>::decode(value)?;
+                    #[allow(clippy::useless_conversion)]
+                    return u64::try_from(raw)
+                        .map(Token)
+                        .map_err(|_| format!("{raw} is not a fencing token").into());
+                }
                 let raw = <i64 as sqlx::Decode<'r, $database>>::decode(value)?;
                 u64::try_from(raw).map(Token).map_err(|_| {
                     format!("{raw} is not a fencing token: tokens are positive").into()
@@ -113,9 +123,10 @@ macro_rules! token_is_an_integer_in {
     };
 }
 
-token_is_an_integer_in!("postgres", sqlx::Postgres);
-token_is_an_integer_in!("sqlite", sqlx::Sqlite);
-token_is_an_integer_in!("mysql", sqlx::MySql);
+// The third type is the unsigned integer a column may hold tokens as, where there is one.
+token_is_an_integer_in!("postgres", sqlx::Postgres, i64);
+token_is_an_integer_in!("sqlite", sqlx::Sqlite, i64);
+token_is_an_integer_in!("mysql", sqlx::MySql, u64);
 
 /// What [`Store::claim`] found or did.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -69,7 +69,7 @@ use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
 mod statements;
 mod transaction;
 
-use statements::Statements;
+use statements::{Bounded, Server, Statements};
 
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "idem_records";
@@ -80,6 +80,10 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// How many connections [`MySqlStore::connect`] pools.
 pub const DEFAULT_CONNECTIONS: u32 = 10;
+
+/// What [`MySqlStore::connect`] sets on each of its connections.
+const SESSION: &str =
+    "SET SESSION autocommit = 1; SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
 /// How many expired rows one purge statement deletes.
 const PURGE_BATCH: i64 = 1000;
@@ -106,6 +110,9 @@ const CLAIM_LOOKS: usize = 3;
 pub struct MySqlStore {
     pool: MySqlPool,
     sql: Arc<Statements>,
+    /// The statements that wait for row locks, bounded for the server and the timeout: made
+    /// at the first operation, made again after `with_timeout` or `with_table`.
+    bounded: Arc<tokio::sync::OnceCell<Bounded>>,
     timeout: Duration,
     flights: Arc<Flights>,
 }
@@ -122,6 +129,14 @@ impl MySqlStore {
         let pool = MySqlPoolOptions::new()
             .max_connections(DEFAULT_CONNECTIONS)
             .acquire_timeout(DEFAULT_TIMEOUT)
+            // The store's own sessions, whatever the server's defaults: each statement
+            // commits by itself, and reads see only what committed.
+            .after_connect(|connection, _| {
+                Box::pin(async move {
+                    sqlx::Executor::execute(connection, sqlx::raw_sql(SESSION)).await?;
+                    Ok(())
+                })
+            })
             .connect(url)
             .await
             .map_err(Error::store)?;
@@ -133,6 +148,7 @@ impl MySqlStore {
         Self {
             pool,
             sql: Arc::new(Statements::of(DEFAULT_TABLE)),
+            bounded: Arc::default(),
             timeout: DEFAULT_TIMEOUT,
             flights: Arc::default(),
         }
@@ -144,6 +160,7 @@ impl MySqlStore {
     #[must_use]
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self.bounded = Arc::default();
         self
     }
 
@@ -155,6 +172,7 @@ impl MySqlStore {
     /// quoted into SQL as they come.
     pub fn with_table(mut self, table: &str) -> Result<Self, Error> {
         self.sql = Arc::new(Statements::new(table)?);
+        self.bounded = Arc::default();
         Ok(self)
     }
 
@@ -225,30 +243,51 @@ impl MySqlStore {
         upgraded.await.map_err(Error::store)
     }
 
-    /// Checks, once, that the server keeps an `AUTO_INCREMENT` across restarts and that the
-    /// table's tokens come from its own: on a table of an earlier version (tokens from a
-    /// table of their own) an insert would give every claim the token 0, so its claims are
-    /// refused until [`migrate`](Self::migrate) has upgraded it.
-    async fn checked(&self) -> Result<(), sqlx::Error> {
+    /// Checks, once, that the server keeps an `AUTO_INCREMENT` across restarts, that the
+    /// table's tokens come from its own (on a table of an earlier version, whose tokens came
+    /// from a table of their own, an insert would give every claim the token 0, so its
+    /// claims are refused until [`migrate`](Self::migrate) has upgraded it), and that the
+    /// pool's sessions are fit for the store's statements.
+    async fn checked(&self) -> Result<Server, Error> {
         self.sql
             .checked
             .get_or_try_init(|| async {
-                let (version, token): (String, Option<String>) =
-                    sqlx::query_as(&self.sql.check).fetch_one(&self.pool).await?;
-                refuse_forgetful(&version)?;
+                let (version, token): (String, Option<String>) = self
+                    .within(sqlx::query_as(&self.sql.check).fetch_one(&self.pool))
+                    .await?;
+                refuse_forgetful(&version).map_err(Error::store)?;
                 let table = &self.sql.table;
                 match token {
-                    Some(extra) if is_auto_increment(&extra) => Ok(()),
-                    Some(_) => Err(sqlx::Error::Configuration(format!(
+                    Some(extra) if is_auto_increment(&extra) => {}
+                    Some(_) => return Err(Error::store(format!(
                         "the table {table:?} was made by an earlier version, whose fencing tokens came from a table of their own: run MySqlStore::migrate() to upgrade it"
-                    ).into())),
-                    None => Err(sqlx::Error::Configuration(format!(
+                    ))),
+                    None => return Err(Error::store(format!(
                         "the table {table:?} does not exist: run MySqlStore::migrate()"
-                    ).into())),
+                    ))),
                 }
+                let server = Server::of(&version);
+                let session = format!(
+                    "SELECT CAST({} AS CHAR), CAST(@@SESSION.autocommit AS SIGNED)",
+                    server.isolation()
+                );
+                let (isolation, autocommit): (String, i64) = self
+                    .within(sqlx::query_as(&session).fetch_one(&self.pool))
+                    .await?;
+                refuse_session(&isolation, autocommit)?;
+                Ok(server)
             })
             .await
-            .map(|_| ())
+            .copied()
+    }
+
+    /// The statements that wait for row locks, bounded for this server and timeout.
+    async fn bounded(&self) -> Result<&Bounded, Error> {
+        let server = self.checked().await?;
+        Ok(self
+            .bounded
+            .get_or_init(|| async { Bounded::of(&self.sql, server, self.timeout) })
+            .await)
     }
 
     /// Whether the table's `token` column is the `AUTO_INCREMENT` tokens come from.
@@ -286,16 +325,20 @@ impl MySqlStore {
     }
 
     /// Deletes every expired row (lapsed claims, results past their TTL), in batches of
-    /// 1000. Returns how many. Rows an open transaction holds are left for a later purge,
-    /// never waited for.
+    /// 1000. Returns how many. Rows an open transaction holds (a lapsed claim taken over in
+    /// a caller's transaction) are left for a later purge, never waited for: each batch is
+    /// read without a lock, then its rows locked by key skipping those another transaction
+    /// holds (`SKIP LOCKED`; before MariaDB 10.6, a batch with such a row waits for it at
+    /// most a second and is left whole), then deleted.
     ///
     /// # Errors
     ///
     /// [`Error::Store`] when the statement fails.
     pub async fn purge_expired(&self) -> Result<u64, Error> {
+        let bounded = self.bounded().await?;
+        let server = self.checked().await?;
         let mut purged = 0;
         loop {
-            // Read without a lock, then deleted by key (see `Statements::expired`).
             let keys: Vec<Vec<u8>> = self
                 .within(sqlx::query_scalar(&self.sql.expired).fetch_all(&self.pool))
                 .await?;
@@ -307,14 +350,37 @@ impl MySqlStore {
                 .iter()
                 .map(|key| format!("X'{}'", hex::encode(key)))
                 .collect();
-            let statement = format!("{}({})", self.sql.delete_expired, listed.join(", "));
-            let done = self
-                .within(sqlx::Executor::execute(
-                    &self.pool,
-                    sqlx::raw_sql(&statement),
-                ))
-                .await?;
-            purged += done.rows_affected();
+            let listed = format!("({})", listed.join(", "));
+            let skip = if server.skips_locked {
+                " SKIP LOCKED"
+            } else {
+                ""
+            };
+            let lock = format!("{}{listed} FOR UPDATE{skip}", bounded.lock_expired);
+            let deleted = self
+                .within(async {
+                    let mut tx = self.pool.begin().await?;
+                    let locked: Vec<Vec<u8>> =
+                        sqlx::query_scalar(&lock).fetch_all(&mut *tx).await?;
+                    if locked.is_empty() {
+                        return Ok(0);
+                    }
+                    let locked: Vec<String> = locked
+                        .iter()
+                        .map(|key| format!("X'{}'", hex::encode(key)))
+                        .collect();
+                    let delete = format!("{}({})", self.sql.delete_expired, locked.join(", "));
+                    let done = sqlx::Executor::execute(&mut *tx, sqlx::raw_sql(&delete)).await?;
+                    tx.commit().await?;
+                    Ok(done.rows_affected())
+                })
+                .await;
+            match deleted {
+                Ok(deleted) => purged += deleted,
+                // A row an open transaction holds, on a server that cannot skip it.
+                Err(err) if waited_out(&err) => return Ok(purged),
+                Err(err) => return Err(err),
+            }
             if batch < PURGE_BATCH as usize {
                 return Ok(purged);
             }
@@ -343,6 +409,7 @@ impl MySqlStore {
     /// Takes the key if no live row holds it (or a row of the caller's own lost claim).
     async fn take(
         &self,
+        bounded: &Bounded,
         key: &Key,
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
@@ -362,14 +429,14 @@ impl MySqlStore {
             // No row: the primary key lets one insert in, which takes the next token. It
             // commits by itself, so the shared lock an ignored insert takes on the row ends
             // with it (in a transaction, claimers upgrading it below would deadlock).
-            let inserted = claim_row(&self.sql.insert).execute(&mut *conn).await?;
+            let inserted = claim_row(&bounded.insert).execute(&mut *conn).await?;
             if inserted.rows_affected() == 1 {
                 return given(inserted.last_insert_id()).map(Ok);
             }
             // A row: locked, then looked at, then replaced if it lapsed, by a row whose
             // token is taken after the lock (so above the row's, whenever that was taken).
             let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-            let Some(row) = sqlx::query(&self.sql.lock)
+            let Some(row) = sqlx::query(&bounded.lock)
                 .bind(&key.as_bytes()[..])
                 .fetch_optional(&mut *tx)
                 .await?
@@ -380,7 +447,7 @@ impl MySqlStore {
             if live != 0 && !sql::is_ours(&row, nonce) {
                 return Ok(Err(row)); // the transaction rolls back when dropped
             }
-            let taken = claim_row(&self.sql.take).execute(&mut *tx).await?;
+            let taken = claim_row(&bounded.take).execute(&mut *tx).await?;
             let token = given(taken.last_insert_id())?;
             tx.commit().await?;
             return Ok(Ok(token));
@@ -397,6 +464,20 @@ impl MySqlStore {
         let done = self.within(query.execute(&self.pool)).await?;
         Ok(done.rows_affected() == 1)
     }
+}
+
+/// Whether `err` is the server giving up a wait the store bounded: a row lock held past
+/// the lock wait (`ER_LOCK_WAIT_TIMEOUT`), or the statement past its time (MariaDB's
+/// `max_statement_time`, MySQL's `max_execution_time`).
+pub(super) fn waited_out(err: &Error) -> bool {
+    let Error::Store(source) = err else {
+        return false;
+    };
+    source
+        .downcast_ref::<sqlx::Error>()
+        .and_then(sqlx::Error::as_database_error)
+        .and_then(|db| db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
+        .is_some_and(|db| matches!(db.number(), 1205 | 1969 | 3024))
 }
 
 /// The token an insert took from the table's `AUTO_INCREMENT`: never 0, which an insert
@@ -425,9 +506,31 @@ fn refuse_forgetful(version: &str) -> Result<(), sqlx::Error> {
     ))
 }
 
+/// Refuses a pool whose sessions the store's statements cannot rely on: at `READ
+/// UNCOMMITTED` a read sees a result whose transaction may still roll back, and would
+/// replay it; without `autocommit` a claim and its record are never committed.
+fn refuse_session(isolation: &str, autocommit: i64) -> Result<(), Error> {
+    if isolation.eq_ignore_ascii_case("READ-UNCOMMITTED") {
+        return Err(Error::config(
+            "the pool's sessions run at READ UNCOMMITTED: the store would replay results whose transaction has not committed; connect the store's pool at READ COMMITTED or above (MySqlStore::connect does)",
+        ));
+    }
+    if autocommit == 0 {
+        return Err(Error::config(
+            "the pool's sessions run with autocommit = 0: the store's claims and records would never commit; give the store a pool in autocommit (MySqlStore::connect does)",
+        ));
+    }
+    Ok(())
+}
+
 /// Whether a server of `version` (`SELECT VERSION()`: `8.0.36`, `10.11.6-MariaDB-0+deb12u1`)
 /// keeps a table's `AUTO_INCREMENT` across restarts: MySQL from 8.0, MariaDB from 10.2.4.
 fn keeps_auto_increment(version: &str) -> bool {
+    at_least(version, [10, 2, 4], [8, 0, 0])
+}
+
+/// Whether a server of `version` is at least `mariadb` (a MariaDB) or `mysql` (a MySQL).
+fn at_least(version: &str, mariadb: [u32; 3], mysql: [u32; 3]) -> bool {
     let maria = version.contains("MariaDB");
     // MariaDB's handshake (and some proxies) prefix its version with `5.5.5-`.
     let version = match version.strip_prefix("5.5.5-") {
@@ -439,12 +542,8 @@ fn keeps_auto_increment(version: &str) -> bool {
         .take(3)
         .map(|n| n.parse().unwrap_or(0))
         .collect();
-    let at_least = |least: [u32; 3]| numbers.as_slice() >= &least[..];
-    if maria {
-        at_least([10, 2, 4])
-    } else {
-        at_least([8, 0, 0])
-    }
+    let least = if maria { mariadb } else { mysql };
+    numbers.as_slice() >= &least[..]
 }
 
 impl fmt::Debug for MySqlStore {
@@ -478,8 +577,8 @@ impl Store for MySqlStore {
         lease: Duration,
         nonce: u64,
     ) -> Result<Claim, Error> {
-        self.within(async {
-            self.checked().await?;
+        let bounded = self.bounded().await?;
+        let claimed = sql::within("mysql", self.timeout, async {
             // A replay, or a key someone holds: answered by a read, which locks nothing.
             let live = sqlx::query(&self.sql.live)
                 .bind(&key.as_bytes()[..])
@@ -487,11 +586,22 @@ impl Store for MySqlStore {
                 .await?;
             match live {
                 Some(row) if !sql::is_ours(&row, nonce) => Ok(Err(row)),
-                _ => self.take(key, fingerprint, lease, nonce).await,
+                _ => self.take(bounded, key, fingerprint, lease, nonce).await,
             }
         })
-        .await?
-        .map_or_else(|row| sql::held(&row), |token| Ok(Claim::Acquired { token }))
+        .await;
+        match claimed {
+            Ok(claimed) => {
+                claimed.map_or_else(|row| sql::held(&row), |token| Ok(Claim::Acquired { token }))
+            }
+            Err(err) if waited_out(&err) => {
+                // Another transaction (a claim in a caller's transaction) holds the key's
+                // row: in progress, as a committed claim would answer.
+                tracing::debug!(outcome = "rejected", "a transaction holds the key");
+                Err(Error::InProgress)
+            }
+            Err(err) => Err(err),
+        }
     }
 
     async fn complete(
@@ -501,8 +611,9 @@ impl Store for MySqlStore {
         value: Bytes,
         ttl: Duration,
     ) -> Result<bool, Error> {
+        let bounded = self.bounded().await?;
         self.fenced(
-            sqlx::query(&self.sql.complete)
+            sqlx::query(&bounded.complete)
                 .bind(&value[..])
                 .bind(millis(ttl))
                 .bind(&key.as_bytes()[..])
@@ -512,8 +623,9 @@ impl Store for MySqlStore {
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
+        let bounded = self.bounded().await?;
         self.fenced(
-            sqlx::query(&self.sql.release)
+            sqlx::query(&bounded.release)
                 .bind(&key.as_bytes()[..])
                 .bind(token),
         )
@@ -521,8 +633,9 @@ impl Store for MySqlStore {
     }
 
     async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
+        let bounded = self.bounded().await?;
         self.fenced(
-            sqlx::query(&self.sql.renew)
+            sqlx::query(&bounded.renew)
                 .bind(millis(lease))
                 .bind(&key.as_bytes()[..])
                 .bind(token),
@@ -544,9 +657,10 @@ impl Store for MySqlStore {
         value: Bytes,
         ttl: Duration,
     ) -> Result<bool, Error> {
+        let bounded = self.bounded().await?;
         let done = self
             .within(
-                sqlx::query(&self.sql.record_step)
+                sqlx::query(&bounded.record_step)
                     .bind(&step.as_bytes()[..])
                     .bind(&value[..])
                     .bind(millis(ttl))
@@ -565,18 +679,19 @@ impl Store for MySqlStore {
     }
 
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
+        let bounded = self.bounded().await?;
         self.within(async {
             let mut tx = self.pool.begin().await?;
-            let live: Option<i64> = sqlx::query_scalar(&self.sql.remove_lock)
+            let live: Option<i64> = sqlx::query_scalar(&bounded.remove_lock)
                 .bind(&key.as_bytes()[..])
                 .fetch_optional(&mut *tx)
                 .await?;
-            sqlx::query(&self.sql.remove)
+            sqlx::query(&bounded.remove)
                 .bind(&key.as_bytes()[..])
                 .execute(&mut *tx)
                 .await?;
             let (first, last) = sql::steps_range(key);
-            sqlx::query(&self.sql.remove_steps)
+            sqlx::query(&bounded.remove_steps)
                 .bind(&first[..])
                 .bind(&last[..])
                 .bind(&key.as_bytes()[..])

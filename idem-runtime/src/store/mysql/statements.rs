@@ -10,15 +10,109 @@ use crate::{Error, Fingerprint, Key, Token};
 /// The server's clock in Unix milliseconds, independent of the session's time zone.
 const NOW: &str = "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)";
 
+/// What the store learned of its server, once: which dialect bounds a statement's waits,
+/// and the name of the isolation level's variable.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Server {
+    pub(super) mariadb: bool,
+    /// Whether a locking read can skip the rows another transaction holds (`SKIP LOCKED`:
+    /// MariaDB from 10.6, MySQL from 8.0.1).
+    pub(super) skips_locked: bool,
+}
+
+impl Server {
+    /// The server of `version` (`SELECT VERSION()`).
+    pub(super) fn of(version: &str) -> Self {
+        Self {
+            mariadb: version.contains("MariaDB"),
+            skips_locked: super::at_least(version, [10, 6, 0], [8, 0, 1]),
+        }
+    }
+
+    /// The session variable of the isolation level: MariaDB before 11.1 and MySQL before 8.0
+    /// name it `tx_isolation`, MySQL 8 only `transaction_isolation`.
+    pub(super) fn isolation(self) -> &'static str {
+        if self.mariadb {
+            "@@SESSION.tx_isolation"
+        } else {
+            "@@SESSION.transaction_isolation"
+        }
+    }
+
+    /// `statement`, waiting on the server no longer than `within` (a little less than the
+    /// store's timeout, so the server gives up before the caller does and an abandoned
+    /// statement never lands later) and for a row lock no longer than `lock_wait` seconds.
+    /// MariaDB: `SET STATEMENT max_statement_time` (fractional seconds) and
+    /// `innodb_lock_wait_timeout` (0: no wait). MySQL: the `SET_VAR` hint of the lock
+    /// wait, whose least is a second: with a store timeout under about a second, a
+    /// statement can outwait its caller there.
+    pub(super) fn bound(self, within: Duration, lock_wait: u64, statement: &str) -> String {
+        let seconds = within.as_secs_f64();
+        if self.mariadb {
+            format!(
+                "SET STATEMENT max_statement_time = {seconds:.3}, innodb_lock_wait_timeout = {lock_wait} FOR {statement}"
+            )
+        } else {
+            let lock_wait = lock_wait.max(1);
+            let (verb, rest) = statement.split_once(' ').unwrap_or((statement, ""));
+            format!("{verb} /*+ SET_VAR(innodb_lock_wait_timeout = {lock_wait}) */ {rest}")
+        }
+    }
+}
+
+/// The statements that may wait for a row lock, bounded for one server and timeout (see
+/// [`Server::bound`]); made once per store, at its first operation.
+pub(super) struct Bounded {
+    pub(super) insert: String,
+    pub(super) lock: String,
+    pub(super) take: String,
+    pub(super) complete: String,
+    pub(super) release: String,
+    pub(super) renew: String,
+    pub(super) record_step: String,
+    pub(super) remove_lock: String,
+    pub(super) remove_steps: String,
+    pub(super) remove: String,
+    /// The purge's locking read of expired rows by key, skipping rows an open transaction
+    /// holds; the keys follow.
+    pub(super) lock_expired: String,
+}
+
+impl Bounded {
+    /// `sql`'s statements, each ending on the server within 9/10 of `timeout`.
+    pub(super) fn of(sql: &Statements, server: Server, timeout: Duration) -> Self {
+        let within = timeout * 9 / 10;
+        // A row lock held past a second belongs to an open transaction (a claim in a
+        // caller's transaction): a claim is told the key is in progress instead of holding
+        // a pooled connection in the queue. Ordinary claims and steps hold a row's lock for
+        // a statement or two. (MariaDB's 0 would not wait at all, and a duplicate racing
+        // the first claim of a key would be refused instead of waiting its milliseconds.)
+        let bound = |statement: &str| server.bound(within, 1, statement);
+        Self {
+            insert: bound(&sql.insert),
+            lock: bound(&sql.lock),
+            take: bound(&sql.take),
+            complete: bound(&sql.complete),
+            release: bound(&sql.release),
+            renew: bound(&sql.renew),
+            record_step: bound(&sql.record_step),
+            remove_lock: bound(&sql.remove_lock),
+            remove_steps: bound(&sql.remove_steps),
+            remove: bound(&sql.remove),
+            lock_expired: bound(&sql.lock_expired),
+        }
+    }
+}
+
 /// The statements of one table, written once.
 pub(super) struct Statements {
     pub(super) table: String,
     /// The server's version, and the `token` column's `EXTRA` (`auto_increment` once
     /// migrated; see `MySqlStore::checked`).
     pub(super) check: String,
-    /// Whether `check` found a server and a table that make tokens grow, once per store (see
-    /// `MySqlStore::checked`).
-    pub(super) checked: tokio::sync::OnceCell<()>,
+    /// The server, once `check` found it and a table that makes tokens grow, and the pool's
+    /// sessions fit for the store (see `MySqlStore::checked`); once per store.
+    pub(super) checked: tokio::sync::OnceCell<Server>,
     pub(super) create: String,
     /// Makes an earlier version's `token` column an `AUTO_INCREMENT`, less its start.
     pub(super) upgrade: String,
@@ -47,6 +141,8 @@ pub(super) struct Statements {
     /// A batch of expired rows' keys, and the start of the statement that deletes them.
     pub(super) expired: String,
     pub(super) delete_expired: String,
+    /// The start of the purge's locking read of expired rows by key (see [`Bounded`]).
+    pub(super) lock_expired: String,
 }
 
 impl Statements {
@@ -115,7 +211,7 @@ impl Statements {
     ) -> String {
         format!(
             "UPDATE `{}` SET completed = TRUE, value = X'{}', expires_at = {NOW} + {ttl} \
-             WHERE `key` = X'{}' AND token = {} AND NOT completed",
+             WHERE `key` = X'{}' AND token + 0 = {} AND NOT completed",
             self.table,
             hex::encode(record),
             hex::encode(key.as_bytes()),
@@ -193,16 +289,21 @@ impl Statements {
                 "REPLACE INTO {t} (`key`, completed, fingerprint, value, expires_at) \
                  VALUES (?, FALSE, ?, ?, {NOW} + ?)"
             ),
+            // `token + 0` in the statements that write a holder's row: kept off the token
+            // index, which the optimizer would take for a range (with `key` filtered after),
+            // and whose next-key lock past the holder's token, held to the end of a caller's
+            // transaction at REPEATABLE READ, would hold every new claim's insert (new tokens
+            // are larger) until then. The primary key finds the row by itself.
             complete: format!(
                 "UPDATE {t} SET completed = TRUE, value = ?, expires_at = {NOW} + ? \
-                 WHERE `key` = ? AND token = ? AND NOT completed AND expires_at > {NOW}"
+                 WHERE `key` = ? AND token + 0 = ? AND NOT completed AND expires_at > {NOW}"
             ),
             release: format!(
-                "DELETE FROM {t} WHERE `key` = ? AND token = ? AND NOT completed AND expires_at > {NOW}"
+                "DELETE FROM {t} WHERE `key` = ? AND token + 0 = ? AND NOT completed AND expires_at > {NOW}"
             ),
             renew: format!(
                 "UPDATE {t} SET expires_at = {NOW} + ? \
-                 WHERE `key` = ? AND token = ? AND NOT completed AND expires_at > {NOW}"
+                 WHERE `key` = ? AND token + 0 = ? AND NOT completed AND expires_at > {NOW}"
             ),
             // The call's row is read under a shared lock, so a takeover waits for the step's
             // record, or the record finds the new token; a step recorded again under the
@@ -210,7 +311,7 @@ impl Statements {
             record_step: format!(
                 "REPLACE INTO {t} (`key`, token, completed, fingerprint, value, expires_at) \
                  SELECT ?, token, TRUE, NULL, ?, {NOW} + ? FROM {t} \
-                 WHERE `key` = ? AND token = ? AND NOT completed AND expires_at > {NOW} \
+                 WHERE `key` = ? AND token + 0 = ? AND NOT completed AND expires_at > {NOW} \
                  LOCK IN SHARE MODE"
             ),
             steps: format!(
@@ -240,6 +341,12 @@ impl Statements {
             // a range scan (with the lock past the range), where the keys are point lookups.
             delete_expired: format!(
                 "DELETE FROM {t} WHERE expires_at + 0 <= {NOW} AND `key` IN "
+            ),
+            // Point lookups on the primary key (no range, no gap past it), each row locked
+            // unless an open transaction holds it, which is skipped: the delete that follows
+            // in the same transaction then waits for nothing.
+            lock_expired: format!(
+                "SELECT `key` FROM {t} WHERE expires_at + 0 <= {NOW} AND `key` IN "
             ),
         }
     }

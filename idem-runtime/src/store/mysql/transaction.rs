@@ -48,7 +48,7 @@ impl Transactional for MySqlStore {
         call: &Call<'_>,
         first: bool,
     ) -> Result<Claim, Error> {
-        sql::within("mysql", self.timeout, self.checked()).await?;
+        let server = self.checked().await?;
         let bound = self.timeout + call.wait.unwrap_or_default();
         let savepoint = &call.savepoint;
         let mut look = String::new();
@@ -57,6 +57,8 @@ impl Transactional for MySqlStore {
             // exist, and the claim would commit before the body's writes.
             look = format!("SAVEPOINT {savepoint}; ROLLBACK TO SAVEPOINT {savepoint}; ");
         }
+        // The transaction's isolation level, a row of one column before the key's rows.
+        look += &format!("SELECT CAST({} AS CHAR); ", server.isolation());
         look += &self.sql.live_literal(call.key);
         let seen = sql::within("mysql", self.timeout, async {
             sqlx::Executor::fetch_all(&mut *connection, sqlx::raw_sql(&look)).await
@@ -70,9 +72,18 @@ impl Transactional for MySqlStore {
                 return Err(refused(err));
             }
         };
+        let (isolation, seen) = seen.split_at(seen.len().min(1));
+        let isolation: Option<String> = isolation.first().and_then(|row| row.try_get(0).ok());
+        if isolation.is_some_and(|level| level.eq_ignore_ascii_case("READ-UNCOMMITTED")) {
+            end_savepoint(self, connection, savepoint).await;
+            return Err(Error::config(
+                "the caller's transaction runs at READ UNCOMMITTED: its reads see results whose transaction may still roll back, and would replay them; run it at READ COMMITTED or above",
+            ));
+        }
         // A record, or a key an ordinary call holds, is answered from the snapshot without a
         // lock: a lock on the holder's row would keep it from recording until this
-        // transaction ends. The snapshot shows only what committed.
+        // transaction ends. The snapshot shows only what committed (at READ COMMITTED or
+        // above, checked above).
         if let Some(row) = seen.first() {
             return sql::held(row);
         }
