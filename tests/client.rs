@@ -539,48 +539,104 @@ impl http_body::Body for CutBody {
     }
 }
 
-/// An answer cut after its headers is handed over as it came, with its `Delivery`: the
-/// caller resends with `Delivery::key()`, and the server sees the same key (so it replays
-/// instead of running again).
-#[tokio::test]
-async fn an_answer_cut_mid_body_is_handed_over_with_its_key_for_a_safe_resend() {
-    let keys = Arc::new(Mutex::new(Vec::new()));
-    let seen = Arc::clone(&keys);
-    let server = tower::service_fn(move |request: Request<Full<Bytes>>| {
+/// A server whose first answer is cut after its headers and whose later answers are whole
+/// (the recorded answer, replayed); the keys it saw go to `keys`.
+/// A first answer cut mid-body, or a whole one.
+type CutOrWhole = http_body_util::Either<CutBody, Full<Bytes>>;
+
+fn cut_once_then_replayed(
+    keys: &Arc<Mutex<Vec<String>>>,
+) -> impl Service<
+    Request<Full<Bytes>>,
+    Response = Response<CutOrWhole>,
+    Error = BoxError,
+    Future = impl Send,
+> + Clone
+       + Send
+       + 'static {
+    use http_body_util::Either;
+    let seen = Arc::clone(keys);
+    tower::service_fn(move |request: Request<Full<Bytes>>| {
         let key = request.headers()["idempotency-key"]
             .to_str()
             .unwrap()
             .to_string();
-        seen.lock().unwrap().push(key);
+        let first = {
+            let mut seen = seen.lock().unwrap();
+            seen.push(key);
+            seen.len() == 1
+        };
         async move {
-            Ok::<_, BoxError>(
-                Response::builder()
-                    .status(201)
-                    .body(CutBody(false))
-                    .unwrap(),
-            )
+            let response = Response::builder().status(201);
+            Ok::<_, BoxError>(if first {
+                response.body(Either::Left(CutBody(false))).unwrap()
+            } else {
+                response
+                    .header("idempotent-replayed", "true")
+                    .body(Either::Right(Full::from("{\"payment\":7}")))
+                    .unwrap()
+            })
         }
-    });
-    let client = IdempotencyKeyLayer::new().layer(server);
-    let response = client.clone().oneshot(post_body("{}")).await.unwrap();
+    })
+}
+
+/// An answer cut after its headers is a failed attempt: the layer reads the answer before
+/// it hands it over, sends the request again with the same key within the budget, and
+/// delivers the server's replay, whole, once.
+#[tokio::test]
+async fn an_answer_cut_mid_body_is_retried_with_its_key_and_delivered_whole() {
+    let keys = Arc::default();
+    let server = cut_once_then_replayed(&keys);
+    let client = IdempotencyKeyLayer::new().retry(fast()).layer(server);
+    let response = client.oneshot(post_body("{}")).await.unwrap();
     assert_eq!(response.status(), 201);
     let delivery = delivery(&response);
-    assert!(
-        response.into_body().collect().await.is_err(),
-        "the body was cut"
-    );
-    // The caller's own retry, with the key the layer handed over.
-    let resend = Request::post("http://payments.test/charges")
-        .header("idempotency-key", format!("\"{}\"", delivery.key()))
-        .body(Full::<Bytes>::from("{}"))
-        .unwrap();
-    let _ = client.oneshot(resend).await.unwrap();
+    assert_eq!((delivery.attempts(), delivery.replayed()), (2, true));
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "{\"payment\":7}");
     let keys = keys.lock().unwrap();
     assert_eq!(keys.len(), 2);
     assert_eq!(
         keys[0], keys[1],
-        "the resend carries the first request's key"
+        "the retry carries the first request's key"
     );
+}
+
+/// With `stream_answers()` (or past `max_answer`), an answer is handed over as it comes:
+/// a cut reaches the caller with its `Delivery`, who resends with `Delivery::key()`, and
+/// the server sees the same key (so it replays instead of running again).
+#[tokio::test]
+async fn a_streamed_answer_cut_mid_body_is_handed_over_with_its_key_for_a_safe_resend() {
+    for layer in [
+        IdempotencyKeyLayer::new().stream_answers(),
+        IdempotencyKeyLayer::new().max_answer(4),
+    ] {
+        let keys = Arc::default();
+        let server = cut_once_then_replayed(&keys);
+        let client = layer.layer(server);
+        let response = client.clone().oneshot(post_body("{}")).await.unwrap();
+        assert_eq!(response.status(), 201);
+        let delivery = delivery(&response);
+        assert_eq!(delivery.attempts(), 1);
+        assert!(
+            response.into_body().collect().await.is_err(),
+            "the body was cut"
+        );
+        // The caller's own retry, with the key the layer handed over.
+        let resend = Request::post("http://payments.test/charges")
+            .header("idempotency-key", format!("\"{}\"", delivery.key()))
+            .body(Full::<Bytes>::from("{}"))
+            .unwrap();
+        let replayed = client.oneshot(resend).await.unwrap();
+        let body = replayed.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(body, "{\"payment\":7}");
+        let keys = keys.lock().unwrap();
+        assert_eq!(keys.len(), 2);
+        assert_eq!(
+            keys[0], keys[1],
+            "the resend carries the first request's key"
+        );
+    }
 }
 
 /// Inside a step, a request without a key of its own takes the step's key

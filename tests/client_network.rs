@@ -1,5 +1,6 @@
 //! The client's half end to end over real sockets, against idem's own `IdempotencyLayer`:
-//! through a proxy that loses answers, cuts connections, stalls and delays, with the tower
+//! through a proxy that loses answers, cuts requests and answers (mid-body), stalls and
+//! delays, with the tower
 //! layer (`IdempotencyKeyLayer`) and with reqwest (`IdempotencyKeyMiddleware`), and against
 //! a server that never stops answering `409`.
 
@@ -67,6 +68,9 @@ enum Fault {
     Refuse,
     /// Part of the request is forwarded, then both sides are closed.
     CutRequest,
+    /// The request is processed; its answer is forwarded up to the middle of its body (the
+    /// headers whole), then the client's connection is closed.
+    CutAnswer,
     /// The request is processed; the answer never comes, the connection stays open.
     Stall,
 }
@@ -78,7 +82,8 @@ fn fault(n: u64) -> (Fault, u64) {
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^= z >> 31;
     let fault = match z % 100 {
-        0..=49 => Fault::None,
+        0..=43 => Fault::None,
+        44..=49 => Fault::CutAnswer,
         50..=61 => Fault::Delay,
         62..=76 => Fault::LoseAnswer,
         77..=85 => Fault::Refuse,
@@ -141,6 +146,15 @@ async fn relay(mut client: TcpStream, upstream: SocketAddr, fault: Fault, draw: 
                 return;
             }
             Fault::Delay => tokio::time::sleep(Duration::from_millis(draw % 20)).await,
+            Fault::CutAnswer => {
+                let headers = answer[..read]
+                    .windows(4)
+                    .position(|end| end == b"\r\n\r\n")
+                    .map_or(read, |at| at + 4);
+                let cut = headers + (read - headers) / 2;
+                let _ = client_write.write_all(&answer[..cut]).await;
+                break;
+            }
             _ => {}
         }
         if client_write.write_all(&answer[..read]).await.is_err() {

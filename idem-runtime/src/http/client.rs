@@ -40,7 +40,7 @@
 //! | a refused connection (nothing was sent) | retried until the budget is spent, without counting against [`attempts`](Retry::attempts) |
 //! | any other error of the inner service, or an attempt over [`Retry::timeout`] (10 s by default) | retried |
 //! | `409`, `429`, `502`, `503`, `504` | retried, no sooner than their `Retry-After` |
-//! | any other answer (`2xx`, `400`, `401`, `403`, `404`, `422`, `500`, …) | returned, with a [`Delivery`] extension |
+//! | any other answer (`2xx`, `400`, `401`, `403`, `404`, `422`, `500`, …) | read whole (up to [`max_answer`](IdempotencyKeyLayer::max_answer)), then returned, with a [`Delivery`] extension; a body cut before its end is retried |
 //! | attempts or [budget](Retry::budget) spent, or a `Retry-After` beyond the budget | [`Error::GaveUp`], with the key, the attempts, the last failure and the last problem the server explained it with |
 //!
 //! Every retry of a request sends the same method, URI, headers and body bytes, so the
@@ -68,9 +68,12 @@
 //!   loop calling it again) starts a new logical request with a new key, which the server
 //!   runs again. To retry above the layer, give the request its own `Idempotency-Key`
 //!   (kept as it is, see the table), or resend [`Delivery::key`].
-//! - A response whose body fails mid-read (a connection cut after the headers) is returned
-//!   as it came: read [`Delivery::key`] from its extensions and resend the request with that
-//!   key; the server replays the recorded answer.
+//! - An answer is read whole before it is handed over (up to
+//!   [`max_answer`](IdempotencyKeyLayer::max_answer), 1 MiB by default): one whose body is
+//!   cut after its headers is a failed attempt, retried with the same key within the budget,
+//!   and the server replays it. A larger answer, or any with
+//!   [`stream_answers`](IdempotencyKeyLayer::stream_answers), is handed over as it arrives:
+//!   a cut then reaches the caller, who resends the request with [`Delivery::key`].
 //!
 //! # Which clients
 //!
@@ -107,7 +110,9 @@ use self::attempts::{Attempts, Verdict};
 use super::header::IdempotencyKey;
 use crate::BoxError;
 
+mod answer;
 mod attempts;
+pub use self::answer::AnswerBody;
 #[cfg(feature = "reqwest")]
 mod reqwest;
 #[cfg(feature = "reqwest")]
@@ -115,6 +120,10 @@ pub use self::reqwest::IdempotencyKeyMiddleware;
 
 /// The request body the layer buffers by default, in bytes (1 MiB, the server's default).
 pub const DEFAULT_MAX_BODY: usize = 1024 * 1024;
+
+/// The answer body the layer reads before it hands the answer over, by default, in bytes
+/// (1 MiB, the largest response the server's layer records by default).
+pub const DEFAULT_MAX_ANSWER: usize = 1024 * 1024;
 
 /// How a request is retried: at most [`attempts`](Retry::attempts) sends within a total
 /// [`budget`](Retry::budget) of time, waiting a jittered exponential backoff between them.
@@ -231,6 +240,8 @@ struct Config {
     retry: Retry,
     methods: Vec<Method>,
     max_body: usize,
+    /// `None`: answers are streamed as they come ([`IdempotencyKeyLayer::stream_answers`]).
+    max_answer: Option<usize>,
     step_keys: bool,
 }
 
@@ -242,6 +253,7 @@ impl IdempotencyKeyLayer {
                 retry: Retry::new(),
                 methods: vec![Method::POST, Method::PATCH],
                 max_body: DEFAULT_MAX_BODY,
+                max_answer: Some(DEFAULT_MAX_ANSWER),
                 step_keys: true,
             }),
         }
@@ -264,6 +276,25 @@ impl IdempotencyKeyLayer {
     /// [`Error::BodyTooLarge`] before anything is sent.
     pub fn max_body(mut self, bytes: usize) -> Self {
         Arc::make_mut(&mut self.config).max_body = bytes;
+        self
+    }
+
+    /// The largest answer body read before the answer is handed over, in bytes (default
+    /// [`DEFAULT_MAX_ANSWER`]). An answer is read whole first, so that one whose body is
+    /// cut after its headers (a connection lost mid-answer) is retried with the same key
+    /// within the budget, and the server replays it, instead of reaching the caller broken.
+    /// A larger answer is handed over with what was read and the rest as it arrives: a cut
+    /// past the limit reaches the caller, who resends [`Delivery::key`].
+    pub fn max_answer(mut self, bytes: usize) -> Self {
+        Arc::make_mut(&mut self.config).max_answer = Some(bytes);
+        self
+    }
+
+    /// Hands answers over as they arrive, without reading them first (for streamed
+    /// answers): a body cut after its headers then reaches the caller, who resends
+    /// [`Delivery::key`] to learn the recorded answer.
+    pub fn stream_answers(mut self) -> Self {
+        Arc::make_mut(&mut self.config).max_answer = None;
         self
     }
 
@@ -435,9 +466,9 @@ where
     ResBody::Data: Send,
     ResBody::Error: Into<BoxError>,
 {
-    type Response = Response<ResBody>;
+    type Response = Response<AnswerBody>;
     type Error = Error;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<ResBody>, Error>> + Send>>;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<AnswerBody>, Error>> + Send>>;
 
     /// Always ready: each attempt waits for a clone of the inner service to be ready.
     fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Error>> {
@@ -457,13 +488,13 @@ async fn deliver<S, B, ResBody>(
     mut inner: S,
     config: Arc<Config>,
     request: Request<B>,
-) -> Result<Response<ResBody>, Error>
+) -> Result<Response<AnswerBody>, Error>
 where
     S: Service<Request<Full<Bytes>>, Response = Response<ResBody>>,
     S::Error: Into<BoxError>,
     B: Body,
     B::Error: Into<BoxError>,
-    ResBody: Body + Send,
+    ResBody: Body + Send + 'static,
     ResBody::Data: Send,
     ResBody::Error: Into<BoxError>,
 {
@@ -484,15 +515,24 @@ where
         let request = Request::from_parts(parts, Full::new(body));
         return send(&mut inner, request)
             .await
+            .map(|response| response.map(answer::streamed))
             .map_err(|error| Error::Service(error.into()));
     };
     let mut attempts = Attempts::new(retry, key, started);
     loop {
         let attempt_deadline = attempts.attempt_deadline();
         let request = Request::from_parts(parts.clone(), Full::new(body.clone()));
-        let sent = attempts::within(attempt_deadline, send(&mut inner, request))
-            .await
-            .map(|sent| sent.map_err(Into::into));
+        let sent = attempts::within(attempt_deadline, async {
+            let response = match send(&mut inner, request).await {
+                Ok(response) => response,
+                Err(error) => {
+                    let error: BoxError = error.into();
+                    return Err(error);
+                }
+            };
+            read_answer(response, config.max_answer).await
+        })
+        .await;
         if let Verdict::Answer(response) = attempts.judge(sent, attempt_deadline).await? {
             return Ok(response);
         }
@@ -509,6 +549,28 @@ where
 {
     poll_fn(|cx| inner.poll_ready(cx)).await?;
     inner.call(request).await
+}
+
+/// `response`, its body read whole first if the layer hands it over (not a status it
+/// retries) and reads answers: `Err` when the body was cut, an attempt to retry.
+async fn read_answer<ResBody>(
+    response: Response<ResBody>,
+    limit: Option<usize>,
+) -> Result<Response<AnswerBody>, BoxError>
+where
+    ResBody: Body + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let limit = limit.filter(|_| !attempts::retryable(response.status()));
+    let (parts, body) = response.into_parts();
+    let body = match limit {
+        Some(limit) => match answer::read(body, limit).await {
+            Ok(read) => read.into_body(),
+            Err(cut) => return Err(cut),
+        },
+        None => answer::streamed(body),
+    };
+    Ok(Response::from_parts(parts, body))
 }
 
 async fn buffer<B>(body: B, limit: usize) -> Result<Bytes, Error>

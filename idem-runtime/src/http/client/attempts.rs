@@ -27,12 +27,10 @@ pub(super) trait Answer: Sized + Send {
     fn into_bytes(self, limit: usize) -> impl Future<Output = Option<Bytes>> + Send;
 }
 
-impl<B> Answer for http::Response<B>
-where
-    B: http_body::Body + Send,
-    B::Data: Send,
-    B::Error: Into<BoxError>,
-{
+/// The tower layer's answers, their bodies boxed. (Not a blanket impl over bodies: the
+/// `Into<BoxError>` bound of one, met by a concrete body, fails rustc's check that the
+/// layer's future is `Send`.)
+impl Answer for http::Response<super::AnswerBody> {
     fn status(&self) -> StatusCode {
         self.status()
     }
@@ -46,9 +44,18 @@ where
     }
 
     async fn into_bytes(self, limit: usize) -> Option<Bytes> {
-        use http_body_util::{BodyExt, Limited};
-        let collected = Limited::new(self.into_body(), limit).collect().await;
-        Some(collected.ok()?.to_bytes())
+        use http_body_util::BodyExt;
+        let mut body = self.into_body();
+        let mut read = bytes::BytesMut::new();
+        while let Some(frame) = body.frame().await {
+            if let Ok(data) = frame.ok()?.into_data() {
+                read.extend_from_slice(&data);
+                if read.len() > limit {
+                    return None;
+                }
+            }
+        }
+        Some(read.freeze())
     }
 }
 

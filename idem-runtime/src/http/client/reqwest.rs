@@ -68,6 +68,18 @@ impl IdempotencyKeyMiddleware {
         IdempotencyKeyLayer::from(self).max_body(bytes).into()
     }
 
+    /// The largest answer body read before the answer is handed over, in bytes; see
+    /// [`IdempotencyKeyLayer::max_answer`].
+    pub fn max_answer(self, bytes: usize) -> Self {
+        IdempotencyKeyLayer::from(self).max_answer(bytes).into()
+    }
+
+    /// Hands answers over as they arrive, without reading them first; see
+    /// [`IdempotencyKeyLayer::stream_answers`].
+    pub fn stream_answers(self) -> Self {
+        IdempotencyKeyLayer::from(self).stream_answers().into()
+    }
+
     /// Whether a request sent inside a [`step`](crate::step()) without a key of its own
     /// takes the step's key (on by default); see [`IdempotencyKeyLayer::step_keys`].
     pub fn step_keys(self, on: bool) -> Self {
@@ -135,9 +147,14 @@ impl Middleware for IdempotencyKeyMiddleware {
             let resent = request
                 .try_clone()
                 .expect("a request whose body is bytes clones");
-            let sent = attempts::within(attempt_deadline, next.clone().run(resent, extensions))
-                .await
-                .map(|sent| sent.map_err(unwrapped));
+            let sent = attempts::within(attempt_deadline, async {
+                let response = match next.clone().run(resent, extensions).await {
+                    Ok(response) => response,
+                    Err(error) => return Err(unwrapped(error)),
+                };
+                read_answer(response, config.max_answer).await
+            })
+            .await;
             match attempts.judge(sent, attempt_deadline).await {
                 Ok(Verdict::Answer(response)) => return Ok(response),
                 Ok(Verdict::Again) => {}
@@ -145,6 +162,37 @@ impl Middleware for IdempotencyKeyMiddleware {
             }
         }
     }
+}
+
+/// `response`, its body read whole first if the middleware hands it over (not a status it
+/// retries) and reads answers: `Err` when the body was cut, an attempt to retry.
+async fn read_answer(
+    response: reqwest::Response,
+    limit: Option<usize>,
+) -> Result<reqwest::Response, BoxError> {
+    use reqwest::ResponseBuilderExt;
+
+    use super::answer::{self, Prefixed, Read};
+
+    let Some(limit) = limit.filter(|_| !attempts::retryable(response.status())) else {
+        return Ok(response);
+    };
+    let url = response.url().clone();
+    let (mut parts, body) = http::Response::<reqwest::Body>::from(response).into_parts();
+    let body = match answer::read(body, limit).await {
+        Ok(Read::Whole(bytes)) => reqwest::Body::from(bytes),
+        Ok(Read::Over(read, rest)) => reqwest::Body::wrap(Prefixed::new(read, rest)),
+        Err(cut) => return Err(cut),
+    };
+    // The URL reqwest reports travels in the response's extensions.
+    let located = http::Response::builder()
+        .url(url)
+        .body(())
+        .expect("a response of no parts but its URL");
+    parts.extensions.extend(located.into_parts().0.extensions);
+    Ok(reqwest::Response::from(http::Response::from_parts(
+        parts, body,
+    )))
 }
 
 /// The error under a middleware chain's own, so that a refused connection is seen as one.
