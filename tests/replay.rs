@@ -389,7 +389,7 @@ async fn the_default_store_is_shared_and_set_only_once() {
 
 // Paused time: the retries, the lease and its lapse all follow tokio's clock.
 #[tokio::test(start_paused = true)]
-async fn when_recording_fails_the_caller_and_its_waiters_still_get_the_value() {
+async fn when_recording_fails_until_the_lease_ends_the_caller_is_told_the_body_ran() {
     let store = Probe::complete_fails(MemoryStore::new());
     let op = Operation::new("replay.complete_fails").lease(Duration::from_millis(200));
     let key = op.key(&1).unwrap();
@@ -405,20 +405,57 @@ async fn when_recording_fails_the_caller_and_its_waiters_still_get_the_value() {
             .await
         }
     };
-    let first = tokio::spawn(call(1));
-    tokio::time::sleep(Duration::from_millis(10)).await;
-    let waiter = tokio::spawn(call(2));
-    // The body ran: its caller gets the value (an error would invite a retry that runs it
-    // again), and the waiter shares it.
-    assert_eq!(first.await.unwrap().unwrap(), Outcome::Executed(1));
-    assert_eq!(waiter.await.unwrap().unwrap(), Outcome::Replayed(1));
+    // The body ran, and its result could not be recorded: not `Executed(1)`, which a retry
+    // would not replay, but an error that says the body ran.
+    let started = tokio::time::Instant::now();
+    let first = call(1).await;
+    assert!(matches!(first, Err(Error::Unrecorded(_))), "{first:?}");
+    assert!(first.unwrap_err().to_string().contains("the body ran"));
+    // Retried with backoff (5 ms doubling) while the lease lasted: the tries stop when the
+    // next pause would pass the lease's end.
+    assert!(
+        started.elapsed() >= Duration::from_millis(100),
+        "the completion was retried through the lease: {:?}",
+        started.elapsed()
+    );
+    assert!(store.completes() >= 4, "the completion was retried");
     assert_eq!(runs.count(), 1);
-    // Nothing was recorded, so the claim stays until its lease lapses, then the key is free.
+    // The claim stays until its lease lapses (renewed while the completion was retried),
+    // then the key is free, and a call runs the body again, as the error said.
     let busy = op.clone().in_flight(idem_runtime::InFlight::Reject);
     let held = busy
         .run(&store, &key, None, async { Ok::<_, Error>(3) })
         .await;
     assert!(matches!(held, Err(Error::InProgress)), "{held:?}");
-    tokio::time::sleep(Duration::from_millis(250)).await;
-    assert_eq!(call(4).await.unwrap(), Outcome::Executed(4));
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    assert!(matches!(call(4).await, Err(Error::Unrecorded(_))));
+    assert_eq!(runs.count(), 2);
+}
+
+// Paused time, as above.
+#[tokio::test(start_paused = true)]
+async fn a_completion_that_lands_on_a_retry_answers_the_caller_then() {
+    // The first completion fails (the server went away); the next one waits at the gate
+    // until the store is back (another server, after a failover).
+    let (store, back) = Probe::outage(MemoryStore::new(), 1);
+    let op = Operation::new("replay.outage").lease(Duration::from_millis(400));
+    let key = op.key(&1).unwrap();
+    let runs = Runs::default();
+    let call = |n: u32| {
+        let (op, store, runs) = (op.clone(), store.clone(), runs.clone());
+        async move {
+            op.run(&store, &key, None, async move {
+                runs.hit();
+                Ok::<_, Error>(n)
+            })
+            .await
+        }
+    };
+    let first = tokio::spawn(call(1));
+    back.reached().await;
+    assert!(!first.is_finished(), "the caller waits for its record");
+    back.open();
+    assert_eq!(first.await.unwrap().unwrap(), Outcome::Executed(1));
+    assert_eq!(call(2).await.unwrap(), Outcome::Replayed(1));
+    assert_eq!(runs.count(), 1);
 }

@@ -9,7 +9,7 @@ pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 ///
 /// Every variant says whether the body ran. The body is never run by a call that returns
 /// [`Error::InProgress`], [`Error::PayloadMismatch`], [`Error::Gone`], [`Error::Store`],
-/// [`Error::Key`] or [`Error::Config`];
+/// [`Error::Key`] or [`Error::Config`]; it **did** run for [`Error::Unrecorded`];
 /// [`Error::Codec`] says in its message which side (encode or decode) failed.
 ///
 /// The HTTP analogue in each doc line is what a service usually answers with.
@@ -74,6 +74,15 @@ pub enum Error {
     #[error("the idempotency key completed, but its result can no longer be replayed")]
     Gone,
 
+    /// The body **ran**, but its result could not be recorded: the store failed on every
+    /// try until the claim's lease ran out (a server gone in a failover that did not come
+    /// back in time, a partition). The call is not answered `Executed` with a value that a
+    /// retry would not replay: once the claim lapses, a call with this key runs the body
+    /// again. Reconcile the effect before retrying (look it up downstream, or fence it with
+    /// the attempt's token) (HTTP 500: the request was processed, its answer is lost).
+    #[error("the body ran, but its result could not be recorded before its lease ran out: {0}")]
+    Unrecorded(#[source] BoxError),
+
     /// The key or fingerprint value could not be encoded deterministically (for example a
     /// NaN float). The body did not run (HTTP 400).
     #[error("the idempotency key could not be encoded: {0}")]
@@ -116,7 +125,7 @@ impl Error {
 
 impl Error {
     /// The variant's stable name, as serialized: `in_progress`, `payload_mismatch`, `gone`,
-    /// `store`, `codec`, `key` or `config`.
+    /// `store`, `codec`, `key`, `config` or `unrecorded`.
     fn kind(&self) -> &'static str {
         match self {
             Self::InProgress => "in_progress",
@@ -126,6 +135,7 @@ impl Error {
             Self::Codec(_) => "codec",
             Self::Key(_) => "key",
             Self::Config(_) => "config",
+            Self::Unrecorded(_) => "unrecorded",
         }
     }
 
@@ -135,7 +145,8 @@ impl Error {
             Self::Store(source)
             | Self::Codec(source)
             | Self::Key(source)
-            | Self::Config(source) => Some(source.to_string()),
+            | Self::Config(source)
+            | Self::Unrecorded(source) => Some(source.to_string()),
         }
     }
 }
@@ -183,6 +194,7 @@ impl<'de> serde::Deserialize<'de> for Error {
             "codec" => Self::Codec(source()),
             "key" => Self::Key(source()),
             "config" => Self::Config(source()),
+            "unrecorded" => Self::Unrecorded(source()),
             other => {
                 return Err(serde::de::Error::unknown_variant(
                     other,
@@ -194,6 +206,7 @@ impl<'de> serde::Deserialize<'de> for Error {
                         "codec",
                         "key",
                         "config",
+                        "unrecorded",
                     ],
                 ))
             }

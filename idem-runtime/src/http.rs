@@ -99,6 +99,12 @@
 //! `500`: a recorded response that does not decode, a configuration out of range, or a
 //! response body that failed while it was read.
 //!
+//! ## unrecorded
+//! `500`: the handler ran, and its response could not be recorded: the store failed until
+//! the claim's lease ran out ([`Error::Unrecorded`](crate::Error::Unrecorded)). A retry with
+//! the same key may run the handler again once the claim lapses: check the request's effect
+//! first.
+//!
 //! Services answer their own [`Error`](crate::Error)s the same way with [`problem()`] (and,
 //! with the feature `axum`, by returning the error: it is an `IntoResponse`).
 //!

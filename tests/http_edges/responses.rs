@@ -310,27 +310,47 @@ async fn a_result_over_the_memory_stores_byte_bound_is_gone_not_run_again() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_store_outage_does_not_hold_the_response() {
+async fn a_store_outage_holds_the_response_until_it_is_recorded() {
     let app = App::default();
     // The first completion fails; later ones wait until the store is back.
     let (store, back) = Probe::outage(MemoryStore::new(), 1);
     let client = server_with(&app, layer(store.clone()).in_flight(InFlight::Wait)).await;
-    // The store stays away until the client has its response: held until the completion
-    // succeeded, the response would never come.
-    let first = tokio::time::timeout(
-        Duration::from_secs(20),
-        client.post("/payments", "outage", "{}"),
-    )
-    .await
-    .expect("the response waited for the store");
+    let first = tokio::spawn({
+        let client = client.clone();
+        async move { client.post("/payments", "outage", "{}").await }
+    });
+    // The completion is retried while the response waits: answered before it landed, the
+    // response would be one that a retry could not replay.
+    back.reached().await;
+    assert!(!first.is_finished(), "the response waits for its record");
+    back.open();
+    let first = first.await.unwrap();
     assert_eq!(first.status, StatusCode::CREATED);
     assert!(!first.replayed());
-    back.open();
-    // The completion went on in the background: a retry replays it.
     let retry = client.post("/payments", "outage", "{}").await;
     assert!(retry.replayed() && retry.same_as(&first));
     assert_eq!(app.runs(), 1);
     assert!(store.completes() >= 2, "the completion was not retried");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_that_cannot_be_recorded_is_a_500_that_says_the_request_was_processed() {
+    let app = App::default();
+    let store = Probe::complete_fails(MemoryStore::new());
+    let layer = layer(store).lease(Duration::from_millis(300));
+    let client = server_with(&app, layer).await;
+    let answer = client.post("/payments", "unrecorded", "{}").await;
+    assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
+    let problem = answer.problem();
+    assert!(
+        problem["type"].as_str().unwrap().ends_with("unrecorded"),
+        "{problem}"
+    );
+    assert!(
+        problem["detail"].as_str().unwrap().contains("processed"),
+        "{problem}"
+    );
+    assert_eq!(app.runs(), 1);
 }
 
 /// `POST /login`: 201 with a session cookie for whoever asked.

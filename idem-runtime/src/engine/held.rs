@@ -52,7 +52,8 @@ pub(super) struct Held {
     /// dropped mid-body, by the drop.
     counted: bool,
     /// What the caller is answered, once the owed completion was refused: set by
-    /// [`after_refusal`](Self::after_refusal).
+    /// [`after_refusal`](Self::after_refusal); and while the completion fails, the
+    /// [`Error::Unrecorded`] with its last failure, cleared when a retry lands.
     verdict: Mutex<Option<Verdict>>,
 }
 
@@ -293,17 +294,23 @@ impl Held {
         self.finish().await;
     }
 
-    /// Tells the store what is owed, then lands the flight. The caller's own call tries
-    /// once: if the store fails, the guard is left owing, and its `Drop` retries in the
-    /// background while the lease lasts. A store outage then never holds the body's
-    /// outcome from its caller (nothing is gained by waiting: the key lapses with the lease
-    /// either way). In the background, failures are retried here, renewing the lease.
+    /// Tells the store what is owed, then lands the flight. A completion is retried here,
+    /// renewing the lease, until it lands or the lease runs out, on whatever server the
+    /// store reaches meanwhile (a failover): the caller is answered when the result is
+    /// recorded, or told it is not ([`Error::Unrecorded`]), never answered `Executed` with
+    /// a value a retry would not replay. A release is tried once by the caller's own call:
+    /// if the store fails, the guard is left owing, and its `Drop` retries in the
+    /// background while the lease lasts (the body's failure needs no record).
     async fn finish(&mut self) {
         let landing = if self.detached {
             self.renewing(self.discharge()).await
         } else {
             match self.attempt().await {
                 Some(landing) => landing,
+                // Only a failed first try pays for the retries' heartbeat and clock.
+                None if matches!(self.owed, Owed::Complete { .. }) => {
+                    self.renewing(self.discharge()).await
+                }
                 None => return,
             }
         };
@@ -327,9 +334,9 @@ impl Held {
                     "{} failed until the lease ran out; the key is freed when it lapses",
                     self.owed.what()
                 );
-                // The body ran once and this is its outcome: the concurrent calls waiting
-                // for it share it.
-                return self.owed.landing();
+                // A result not recorded leaves the caller its `Error::Unrecorded` (set by
+                // the failed attempts), and the waiters ask the store, which has no record.
+                return Landing::Released;
             }
             tokio::time::sleep(pause).await;
         }
@@ -361,7 +368,16 @@ impl Held {
         };
         let what = self.owed.what();
         match (result, &self.owed) {
-            (Ok(true), _) => Some(self.owed.landing()),
+            (Ok(true), _) => {
+                if self.failures() > 0 {
+                    // Landed on a retry: the caller is answered its own result.
+                    self.verdict
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .take();
+                }
+                Some(self.owed.landing())
+            }
             (Ok(false), Owed::Complete { record, ttl, .. }) => {
                 Some(self.after_refusal(record, *ttl).await)
             }
@@ -387,6 +403,12 @@ impl Held {
             (Err(err), _) => {
                 let attempts = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
                 tracing::warn!(error = %err, attempts, "{what} failed; retrying");
+                if matches!(self.owed, Owed::Complete { .. }) {
+                    // What the caller is told if no retry lands.
+                    let unrecorded = Error::Unrecorded(Box::new(err));
+                    *self.verdict.lock().unwrap_or_else(PoisonError::into_inner) =
+                        Some(Verdict::Failed(unrecorded));
+                }
                 None
             }
         }

@@ -44,6 +44,8 @@ pub(super) enum Problem {
     StoreDown,
     /// 500: a record that does not decode, a misconfiguration, a failed response body.
     Internal,
+    /// 500: the handler ran, and its response could not be recorded.
+    Unrecorded,
 }
 
 impl Problem {
@@ -55,7 +57,9 @@ impl Problem {
             Self::BodyUnreadable => {
                 tracing::info!(error = %err, "the request could not be keyed: answered 400");
             }
-            Self::Internal => tracing::error!(error = %err, "answered 500"),
+            Self::Internal | Self::Unrecorded => {
+                tracing::error!(error = %err, "answered 500");
+            }
             _ => {}
         }
         problem
@@ -70,6 +74,7 @@ impl Problem {
             Error::Store(_) => Self::StoreDown,
             Error::Key(_) => Self::BodyUnreadable,
             Error::Codec(_) | Error::Config(_) => Self::Internal,
+            Error::Unrecorded(_) => Self::Unrecorded,
         }
     }
 
@@ -144,6 +149,12 @@ impl Problem {
                 "internal",
                 "Idempotency layer failure",
                 "the request could not be completed; it is safe to retry with the same key".to_string(),
+            ),
+            Self::Unrecorded => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "unrecorded",
+                "The request was processed, its response was not recorded",
+                "the request was processed, but its response could not be recorded; a retry with the same key may process it again once its claim lapses: check its effect first".to_string(),
             ),
         };
         let body = serde_json::json!({
@@ -248,6 +259,7 @@ mod tests {
             Problem::RateLimited(Duration::from_millis(1500)),
             Problem::StoreDown,
             Problem::Internal,
+            Problem::Unrecorded,
         ]
     }
 
@@ -262,6 +274,7 @@ mod tests {
             (Error::Key(secret.into()), 400, "body-unreadable"),
             (Error::codec(secret), 500, "internal"),
             (Error::Config(secret.into()), 500, "internal"),
+            (Error::Unrecorded(secret.into()), 500, "unrecorded"),
         ];
         for (err, status, anchor) in cases {
             let response = problem(&err);
