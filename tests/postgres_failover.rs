@@ -170,3 +170,176 @@ async fn a_synchronous_standby_loses_no_acknowledged_claim_in_a_failover() {
         }
     }
 }
+
+/// What the bodies of one failover round did: how often each key's body ran.
+#[derive(Clone, Default)]
+struct Bodies(Arc<std::sync::Mutex<std::collections::HashMap<u64, u32>>>);
+
+impl Bodies {
+    fn ran(&self, key: u64) {
+        *self.0.lock().unwrap().entry(key).or_default() += 1;
+    }
+
+    fn runs(&self, key: u64) -> u32 {
+        self.0.lock().unwrap().get(&key).copied().unwrap_or(0)
+    }
+}
+
+/// Callers that execute fresh keys through `store` until stopped: the keys whose call was
+/// answered `Executed` (acknowledged executions), and how many calls failed.
+async fn execute_until_stopped(
+    store: PostgresStore,
+    op: idem_runtime::Operation,
+    bodies: Bodies,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    next: Arc<std::sync::atomic::AtomicU64>,
+) -> (Vec<u64>, usize) {
+    use std::sync::atomic::Ordering;
+    let (mut acknowledged, mut failed) = (Vec::new(), 0);
+    while !stop.load(Ordering::Relaxed) {
+        let n = next.fetch_add(1, Ordering::Relaxed);
+        let key = op.key(&n).unwrap();
+        let ran = op
+            .run(&store, &key, None, async {
+                bodies.ran(n);
+                Ok::<_, idem_runtime::Error>(n)
+            })
+            .await;
+        match ran {
+            Ok(idem_runtime::Outcome::Executed(_)) => acknowledged.push(n),
+            Ok(other) => panic!("a fresh key answered {other:?}"),
+            Err(_) => failed += 1,
+        }
+    }
+    (acknowledged, failed)
+}
+
+/// Executions, not claims: a store on both hosts in libpq's multi-host form runs fresh keys
+/// while the synchronous primary is stopped `-m immediate` and its standby promoted. The
+/// store follows the promotion by itself; every call answered `Executed` is replayed by a
+/// retry afterwards, and no body runs again (CI runs 3 failovers; `IDEM_PG_FAILOVERS`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_acknowledged_execution_runs_again_after_a_failover_on_a_multi_host_store() {
+    for sync in [true, false] {
+        let Some((acknowledged, ran_again)) = executions_over_failovers(sync).await else {
+            return;
+        };
+        assert!(acknowledged > 0);
+        if sync {
+            assert_eq!(ran_again, 0, "an acknowledged execution ran again");
+        }
+    }
+}
+
+/// The failovers of [`no_acknowledged_execution_runs_again_after_a_failover_on_a_multi_host_store`],
+/// with a synchronous standby or an asynchronous one: the acknowledged executions, and how
+/// many of them ran again (or did not replay).
+async fn executions_over_failovers(sync: bool) -> Option<(usize, usize)> {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+    let (mut acknowledged_total, mut ran_again, mut unanswered) = (0, 0, 0);
+    for round in 0..failovers() {
+        let settings: &'static [(&str, &str)] = if sync {
+            &[("synchronous_standby_names", "standby")]
+        } else {
+            &[]
+        };
+        let primary = tokio::task::spawn_blocking(move || PrivatePostgres::start_with(settings))
+            .await
+            .unwrap()?;
+        let primary = Arc::new(primary);
+        let standby = tokio::task::spawn_blocking({
+            let primary = Arc::clone(&primary);
+            move || PrivatePostgres::standby_of(&primary)
+        })
+        .await
+        .unwrap()
+        .expect("a standby");
+        let url = format!(
+            "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=read-write",
+            primary.port(),
+            standby.port()
+        );
+        let store = PostgresStore::connect(&url).await.unwrap();
+        until("the standby streaming", || streaming(&store, sync)).await;
+        store.migrate().await.unwrap();
+        let store = store.with_timeout(Duration::from_millis(500));
+
+        let op = idem_runtime::Operation::new(idem_tests::scenarios::namespace(&format!(
+            "postgres.executions.{round}"
+        )));
+        let (bodies, stop, next) = (
+            Bodies::default(),
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicU64::new(0)),
+        );
+        let callers: Vec<_> = (0..8)
+            .map(|_| {
+                tokio::spawn(execute_until_stopped(
+                    store.clone(),
+                    op.clone(),
+                    bodies.clone(),
+                    Arc::clone(&stop),
+                    Arc::clone(&next),
+                ))
+            })
+            .collect();
+        // A point among the executions, then the crash and the promotion.
+        let before = 40 + round as u64 * 37 % 120;
+        until("executions before the crash", || async {
+            next.load(Ordering::Relaxed) >= before
+        })
+        .await;
+        tokio::task::spawn_blocking({
+            let primary = Arc::clone(&primary);
+            move || primary.crash()
+        })
+        .await
+        .unwrap();
+        let standby = Arc::new(standby);
+        tokio::task::spawn_blocking({
+            let standby = Arc::clone(&standby);
+            move || standby.promote()
+        })
+        .await
+        .unwrap();
+        // The same store goes on, on the promoted host.
+        let after = next.load(Ordering::Relaxed) + 40;
+        until("executions on the promoted host", || async {
+            next.load(Ordering::Relaxed) >= after
+        })
+        .await;
+        stop.store(true, Ordering::Relaxed);
+        let mut acknowledged = Vec::new();
+        for caller in callers {
+            let (keys, failed) = caller.await.unwrap();
+            acknowledged.extend(keys);
+            unanswered += failed;
+        }
+        // Every acknowledged execution is a record: its retry replays, its body never runs.
+        for &n in &acknowledged {
+            let key = op.key(&n).unwrap();
+            let retry = op
+                .run(&store, &key, None, async {
+                    bodies.ran(n);
+                    Ok::<_, idem_runtime::Error>(n)
+                })
+                .await;
+            if bodies.runs(n) > 1 || !matches!(retry, Ok(idem_runtime::Outcome::Replayed(_))) {
+                ran_again += 1;
+            }
+        }
+        acknowledged_total += acknowledged.len();
+        drop(store);
+        tokio::task::spawn_blocking(move || drop((primary, standby)))
+            .await
+            .unwrap();
+    }
+    let mode = if sync { "synchronous" } else { "asynchronous" };
+    println!(
+        "multi-host store, {mode} standby, {} failovers: {acknowledged_total} acknowledged executions, \
+         {ran_again} ran again or did not replay, {unanswered} calls failed (not acknowledged)",
+        failovers()
+    );
+    Some((acknowledged_total, ran_again))
+}

@@ -47,6 +47,7 @@ use crate::store::sql::{self, fingerprint, is_identifier, millis, LookupRow};
 use crate::store::Recorded;
 use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
+mod hosts;
 mod schema;
 mod transaction;
 
@@ -110,6 +111,8 @@ pub struct PostgresStore {
     sql: Arc<Statements>,
     timeout: Duration,
     flights: Arc<Flights>,
+    /// The hosts of a multi-host URL: the pools follow the one that takes writes.
+    hosts: Option<Arc<hosts::Hosts>>,
 }
 
 /// How many connections the renewals' pool may open, beside the store's pool.
@@ -313,18 +316,34 @@ impl PostgresStore {
     /// Connects a pool to `url` (`postgres://user[:password]@host[:port]/database`), using the
     /// table [`DEFAULT_TABLE`]. Call [`migrate`](Self::migrate) before the first use.
     ///
+    /// `url` may name several hosts, as libpq's do
+    /// (`postgres://app@db1:5432,db2:5432/app?target_session_attrs=read-write`): the store
+    /// connects to the one that takes writes (reachable, and not in recovery), and when a
+    /// statement fails on a connection (the primary gone), it looks again and follows the
+    /// promoted standby by itself, so that a completion retried within its lease lands
+    /// there. Whatever `target_session_attrs` says, the store wants writes.
+    ///
     /// # Errors
     ///
     /// [`Error::Store`] when the URL is invalid or the database cannot be reached within
-    /// [`DEFAULT_ACQUIRE_TIMEOUT`].
+    /// [`DEFAULT_ACQUIRE_TIMEOUT`] (with several hosts: when none takes writes).
     pub async fn connect(url: &str) -> Result<Self, Error> {
-        let pool = PgPoolOptions::new()
+        let options = PgPoolOptions::new()
             .max_connections(16)
-            .acquire_timeout(DEFAULT_ACQUIRE_TIMEOUT)
-            .connect(url)
+            .acquire_timeout(DEFAULT_ACQUIRE_TIMEOUT);
+        let Some(hosts) = hosts::Hosts::parse(url)? else {
+            let pool = options.connect(url).await.map_err(Error::store)?;
+            return Ok(Self::from_pool(pool));
+        };
+        hosts.find_writable(DEFAULT_ACQUIRE_TIMEOUT).await?;
+        let pool = options
+            .after_connect(|connection, _| Box::pin(hosts::refuse_standby(connection)))
+            .connect_with(hosts.current())
             .await
             .map_err(Error::store)?;
-        Ok(Self::from_pool(pool))
+        let mut store = Self::from_pool(pool);
+        store.hosts = Some(Arc::new(hosts));
+        Ok(store)
     }
 
     /// Uses an existing pool; its acquire timeout bounds how long an operation waits when the
@@ -351,6 +370,7 @@ impl PostgresStore {
             sql: Arc::new(Statements::of(None, DEFAULT_TABLE)),
             timeout: DEFAULT_TIMEOUT,
             flights: Arc::default(),
+            hosts: None,
         }
     }
 
@@ -374,7 +394,36 @@ impl PostgresStore {
         &self,
         operation: impl std::future::Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T, Error> {
-        sql::within("postgresql", self.timeout, operation).await
+        let done = sql::within("postgresql", self.timeout, operation).await;
+        if let Err(err) = &done {
+            self.after_failure(err);
+        }
+        done
+    }
+
+    /// With several hosts: after a failure that may mean the primary is gone (no answer, a
+    /// lost connection, a standby's refusal to write), has the hosts probed again.
+    fn after_failure(&self, err: &Error) {
+        let Some(hosts) = &self.hosts else {
+            return;
+        };
+        let Error::Store(source) = err else {
+            return;
+        };
+        let database = source
+            .downcast_ref::<sqlx::Error>()
+            .and_then(sqlx::Error::as_database_error);
+        // SQLSTATE classes 08 (connection), 25 (read-only transaction), 57 (shut down).
+        let lost = database.is_none_or(|db| {
+            db.code().is_some_and(|code| {
+                ["08", "25", "57"]
+                    .iter()
+                    .any(|class| code.starts_with(class))
+            })
+        });
+        if lost {
+            hosts.follow([&self.pool, &self.renewals], self.timeout);
+        }
     }
 
     /// Uses the table `table` (`name` or `schema.name`) instead of [`DEFAULT_TABLE`].
@@ -527,19 +576,21 @@ impl Store for PostgresStore {
                 tokio::task::yield_now().await;
             }
         });
-        match claimed.await {
-            Ok(Ok(row)) => parse_claim(&row),
+        let failed = match claimed.await {
+            Ok(Ok(row)) => return parse_claim(&row),
             Ok(Err(err)) if lock_not_available(&err) => {
                 // An open transaction's claim of this key held the row past the bound.
                 tracing::debug!(outcome = "rejected", "a transaction holds the key");
-                Err(Error::InProgress)
+                return Err(Error::InProgress);
             }
-            Ok(Err(err)) => Err(Error::store(err)),
-            Err(_) => Err(Error::store(format!(
+            Ok(Err(err)) => Error::store(err),
+            Err(_) => Error::store(format!(
                 "postgresql did not answer within {:?}",
                 self.timeout
-            ))),
-        }
+            )),
+        };
+        self.after_failure(&failed);
+        Err(failed)
     }
 
     async fn complete(
