@@ -574,3 +574,34 @@ async fn a_table_without_the_token_triggers_is_refused_until_migrated() {
     let old = SqliteStore::from_pool(migrated.pool().clone());
     assert!(token(&old, 1).await > idem_runtime::Token::new(0));
 }
+
+/// SQLite's names are case-insensitive: a store told `IDEM_RECORDS` on a file whose
+/// `idem_records` another store made uses that table (its records and triggers), instead of
+/// being accepted and then refusing every claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_named_in_another_case_is_the_same_table() {
+    let path = fresh_file("table-case");
+    let lower = SqliteStore::open(&path).await.unwrap();
+    lower.migrate().await.unwrap();
+    let op = Operation::new(namespace("sqlite.table-case"));
+    let (recorded, fresh) = (op.key(&1).unwrap(), op.key(&2).unwrap());
+    let first = op
+        .run(&lower, &recorded, None, async { Ok::<_, Error>(1) })
+        .await;
+    assert_eq!(first.unwrap(), Outcome::Executed(1));
+
+    let upper = SqliteStore::open(&path)
+        .await
+        .unwrap()
+        .with_table("IDEM_RECORDS")
+        .unwrap();
+    upper.migrate().await.unwrap();
+    let replay = op
+        .run(&upper, &recorded, None, async { Ok::<_, Error>(9) })
+        .await;
+    assert_eq!(replay.unwrap(), Outcome::Replayed(1));
+    let ran = op
+        .run(&upper, &fresh, None, async { Ok::<_, Error>(2) })
+        .await;
+    assert_eq!(ran.unwrap(), Outcome::Executed(2));
+}

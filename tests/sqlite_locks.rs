@@ -293,3 +293,40 @@ async fn renewals_and_completions_go_through_while_the_application_holds_every_c
     assert!(matches!(crowded, Err(Error::Store(_))), "{crowded:?}");
     drop(held);
 }
+
+/// A call whose claim cannot get the write lock fails closed within the store's timeout,
+/// once, however often its claim is sent: the lock is held until the call has answered, so
+/// a call that outwaited it would never answer at all, and one that sent its claim three
+/// times on a timeout each would take three timeouts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_fails_closed_within_its_timeout_while_another_writer_holds_the_lock() {
+    let path = fresh_file("call-timeout");
+    let timeout = Duration::from_secs(2);
+    let store = open(&path).await.with_timeout(timeout);
+    let op = Operation::new(namespace("sqlite.call-timeout"));
+    let writer = lock_the_file(&path).await;
+    let runs = Runs::default();
+    let key = op.key(&1).unwrap();
+    let started = std::time::Instant::now();
+    let ran = op
+        .run(&store, &key, None, async {
+            runs.hit();
+            Ok::<_, Error>(1)
+        })
+        .await;
+    let took = started.elapsed();
+    assert!(matches!(ran, Err(Error::Store(_))), "{ran:?}");
+    assert_eq!(runs.count(), 0);
+    // A whole timeout of slack for a busy machine; three tries would take three timeouts.
+    assert!(
+        took < timeout * 2,
+        "the call took {took:?}, its timeout is {timeout:?}"
+    );
+    unlock(writer).await;
+    assert_eq!(
+        op.run(&store, &key, None, async { Ok::<_, Error>(2) })
+            .await
+            .unwrap(),
+        Outcome::Executed(2)
+    );
+}

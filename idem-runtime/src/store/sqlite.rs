@@ -290,9 +290,12 @@ impl Statements {
                      UPDATE {counter} SET last = NEW.token WHERE id = 1 AND last < NEW.token; END"
                 ),
             ],
+            // SQLite's names are case-insensitive: `IDEM_RECORDS` is `idem_records`, whose
+            // triggers a migrate of either name made.
             triggers: format!(
-                "SELECT count(*) FROM sqlite_master WHERE type = 'trigger' AND tbl_name = '{name}' \
-                 AND name IN ('{name}_token_inserted', '{name}_token_updated')"
+                "SELECT count(*) FROM sqlite_master WHERE type = 'trigger' \
+                 AND tbl_name = '{name}' COLLATE NOCASE \
+                 AND name COLLATE NOCASE IN ('{name}_token_inserted', '{name}_token_updated')"
             ),
             checked: tokio::sync::OnceCell::new(),
             live: format!(
