@@ -330,3 +330,131 @@ async fn a_call_fails_closed_within_its_timeout_while_another_writer_holds_the_l
         Outcome::Executed(2)
     );
 }
+
+/// Another process that hogs the file's write lock: it holds it for `hold`, lets go for a
+/// tenth of a second (long enough for a waiting writer to get its turn: the lottery of
+/// SQLite's busy handler is not what is tested), and takes it again, until the test drops
+/// the guard.
+struct Hog(tokio::task::JoinHandle<()>);
+
+impl Hog {
+    fn start(path: &Path, hold: Duration) -> Self {
+        let path = path.to_path_buf();
+        Self(tokio::spawn(async move {
+            loop {
+                let writer = lock_the_file(&path).await;
+                tokio::time::sleep(hold).await;
+                unlock(writer).await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }))
+    }
+}
+
+impl Drop for Hog {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// A dead holder's key frees within two leases whatever the write lock does: with another
+/// process holding the lock half a lease at a time, every claimer waits long for it, and
+/// each wait used to give the dead claim a new lease. Time is given back once now, until
+/// its holder renews, which a dead one never does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_holders_key_frees_within_two_leases_beside_a_process_hogging_the_lock() {
+    let path = fresh_file("hog");
+    let dead = open(&path).await.with_timeout(Duration::from_secs(20));
+    let claimer = open(&path).await.with_timeout(Duration::from_secs(20));
+    let lease = Duration::from_secs(2);
+    let key = Operation::new(namespace("sqlite.hog")).key(&1).unwrap();
+    let claimed = std::time::Instant::now();
+    // A holder that never renews: a process SIGKILLed after its claim.
+    assert!(matches!(
+        dead.claim(&key, None, lease).await.unwrap(),
+        Claim::Acquired { .. }
+    ));
+    // The hog's first turn begins a little after the claim, so that the lease runs out
+    // in the middle of a turn and the claimer waits for the lock.
+    tokio::time::sleep(lease * 3 / 20).await;
+    let hog = Hog::start(&path, lease / 2);
+    // The crowd's claims, as fast as they answer, until one takes the key.
+    let taken = loop {
+        match claimer.claim(&key, None, lease).await.unwrap() {
+            Claim::Acquired { .. } => break claimed.elapsed(),
+            _ => tokio::task::yield_now().await,
+        }
+        assert!(
+            claimed.elapsed() < lease * 15,
+            "the dead holder's key is still held after 15 leases"
+        );
+    };
+    drop(hog);
+    println!("a dead holder's key taken {taken:?} after its claim (lease {lease:?}), beside a hog");
+    // The lease, one more at most given back, and two for the turns on the hogged lock a
+    // busy machine can miss; each wait given back again would add a lease.
+    assert!(taken < lease * 4, "taken after {taken:?}, lease {lease:?}");
+}
+
+/// A writer frozen for longer than a lease takes no key from a live holder, even when the
+/// duplicate that finds the lease run out only began waiting for the lock late in the
+/// freeze (its earlier tries gave up at its timeout): the dark time is the file's, since
+/// the last commit any process made, not the duplicate's own wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_freeze_longer_than_the_lease_takes_no_key_from_a_live_holder() {
+    let path = fresh_file("freeze");
+    let holder_store = open(&path).await.with_timeout(Duration::from_secs(20));
+    let duplicate_store = open(&path).await.with_timeout(Duration::from_millis(500));
+    let lease = Duration::from_secs(1);
+    let op = Operation::new(namespace("sqlite.freeze")).lease(lease);
+    let key = op.key(&1).unwrap();
+    let (started, body_started) = tokio::sync::oneshot::channel();
+    let (finish, finished) = tokio::sync::oneshot::channel::<()>();
+    let holder = {
+        let op = op.clone();
+        tokio::spawn(async move {
+            op.run(&holder_store, &key, None, async {
+                let _ = started.send(());
+                let _ = finished.await;
+                Ok::<_, Error>("holder".to_string())
+            })
+            .await
+        })
+    };
+    body_started.await.unwrap();
+
+    // The file frozen for four leases; a duplicate tries again and again meanwhile, each
+    // try giving up after half a second.
+    let writer = lock_the_file(&path).await;
+    idem_tests::until_lapsed(&duplicate_store, &key).await;
+    let runs = Runs::default();
+    let duplicate = {
+        let (op, store, runs) = (op.clone(), duplicate_store.clone(), runs.clone());
+        tokio::spawn(async move {
+            loop {
+                let ran = op
+                    .clone()
+                    .in_flight(idem_runtime::InFlight::Reject)
+                    .run(&store, &key, None, async {
+                        runs.hit();
+                        Ok::<_, Error>("duplicate".to_string())
+                    })
+                    .await;
+                match ran {
+                    Err(Error::Store(_)) => {} // the lock: try again
+                    other => return other,
+                }
+            }
+        })
+    };
+    tokio::time::sleep(lease * 4).await; // how long the writer holds the lock
+    unlock(writer).await;
+    let answered = duplicate.await.unwrap();
+    assert!(matches!(answered, Err(Error::InProgress)), "{answered:?}");
+    finish.send(()).unwrap();
+    assert_eq!(
+        holder.await.unwrap().unwrap(),
+        Outcome::Executed("holder".to_string())
+    );
+    assert_eq!(runs.count(), 0, "the duplicate's body never ran");
+}

@@ -124,7 +124,9 @@ where
 {
     let completed: bool = row.try_get(1).unwrap_or(true);
     let value: Option<Vec<u8>> = row.try_get(3).unwrap_or(None);
-    !completed && value.as_deref() == Some(&nonce.to_be_bytes()[..])
+    // SQLite marks a claim given time back with a ninth byte after the nonce.
+    let held = value.as_deref().filter(|value| value.len() <= 9);
+    !completed && held.and_then(|value| value.get(..8)) == Some(&nonce.to_be_bytes()[..])
 }
 
 /// The row of a `lookup` statement (fingerprint, value, milliseconds left) as a [`Recorded`].

@@ -63,13 +63,18 @@
 //! - **A holder's own statements ask for its token, not for a live lease.** A lease that ran
 //!   out while nobody took the key over is still its holder's (a takeover writes another
 //!   token): a renewal or a completion held up past the lease still lands.
-//! - **Time the file was locked out is given back.** A claim that waited a quarter of its
-//!   lease or more for the lock (a writer paused or slow while it held it) first extends
-//!   every claim in progress whose lease ran out while it waited, or up to a lease before,
-//!   to a lease from now: their holders could not renew meanwhile either. A live holder then
-//!   renews; a dead one's key is freed a lease later. Under a crowd that keeps every claim
-//!   waiting that long, a dead holder's key stays held until the crowd thins: the store
-//!   prefers a key held too long to a body run twice.
+//! - **Time the file was locked out is given back, once.** The file measures it, not a
+//!   claimer's own wait: the time since any process last committed (the write-ahead log's
+//!   modification time) when a write of this process found the lock held within that time
+//!   (waited 100 ms or more for it, or gave up), or the claim's own wait if longer. When a claim finds
+//!   that dark time a quarter of its lease or more, every claim in progress whose lease ran
+//!   out within it, or runs out within a lease, gets it back (to a lease from now at most),
+//!   and is marked: it gets no more until its holder renews. A live holder then renews, and
+//!   is covered again at the next lockout; a dead one's key frees once the time given back
+//!   is over, within two leases, however the lock is held meanwhile. A writer frozen for
+//!   longer than a lease takes no key from a live holder: the whole freeze is dark time,
+//!   whenever the duplicate began to wait. An idle file, whose lock nobody found held, gives
+//!   nothing back: a dead holder's key frees a lease after its last renewal.
 
 use std::fmt;
 use std::path::Path;
@@ -253,7 +258,8 @@ impl Statements {
                 "INSERT INTO {t} (key, token, completed, fingerprint, value, expires_at) {row} \
                  ON CONFLICT (key) DO UPDATE SET token = excluded.token, completed = 0, \
                  fingerprint = excluded.fingerprint, value = excluded.value, expires_at = excluded.expires_at \
-                 WHERE {t}.expires_at <= {NOW} OR (NOT {t}.completed AND {t}.value = excluded.value) \
+                 WHERE {t}.expires_at <= {NOW} \
+                    OR (NOT {t}.completed AND substr({t}.value, 1, 8) = excluded.value) \
                  RETURNING token"
             )
         };
@@ -317,8 +323,9 @@ impl Statements {
                  WHERE key = ?1 AND token = ?2 AND NOT completed"
             ),
             release: format!("DELETE FROM {t} WHERE key = ?1 AND token = ?2 AND NOT completed"),
+            // A renewal clears the mark of time given back (see `credit`): the holder is alive.
             renew: format!(
-                "UPDATE {t} SET expires_at = {NOW} + ?3 \
+                "UPDATE {t} SET expires_at = {NOW} + ?3, value = substr(value, 1, 8) \
                  WHERE key = ?1 AND token = ?2 AND NOT completed"
             ),
             // Like `complete`, it asks for the holder's token in the call's row, not for a
@@ -334,9 +341,14 @@ impl Statements {
                 "SELECT key, value FROM {t} \
                  WHERE key BETWEEN ?2 AND ?3 AND key <> ?1 AND completed AND expires_at > {NOW}"
             ),
+            // The dark time `?1` given back to the claims in progress whose lease ran out
+            // within it or runs out within a lease `?2`, to a lease from now at most, once: a
+            // claim's value is its nonce (8 bytes), and a ninth byte marks it as given time
+            // back until its holder renews.
             credit: format!(
-                "UPDATE {t} SET expires_at = MAX(expires_at, {NOW} + ?2) \
-                 WHERE NOT completed AND expires_at > {NOW} - ?1 AND expires_at < {NOW} + ?2"
+                "UPDATE {t} SET expires_at = MIN(expires_at + ?1, {NOW} + ?2), value = value || X'01' \
+                 WHERE NOT completed AND length(value) = 8 \
+                 AND expires_at > {NOW} - ?1 AND expires_at < {NOW} + ?2"
             ),
             remove_steps: format!("DELETE FROM {t} WHERE key BETWEEN ?2 AND ?3 AND key <> ?1"),
             remove: format!("DELETE FROM {t} WHERE key = ?1 RETURNING expires_at > {NOW}"),

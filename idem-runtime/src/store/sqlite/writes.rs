@@ -21,7 +21,7 @@ use sqlx::{Connection, Sqlite, SqliteConnection};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::{locked_out, lockout, Statements};
+use super::{locked_out, lockout, Statements, LOCKED_OUT_FLOOR};
 use crate::store::sql::millis;
 use crate::{Fingerprint, Key, Token};
 
@@ -112,18 +112,71 @@ pub(super) struct Writes {
     /// was set on (the count of connections `conn` has opened then; see [`Writes::new`]).
     busy: Mutex<Option<(u64, u128)>>,
     opened: Arc<AtomicU64>,
+    /// The file's write-ahead log, whose modification time is the last commit any process
+    /// made (`None` for a database in memory).
+    wal: Option<std::path::PathBuf>,
+    /// When a write here last found the file's lock held ([`LOCKED_OUT_FLOOR`] or more of
+    /// waiting, or a wait given up): the evidence that a file without commits was locked
+    /// out, not idle.
+    lock_seen: Mutex<Option<Instant>>,
 }
 
 impl Writes {
     /// The queue of writes on `conn`, whose `opened` counts the connections it opens.
     pub(super) fn new(conn: SqlitePool, opened: Arc<AtomicU64>) -> Self {
+        let file = conn.connect_options().get_filename().to_path_buf();
+        let wal = (!file.as_os_str().is_empty() && file != std::path::Path::new(":memory:"))
+            .then(|| std::path::PathBuf::from(format!("{}-wal", file.display())));
         Self {
             conn,
             queue: Mutex::default(),
             turn: Arc::default(),
             busy: Mutex::default(),
             opened,
+            wal,
+            lock_seen: Mutex::default(),
         }
+    }
+
+    /// Notes that a write here waited `waited` for the file's lock (or gave up on it).
+    fn waited(&self, waited: Duration) {
+        if waited >= LOCKED_OUT_FLOOR {
+            *self
+                .lock_seen
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Some(Instant::now());
+        }
+    }
+
+    /// The time the file went without a commit that it was locked out for, as far as this
+    /// process can tell: since any process last committed, if a write here found the lock
+    /// held within that time; otherwise none (an idle file is not a locked one).
+    fn dark(&self) -> Duration {
+        let since = self.since_last_commit();
+        let seen = *self
+            .lock_seen
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match seen {
+            Some(seen) if seen.elapsed() <= since => since,
+            _ => Duration::ZERO,
+        }
+    }
+
+    /// When any process last committed to the file, by the write-ahead log's modification
+    /// time: now when it cannot be read (a database in memory, a log not yet written).
+    fn last_commit(&self) -> SystemTime {
+        self.wal
+            .as_ref()
+            .and_then(|wal| std::fs::metadata(wal).ok()?.modified().ok())
+            .unwrap_or_else(SystemTime::now)
+    }
+
+    /// How long ago any process last committed to the file ([`last_commit`](Self::last_commit)).
+    fn since_last_commit(&self) -> Duration {
+        SystemTime::now()
+            .duration_since(self.last_commit())
+            .unwrap_or_default()
     }
 
     /// The store's connection, whose busy handler waits for the file's lock at most until
@@ -212,6 +265,7 @@ impl Writes {
             .map(|write| write.deadline)
             .max()
             .unwrap_or_else(Instant::now);
+        let asked = Instant::now();
         // Never past it either, so that the next transaction gets its turn.
         let transaction = async {
             let mut conn = self.writer(deadline).await?;
@@ -224,18 +278,22 @@ impl Writes {
                     return Ok(());
                 }
                 if write.job.is_one_statement() {
-                    return write.job.run(&write.sql, &mut conn).await;
+                    let ran = write.job.run(&write.sql, &mut conn).await;
+                    self.waited(asked.elapsed());
+                    return ran;
                 }
+                let locked_out_at = (self.dark() > Duration::ZERO).then(|| self.last_commit());
                 if write
                     .job
-                    .take_in_time(&write.sql, &mut conn, deadline)
+                    .take_in_time(&write.sql, &mut conn, deadline, locked_out_at)
                     .await?
                 {
                     return Ok(());
                 }
             }
             let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-            give_time_back(&mut tx, batch).await?;
+            self.waited(asked.elapsed());
+            give_time_back(&mut tx, batch, self.dark()).await?;
             for write in batch.iter_mut() {
                 if !write.job.abandoned() {
                     write.job.run(&write.sql, &mut tx).await?;
@@ -246,6 +304,7 @@ impl Writes {
         tokio::time::timeout_at(deadline, transaction)
             .await
             .unwrap_or_else(|_| {
+                self.waited(asked.elapsed());
                 Err(sqlx::Error::Io(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
                     "the file's write lock was not free in time",
@@ -254,33 +313,45 @@ impl Writes {
     }
 }
 
-/// When a claim waited long for the lock ([`locked_out`]; a writer paused or slow while it
-/// held it), every claim in progress whose lease ran out while it waited, or up to a lease
-/// before, runs for at least a lease from now: their holders could not renew meanwhile
-/// either. A live holder then renews; a dead one's key is freed a lease later. One
-/// statement for the batch, for its longest wait and its longest lease.
-async fn give_time_back(tx: &mut SqliteConnection, batch: &[Write]) -> Result<(), sqlx::Error> {
-    let mut credit: Option<(Duration, Duration)> = None;
+/// When the file went without a commit for a quarter of a lease or more while its lock was
+/// held (a writer paused or slow while it held it), the claims in progress get that dark
+/// time back, once: their holders could not renew meanwhile either. The dark time is
+/// measured by the file (`dark`: since any process last committed, when a write of this
+/// process found the lock held within that time, see [`Writes::dark`]), or by a claim's
+/// own wait for the lock if longer, never by one claimer's wait alone. Every claim in progress whose lease ran out within
+/// it, or runs out within a lease, is extended by it (to a lease from now at most), and
+/// marked: a marked claim gets no more until its holder renews (which clears the mark). A
+/// live holder renews, and is covered again at the next lockout; a dead one's key frees
+/// once the time given back is over, so within two leases, whatever the lock does. An idle
+/// file, whose lock nobody found held, gives nothing back: a dead holder's key frees a
+/// lease after its last renewal. One statement for the batch, for its longest lockout and
+/// lease.
+async fn give_time_back(
+    tx: &mut SqliteConnection,
+    batch: &[Write],
+    dark: Duration,
+) -> Result<(), sqlx::Error> {
+    let mut takes: Option<(Duration, Duration)> = None;
     for write in batch {
         if let Job::Take { lease, started, .. } = &write.job {
-            let (lease, started) = (*lease, *started);
-            let waited = started.elapsed();
-            if locked_out(waited, lease) {
-                let (most, longest) = credit.unwrap_or_default();
-                credit = Some((most.max(waited), longest.max(lease)));
-            }
+            let (most, longest) = takes.unwrap_or_default();
+            takes = Some((most.max(started.elapsed()), longest.max(*lease)));
         }
     }
-    let Some((waited, lease)) = credit else {
+    let Some((waited, lease)) = takes else {
         return Ok(());
     };
+    let dark = dark.max(waited);
+    if !locked_out(dark, lease) {
+        return Ok(());
+    }
     tracing::debug!(
-        waited_ms = waited.as_millis() as u64,
-        "the file's write lock was held long: leases get the time back"
+        dark_ms = dark.as_millis() as u64,
+        "the file went without a commit for long: leases get the time back, once"
     );
     let sql = &batch[0].sql;
     sqlx::query(&sql.credit)
-        .bind(millis(waited + lease))
+        .bind(millis(dark))
         .bind(millis(lease))
         .execute(&mut *tx)
         .await?;
@@ -336,14 +407,17 @@ impl Job {
     }
 
     /// Runs a take by itself, outside a transaction, if it holds the file's write lock
-    /// before `deadline` (when its caller stops waiting) and before it waited long enough
-    /// that leases get time back ([`lockout`]): whether it took the key. A take that did not
-    /// (a live row of another caller, a lock held that long) is left to the transaction.
+    /// before `deadline` (when its caller stops waiting), before it waited
+    /// [`LOCKED_OUT_FLOOR`] for it, and, when the file was found locked out since its last
+    /// commit at `locked_out_at`, before a quarter of the lease passed since then
+    /// ([`lockout`]; leases are then owed time back first): whether it took the key. A take
+    /// that did not (a live row of another caller, a lockout) is left to the transaction.
     async fn take_in_time(
         &mut self,
         sql: &Statements,
         conn: &mut SqliteConnection,
         deadline: Instant,
+        locked_out_at: Option<SystemTime>,
     ) -> Result<bool, sqlx::Error> {
         let Job::Take {
             key,
@@ -358,10 +432,17 @@ impl Job {
         };
         // That moment by SQLite's clock (the host's wall clock, which every lease is judged
         // by too; a clock stepped forward only sends the take to the transaction).
-        let until = lockout(*lease)
+        let Some(left) = LOCKED_OUT_FLOOR
             .checked_sub(started.elapsed())
             .map(|left| left.min(deadline.saturating_duration_since(Instant::now())))
-            .and_then(|left| SystemTime::now().checked_add(left))
+        else {
+            return Ok(false);
+        };
+        let until = SystemTime::now()
+            .checked_add(left)
+            .into_iter()
+            .chain(locked_out_at.and_then(|at| at.checked_add(lockout(*lease))))
+            .min()
             .and_then(|until| until.duration_since(UNIX_EPOCH).ok())
             .and_then(|until| i64::try_from(until.as_millis()).ok());
         let Some(until) = until else {
