@@ -46,40 +46,27 @@ async fn call(store: &MySqlStore, op: &Operation, runs: &Runs) -> Result<Outcome
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pool_whose_sessions_read_uncommitted_is_refused_before_any_body_runs() {
+async fn pools_whose_sessions_read_uncommitted_or_do_not_autocommit_are_refused_before_any_body_runs(
+) {
     if mysql_store().await.is_none() {
         return;
     }
-    let pool = pool_with(
-        "SET SESSION TRANSACTION ISOLATION LEVEL READ UNCOMMITTED",
-        2,
-    )
-    .await;
-    let store = MySqlStore::from_pool(pool);
-    let runs = Runs::default();
-    let op = Operation::new(namespace("sessions.uncommitted"));
-    let refused = call(&store, &op, &runs).await;
-    match refused {
-        Err(Error::Config(err)) => assert!(err.to_string().contains("READ UNCOMMITTED"), "{err}"),
-        other => panic!("expected Error::Config, got {other:?}"),
+    for (session, named) in [
+        (
+            "SET SESSION TRANSACTION ISOLATION LEVEL READ UNCOMMITTED",
+            "READ UNCOMMITTED",
+        ),
+        ("SET SESSION autocommit = 0", "autocommit"),
+    ] {
+        let store = MySqlStore::from_pool(pool_with(session, 2).await);
+        let runs = Runs::default();
+        let op = Operation::new(namespace("sessions.refused"));
+        match call(&store, &op, &runs).await {
+            Err(Error::Config(err)) => assert!(err.to_string().contains(named), "{err}"),
+            other => panic!("{session}: expected Error::Config, got {other:?}"),
+        }
+        assert_eq!(runs.count(), 0);
     }
-    assert_eq!(runs.count(), 0);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_pool_whose_sessions_do_not_autocommit_is_refused_before_any_body_runs() {
-    if mysql_store().await.is_none() {
-        return;
-    }
-    let store = MySqlStore::from_pool(pool_with("SET SESSION autocommit = 0", 2).await);
-    let runs = Runs::default();
-    let op = Operation::new(namespace("sessions.autocommit"));
-    let refused = call(&store, &op, &runs).await;
-    match refused {
-        Err(Error::Config(err)) => assert!(err.to_string().contains("autocommit"), "{err}"),
-        other => panic!("expected Error::Config, got {other:?}"),
-    }
-    assert_eq!(runs.count(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

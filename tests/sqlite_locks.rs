@@ -47,6 +47,32 @@ async fn unlock(mut writer: SqliteConnection) {
     sqlx::query("COMMIT").execute(&mut writer).await.unwrap();
 }
 
+/// A holder in a process of its own: `op` on `store` runs `key`'s body, which waits until
+/// the returned sender says to finish (its lease renewed meanwhile), then answers `holder`.
+/// Returns once the body runs.
+async fn hold(
+    op: &Operation,
+    store: SqliteStore,
+    key: idem_runtime::Key,
+) -> (
+    tokio::task::JoinHandle<Result<Outcome<String>, Error>>,
+    tokio::sync::oneshot::Sender<()>,
+) {
+    let (started, body_started) = tokio::sync::oneshot::channel();
+    let (finish, finished) = tokio::sync::oneshot::channel::<()>();
+    let op = op.clone();
+    let holder = tokio::spawn(async move {
+        op.run(&store, &key, None, async {
+            let _ = started.send(());
+            let _ = finished.await;
+            Ok::<_, Error>("holder".to_string())
+        })
+        .await
+    });
+    body_started.await.unwrap();
+    (holder, finish)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_store_timeout_bounds_the_wait_for_the_write_lock() {
     let path = fresh_file("timeout");
@@ -101,20 +127,7 @@ async fn a_writer_holding_the_lock_past_the_lease_does_not_lapse_a_live_holder()
         .wait_timeout(Duration::from_secs(60));
     let key = op.key(&1).unwrap();
 
-    let (started, body_started) = tokio::sync::oneshot::channel();
-    let (finish, finished) = tokio::sync::oneshot::channel::<()>();
-    let holder = {
-        let op = op.clone();
-        tokio::spawn(async move {
-            op.run(&holder_store, &key, None, async {
-                let _ = started.send(());
-                let _ = finished.await;
-                Ok::<_, Error>("holder".to_string())
-            })
-            .await
-        })
-    };
-    body_started.await.unwrap();
+    let (holder, finish) = hold(&op, holder_store, key).await;
 
     // A writer takes the file's lock and keeps it for three leases (a process paused
     // while it writes); meanwhile a duplicate comes, waits for the holder, then for the lock.
@@ -408,20 +421,7 @@ async fn a_freeze_longer_than_the_lease_takes_no_key_from_a_live_holder() {
     let lease = Duration::from_secs(1);
     let op = Operation::new(namespace("sqlite.freeze")).lease(lease);
     let key = op.key(&1).unwrap();
-    let (started, body_started) = tokio::sync::oneshot::channel();
-    let (finish, finished) = tokio::sync::oneshot::channel::<()>();
-    let holder = {
-        let op = op.clone();
-        tokio::spawn(async move {
-            op.run(&holder_store, &key, None, async {
-                let _ = started.send(());
-                let _ = finished.await;
-                Ok::<_, Error>("holder".to_string())
-            })
-            .await
-        })
-    };
-    body_started.await.unwrap();
+    let (holder, finish) = hold(&op, holder_store, key).await;
 
     // The file frozen for four leases; a duplicate tries again and again meanwhile, each
     // try giving up after half a second.
