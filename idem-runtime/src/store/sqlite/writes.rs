@@ -445,7 +445,13 @@ impl Job {
             .min()
             .and_then(|until| until.duration_since(UNIX_EPOCH).ok())
             .and_then(|until| i64::try_from(until.as_millis()).ok());
-        let Some(until) = until else {
+        // Past already (a lockout since the last commit): straight to the transaction,
+        // without taking the lock for a statement that could not write.
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .ok()
+            .and_then(|now| i64::try_from(now.as_millis()).ok());
+        let Some(until) = until.filter(|until| now.is_some_and(|now| now < *until)) else {
             return Ok(false);
         };
         let token: Option<i64> = sqlx::query_scalar(&sql.take_in_time)
