@@ -335,8 +335,8 @@ impl MySqlStore {
     ///
     /// [`Error::Store`] when the statement fails.
     pub async fn purge_expired(&self) -> Result<u64, Error> {
-        let bounded = self.bounded().await?;
         let server = self.checked().await?;
+        let bounded = self.bounded().await?;
         let mut purged = 0;
         loop {
             let keys: Vec<Vec<u8>> = self
@@ -346,11 +346,7 @@ impl MySqlStore {
                 return Ok(purged);
             }
             let batch = keys.len();
-            let listed: Vec<String> = keys
-                .iter()
-                .map(|key| format!("X'{}'", hex::encode(key)))
-                .collect();
-            let listed = format!("({})", listed.join(", "));
+            let listed = key_list(&keys);
             let skip = if server.skips_locked {
                 " SKIP LOCKED"
             } else {
@@ -365,11 +361,7 @@ impl MySqlStore {
                     if locked.is_empty() {
                         return Ok(0);
                     }
-                    let locked: Vec<String> = locked
-                        .iter()
-                        .map(|key| format!("X'{}'", hex::encode(key)))
-                        .collect();
-                    let delete = format!("{}({})", self.sql.delete_expired, locked.join(", "));
+                    let delete = format!("{}{}", self.sql.delete_expired, key_list(&locked));
                     let done = sqlx::Executor::execute(&mut *tx, sqlx::raw_sql(&delete)).await?;
                     tx.commit().await?;
                     Ok(done.rows_affected())
@@ -464,6 +456,16 @@ impl MySqlStore {
         let done = self.within(query.execute(&self.pool)).await?;
         Ok(done.rows_affected() == 1)
     }
+}
+
+/// Keys as an SQL list of hex literals, `(X'..', X'..')`: the runtime's own bytes, never a
+/// caller's text.
+fn key_list(keys: &[Vec<u8>]) -> String {
+    let listed: Vec<String> = keys
+        .iter()
+        .map(|key| format!("X'{}'", hex::encode(key)))
+        .collect();
+    format!("({})", listed.join(", "))
 }
 
 /// Whether `err` is the server giving up a wait the store bounded: a row lock held past

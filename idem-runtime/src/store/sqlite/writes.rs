@@ -148,19 +148,24 @@ impl Writes {
         }
     }
 
-    /// The time the file went without a commit that it was locked out for, as far as this
-    /// process can tell: since any process last committed, if a write here found the lock
-    /// held within that time; otherwise none (an idle file is not a locked one).
-    fn dark(&self) -> Duration {
-        let since = self.since_last_commit();
-        let seen = *self
+    /// When the file last had a commit, if it was locked out since, as far as this process
+    /// can tell: a write here found the lock held after that commit (an idle file is not a
+    /// locked one). A process that never found the lock held reads no file metadata.
+    fn locked_out_since(&self) -> Option<SystemTime> {
+        let seen = (*self
             .lock_seen
             .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        match seen {
-            Some(seen) if seen.elapsed() <= since => since,
-            _ => Duration::ZERO,
-        }
+            .unwrap_or_else(PoisonError::into_inner))?;
+        let last = self.last_commit();
+        let since = SystemTime::now().duration_since(last).unwrap_or_default();
+        (seen.elapsed() <= since).then_some(last)
+    }
+
+    /// How long the file went without a commit while locked out ([`locked_out_since`](Self::locked_out_since)).
+    fn dark(&self) -> Duration {
+        self.locked_out_since()
+            .and_then(|last| SystemTime::now().duration_since(last).ok())
+            .unwrap_or_default()
     }
 
     /// When any process last committed to the file, by the write-ahead log's modification
@@ -170,13 +175,6 @@ impl Writes {
             .as_ref()
             .and_then(|wal| std::fs::metadata(wal).ok()?.modified().ok())
             .unwrap_or_else(SystemTime::now)
-    }
-
-    /// How long ago any process last committed to the file ([`last_commit`](Self::last_commit)).
-    fn since_last_commit(&self) -> Duration {
-        SystemTime::now()
-            .duration_since(self.last_commit())
-            .unwrap_or_default()
     }
 
     /// The store's connection, whose busy handler waits for the file's lock at most until
@@ -282,7 +280,7 @@ impl Writes {
                     self.waited(asked.elapsed());
                     return ran;
                 }
-                let locked_out_at = (self.dark() > Duration::ZERO).then(|| self.last_commit());
+                let locked_out_at = self.locked_out_since();
                 if write
                     .job
                     .take_in_time(&write.sql, &mut conn, deadline, locked_out_at)
