@@ -51,9 +51,13 @@
 //!
 //! Writers take turns on one lock per file, across every process on it. So:
 //!
-//! - **The store's timeout bounds every wait**: each write sets its connection's busy
-//!   timeout to what is left of [`with_timeout`](SqliteStore::with_timeout), and the pool's
-//!   wait for a connection counts against it too.
+//! - **The store's timeout bounds every wait**: a write looks for the lock again until what
+//!   is left of [`with_timeout`](SqliteStore::with_timeout), and the pool's wait for a
+//!   connection counts against it too.
+//! - **A lock free for milliseconds is found.** SQLite's own busy handler sleeps longer each
+//!   time (up to 100 ms) and misses a gap shorter than that: beside a process that holds the
+//!   lock for seconds and lets go of it for 20 ms, a write would miss most gaps. A write
+//!   looks at least every 5 ms.
 //! - **A process takes one turn for all its writes**: every claim, renewal,
 //!   completion, release and removal of a store waiting when the lock comes free commits in
 //!   one transaction, on a connection of the store's own. SQLite's lock is no queue, so a
@@ -63,18 +67,17 @@
 //! - **A holder's own statements ask for its token, not for a live lease.** A lease that ran
 //!   out while nobody took the key over is still its holder's (a takeover writes another
 //!   token): a renewal or a completion held up past the lease still lands.
-//! - **Time the file was locked out is given back, once.** The file measures it, not a
-//!   claimer's own wait: the time since any process last committed (the write-ahead log's
-//!   modification time) when a write of this process found the lock held within that time
-//!   (waited 100 ms or more for it, or gave up), or the claim's own wait if longer. When a claim finds
-//!   that dark time a quarter of its lease or more, every claim in progress whose lease ran
-//!   out within it, or runs out within a lease, gets it back (to a lease from now at most),
-//!   and is marked: it gets no more until its holder renews. A live holder then renews, and
-//!   is covered again at the next lockout; a dead one's key frees once the time given back
-//!   is over, within two leases, however the lock is held meanwhile. A writer frozen for
-//!   longer than a lease takes no key from a live holder: the whole freeze is dark time,
-//!   whenever the duplicate began to wait. An idle file, whose lock nobody found held, gives
-//!   nothing back: a dead holder's key frees a lease after its last renewal.
+//! - **Time the file was locked out is given back, once.** When a claim finds that this
+//!   process has not got the lock for a quarter of its lease or more (since it began to ask,
+//!   over failed tries too, or the claim's own wait if longer), every claim in progress
+//!   whose lease ran out within that dark time, or runs out within it, gets a lease that
+//!   ends that long from now (a lease at most), and is marked: it gets no more until its
+//!   holder renews. A live holder, whose renewal waited for the lock too, renews as soon as
+//!   it is free, however long the freeze, and is covered again at the next lockout; a dead
+//!   one's key frees once the time given back is over, within two leases of its last
+//!   renewal when the lock is free now and then (for 20 ms in 2.5 s, say). An idle file,
+//!   whose lock nobody waited for, gives nothing back: a dead holder's key frees a lease
+//!   after its last renewal.
 
 use std::fmt;
 use std::path::Path;
@@ -346,9 +349,9 @@ impl Statements {
             // claim's value is its nonce (8 bytes), and a ninth byte marks it as given time
             // back until its holder renews.
             credit: format!(
-                "UPDATE {t} SET expires_at = MIN(expires_at + ?1, {NOW} + ?2), value = value || X'01' \
+                "UPDATE {t} SET expires_at = {NOW} + ?1, value = value || X'01' \
                  WHERE NOT completed AND length(value) = 8 \
-                 AND expires_at > {NOW} - ?1 AND expires_at < {NOW} + ?2"
+                 AND expires_at > {NOW} - ?2 AND expires_at < {NOW} + ?1"
             ),
             remove_steps: format!("DELETE FROM {t} WHERE key BETWEEN ?2 AND ?3 AND key <> ?1"),
             remove: format!("DELETE FROM {t} WHERE key = ?1 RETURNING expires_at > {NOW}"),
@@ -445,9 +448,9 @@ impl SqliteStore {
     }
 
     /// Uses an existing pool. [`migrate`](Self::migrate) switches its file to WAL (a
-    /// setting the file keeps). Each write sets its connection's busy timeout to what is
-    /// left of the store's timeout; the pool's own `acquire_timeout` still applies to the
-    /// wait for a connection. The store's own connection for writes is opened with the pool's
+    /// setting the file keeps). Each write waits for the file's lock at most what is left of
+    /// the store's timeout; the pool's own `acquire_timeout` still applies to the wait for a
+    /// connection. The store's own connection for writes is opened with the pool's
     /// options.
     pub fn from_pool(pool: SqlitePool) -> Self {
         let opened = Arc::new(AtomicU64::new(0));

@@ -25,10 +25,15 @@ use super::{locked_out, lockout, Statements, LOCKED_OUT_FLOOR};
 use crate::store::sql::millis;
 use crate::{Fingerprint, Key, Token};
 
-/// How much longer than what is left of its deadline a write's busy handler may wait, in
-/// milliseconds: the write's caller is answered at the deadline regardless, and the next
-/// transaction waits at most this much longer for the connection.
-const BUSY_SLACK: u128 = 50;
+/// How long SQLite's busy handler waits for the file's lock before a write looks again.
+///
+/// SQLite's own handler sleeps longer each time (up to 100 ms) until its busy timeout, and
+/// misses a lock that is free for less than that: another process that holds the lock for
+/// seconds and lets go of it for 20 ms at a time would keep a waiting write out for many of
+/// its turns. The handler waits this long instead (it looks 5 times, at most 5 ms apart),
+/// and the write, still locked out, runs again until its deadline: a lock free for a few
+/// milliseconds is found.
+const POLL: Duration = Duration::from_millis(10);
 
 /// A write's answer: where it goes, and what the write did until the commit sends it.
 pub(super) struct Answer<T> {
@@ -108,96 +113,65 @@ pub(super) struct Writes {
     queue: Mutex<Vec<Write>>,
     /// Held while a transaction of queued writes runs, so that one runs at a time.
     turn: Arc<tokio::sync::Mutex<()>>,
-    /// The busy timeout last set on the connection, in milliseconds, and the connection it
-    /// was set on (the count of connections `conn` has opened then; see [`Writes::new`]).
-    busy: Mutex<Option<(u64, u128)>>,
+    /// The connection whose busy timeout is [`POLL`] (the count of connections `conn` had
+    /// opened when it was set; see [`Writes::new`]).
+    polling: Mutex<Option<u64>>,
     opened: Arc<AtomicU64>,
-    /// The file's write-ahead log, whose modification time is the last commit any process
-    /// made (`None` for a database in memory).
-    wal: Option<std::path::PathBuf>,
-    /// When a write here last found the file's lock held ([`LOCKED_OUT_FLOOR`] or more of
-    /// waiting, or a wait given up): the evidence that a file without commits was locked
-    /// out, not idle.
-    lock_seen: Mutex<Option<Instant>>,
+    /// When this process began to find the file's lock held, if no write here has held it
+    /// since: the start of the first wait for it (a write that waited, or gave up) since
+    /// one last got it. The time the file was dark to this process, whoever held it.
+    locked_out: Mutex<Option<Instant>>,
 }
 
 impl Writes {
     /// The queue of writes on `conn`, whose `opened` counts the connections it opens.
     pub(super) fn new(conn: SqlitePool, opened: Arc<AtomicU64>) -> Self {
-        let file = conn.connect_options().get_filename().to_path_buf();
-        let wal = (!file.as_os_str().is_empty() && file != std::path::Path::new(":memory:"))
-            .then(|| std::path::PathBuf::from(format!("{}-wal", file.display())));
         Self {
             conn,
             queue: Mutex::default(),
             turn: Arc::default(),
-            busy: Mutex::default(),
+            polling: Mutex::default(),
             opened,
-            wal,
-            lock_seen: Mutex::default(),
+            locked_out: Mutex::default(),
         }
     }
 
-    /// Notes that a write here waited `waited` for the file's lock (or gave up on it).
-    fn waited(&self, waited: Duration) {
-        if waited >= LOCKED_OUT_FLOOR {
-            *self
-                .lock_seen
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner) = Some(Instant::now());
-        }
-    }
-
-    /// When the file last had a commit, if it was locked out since, as far as this process
-    /// can tell: a write here found the lock held after that commit (an idle file is not a
-    /// locked one). A process that never found the lock held reads no file metadata.
-    fn locked_out_since(&self) -> Option<SystemTime> {
-        let seen = (*self
-            .lock_seen
+    fn locked_out(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        self.locked_out
             .lock()
-            .unwrap_or_else(PoisonError::into_inner))?;
-        let last = self.last_commit();
-        let since = SystemTime::now().duration_since(last).unwrap_or_default();
-        (seen.elapsed() <= since).then_some(last)
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// How long the file went without a commit while locked out ([`locked_out_since`](Self::locked_out_since)).
-    fn dark(&self) -> Duration {
-        self.locked_out_since()
-            .and_then(|last| SystemTime::now().duration_since(last).ok())
-            .unwrap_or_default()
+    /// Since when the file has been dark to this process, for a write that asked for its
+    /// lock at `asked`: the lockout that began before it, or its own wait.
+    fn dark_since(&self, asked: Instant) -> Instant {
+        self.locked_out().map_or(asked, |since| since.min(asked))
     }
 
-    /// When any process last committed to the file, by the write-ahead log's modification
-    /// time: now when it cannot be read (a database in memory, a log not yet written).
-    fn last_commit(&self) -> SystemTime {
-        self.wal
-            .as_ref()
-            .and_then(|wal| std::fs::metadata(wal).ok()?.modified().ok())
-            .unwrap_or_else(SystemTime::now)
+    /// Notes that a write that asked at `asked` gave up on the file's lock: the lockout goes
+    /// on from the earliest such wait until a write here holds the lock.
+    fn gave_up(&self, asked: Instant) {
+        let since = self.dark_since(asked);
+        *self.locked_out() = Some(since);
     }
 
-    /// The store's connection, whose busy handler waits for the file's lock at most until
-    /// `deadline` (give or take [`BUSY_SLACK`]): the busy timeout is set only when what is
-    /// left differs from what was set, which for writes that do not wait is never.
-    async fn writer(&self, deadline: Instant) -> Result<PoolConnection<Sqlite>, sqlx::Error> {
+    /// Notes that a write here held the file's lock: it was not dark to this process then.
+    fn held(&self) {
+        *self.locked_out() = None;
+    }
+
+    /// The store's connection, whose busy handler waits [`POLL`] for the file's lock (set
+    /// once per connection): each write looks again until its deadline ([`again`]).
+    async fn writer(&self) -> Result<PoolConnection<Sqlite>, sqlx::Error> {
         let mut conn = self.conn.acquire().await?;
-        let left = deadline
-            .saturating_duration_since(Instant::now())
-            .as_millis()
-            .clamp(1, i32::MAX as u128 - BUSY_SLACK);
         let connection = self.opened.load(Ordering::Acquire);
-        let set = *self.busy.lock().unwrap_or_else(PoisonError::into_inner);
-        let current = matches!(set, Some((on, busy)) if on == connection && busy >= left && busy - left <= BUSY_SLACK);
-        if !current {
-            // Half the slack above what is left, so that the next call's fresh deadline,
-            // a little later than this one's, finds it current too.
-            let busy = left + BUSY_SLACK / 2;
-            sqlx::query(&format!("PRAGMA busy_timeout = {busy}"))
+        let polling = *self.polling.lock().unwrap_or_else(PoisonError::into_inner);
+        if polling != Some(connection) {
+            sqlx::query(&format!("PRAGMA busy_timeout = {}", POLL.as_millis()))
                 .persistent(false)
                 .execute(&mut *conn)
                 .await?;
-            *self.busy.lock().unwrap_or_else(PoisonError::into_inner) = Some((connection, busy));
+            *self.polling.lock().unwrap_or_else(PoisonError::into_inner) = Some(connection);
         }
         Ok(conn)
     }
@@ -266,7 +240,7 @@ impl Writes {
         let asked = Instant::now();
         // Never past it either, so that the next transaction gets its turn.
         let transaction = async {
-            let mut conn = self.writer(deadline).await?;
+            let mut conn = self.writer().await?;
             // A lone write of one statement commits by itself: the same lock and the same
             // commit, two statements fewer. So does a lone take that holds the lock before it
             // waited long enough that leases get time back (it only knows once it holds it:
@@ -276,22 +250,31 @@ impl Writes {
                     return Ok(());
                 }
                 if write.job.is_one_statement() {
-                    let ran = write.job.run(&write.sql, &mut conn).await;
-                    self.waited(asked.elapsed());
-                    return ran;
+                    loop {
+                        let tried = Instant::now();
+                        let ran = write.job.run(&write.sql, &mut conn).await;
+                        if !again(&ran, deadline, tried).await {
+                            return ran;
+                        }
+                    }
                 }
-                let locked_out_at = self.locked_out_since();
+                let dark_since = self.dark_since(asked);
                 if write
                     .job
-                    .take_in_time(&write.sql, &mut conn, deadline, locked_out_at)
+                    .take_in_time(&write.sql, &mut conn, deadline, dark_since)
                     .await?
                 {
                     return Ok(());
                 }
             }
-            let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-            self.waited(asked.elapsed());
-            give_time_back(&mut tx, batch, self.dark()).await?;
+            let mut tx = loop {
+                let tried = Instant::now();
+                let begun = conn.begin_with("BEGIN IMMEDIATE").await;
+                if !again(&begun, deadline, tried).await {
+                    break begun?;
+                }
+            };
+            give_time_back(&mut tx, batch, self.dark_since(asked).elapsed()).await?;
             for write in batch.iter_mut() {
                 if !write.job.abandoned() {
                     write.job.run(&write.sql, &mut tx).await?;
@@ -299,31 +282,72 @@ impl Writes {
             }
             tx.commit().await
         };
-        tokio::time::timeout_at(deadline, transaction)
+        let done = tokio::time::timeout_at(deadline, transaction)
             .await
             .unwrap_or_else(|_| {
-                self.waited(asked.elapsed());
                 Err(sqlx::Error::Io(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
                     "the file's write lock was not free in time",
                 )))
-            })
+            });
+        match &done {
+            Ok(()) => self.held(),
+            Err(err) if locked(err) => self.gave_up(asked),
+            Err(_) => {}
+        }
+        done
     }
 }
 
-/// When the file went without a commit for a quarter of a lease or more while its lock was
-/// held (a writer paused or slow while it held it), the claims in progress get that dark
-/// time back, once: their holders could not renew meanwhile either. The dark time is
-/// measured by the file (`dark`: since any process last committed, when a write of this
-/// process found the lock held within that time, see [`Writes::dark`]), or by a claim's
-/// own wait for the lock if longer, never by one claimer's wait alone. Every claim in progress whose lease ran out within
-/// it, or runs out within a lease, is extended by it (to a lease from now at most), and
-/// marked: a marked claim gets no more until its holder renews (which clears the mark). A
-/// live holder renews, and is covered again at the next lockout; a dead one's key frees
-/// once the time given back is over, so within two leases, whatever the lock does. An idle
-/// file, whose lock nobody found held, gives nothing back: a dead holder's key frees a
-/// lease after its last renewal. One statement for the batch, for its longest lockout and
-/// lease.
+/// Whether `err` is the file's lock held by another connection (SQLite's busy, after the
+/// handler's wait), or a write's deadline that passed while it waited for it.
+fn locked(err: &sqlx::Error) -> bool {
+    match err {
+        sqlx::Error::Database(err) => err
+            .code()
+            .and_then(|code| code.parse::<u32>().ok())
+            .is_some_and(|code| code & 0xff == SQLITE_BUSY),
+        sqlx::Error::Io(err) => err.kind() == std::io::ErrorKind::TimedOut,
+        _ => false,
+    }
+}
+
+/// Whether a write that began at `tried` and ended with `result` found the file's lock held
+/// and has time left before `deadline` to look again. SQLite's busy handler waited [`POLL`]
+/// before it answered busy, except for a write whose snapshot went stale, which is answered
+/// at once: that one waits a millisecond, so that the loop never spins.
+async fn again<T>(result: &Result<T, sqlx::Error>, deadline: Instant, tried: Instant) -> bool {
+    let busy = matches!(result, Err(err @ sqlx::Error::Database(_)) if locked(err));
+    if !busy || Instant::now() >= deadline {
+        return false;
+    }
+    if tried.elapsed() < Duration::from_millis(1) {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    true
+}
+
+/// SQLite's primary result code for a lock held by another connection.
+const SQLITE_BUSY: u32 = 5;
+
+/// When the file was dark to this process for a quarter of a lease or more (a writer of
+/// another process paused or slow while it held the lock), the claims in progress get that
+/// time back, once: their holders may not have been able to renew meanwhile either. The
+/// dark time is this process's: since it began to find the lock held without getting it
+/// ([`Writes::dark_since`], over failed tries too), or a claim's own wait if longer. What
+/// another process did before this one asked is not counted: the lock may have been free.
+///
+/// Every claim in progress whose lease runs out within the time given back, or ran out
+/// within the dark time or a quarter of a lease before it (a holder may have been kept
+/// out just before this process noticed), gets a lease that ends that long from now (a
+/// lease at most), and is marked: a marked claim gets no more until its holder renews
+/// (which clears the mark). A live holder, whose renewal has been waiting for the lock too,
+/// renews, and is covered again at the next lockout, however long the freeze was; a dead
+/// one's key frees once the time given back is over: given within a lease of its last
+/// renewal or at the first turn on the lock after it, and for the time the lock was not
+/// found free, whatever the lock does meanwhile. An idle file, whose lock nobody waited
+/// for, gives nothing back: a dead holder's key frees a lease after its last renewal. One
+/// statement for the batch, for its longest lockout and lease.
 async fn give_time_back(
     tx: &mut SqliteConnection,
     batch: &[Write],
@@ -345,12 +369,12 @@ async fn give_time_back(
     }
     tracing::debug!(
         dark_ms = dark.as_millis() as u64,
-        "the file went without a commit for long: leases get the time back, once"
+        "the file's lock was not found free for long: leases get the time back, once"
     );
     let sql = &batch[0].sql;
     sqlx::query(&sql.credit)
-        .bind(millis(dark))
-        .bind(millis(lease))
+        .bind(millis(dark.min(lease)))
+        .bind(millis(dark + lockout(lease)))
         .execute(&mut *tx)
         .await?;
     Ok(())
@@ -406,16 +430,16 @@ impl Job {
 
     /// Runs a take by itself, outside a transaction, if it holds the file's write lock
     /// before `deadline` (when its caller stops waiting), before it waited
-    /// [`LOCKED_OUT_FLOOR`] for it, and, when the file was found locked out since its last
-    /// commit at `locked_out_at`, before a quarter of the lease passed since then
-    /// ([`lockout`]; leases are then owed time back first): whether it took the key. A take
+    /// [`LOCKED_OUT_FLOOR`] for it, and before the file was dark to this process (since
+    /// `dark_since`) for a quarter of the lease ([`lockout`]; leases are then owed time back
+    /// first): whether it took the key. A take
     /// that did not (a live row of another caller, a lockout) is left to the transaction.
     async fn take_in_time(
         &mut self,
         sql: &Statements,
         conn: &mut SqliteConnection,
         deadline: Instant,
-        locked_out_at: Option<SystemTime>,
+        dark_since: Instant,
     ) -> Result<bool, sqlx::Error> {
         let Job::Take {
             key,
@@ -428,38 +452,40 @@ impl Job {
         else {
             return Ok(false);
         };
-        // That moment by SQLite's clock (the host's wall clock, which every lease is judged
-        // by too; a clock stepped forward only sends the take to the transaction).
+        // Past already (a long wait, or a lockout): straight to the transaction, without
+        // taking the lock for a statement that could not write.
         let Some(left) = LOCKED_OUT_FLOOR
             .checked_sub(started.elapsed())
+            .zip(lockout(*lease).checked_sub(dark_since.elapsed()))
+            .map(|(own, dark)| own.min(dark))
             .map(|left| left.min(deadline.saturating_duration_since(Instant::now())))
+            .filter(|left| !left.is_zero())
         else {
             return Ok(false);
         };
-        let until = SystemTime::now()
+        // That moment by SQLite's clock (the host's wall clock, which every lease is judged
+        // by too; a clock stepped forward only sends the take to the transaction).
+        let Some(until) = SystemTime::now()
             .checked_add(left)
-            .into_iter()
-            .chain(locked_out_at.and_then(|at| at.checked_add(lockout(*lease))))
-            .min()
             .and_then(|until| until.duration_since(UNIX_EPOCH).ok())
-            .and_then(|until| i64::try_from(until.as_millis()).ok());
-        // Past already (a lockout since the last commit): straight to the transaction,
-        // without taking the lock for a statement that could not write.
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .ok()
-            .and_then(|now| i64::try_from(now.as_millis()).ok());
-        let Some(until) = until.filter(|until| now.is_some_and(|now| now < *until)) else {
+            .and_then(|until| i64::try_from(until.as_millis()).ok())
+        else {
             return Ok(false);
         };
-        let token: Option<i64> = sqlx::query_scalar(&sql.take_in_time)
-            .bind(&key.as_bytes()[..])
-            .bind(fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
-            .bind(millis(*lease))
-            .bind(&nonce.to_be_bytes()[..])
-            .bind(until)
-            .fetch_optional(&mut *conn)
-            .await?;
+        let token: Option<i64> = loop {
+            let tried = Instant::now();
+            let token = sqlx::query_scalar(&sql.take_in_time)
+                .bind(&key.as_bytes()[..])
+                .bind(fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
+                .bind(millis(*lease))
+                .bind(&nonce.to_be_bytes()[..])
+                .bind(until)
+                .fetch_optional(&mut *conn)
+                .await;
+            if !again(&token, deadline, tried).await {
+                break token?;
+            }
+        };
         let Some(token) = token else {
             return Ok(false);
         };
