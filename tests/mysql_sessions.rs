@@ -256,3 +256,39 @@ async fn a_token_reads_from_an_unsigned_column() {
         .unwrap();
     assert_eq!(token, Token::new(43));
 }
+
+/// A record over half the server's `max_allowed_packet` completes in a caller's
+/// transaction and replays: it goes bound, not as a literal twice its size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_over_half_the_packet_bound_completes_in_a_transaction() {
+    let Some(store) = store_on("idem_sessions_large").await else {
+        return;
+    };
+    let packet: u64 = sqlx::query_scalar("SELECT @@max_allowed_packet")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    // Its JSON is the string with quotes: 60 % of a packet, over a packet once in hex.
+    let large = "x".repeat(usize::try_from(packet * 3 / 5).unwrap());
+    let op = Operation::new(namespace("sessions.large"));
+    let key = op.key(&"k").unwrap();
+    let mut tx = store.pool().begin().await.unwrap();
+    let ran = op
+        .run_in_transaction(&store, &mut tx, &key, None, async |_| {
+            Ok::<String, Error>(large.clone())
+        })
+        .await
+        .unwrap();
+    assert!(matches!(&ran, Outcome::Executed(value) if value.len() == large.len()));
+    tx.commit().await.unwrap();
+    let replayed = op
+        .run(&store, &key, None, async {
+            Ok::<String, Error>(String::new())
+        })
+        .await
+        .unwrap();
+    assert!(
+        matches!(&replayed, Outcome::Replayed(value) if *value == large),
+        "the record replays whole"
+    );
+}

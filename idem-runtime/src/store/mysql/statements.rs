@@ -129,6 +129,9 @@ pub(super) struct Statements {
     pub(super) share: String,
     pub(super) take: String,
     pub(super) complete: String,
+    /// The completion of a claim in the caller's transaction, with its value bound: its own
+    /// row, whatever the lease says (see [`complete_literal`](Self::complete_literal)).
+    pub(super) complete_in: String,
     pub(super) release: String,
     pub(super) renew: String,
     pub(super) record_step: String,
@@ -297,6 +300,10 @@ impl Statements {
             complete: format!(
                 "UPDATE {t} SET completed = TRUE, value = ?, expires_at = {NOW} + ? \
                  WHERE `key` = ? AND token + 0 = ? AND NOT completed AND expires_at > {NOW}"
+            ),
+            complete_in: format!(
+                "UPDATE {t} SET completed = TRUE, value = ?, expires_at = {NOW} + ? \
+                 WHERE `key` = ? AND token + 0 = ? AND NOT completed"
             ),
             release: format!(
                 "DELETE FROM {t} WHERE `key` = ? AND token + 0 = ? AND NOT completed AND expires_at > {NOW}"

@@ -108,7 +108,10 @@ impl Transactional for MySqlStore {
         Err(Error::InProgress)
     }
 
-    /// The completion and the release of the savepoint, in one message.
+    /// The completion and the release of the savepoint: in one message for a record of up
+    /// to [`INLINE_RECORD`] bytes (its bytes written in, in hex), and otherwise the record
+    /// bound to a prepared statement, then the release, so that a record is never bounded by
+    /// half the server's `max_allowed_packet`, as a hex literal would be.
     async fn __complete_in(
         &self,
         connection: &mut MySqlConnection,
@@ -117,14 +120,25 @@ impl Transactional for MySqlStore {
         record: &[u8],
         ttl: Duration,
     ) -> Result<bool, Error> {
-        let message = format!(
-            "{}; RELEASE SAVEPOINT {}",
-            self.sql
-                .complete_literal(call.key, token, record, millis(ttl)),
-            call.savepoint
-        );
+        let release = format!("RELEASE SAVEPOINT {}", call.savepoint);
         let done = sql::within("mysql", self.timeout, async {
-            sqlx::Executor::execute(&mut *connection, sqlx::raw_sql(&message)).await
+            if record.len() <= INLINE_RECORD {
+                let message = format!(
+                    "{}; {release}",
+                    self.sql
+                        .complete_literal(call.key, token, record, millis(ttl)),
+                );
+                return sqlx::Executor::execute(&mut *connection, sqlx::raw_sql(&message)).await;
+            }
+            let done = sqlx::query(&self.sql.complete_in)
+                .bind(record)
+                .bind(millis(ttl))
+                .bind(&call.key.as_bytes()[..])
+                .bind(token)
+                .execute(&mut *connection)
+                .await?;
+            raw(connection, &release).await?;
+            Ok(done)
         })
         .await?;
         Ok(done.rows_affected() == 1)
@@ -235,6 +249,12 @@ async fn inserted(
     }
     super::given(insert.last_insert_id()).map(Some)
 }
+
+/// The largest record completed in the same message as its savepoint's release: written in
+/// as a literal, it doubles in size, and a message is bounded by the server's
+/// `max_allowed_packet` (16 MiB by default on MariaDB, 4 MiB on older MySQL); a larger one is
+/// bound, for one more round trip.
+const INLINE_RECORD: usize = 64 * 1024;
 
 fn decode(err: Error) -> sqlx::Error {
     sqlx::Error::Decode(err.into())
