@@ -306,6 +306,11 @@ impl<S> Probe<S> {
         self.failing_renewals.store(n, Ordering::SeqCst);
     }
 
+    /// Makes the next `n` completions fail (`0`: none), from now on.
+    pub fn fail_completes(&self, n: usize) {
+        self.failing_completes.store(n, Ordering::SeqCst);
+    }
+
     /// How many `complete` calls reached the probe.
     pub fn completes(&self) -> usize {
         self.completes.count()

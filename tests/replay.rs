@@ -420,16 +420,63 @@ async fn when_recording_fails_until_the_lease_ends_the_caller_is_told_the_body_r
     );
     assert!(store.completes() >= 4, "the completion was retried");
     assert_eq!(runs.count(), 1);
-    // The claim stays until its lease lapses (renewed while the completion was retried),
-    // then the key is free, and a call runs the body again, as the error said.
+    // The completion goes on in the background: this process's callers of the key are
+    // told it is in progress, before the claim lapses and after, and never run it again.
     let busy = op.clone().in_flight(idem_runtime::InFlight::Reject);
     let held = busy
         .run(&store, &key, None, async { Ok::<_, Error>(3) })
         .await;
     assert!(matches!(held, Err(Error::InProgress)), "{held:?}");
     tokio::time::sleep(Duration::from_millis(450)).await;
-    assert!(matches!(call(4).await, Err(Error::Unrecorded(_))));
-    assert_eq!(runs.count(), 2);
+    assert!(matches!(call(4).await, Err(Error::InProgress)));
+    assert_eq!(runs.count(), 1);
+    assert!(store.completes() >= 6, "still recording in the background");
+}
+
+// Paused time, as above.
+#[tokio::test(start_paused = true)]
+async fn a_result_its_caller_was_told_is_unrecorded_is_replayed_once_the_store_is_back() {
+    // A disk that filled while the body ran: every completion fails, well past the lease.
+    let store = Probe::new(MemoryStore::new());
+    store.fail_completes(usize::MAX);
+    let op = Operation::new("replay.late_record").lease(Duration::from_millis(200));
+    let key = op.key(&1).unwrap();
+    let runs = Runs::default();
+    let call = |n: u32| {
+        let (op, store, runs) = (op.clone(), store.clone(), runs.clone());
+        async move {
+            op.wait_timeout(Duration::from_secs(5))
+                .run(&store, &key, None, async move {
+                    runs.hit();
+                    Ok::<_, Error>(n)
+                })
+                .await
+        }
+    };
+    let first = call(1).await;
+    assert!(matches!(first, Err(Error::Unrecorded(_))), "{first:?}");
+    // Long after the lease, a caller of this process waits; the disk drains meanwhile, and
+    // the result lands: the waiter, and every later caller, gets the first body's value.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let waiter = tokio::spawn(call(2));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !waiter.is_finished(),
+        "the waiter waits for the late record"
+    );
+    store.fail_completes(0);
+    assert_eq!(waiter.await.unwrap().unwrap(), Outcome::Replayed(1));
+    let apart = Probe::apart(store.clone());
+    let later = op
+        .run(&apart, &key, None, async { Ok::<_, Error>(3) })
+        .await
+        .unwrap();
+    assert_eq!(
+        later,
+        Outcome::Replayed(1),
+        "another process replays it too"
+    );
+    assert_eq!(runs.count(), 1);
 }
 
 // Paused time, as above.

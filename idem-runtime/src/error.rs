@@ -76,10 +76,14 @@ pub enum Error {
 
     /// The body **ran**, but its result could not be recorded: the store failed on every
     /// try until the claim's lease ran out (a server gone in a failover that did not come
-    /// back in time, a partition). The call is not answered `Executed` with a value that a
-    /// retry would not replay: once the claim lapses, a call with this key runs the body
-    /// again. Reconcile the effect before retrying (look it up downstream, or fence it with
-    /// the attempt's token) (HTTP 500: the request was processed, its answer is lost).
+    /// back in time, a partition, a full disk). The call is not answered `Executed` with a
+    /// value that a retry would not replay. This process goes on recording the result in the
+    /// background, for as long as it would be replayed (its TTL): once the store takes it,
+    /// every call of the key replays it, and this process's own calls of the key wait for
+    /// it meanwhile. A call from another process after the claim lapsed and before the
+    /// record landed, or after this process exited, runs the body again: reconcile the
+    /// effect before retrying (look it up downstream, or fence it with the attempt's token)
+    /// (HTTP 500: the request was processed, its answer is not recorded yet).
     #[error("the body ran, but its result could not be recorded before its lease ran out: {0}")]
     Unrecorded(#[source] BoxError),
 

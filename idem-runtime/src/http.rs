@@ -101,9 +101,10 @@
 //!
 //! ## unrecorded
 //! `500`: the handler ran, and its response could not be recorded: the store failed until
-//! the claim's lease ran out ([`Error::Unrecorded`](crate::Error::Unrecorded)). A retry with
-//! the same key may run the handler again once the claim lapses: check the request's effect
-//! first.
+//! the claim's lease ran out ([`Error::Unrecorded`](crate::Error::Unrecorded)). The service
+//! goes on recording it in the background, and replays it once the store is back; until
+//! then a retry with the same key to another instance may run the handler again once the
+//! claim lapses: check the request's effect first.
 //!
 //! Services answer their own [`Error`](crate::Error)s the same way with [`problem()`] (and,
 //! with the feature `axum`, by returning the error: it is an `IntoResponse`).

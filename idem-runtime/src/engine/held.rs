@@ -298,18 +298,27 @@ impl Held {
     /// renewing the lease, until it lands or the lease runs out, on whatever server the
     /// store reaches meanwhile (a failover): the caller is answered when the result is
     /// recorded, or told it is not ([`Error::Unrecorded`]), never answered `Executed` with
-    /// a value a retry would not replay. A release is tried once by the caller's own call:
+    /// a value a retry would not replay; the guard, still owing, then keeps trying in the
+    /// background ([`late`](Self::late)). A release is tried once by the caller's own call:
     /// if the store fails, the guard is left owing, and its `Drop` retries in the
     /// background while the lease lasts (the body's failure needs no record).
     async fn finish(&mut self) {
         let landing = if self.detached {
-            self.renewing(self.discharge()).await
+            match self.renewing(self.discharge(self.claim.expires())).await {
+                Some(landing) => landing,
+                None => self.late().await,
+            }
         } else {
             match self.attempt().await {
                 Some(landing) => landing,
                 // Only a failed first try pays for the retries' heartbeat and clock.
                 None if matches!(self.owed, Owed::Complete { .. }) => {
-                    self.renewing(self.discharge()).await
+                    match self.renewing(self.discharge(self.claim.expires())).await {
+                        Some(landing) => landing,
+                        // The caller is told (the failed attempts set its `Unrecorded`);
+                        // the drop hands the completion to the background.
+                        None => return,
+                    }
                 }
                 None => return,
             }
@@ -318,28 +327,54 @@ impl Held {
         self.land(landing);
     }
 
-    /// Retries the owed step until it is done or the lease runs out.
-    async fn discharge(&self) -> Landing {
-        // Retries end where the lease stood when the body returned: the renewals meanwhile
-        // keep the claim ours, but must not keep a failing store retried forever.
-        let deadline = self.claim.expires();
+    /// Retries the owed step until it is done, or `None` when the next try would pass
+    /// `deadline`.
+    async fn discharge(&self, deadline: Instant) -> Option<Landing> {
         loop {
             if let Some(landing) = self.attempt().await {
-                return landing;
+                return Some(landing);
             }
             let pause = backoff(self.failures());
             if Instant::now() + pause >= deadline {
-                tracing::warn!(
-                    attempts = self.failures(),
-                    "{} failed until the lease ran out; the key is freed when it lapses",
-                    self.owed.what()
-                );
-                // A result not recorded leaves the caller its `Error::Unrecorded` (set by
-                // the failed attempts), and the waiters ask the store, which has no record.
-                return Landing::Released;
+                return None;
             }
             tokio::time::sleep(pause).await;
         }
+    }
+
+    /// What a guard still owes once the lease ran out. A release is given up: the key frees
+    /// when the claim lapses. A completion goes on being tried, for as long as the record
+    /// would be replayed (its TTL): the body ran, so once the store is back (a disk that
+    /// filled drained, a server that came back after the lease) the key answers its value,
+    /// not a second run. The holder's renewals would fail with its completions, so none
+    /// are sent; the claim lapses in the store, and the completion, refused then, claims
+    /// the key again to record it if it is free ([`after_refusal`](Self::after_refusal)).
+    /// Meanwhile this process's own callers of the key wait on its flight, which lasts as
+    /// long as the tries; a process that exits stops trying.
+    async fn late(&self) -> Landing {
+        let Owed::Complete { ttl, .. } = &self.owed else {
+            tracing::warn!(
+                attempts = self.failures(),
+                "{} failed until the lease ran out; the key is freed when it lapses",
+                self.owed.what()
+            );
+            return Landing::Released;
+        };
+        tracing::warn!(
+            attempts = self.failures(),
+            "recording the result failed until the lease ran out; trying on in the background"
+        );
+        let until = Instant::now() + *ttl;
+        if let Some(flight) = &self.flight {
+            flight.extend(until);
+        }
+        self.discharge(until).await.unwrap_or_else(|| {
+            tracing::error!(
+                attempts = self.failures(),
+                "recording the result failed for as long as it would have been replayed; the key is free"
+            );
+            Landing::Released
+        })
     }
 
     /// One attempt at the owed step: how the flight lands, or `None` if the store failed.

@@ -472,21 +472,25 @@ impl Job {
         else {
             return Ok(false);
         };
-        let token: Option<i64> = loop {
+        // Every row fetched, so that the statement runs to its end: by itself it commits
+        // there, and a commit that fails (a full disk) fails the take. Fetching one row
+        // would reset it after the `RETURNING` row, and the reset's error is not seen: the
+        // take would answer a token that was never written, and the body run unclaimed.
+        let tokens: Vec<i64> = loop {
             let tried = Instant::now();
-            let token = sqlx::query_scalar(&sql.take_in_time)
+            let tokens = sqlx::query_scalar(&sql.take_in_time)
                 .bind(&key.as_bytes()[..])
                 .bind(fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
                 .bind(millis(*lease))
                 .bind(&nonce.to_be_bytes()[..])
                 .bind(until)
-                .fetch_optional(&mut *conn)
+                .fetch_all(&mut *conn)
                 .await;
-            if !again(&token, deadline, tried).await {
-                break token?;
+            if !again(&tokens, deadline, tried).await {
+                break tokens?;
             }
         };
-        let Some(token) = token else {
+        let Some(&token) = tokens.first() else {
             return Ok(false);
         };
         answer.done = Some(Ok(Token::new(token.unsigned_abs())));
