@@ -24,6 +24,8 @@ use tokio::runtime::Runtime;
 use self::common::{receipt, Receipt};
 use self::interleaved::{on, Ratio, Side};
 
+#[path = "common/http.rs"]
+mod baselines;
 mod common;
 #[path = "paths/harness.rs"]
 mod harness;

@@ -21,6 +21,7 @@ pub fn receipt(id: u64) -> Receipt {
 }
 
 /// A tokio runtime with the 2 workers of the machine the figures come from.
+#[allow(dead_code)] // the instruction counts run on one thread
 pub fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

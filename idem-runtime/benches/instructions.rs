@@ -1,0 +1,403 @@
+//! Instruction counts of the in-process paths, next to their hand-written baselines, under
+//! callgrind: a count does not move with the machine's load, so a path that grows shows up
+//! here however noisy the clock is.
+//!
+//! `cargo bench -p idem-runtime --bench instructions --all-features` runs each side of each
+//! path in a process of its own under `valgrind --tool=callgrind`, counting only the
+//! measured loop (after a warm-up), prints the counts per call and their ratios, and fails
+//! when one of idem's paths costs more than 5 % over its count in `instructions.counts`
+//! beside this file. `IDEM_ACCEPT_INSTRUCTIONS=1` writes the new counts there instead: a
+//! commit that changes them says why.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::hint::black_box;
+use std::path::PathBuf;
+use std::process::Command;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use idem_runtime::http::IdempotencyLayer;
+use idem_runtime::{idempotent, Error, MemoryStore, Operation, TieredStore};
+use sha2::{Digest, Sha256};
+use tokio::runtime::Runtime;
+use tower::{Layer, Service, ServiceExt};
+
+use self::baselines::{handler, kib_json, request, Naive, REPLAY_KEY};
+use self::common::{receipt, Receipt};
+
+#[path = "common/http.rs"]
+mod baselines;
+mod common;
+
+/// Calls measured per path and side, after as many to warm up.
+const CALLS: u64 = 2_000;
+
+/// How much over its committed count a path of idem may grow before the run fails.
+const TOLERANCE: f64 = 0.05;
+
+/// The function callgrind counts in (and everything it calls).
+const MEASURED: &str = "*instructions::measured*";
+
+#[derive(Debug)]
+struct BenchError;
+
+impl From<Error> for BenchError {
+    fn from(_: Error) -> Self {
+        Self
+    }
+}
+
+#[idempotent(key = (order_id, customer), store = store, namespace = "bench.charge")]
+async fn charge(store: &MemoryStore, order_id: u64, customer: &str) -> Result<Receipt, BenchError> {
+    Ok(receipt(order_id))
+}
+
+#[idempotent(key = order_id, store = store, namespace = "bench.tiered")]
+async fn charge_tiered(
+    store: &TieredStore<MemoryStore, MemoryStore>,
+    order_id: u64,
+) -> Result<Receipt, BenchError> {
+    Ok(receipt(order_id))
+}
+
+#[cached::proc_macro::cached(max_size = 10_000)]
+async fn cached_charge(order_id: u64, customer: String) -> Receipt {
+    let _ = customer;
+    receipt(order_id)
+}
+
+/// The hand-written key of the baselines: the same fields, concatenated, hashed once.
+fn hand_key(order_id: u64, customer: &str, line: u32) -> [u8; 32] {
+    let mut bytes = [0_u8; 64];
+    bytes[..8].copy_from_slice(&order_id.to_le_bytes());
+    bytes[8..8 + customer.len()].copy_from_slice(customer.as_bytes());
+    let end = 8 + customer.len();
+    bytes[end..end + 4].copy_from_slice(&line.to_le_bytes());
+    Sha256::digest(&bytes[..end + 4]).into()
+}
+
+/// A path: idem's side and its baseline, each a name for the command line.
+struct Path {
+    name: &'static str,
+    what: &'static str,
+    baseline: &'static str,
+}
+
+const PATHS: &[Path] = &[
+    Path {
+        name: "replay",
+        what: "memory replay through the macro",
+        baseline: "a hash, a moka lookup and a decode, by hand",
+    },
+    Path {
+        name: "replay-cached",
+        what: "memory replay through the macro",
+        baseline: "`cached`'s hit",
+    },
+    Path {
+        name: "first",
+        what: "memory first execution through the macro",
+        baseline: "a hash, two moka inserts and an encode, by hand",
+    },
+    Path {
+        name: "key",
+        what: "key derivation (`Operation::key`)",
+        baseline: "the same fields hashed by hand",
+    },
+    Path {
+        name: "http-replay",
+        what: "HTTP replay, memory store, 1 KiB JSON",
+        baseline: "a moka cache by the header, the tutorials' middleware",
+    },
+    Path {
+        name: "http-replay-hashing",
+        what: "HTTP replay, memory store, 1 KiB JSON",
+        baseline: "the same, hashing the body",
+    },
+    Path {
+        name: "http-first",
+        what: "HTTP first execution, memory store, 1 KiB JSON",
+        baseline: "a moka cache by the header, the tutorials' middleware",
+    },
+    Path {
+        name: "tier-replay",
+        what: "replay through a memory tier",
+        baseline: "memory replay through the macro",
+    },
+];
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.as_slice() {
+        [measure, path, side] if measure == "measure" => run(path, side == "baseline"),
+        _ => drive(),
+    }
+}
+
+// ---- the driver: each side under callgrind ------------------------------------------------
+
+fn drive() {
+    let counts_file = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/instructions.counts");
+    let committed = read_counts(&counts_file);
+    let accept = std::env::var("IDEM_ACCEPT_INSTRUCTIONS").is_ok_and(|v| v == "1");
+    let mut counted = BTreeMap::new();
+    let mut grown = Vec::new();
+    println!(
+        "{:<20} {:>9} {:>9} {:>6} {:>10}  path (baseline)",
+        "", "idem", "baseline", "ratio", "committed"
+    );
+    for path in PATHS {
+        let ours = count(path.name, "idem");
+        let baseline = count(path.name, "baseline");
+        let before = committed.get(path.name).copied();
+        let change = before.map_or(String::new(), |before| {
+            format!("{:+.1} %", (ours as f64 / before as f64 - 1.0) * 100.0)
+        });
+        println!(
+            "{:<20} {:>9} {:>9} {:>6.2} {:>10}  {} ({})",
+            path.name,
+            ours,
+            baseline,
+            ours as f64 / baseline as f64,
+            change,
+            path.what,
+            path.baseline
+        );
+        if before.is_some_and(|before| ours as f64 > before as f64 * (1.0 + TOLERANCE)) {
+            grown.push(path.name);
+        }
+        counted.insert(path.name, ours);
+    }
+    if accept {
+        let text: String = counted
+            .iter()
+            .map(|(name, count)| format!("{name} {count}\n"))
+            .collect();
+        std::fs::write(&counts_file, text).unwrap();
+        println!("wrote {}", counts_file.display());
+    } else if !grown.is_empty() {
+        eprintln!(
+            "instructions per call grew more than {} % over {} for: {}\n\
+             (if that is meant, rerun with IDEM_ACCEPT_INSTRUCTIONS=1 and say why in the commit)",
+            TOLERANCE * 100.0,
+            counts_file.display(),
+            grown.join(", ")
+        );
+        std::process::exit(1);
+    }
+}
+
+/// The committed counts: `name count` per line.
+fn read_counts(file: &std::path::Path) -> BTreeMap<String, u64> {
+    std::fs::read_to_string(file)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|line| {
+            let (name, count) = line.split_once(' ')?;
+            Some((name.to_string(), count.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// Instructions per call of one side of a path: this program run again under callgrind,
+/// counting only inside [`measured`].
+fn count(path: &str, side: &str) -> u64 {
+    let out = Command::new("valgrind")
+        .args([
+            "--tool=callgrind",
+            "--callgrind-out-file=/dev/null",
+            &format!("--toggle-collect={MEASURED}"),
+        ])
+        .arg(std::env::current_exe().unwrap())
+        .args(["measure", path, side])
+        .output()
+        .unwrap_or_else(|err| panic!("valgrind could not run ({err}): is it installed?"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{path} {side} failed:\n{stderr}");
+    let total: u64 = stderr
+        .lines()
+        .find_map(|line| line.split_once("Collected :")?.1.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no count from callgrind:\n{stderr}"));
+    total / CALLS
+}
+
+// ---- one side of one path, in the process callgrind counts ----------------------------------
+
+/// Runs `call` [`CALLS`] times to warm up, then [`CALLS`] times inside [`measured`].
+fn run(path: &str, baseline: bool) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut call = side(&rt, path, baseline);
+    for _ in 0..CALLS {
+        call();
+    }
+    measured(&mut call);
+}
+
+/// The only function callgrind counts in.
+#[inline(never)]
+fn measured(call: &mut dyn FnMut()) {
+    for _ in 0..CALLS {
+        call();
+    }
+}
+
+type Call<'a> = Box<dyn FnMut() + 'a>;
+
+fn side<'a>(rt: &'a Runtime, path: &str, baseline: bool) -> Call<'a> {
+    match (path, baseline) {
+        ("replay", false) | ("replay-cached", false) | ("tier-replay", true) => {
+            let store = MemoryStore::new();
+            rt.block_on(charge(&store, 7, "cus_0042")).unwrap();
+            Box::new(move || {
+                black_box(
+                    rt.block_on(charge(&store, black_box(7), black_box("cus_0042")))
+                        .unwrap(),
+                );
+            })
+        }
+        ("replay", true) => {
+            let raw: moka::future::Cache<[u8; 32], Bytes> = moka::future::Cache::new(100_000);
+            let json = Bytes::from(serde_json::to_vec(&receipt(7)).unwrap());
+            rt.block_on(raw.insert(hand_key(7, "cus_0042", 0), json));
+            Box::new(move || {
+                black_box(rt.block_on(async {
+                    let key = hand_key(black_box(7), black_box("cus_0042"), 0);
+                    let bytes = raw.get(&key).await.unwrap();
+                    serde_json::from_slice::<Receipt>(&bytes).unwrap()
+                }));
+            })
+        }
+        ("replay-cached", true) => {
+            rt.block_on(cached_charge(7, "cus_0042".into()));
+            Box::new(move || {
+                black_box(rt.block_on(cached_charge(black_box(7), "cus_0042".to_string())));
+            })
+        }
+        ("first", false) => {
+            let store = MemoryStore::new();
+            let mut id = 0;
+            Box::new(move || {
+                id += 1;
+                black_box(rt.block_on(charge(&store, id, "cus_0042")).unwrap());
+            })
+        }
+        ("first", true) => {
+            let raw: moka::future::Cache<[u8; 32], Bytes> = moka::future::Cache::new(100_000);
+            let mut id = 0;
+            Box::new(move || {
+                id += 1;
+                rt.block_on(async {
+                    let key = hand_key(id, "cus_0042", 0);
+                    raw.insert(key, Bytes::from_static(b"claimed")).await;
+                    let value = serde_json::to_vec(&receipt(id)).unwrap();
+                    raw.insert(key, Bytes::from(value)).await;
+                });
+            })
+        }
+        ("key", false) => Box::new(|| {
+            black_box(
+                Operation::new("bench.key")
+                    .key(black_box(&(42_u64, "cus_0042", 3_u32)))
+                    .unwrap(),
+            );
+        }),
+        ("key", true) => Box::new(|| {
+            black_box(hand_key(black_box(42), black_box("cus_0042"), black_box(3)));
+        }),
+        ("http-replay", false) | ("http-replay-hashing", false) => {
+            let service = IdempotencyLayer::new(MemoryStore::new())
+                .unscoped()
+                .layer(handler());
+            replays(rt, service)
+        }
+        ("http-replay", true) => replays(rt, naive(false)),
+        ("http-replay-hashing", true) => replays(rt, naive(true)),
+        ("http-first", false) => {
+            let service = IdempotencyLayer::new(MemoryStore::new())
+                .unscoped()
+                .layer(handler());
+            first_executions(rt, service)
+        }
+        ("http-first", true) => first_executions(rt, naive(false)),
+        ("tier-replay", false) => {
+            let store = TieredStore::new(MemoryStore::new(), MemoryStore::new());
+            rt.block_on(charge_tiered(&store, 7)).unwrap();
+            Box::new(move || {
+                black_box(rt.block_on(charge_tiered(&store, black_box(7))).unwrap());
+            })
+        }
+        _ => panic!("no path {path:?}"),
+    }
+}
+
+// ---- the HTTP paths -------------------------------------------------------------------------
+
+/// The middleware of the tutorials: a moka cache by the header, hashing the body or not.
+fn naive(
+    hashes: bool,
+) -> Naive<
+    impl Service<
+            http::Request<Full<Bytes>>,
+            Response = http::Response<Full<Bytes>>,
+            Error = Infallible,
+            Future: Send,
+        > + Clone
+        + Send
+        + 'static,
+> {
+    Naive {
+        inner: handler(),
+        cache: moka::future::Cache::new(100_000),
+        hashes,
+    }
+}
+
+/// Replays of one recorded request through `service`.
+fn replays<'a, S, B>(rt: &'a Runtime, service: S) -> Call<'a>
+where
+    S: Service<http::Request<Full<Bytes>>, Response = http::Response<B>, Error = Infallible>
+        + Clone
+        + 'a,
+    B: http_body::Body,
+    B::Error: std::fmt::Debug,
+{
+    let body = kib_json();
+    respond(rt, service.clone(), request(REPLAY_KEY, &body));
+    Box::new(move || respond(rt, service.clone(), request(REPLAY_KEY, &body)))
+}
+
+/// First executions through `service`, a fresh key each.
+fn first_executions<'a, S, B>(rt: &'a Runtime, service: S) -> Call<'a>
+where
+    S: Service<http::Request<Full<Bytes>>, Response = http::Response<B>, Error = Infallible>
+        + Clone
+        + 'a,
+    B: http_body::Body,
+    B::Error: std::fmt::Debug,
+{
+    let body = kib_json();
+    let mut id = 0_u64;
+    Box::new(move || {
+        id += 1;
+        respond(rt, service.clone(), request(&id.to_string(), &body));
+    })
+}
+
+/// Sends `request` through `service` and reads the whole response, as a server would.
+fn respond<S, B>(rt: &Runtime, service: S, request: http::Request<Full<Bytes>>)
+where
+    S: Service<http::Request<Full<Bytes>>, Response = http::Response<B>, Error = Infallible>,
+    B: http_body::Body,
+    B::Error: std::fmt::Debug,
+{
+    let body = rt.block_on(async {
+        let response = service.oneshot(request).await.unwrap();
+        assert!(response.status().is_success(), "{}", response.status());
+        response.into_body().collect().await.unwrap().to_bytes()
+    });
+    black_box(body);
+}
