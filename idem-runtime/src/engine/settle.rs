@@ -97,6 +97,10 @@ impl Settings {
         let mut polls = 0_u32;
         // Drawn at the first claim, and sent with every claim of this call.
         let mut nonce = None;
+        // `begin` follows `replay_at_once`, which looked for a record at hand already: the
+        // first claim goes to the store without a second look (a claim answers a completed
+        // key with its record anyway; the look only spares a store a claim).
+        let mut looked = true;
         loop {
             let flight = store.flights().and_then(|flights| flights.get(key));
             // A flight whose holder stopped renewing is not waited for: the store decides.
@@ -120,7 +124,12 @@ impl Settings {
                     Err(_) => continue,
                 }
             }
-            let claim = match store.peek(key) {
+            let at_hand = if std::mem::take(&mut looked) {
+                None
+            } else {
+                store.peek(key)
+            };
+            let claim = match at_hand {
                 Some(completed @ Claim::Completed { .. }) => completed,
                 _ => {
                     // The enclosing call's claim may be uncommitted in its transaction, where
