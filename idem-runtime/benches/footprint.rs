@@ -5,9 +5,12 @@
 //!   counting allocator), against a raw moka cache of the same keys and values;
 //! - Redis: `MEMORY USAGE` of a record against a plain string of the same value;
 //! - PostgreSQL: table and index bytes per row, and the time `purge_expired()` takes for
-//!   1 M expired rows, with the slowest claim made on other keys while it ran.
+//!   1 M expired rows, with the slowest claim made on other keys while it ran;
+//! - SQLite: the file's bytes per completed record (pages in use, after a checkpoint);
+//! - MySQL/MariaDB: InnoDB's data and index bytes per completed record.
 //!
-//! Redis and PostgreSQL parts print `skipped` when their server is unreachable.
+//! The server parts print `skipped` when their server is unreachable (`IDEM_REDIS_URL`,
+//! `IDEM_POSTGRES_URL`, `IDEM_MYSQL_URL`).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
@@ -16,7 +19,9 @@ use std::time::{Duration, Instant};
 
 use self::common::receipt;
 use bytes::Bytes;
-use idem_runtime::{Error, MemoryStore, Operation, PostgresStore, RedisStore, Store};
+use idem_runtime::{
+    Error, MemoryStore, MySqlStore, Operation, PostgresStore, RedisStore, SqliteStore, Store,
+};
 
 mod common;
 
@@ -210,11 +215,107 @@ async fn postgres() {
     sql(format!("DROP TABLE {table}")).await;
 }
 
+/// Completes `records` calls of a fresh namespace on `store`, 32 at a time: rows exactly as
+/// the store writes them.
+async fn fill<S: Store + Clone + 'static>(store: &S, records: u32) {
+    let op = Operation::new(format!("footprint.{:?}", Instant::now()));
+    let mut calls = tokio::task::JoinSet::new();
+    for n in 0..records {
+        if calls.len() == 32 {
+            calls.join_next().await.unwrap().unwrap();
+        }
+        let (op, store) = (op.clone(), store.clone());
+        calls.spawn(async move {
+            let key = op.key(&n).unwrap();
+            op.run(&store, &key, None, async move {
+                Ok::<_, Error>(receipt(n.into()))
+            })
+            .await
+            .unwrap();
+        });
+    }
+    while let Some(call) = calls.join_next().await {
+        call.unwrap();
+    }
+}
+
+const SQL_RECORDS: u32 = 20_000;
+
+async fn sqlite() {
+    let dir = std::env::temp_dir().join(format!("idem-footprint-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let store = SqliteStore::open(dir.join("idem.db")).await.unwrap();
+    store.migrate().await.unwrap();
+    let pages = |store: SqliteStore| async move {
+        sqlx::query("PRAGMA wal_checkpoint(TRUNCATE)")
+            .execute(store.pool())
+            .await
+            .unwrap();
+        let count: i64 = sqlx::query_scalar("PRAGMA page_count")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        let free: i64 = sqlx::query_scalar("PRAGMA freelist_count")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        let size: i64 = sqlx::query_scalar("PRAGMA page_size")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        (count - free) * size
+    };
+    let empty = pages(store.clone()).await;
+    fill(&store, SQL_RECORDS).await;
+    let full = pages(store.clone()).await;
+    println!(
+        "SQLite, file bytes per completed record ({SQL_RECORDS} records): {:.0}",
+        (full - empty) as f64 / f64::from(SQL_RECORDS)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+async fn mysql() {
+    let url = std::env::var("IDEM_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+    let Ok(store) = MySqlStore::connect(&url).await else {
+        println!("MySQL: skipped ({url} unreachable)");
+        return;
+    };
+    let table = "idem_records_footprint";
+    let store = store.with_table(table).unwrap();
+    store.migrate().await.unwrap();
+    let sql = |q: String| {
+        let store = store.clone();
+        async move { sqlx::query(&q).execute(store.pool()).await.unwrap() }
+    };
+    sql(format!("TRUNCATE `{table}`")).await;
+    fill(&store, SQL_RECORDS).await;
+    sql(format!("ANALYZE TABLE `{table}`")).await;
+    let (data, index): (i64, i64) = sqlx::query_as(
+        "SELECT CAST(data_length AS SIGNED), CAST(index_length AS SIGNED) \
+         FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = ?",
+    )
+    .bind(table)
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    println!(
+        "MySQL, InnoDB data and index bytes per completed record ({SQL_RECORDS} records): {:.0} ({:.0} data, {:.0} index)",
+        (data + index) as f64 / f64::from(SQL_RECORDS),
+        data as f64 / f64::from(SQL_RECORDS),
+        index as f64 / f64::from(SQL_RECORDS)
+    );
+    sql(format!("DROP TABLE `{table}`")).await;
+}
+
 fn main() {
     let rt = common::runtime();
     rt.block_on(async {
         memory().await;
         redis().await;
         postgres().await;
+        sqlite().await;
+        mysql().await;
     });
 }
