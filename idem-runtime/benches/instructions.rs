@@ -8,6 +8,12 @@
 //! when one of idem's paths costs more than 5 % over its count in `instructions.counts`
 //! beside this file. `IDEM_ACCEPT_INSTRUCTIONS=1` writes the new counts there instead: a
 //! commit that changes them says why.
+//!
+//! Two more paths are counted for information, not gated: a replay and a first execution
+//! on Redis, against the floor's hand-written client on the same connection (the client's
+//! side of the throughput bench's rows; a round trip's wake-ups vary from run to run). They
+//! need Redis (`IDEM_REDIS_URL`, default `redis://127.0.0.1:6379`), and print `skipped`
+//! without it.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -18,7 +24,7 @@ use std::process::Command;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use idem_runtime::http::IdempotencyLayer;
-use idem_runtime::{idempotent, Error, MemoryStore, Operation, TieredStore};
+use idem_runtime::{idempotent, Error, MemoryStore, Operation, RedisStore, TieredStore};
 use sha2::{Digest, Sha256};
 use tokio::runtime::Runtime;
 use tower::{Layer, Service, ServiceExt};
@@ -61,6 +67,11 @@ async fn charge_tiered(
     Ok(receipt(order_id))
 }
 
+#[idempotent(key = order_id, store = store, namespace = "bench.redis")]
+async fn charge_redis(store: &RedisStore, order_id: u64) -> Result<Receipt, BenchError> {
+    Ok(receipt(order_id))
+}
+
 #[cached::proc_macro::cached(max_size = 10_000)]
 async fn cached_charge(order_id: u64, customer: String) -> Receipt {
     let _ = customer;
@@ -82,6 +93,8 @@ struct Path {
     name: &'static str,
     what: &'static str,
     baseline: &'static str,
+    /// Whether its count is committed and gated (in-process paths), or only printed.
+    gated: bool,
 }
 
 const PATHS: &[Path] = &[
@@ -89,41 +102,61 @@ const PATHS: &[Path] = &[
         name: "replay",
         what: "memory replay through the macro",
         baseline: "a hash, a moka lookup and a decode, by hand",
+        gated: true,
     },
     Path {
         name: "replay-cached",
         what: "memory replay through the macro",
         baseline: "`cached`'s hit",
+        gated: true,
     },
     Path {
         name: "first",
         what: "memory first execution through the macro",
         baseline: "a hash, two moka inserts and an encode, by hand",
+        gated: true,
     },
     Path {
         name: "key",
         what: "key derivation (`Operation::key`)",
         baseline: "the same fields hashed by hand",
+        gated: true,
     },
     Path {
         name: "http-replay",
         what: "HTTP replay, memory store, 1 KiB JSON",
         baseline: "a moka cache by the header, the tutorials' middleware",
+        gated: true,
     },
     Path {
         name: "http-replay-hashing",
         what: "HTTP replay, memory store, 1 KiB JSON",
         baseline: "the same, hashing the body",
+        gated: true,
     },
     Path {
         name: "http-first",
         what: "HTTP first execution, memory store, 1 KiB JSON",
         baseline: "a moka cache by the header, the tutorials' middleware",
+        gated: true,
     },
     Path {
         name: "tier-replay",
         what: "replay through a memory tier",
         baseline: "memory replay through the macro",
+        gated: true,
+    },
+    Path {
+        name: "redis-replay",
+        what: "Redis replay, the client's side",
+        baseline: "the floor's client: SET NX GET PX, a JSON decode",
+        gated: false,
+    },
+    Path {
+        name: "redis-first",
+        what: "Redis first execution, the client's side",
+        baseline: "the floor's client: SET NX GET PX, a compare-and-set script",
+        gated: false,
     },
 ];
 
@@ -149,8 +182,25 @@ fn drive() {
         "", "idem", "baseline", "ratio", "committed"
     );
     for path in PATHS {
+        if !path.gated && !redis_reachable() {
+            println!("{:<20} skipped: Redis is unreachable", path.name);
+            continue;
+        }
         let ours = count(path.name, "idem");
         let baseline = count(path.name, "baseline");
+        if !path.gated {
+            println!(
+                "{:<20} {:>9} {:>9} {:>6.2} {:>10}  {} ({})",
+                path.name,
+                ours,
+                baseline,
+                ours as f64 / baseline as f64,
+                "(not gated)",
+                path.what,
+                path.baseline
+            );
+            continue;
+        }
         let before = committed.get(path.name).copied();
         let change = before.map_or(String::new(), |before| {
             format!("{:+.1} %", (ours as f64 / before as f64 - 1.0) * 100.0)
@@ -187,6 +237,16 @@ fn drive() {
         );
         std::process::exit(1);
     }
+}
+
+fn redis_url() -> String {
+    std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+fn redis_reachable() -> bool {
+    redis::Client::open(redis_url())
+        .and_then(|client| client.get_connection())
+        .is_ok()
 }
 
 /// The committed counts: `name count` per line.
@@ -330,6 +390,71 @@ fn side<'a>(rt: &'a Runtime, path: &str, baseline: bool) -> Call<'a> {
             Box::new(move || {
                 black_box(rt.block_on(charge_tiered(&store, black_box(7))).unwrap());
             })
+        }
+        ("redis-replay", false) | ("redis-first", false) => {
+            let store = rt
+                .block_on(RedisStore::connect(&redis_url()))
+                .unwrap()
+                .with_prefix("idem-bench:")
+                .unwrap();
+            let start = common::run_start();
+            if path == "redis-replay" {
+                rt.block_on(charge_redis(&store, start)).unwrap();
+                Box::new(move || {
+                    black_box(rt.block_on(charge_redis(&store, start)).unwrap());
+                })
+            } else {
+                let mut id = start;
+                Box::new(move || {
+                    id += 1;
+                    black_box(rt.block_on(charge_redis(&store, id)).unwrap());
+                })
+            }
+        }
+        ("redis-replay", true) | ("redis-first", true) => {
+            let manager = rt
+                .block_on(async {
+                    let client = redis::Client::open(redis_url())?;
+                    redis::aio::ConnectionManager::new(client).await
+                })
+                .unwrap();
+            let json = serde_json::to_vec(&receipt(1)).unwrap();
+            let start = common::run_start();
+            if path == "redis-replay" {
+                let key = common::redis_floor::key(start);
+                let mut con = manager.clone();
+                rt.block_on(async {
+                    assert!(common::redis_floor::claim(&mut con, &key, start)
+                        .await
+                        .is_none());
+                    assert!(common::redis_floor::complete(&mut con, &key, start, &json).await);
+                });
+                Box::new(move || {
+                    let mut con = manager.clone();
+                    black_box(rt.block_on(async {
+                        // The key derived on every call, as idem's is.
+                        let key = common::redis_floor::key(black_box(start));
+                        let record = common::redis_floor::claim(&mut con, &key, start)
+                            .await
+                            .unwrap();
+                        serde_json::from_slice::<Receipt>(&record[1..]).unwrap()
+                    }));
+                })
+            } else {
+                let mut id = start;
+                Box::new(move || {
+                    id += 1;
+                    let mut con = manager.clone();
+                    rt.block_on(async {
+                        let key = common::redis_floor::key(id);
+                        assert!(common::redis_floor::claim(&mut con, &key, id)
+                            .await
+                            .is_none());
+                        let value = serde_json::to_vec(&receipt(id)).unwrap();
+                        assert!(common::redis_floor::complete(&mut con, &key, id, &value).await);
+                    });
+                })
+            }
         }
         _ => panic!("no path {path:?}"),
     }

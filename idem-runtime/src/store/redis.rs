@@ -477,10 +477,13 @@ impl Store for RedisStore {
         nonce: u64,
     ) -> Result<Claim, Error> {
         let token = Token::new(nonce);
-        let mut command = redis::cmd("SET");
+        let (record, claim) = (self.record(key), in_progress(token, fingerprint));
+        // Sized once: a command grown argument by argument reallocates four or five times.
+        let mut command = Cmd::with_capacity(7, record.len() + claim.len() + 32);
         command
-            .arg(self.record(key))
-            .arg(&*in_progress(token, fingerprint))
+            .arg("SET")
+            .arg(record)
+            .arg(&*claim)
             .arg("NX")
             .arg("GET")
             .arg("PX")
