@@ -304,7 +304,7 @@ impl Held {
     /// background while the lease lasts (the body's failure needs no record).
     async fn finish(&mut self) {
         let landing = if self.detached {
-            match self.renewing(self.discharge(self.claim.expires())).await {
+            match self.renewing(self.discharge(self.claim.expires(), Duration::ZERO)).await {
                 Some(landing) => landing,
                 None => self.late().await,
             }
@@ -313,7 +313,7 @@ impl Held {
                 Some(landing) => landing,
                 // Only a failed first try pays for the retries' heartbeat and clock.
                 None if matches!(self.owed, Owed::Complete { .. }) => {
-                    match self.renewing(self.discharge(self.claim.expires())).await {
+                    match self.renewing(self.discharge(self.claim.expires(), Duration::ZERO)).await {
                         Some(landing) => landing,
                         // The caller is told (the failed attempts set its `Unrecorded`);
                         // the drop hands the completion to the background.
@@ -328,13 +328,13 @@ impl Held {
     }
 
     /// Retries the owed step until it is done, or `None` when the next try would pass
-    /// `deadline`.
-    async fn discharge(&self, deadline: Instant) -> Option<Landing> {
+    /// `deadline`, pausing between tries by the backoff, and at least `least`.
+    async fn discharge(&self, deadline: Instant, least: Duration) -> Option<Landing> {
         loop {
             if let Some(landing) = self.attempt().await {
                 return Some(landing);
             }
-            let pause = backoff(self.failures());
+            let pause = backoff(self.failures()).max(least);
             if Instant::now() + pause >= deadline {
                 return None;
             }
@@ -350,7 +350,7 @@ impl Held {
     /// are sent; the claim lapses in the store, and the completion, refused then, claims
     /// the key again to record it if it is free ([`after_refusal`](Self::after_refusal)).
     /// Meanwhile this process's own callers of the key wait on its flight, which lasts as
-    /// long as the tries; a process that exits stops trying.
+    /// long as the tries (one a quarter lease); a process that exits stops trying.
     async fn late(&self) -> Landing {
         let Owed::Complete { ttl, .. } = &self.owed else {
             tracing::warn!(
@@ -368,7 +368,11 @@ impl Held {
         if let Some(flight) = &self.flight {
             flight.extend(until);
         }
-        self.discharge(until).await.unwrap_or_else(|| {
+        // One try a quarter lease: a store that is back is found within it, and one that
+        // refuses for good (a record it will never take) is not asked four times a second
+        // for a day.
+        let least = self.claim.lease / 4;
+        self.discharge(until, least).await.unwrap_or_else(|| {
             tracing::error!(
                 attempts = self.failures(),
                 "recording the result failed for as long as it would have been replayed; the key is free"
