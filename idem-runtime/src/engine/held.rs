@@ -304,7 +304,10 @@ impl Held {
     /// background while the lease lasts (the body's failure needs no record).
     async fn finish(&mut self) {
         let landing = if self.detached {
-            match self.renewing(self.discharge(self.claim.expires(), Duration::ZERO)).await {
+            match self
+                .renewing(self.discharge(self.claim.expires(), Duration::ZERO))
+                .await
+            {
                 Some(landing) => landing,
                 None => self.late().await,
             }
@@ -313,7 +316,10 @@ impl Held {
                 Some(landing) => landing,
                 // Only a failed first try pays for the retries' heartbeat and clock.
                 None if matches!(self.owed, Owed::Complete { .. }) => {
-                    match self.renewing(self.discharge(self.claim.expires(), Duration::ZERO)).await {
+                    match self
+                        .renewing(self.discharge(self.claim.expires(), Duration::ZERO))
+                        .await
+                    {
                         Some(landing) => landing,
                         // The caller is told (the failed attempts set its `Unrecorded`);
                         // the drop hands the completion to the background.
