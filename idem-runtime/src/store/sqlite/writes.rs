@@ -35,6 +35,11 @@ use crate::{Fingerprint, Key, Token};
 /// milliseconds is found.
 const POLL: Duration = Duration::from_millis(10);
 
+/// How long a process that waited for the lock stays off it after its transaction: longer
+/// than the longest pause between two looks of a waiting write's busy handler (5 ms), so
+/// that one in another process finds it free ([`Writes::commit`]).
+const HANDOFF: Duration = Duration::from_millis(6);
+
 /// A write's answer: where it goes, and what the write did until the commit sends it.
 pub(super) struct Answer<T> {
     to: oneshot::Sender<Result<T, sqlx::Error>>,
@@ -210,7 +215,22 @@ impl Writes {
 
     /// Commits `batch` in one transaction and answers each write; if that fails, each
     /// write runs again alone, so that one bad write fails only its own caller.
-    async fn commit(&self, mut batch: Vec<Write>) {
+    ///
+    /// After a transaction that took long enough to have waited for the lock, the process
+    /// stays off it for [`HANDOFF`] before its next one. SQLite's lock is no queue: a
+    /// process whose writes keep coming would take it again the moment it let go, before
+    /// the writes of other processes, asleep in their busy handlers, look again; under load
+    /// a live holder there could then miss its renewals for a whole lease.
+    async fn commit(&self, batch: Vec<Write>) {
+        let asked = Instant::now();
+        self.settle(batch).await;
+        if asked.elapsed() >= POLL {
+            tokio::time::sleep(HANDOFF).await;
+        }
+    }
+
+    /// Commits `batch` and answers its writes (see [`commit`](Self::commit)).
+    async fn settle(&self, mut batch: Vec<Write>) {
         match self.transaction(&mut batch).await {
             Err(_) if batch.len() > 1 => {
                 for mut write in batch {
