@@ -400,9 +400,14 @@ async fn an_in_memory_database_is_refused_with_a_clear_error() {
 /// A copy in a memory tier never outlives its SQLite record: watched from both sides as
 /// they expire, the durable record is never gone while its copy is still replayed (the
 /// durable store's clock counts whole milliseconds, and a copy ends a grain early).
+///
+/// Each watcher needs a copy to watch: on a machine too busy to replay a record within its
+/// short TTL (the record then expired, or too little was left to copy), it records another
+/// key and tries again, so that what is asserted is always the expiry of a real copy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_copy_never_outlives_its_durable_record() {
     const KEYS: u32 = 40;
+    const TRIES: u32 = 50;
     let durable = open(&fresh_file("copy-expiry")).await;
     let tier = TieredStore::new(MemoryStore::new(), durable.clone());
     let op = Operation::new(namespace("copy_expiry"))
@@ -412,18 +417,30 @@ async fn a_copy_never_outlives_its_durable_record() {
     for i in 0..KEYS {
         let (op, tier, durable) = (op.clone(), tier.clone(), durable.clone());
         watchers.push(tokio::spawn(async move {
-            let key = op.key(&i).unwrap();
-            // Recorded in the durable store; the tier's replay copies it, for what the
-            // durable store says is left.
-            let first = op
-                .run(&durable, &key, None, async { Ok::<_, Error>(i) })
-                .await;
-            assert_eq!(first.unwrap(), Outcome::Executed(i));
-            let replay = op
-                .run(&tier, &key, None, async { Ok::<_, Error>(i + 1) })
-                .await;
-            assert_eq!(replay.unwrap(), Outcome::Replayed(i));
-            assert!(tier.fast().peek(&key).is_some(), "the replay made a copy");
+            let mut tries = 0..TRIES;
+            let key = loop {
+                let n = tries.next().expect("no replay in time to copy, 50 times") * KEYS + i;
+                let key = op.key(&n).unwrap();
+                // Recorded in the durable store; the tier's replay copies it, for what the
+                // durable store says is left.
+                let first = op
+                    .run(&durable, &key, None, async { Ok::<_, Error>(n) })
+                    .await;
+                assert_eq!(first.unwrap(), Outcome::Executed(n));
+                let replay = op
+                    .run(&tier, &key, None, async { Ok::<_, Error>(n + 1) })
+                    .await
+                    .unwrap();
+                // Expired before the replay (run again now): its value stays n + 1.
+                assert!(
+                    matches!(replay, Outcome::Replayed(v) if v == n)
+                        || matches!(replay, Outcome::Executed(v) if v == n + 1),
+                    "{replay:?}"
+                );
+                if replay.is_replayed() && tier.fast().peek(&key).is_some() {
+                    break key;
+                }
+            };
             // Until both are gone: the durable record first, then the copy, each time.
             loop {
                 let durable_live = durable.lookup(&key).await.unwrap().is_some();
