@@ -81,7 +81,6 @@
 
 use std::fmt;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -451,21 +450,15 @@ impl SqliteStore {
     /// setting the file keeps). Each write waits for the file's lock at most what is left of
     /// the store's timeout; the pool's own `acquire_timeout` still applies to the wait for a
     /// connection. The store's own connection for writes is opened with the pool's
-    /// options.
+    /// options, and a busy handler of its own that waits 10 ms before it looks again.
     pub fn from_pool(pool: SqlitePool) -> Self {
-        let opened = Arc::new(AtomicU64::new(0));
-        let counted = Arc::clone(&opened);
         let writes = SqlitePoolOptions::new()
             .max_connections(1)
             .acquire_timeout(ACQUIRE_BOUND)
-            .after_connect(move |_, _| {
-                counted.fetch_add(1, Ordering::AcqRel);
-                Box::pin(async { Ok(()) })
-            })
-            .connect_lazy_with((*pool.connect_options()).clone());
+            .connect_lazy_with((*pool.connect_options()).clone().busy_timeout(writes::POLL));
         Self {
             pool,
-            writes: Arc::new(Writes::new(writes, opened)),
+            writes: Arc::new(Writes::new(writes)),
             sql: Arc::new(Statements::of(DEFAULT_TABLE)),
             timeout: DEFAULT_TIMEOUT,
             flights: Arc::default(),

@@ -10,14 +10,12 @@
 //! takes the ones that came meanwhile. A renewal then waits for at most one transaction of
 //! its own process, and a crowd costs one commit per turn instead of one per call.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{SqlitePool, SqliteRow};
-use sqlx::{Connection, Sqlite, SqliteConnection};
+use sqlx::{Connection, SqliteConnection};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
@@ -33,7 +31,7 @@ use crate::{Fingerprint, Key, Token};
 /// its turns. The handler waits this long instead (it looks 5 times, at most 5 ms apart),
 /// and the write, still locked out, runs again until its deadline: a lock free for a few
 /// milliseconds is found.
-const POLL: Duration = Duration::from_millis(10);
+pub(super) const POLL: Duration = Duration::from_millis(10);
 
 /// How long a process that waited for the lock stays off it after its transaction: longer
 /// than the longest pause between two looks of a waiting write's busy handler (5 ms), so
@@ -118,10 +116,6 @@ pub(super) struct Writes {
     queue: Mutex<Vec<Write>>,
     /// Held while a transaction of queued writes runs, so that one runs at a time.
     turn: Arc<tokio::sync::Mutex<()>>,
-    /// The connection whose busy timeout is [`POLL`] (the count of connections `conn` had
-    /// opened when it was set; see [`Writes::new`]).
-    polling: Mutex<Option<u64>>,
-    opened: Arc<AtomicU64>,
     /// When this process began to find the file's lock held, if no write here has held it
     /// since: the start of the first wait for it (a write that waited, or gave up) since
     /// one last got it. The time the file was dark to this process, whoever held it.
@@ -129,14 +123,12 @@ pub(super) struct Writes {
 }
 
 impl Writes {
-    /// The queue of writes on `conn`, whose `opened` counts the connections it opens.
-    pub(super) fn new(conn: SqlitePool, opened: Arc<AtomicU64>) -> Self {
+    /// The queue of writes on `conn`, whose connections' busy handlers wait [`POLL`].
+    pub(super) fn new(conn: SqlitePool) -> Self {
         Self {
             conn,
             queue: Mutex::default(),
             turn: Arc::default(),
-            polling: Mutex::default(),
-            opened,
             locked_out: Mutex::default(),
         }
     }
@@ -163,22 +155,6 @@ impl Writes {
     /// Notes that a write here held the file's lock: it was not dark to this process then.
     fn held(&self) {
         *self.locked_out() = None;
-    }
-
-    /// The store's connection, whose busy handler waits [`POLL`] for the file's lock (set
-    /// once per connection): each write looks again until its deadline ([`again`]).
-    async fn writer(&self) -> Result<PoolConnection<Sqlite>, sqlx::Error> {
-        let mut conn = self.conn.acquire().await?;
-        let connection = self.opened.load(Ordering::Acquire);
-        let polling = *self.polling.lock().unwrap_or_else(PoisonError::into_inner);
-        if polling != Some(connection) {
-            sqlx::query(&format!("PRAGMA busy_timeout = {}", POLL.as_millis()))
-                .persistent(false)
-                .execute(&mut *conn)
-                .await?;
-            *self.polling.lock().unwrap_or_else(PoisonError::into_inner) = Some(connection);
-        }
-        Ok(conn)
     }
 
     /// Queues `job` for the next transaction of queued writes, and waits for its answer.
@@ -260,7 +236,7 @@ impl Writes {
         let asked = Instant::now();
         // Never past it either, so that the next transaction gets its turn.
         let transaction = async {
-            let mut conn = self.writer().await?;
+            let mut conn = self.conn.acquire().await?;
             // A lone write of one statement commits by itself: the same lock and the same
             // commit, two statements fewer. So does a lone take that holds the lock before it
             // waited long enough that leases get time back (it only knows once it holds it:
