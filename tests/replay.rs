@@ -435,6 +435,25 @@ async fn when_recording_fails_until_the_lease_ends_the_caller_is_told_the_body_r
 
 // Paused time, as above.
 #[tokio::test(start_paused = true)]
+async fn a_result_recorded_late_is_tried_once_a_quarter_lease() {
+    let store = Probe::complete_fails(MemoryStore::new());
+    let lease = Duration::from_secs(2);
+    let op = Operation::new("replay.late_cadence").lease(lease);
+    let key = op.key(&1).unwrap();
+    let first = op
+        .run(&store, &key, None, async { Ok::<_, Error>(1) })
+        .await;
+    assert!(matches!(first, Err(Error::Unrecorded(_))), "{first:?}");
+    // After the caller was answered: tries go on, a quarter lease apart (not the 250 ms of
+    // the retries within the lease, which would be 40 in these 10 s).
+    let before = store.completes();
+    tokio::time::sleep(lease * 5).await;
+    let tries = store.completes() - before;
+    assert!((18..=21).contains(&tries), "{tries} tries in 10 s");
+}
+
+// Paused time, as above.
+#[tokio::test(start_paused = true)]
 async fn a_result_its_caller_was_told_is_unrecorded_is_replayed_once_the_store_is_back() {
     // A disk that filled while the body ran: every completion fails, well past the lease.
     let store = Probe::new(MemoryStore::new());

@@ -155,6 +155,7 @@ impl Held {
             lost: AtomicBool::new(false),
             polling: AtomicU64::new(0),
             born: Instant::now(),
+            retries_end: Mutex::new(None),
         });
         let journal = Journal::new(key, settings, fingerprint, Some(Arc::clone(&claim)));
         let attempt = Attempt::enter(&claim.store, key, token, journal);
@@ -303,32 +304,31 @@ impl Held {
     /// if the store fails, the guard is left owing, and its `Drop` retries in the
     /// background while the lease lasts (the body's failure needs no record).
     async fn finish(&mut self) {
-        let landing = if self.detached {
-            match self
-                .renewing(self.discharge(self.claim.expires(), Duration::ZERO))
-                .await
-            {
-                Some(landing) => landing,
-                None => self.late().await,
+        if !self.detached {
+            if let Some(landing) = self.attempt().await {
+                return self.settled(landing);
             }
-        } else {
-            match self.attempt().await {
-                Some(landing) => landing,
-                // Only a failed first try pays for the retries' heartbeat and clock.
-                None if matches!(self.owed, Owed::Complete { .. }) => {
-                    match self
-                        .renewing(self.discharge(self.claim.expires(), Duration::ZERO))
-                        .await
-                    {
-                        Some(landing) => landing,
-                        // The caller is told (the failed attempts set its `Unrecorded`);
-                        // the drop hands the completion to the background.
-                        None => return,
-                    }
-                }
-                None => return,
+            // Only a failed first completion pays for the retries' heartbeat and clock.
+            if !matches!(self.owed, Owed::Complete { .. }) {
+                return;
             }
-        };
+        }
+        let end = self.claim.retries_end();
+        let retried = self.renewing(self.discharge(end, Duration::ZERO)).await;
+        match retried {
+            Some(landing) => self.settled(landing),
+            None if self.detached => {
+                let landing = self.late().await;
+                self.settled(landing);
+            }
+            // The caller is told (the failed attempts set its `Unrecorded`); the drop hands
+            // the completion to the background.
+            None => {}
+        }
+    }
+
+    /// The store was told: nothing is owed, and the flight lands.
+    fn settled(&mut self, landing: Landing) {
         self.owed = Owed::Nothing;
         self.land(landing);
     }
@@ -374,9 +374,9 @@ impl Held {
         if let Some(flight) = &self.flight {
             flight.extend(until);
         }
-        // One try a quarter lease: a store that is back is found within it, and one that
-        // refuses for good (a record it will never take) is not asked four times a second
-        // for a day.
+        // One try a quarter lease (the retries' backoff, up to 250 ms, for a lease under a
+        // second): a store that is back is found within it, and one that refuses for good
+        // (a record it will never take) is not asked four times a second for a day.
         let least = self.claim.lease / 4;
         self.discharge(until, least).await.unwrap_or_else(|| {
             tracing::error!(

@@ -46,6 +46,9 @@ pub(super) struct Lease {
     pub(super) polling: AtomicU64,
     /// The clock `polling` counts from.
     pub(super) born: Instant,
+    /// Where the retries of the holder's owed step within the lease end (see
+    /// [`retries_end`](Self::retries_end)).
+    pub(super) retries_end: Mutex<Option<Instant>>,
 }
 
 impl Lease {
@@ -135,6 +138,18 @@ impl Lease {
                 }
             }
         }
+    }
+
+    /// Where the retries of the holder's owed step end: the lease as it stood at the first
+    /// retry. Renewals meanwhile keep the claim, but must not keep a failing store retried
+    /// for ever; and a guard that goes to the background after its caller was told the
+    /// result is unrecorded does not retry for another lease before it goes on late.
+    pub(super) fn retries_end(&self) -> Instant {
+        *self
+            .retries_end
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_or_insert_with(|| self.expires())
     }
 
     pub(super) fn expires(&self) -> Instant {
