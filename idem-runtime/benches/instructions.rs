@@ -24,16 +24,18 @@ use std::process::Command;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use idem_runtime::http::IdempotencyLayer;
-use idem_runtime::{idempotent, Error, MemoryStore, Operation, RedisStore, TieredStore};
-use sha2::{Digest, Sha256};
+use idem_runtime::{idempotent, MemoryStore, Operation, RedisStore, TieredStore};
 use tokio::runtime::Runtime;
 use tower::{Layer, Service, ServiceExt};
 
 use self::baselines::{handler, kib_json, request, Naive, REPLAY_KEY};
+use self::calls::{cached_charge, charge, charge_redis, hand_key, BenchError};
 use self::common::{receipt, Receipt};
 
 #[path = "common/http.rs"]
 mod baselines;
+#[path = "common/calls.rs"]
+mod calls;
 mod common;
 
 /// Calls measured per path and side, after as many to warm up.
@@ -45,47 +47,12 @@ const TOLERANCE: f64 = 0.05;
 /// The function callgrind counts in (and everything it calls).
 const MEASURED: &str = "*instructions::measured*";
 
-#[derive(Debug)]
-struct BenchError;
-
-impl From<Error> for BenchError {
-    fn from(_: Error) -> Self {
-        Self
-    }
-}
-
-#[idempotent(key = (order_id, customer), store = store, namespace = "bench.charge")]
-async fn charge(store: &MemoryStore, order_id: u64, customer: &str) -> Result<Receipt, BenchError> {
-    Ok(receipt(order_id))
-}
-
 #[idempotent(key = order_id, store = store, namespace = "bench.tiered")]
 async fn charge_tiered(
     store: &TieredStore<MemoryStore, MemoryStore>,
     order_id: u64,
 ) -> Result<Receipt, BenchError> {
     Ok(receipt(order_id))
-}
-
-#[idempotent(key = order_id, store = store, namespace = "bench.redis")]
-async fn charge_redis(store: &RedisStore, order_id: u64) -> Result<Receipt, BenchError> {
-    Ok(receipt(order_id))
-}
-
-#[cached::proc_macro::cached(max_size = 10_000)]
-async fn cached_charge(order_id: u64, customer: String) -> Receipt {
-    let _ = customer;
-    receipt(order_id)
-}
-
-/// The hand-written key of the baselines: the same fields, concatenated, hashed once.
-fn hand_key(order_id: u64, customer: &str, line: u32) -> [u8; 32] {
-    let mut bytes = [0_u8; 64];
-    bytes[..8].copy_from_slice(&order_id.to_le_bytes());
-    bytes[8..8 + customer.len()].copy_from_slice(customer.as_bytes());
-    let end = 8 + customer.len();
-    bytes[end..end + 4].copy_from_slice(&line.to_le_bytes());
-    Sha256::digest(&bytes[..end + 4]).into()
 }
 
 /// A path: idem's side and its baseline, each a name for the command line.
@@ -493,7 +460,7 @@ where
 {
     let body = kib_json();
     respond(rt, service.clone(), request(REPLAY_KEY, &body));
-    Box::new(move || respond(rt, service.clone(), request(REPLAY_KEY, &body)))
+    requests(rt, service, body, || REPLAY_KEY.to_string())
 }
 
 /// First executions through `service`, a fresh key each.
@@ -505,12 +472,28 @@ where
     B: http_body::Body,
     B::Error: std::fmt::Debug,
 {
-    let body = kib_json();
     let mut id = 0_u64;
-    Box::new(move || {
+    requests(rt, service, kib_json(), move || {
         id += 1;
-        respond(rt, service.clone(), request(&id.to_string(), &body));
+        id.to_string()
     })
+}
+
+/// Requests with `body` through `service`, each under the key `key` gives.
+fn requests<'a, S, B>(
+    rt: &'a Runtime,
+    service: S,
+    body: Bytes,
+    mut key: impl FnMut() -> String + 'a,
+) -> Call<'a>
+where
+    S: Service<http::Request<Full<Bytes>>, Response = http::Response<B>, Error = Infallible>
+        + Clone
+        + 'a,
+    B: http_body::Body,
+    B::Error: std::fmt::Debug,
+{
+    Box::new(move || respond(rt, service.clone(), request(&key(), &body)))
 }
 
 /// Sends `request` through `service` and reads the whole response, as a server would.

@@ -18,14 +18,16 @@ use idem_runtime::http::IdempotencyLayer;
 use idem_runtime::{
     idempotent, Error, MemoryStore, Operation, PostgresStore, RedisStore, TieredStore,
 };
-use sha2::{Digest, Sha256};
 use tokio::runtime::Runtime;
 
+use self::calls::{cached_charge, charge, charge_redis, hand_key, BenchError};
 use self::common::{receipt, Receipt};
 use self::interleaved::{on, Ratio, Side};
 
 #[path = "common/http.rs"]
 mod baselines;
+#[path = "common/calls.rs"]
+mod calls;
 mod common;
 #[path = "paths/harness.rs"]
 mod harness;
@@ -37,15 +39,6 @@ mod postgres;
 
 use self::harness::{sync, Paths};
 
-#[derive(Debug)]
-struct BenchError;
-
-impl From<Error> for BenchError {
-    fn from(_: Error) -> Self {
-        Self
-    }
-}
-
 /// Fresh keys for paths that need one per iteration, unique across runs too (see
 /// `common::run_start`).
 static NEXT: LazyLock<AtomicU64> = LazyLock::new(|| AtomicU64::new(common::run_start()));
@@ -54,33 +47,7 @@ fn fresh() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
-/// The hand-written key of the baselines: the same fields, concatenated, hashed once.
-fn hand_key(order_id: u64, customer: &str, line: u32) -> [u8; 32] {
-    let mut bytes = [0_u8; 64];
-    bytes[..8].copy_from_slice(&order_id.to_le_bytes());
-    bytes[8..8 + customer.len()].copy_from_slice(customer.as_bytes());
-    let end = 8 + customer.len();
-    bytes[end..end + 4].copy_from_slice(&line.to_le_bytes());
-    Sha256::digest(&bytes[..end + 4]).into()
-}
-
 // ---- the functions under test ---------------------------------------------------------
-
-#[idempotent(key = (order_id, customer), store = store, namespace = "bench.charge")]
-async fn charge(store: &MemoryStore, order_id: u64, customer: &str) -> Result<Receipt, BenchError> {
-    Ok(receipt(order_id))
-}
-
-#[cached::proc_macro::cached(max_size = 10_000)]
-async fn cached_charge(order_id: u64, customer: String) -> Receipt {
-    let _ = customer;
-    receipt(order_id)
-}
-
-#[idempotent(key = order_id, store = store, namespace = "bench.redis")]
-async fn charge_redis(store: &RedisStore, order_id: u64) -> Result<Receipt, BenchError> {
-    Ok(receipt(order_id))
-}
 
 #[idempotent(key = order_id, store = store, namespace = "bench.postgres")]
 async fn charge_postgres(store: &PostgresStore, order_id: u64) -> Result<Receipt, BenchError> {
