@@ -10,6 +10,7 @@
 //! takes the ones that came meanwhile. A renewal then waits for at most one transaction of
 //! its own process, and a crowd costs one commit per turn instead of one per call.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -120,6 +121,8 @@ pub(super) struct Writes {
     /// since: the start of the first wait for it (a write that waited, or gave up) since
     /// one last got it. The time the file was dark to this process, whoever held it.
     locked_out: Mutex<Option<Instant>>,
+    /// Whether the transaction running now found the lock held at least once.
+    found_held: AtomicBool,
 }
 
 impl Writes {
@@ -130,6 +133,7 @@ impl Writes {
             queue: Mutex::default(),
             turn: Arc::default(),
             locked_out: Mutex::default(),
+            found_held: AtomicBool::new(false),
         }
     }
 
@@ -192,15 +196,14 @@ impl Writes {
     /// Commits `batch` in one transaction and answers each write; if that fails, each
     /// write runs again alone, so that one bad write fails only its own caller.
     ///
-    /// After a transaction that took long enough to have waited for the lock, the process
-    /// stays off it for [`HANDOFF`] before its next one. SQLite's lock is no queue: a
+    /// After a transaction that found the lock held, the process stays off it for
+    /// [`HANDOFF`] before its next one. SQLite's lock is no queue: a
     /// process whose writes keep coming would take it again the moment it let go, before
     /// the writes of other processes, asleep in their busy handlers, look again; under load
     /// a live holder there could then miss its renewals for a whole lease.
     async fn commit(&self, batch: Vec<Write>) {
-        let asked = Instant::now();
         self.settle(batch).await;
-        if asked.elapsed() >= POLL {
+        if self.found_held.swap(false, Ordering::Relaxed) {
             tokio::time::sleep(HANDOFF).await;
         }
     }
@@ -249,7 +252,7 @@ impl Writes {
                     loop {
                         let tried = Instant::now();
                         let ran = write.job.run(&write.sql, &mut conn).await;
-                        if !again(&ran, deadline, tried).await {
+                        if !again(&ran, deadline, tried, &self.found_held).await {
                             return ran;
                         }
                     }
@@ -257,7 +260,13 @@ impl Writes {
                 let dark_since = self.dark_since(asked);
                 if write
                     .job
-                    .take_in_time(&write.sql, &mut conn, deadline, dark_since)
+                    .take_in_time(
+                        &write.sql,
+                        &mut conn,
+                        deadline,
+                        dark_since,
+                        &self.found_held,
+                    )
                     .await?
                 {
                     return Ok(());
@@ -266,7 +275,7 @@ impl Writes {
             let mut tx = loop {
                 let tried = Instant::now();
                 let begun = conn.begin_with("BEGIN IMMEDIATE").await;
-                if !again(&begun, deadline, tried).await {
+                if !again(&begun, deadline, tried, &self.found_held).await {
                     break begun?;
                 }
             };
@@ -309,11 +318,20 @@ fn locked(err: &sqlx::Error) -> bool {
 }
 
 /// Whether a write that began at `tried` and ended with `result` found the file's lock held
-/// and has time left before `deadline` to look again. SQLite's busy handler waited [`POLL`]
-/// before it answered busy, except for a write whose snapshot went stale, which is answered
-/// at once: that one waits a millisecond, so that the loop never spins.
-async fn again<T>(result: &Result<T, sqlx::Error>, deadline: Instant, tried: Instant) -> bool {
+/// (noted in `found_held`) and has time left before `deadline` to look again. SQLite's busy
+/// handler waited [`POLL`] before it answered busy, except for a write whose snapshot went
+/// stale, which is answered at once: that one waits a millisecond, so that the loop never
+/// spins.
+async fn again<T>(
+    result: &Result<T, sqlx::Error>,
+    deadline: Instant,
+    tried: Instant,
+    found_held: &AtomicBool,
+) -> bool {
     let busy = matches!(result, Err(err @ sqlx::Error::Database(_)) if locked(err));
+    if busy {
+        found_held.store(true, Ordering::Relaxed);
+    }
     if !busy || Instant::now() >= deadline {
         return false;
     }
@@ -436,6 +454,7 @@ impl Job {
         conn: &mut SqliteConnection,
         deadline: Instant,
         dark_since: Instant,
+        found_held: &AtomicBool,
     ) -> Result<bool, sqlx::Error> {
         let Job::Take {
             key,
@@ -482,7 +501,7 @@ impl Job {
                 .bind(until)
                 .fetch_all(&mut *conn)
                 .await;
-            if !again(&tokens, deadline, tried).await {
+            if !again(&tokens, deadline, tried, found_held).await {
                 break tokens?;
             }
         };
