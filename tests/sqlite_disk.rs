@@ -136,22 +136,19 @@ async fn a_disk_that_fills_while_the_body_runs_leaves_the_key_replaying_once_it_
     // The disk drains; this process still holds the result, and records it: a retry here
     // waits for that and replays it, and so does another process after it.
     filler.take().unwrap().drain();
-    let retry = op
-        .run(&store, &key, None, async {
-            runs.hit();
-            Ok::<_, Error>(String::new())
-        })
-        .await
-        .unwrap();
-    assert_eq!(retry, Outcome::Replayed(value.clone()));
+    let retry = |store: SqliteStore| {
+        let (op, runs) = (op.clone(), runs.clone());
+        async move {
+            op.run(&store, &key, None, async {
+                runs.hit();
+                Ok::<_, Error>(String::new())
+            })
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(retry(store).await, Outcome::Replayed(value.clone()));
     let elsewhere = open(&file).await;
-    let replayed = op
-        .run(&elsewhere, &key, None, async {
-            runs.hit();
-            Ok::<_, Error>(String::new())
-        })
-        .await
-        .unwrap();
-    assert_eq!(replayed, Outcome::Replayed(value));
+    assert_eq!(retry(elsewhere).await, Outcome::Replayed(value));
     assert_eq!(runs.count(), 1, "the body ran once");
 }
