@@ -1,10 +1,13 @@
-//! A replay from the memory store hands the caller the recorded value itself, cloned, when
-//! the `#[idempotent]` function's success type is `Clone`: nothing is decoded. Every other
+//! A replay from the memory store, or from a memory tier's copy of a result completed in
+//! this process, hands the caller the recorded value itself, cloned, when the
+//! `#[idempotent]` function's success type is `Clone`: nothing is decoded. Every other
 //! replay decodes the record, and every one checks the fingerprint first.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use idem_runtime::{idempotent, Error, MemoryStore, Operation, Outcome};
+use idem_runtime::{
+    idempotent, Error, MemoryStore, Operation, Outcome, SqliteStore, Store, TieredStore,
+};
 use serde::{Deserialize, Deserializer, Serialize};
 
 /// Defines a receipt type whose decodings are counted, each type with its own counter.
@@ -117,4 +120,60 @@ async fn a_type_that_is_not_clone_is_decoded() {
     let replayed = uncloned(&store, 7).await.unwrap();
     assert_eq!(first, replayed);
     assert_eq!(UNCLONED_DECODES.load(Ordering::SeqCst), recorded + 1);
+}
+
+counted!(Tiered, TIERED_DECODES, Clone);
+
+#[idempotent(key = id, fingerprint = amount, store = store, namespace = "typed.tiered")]
+async fn tiered(
+    store: &TieredStore<MemoryStore, SqliteStore>,
+    id: u64,
+    amount: u64,
+) -> Result<Tiered, Error> {
+    let _ = amount;
+    Ok(Tiered {
+        id,
+        customer: "cus_0042".into(),
+    })
+}
+
+#[tokio::test]
+async fn a_memory_tier_replays_a_result_completed_here_without_decoding() {
+    let path = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("typed-tier-{}.db", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let durable = SqliteStore::open(&path).await.unwrap();
+    durable.migrate().await.unwrap();
+    let store = TieredStore::new(MemoryStore::new(), durable.clone());
+    let first = tiered(&store, 1, 100).await.unwrap();
+    let recorded = TIERED_DECODES.load(Ordering::SeqCst);
+    assert_eq!(recorded, 1, "the record is checked once");
+    assert!(
+        store.fast().peek(&tiered_key(1)).is_some(),
+        "the completion copied the record into the fast tier"
+    );
+    for _ in 0..3 {
+        assert_eq!(tiered(&store, 1, 100).await.unwrap(), first);
+    }
+    assert_eq!(
+        TIERED_DECODES.load(Ordering::SeqCst),
+        recorded,
+        "a replay from the tier's copy decoded its record"
+    );
+    let err = tiered(&store, 1, 999).await.unwrap_err();
+    assert!(matches!(err, Error::PayloadMismatch), "{err:?}");
+
+    // Another process's tier (a fresh fast tier over the same durable store) copies the
+    // record on its first replay; that copy was decoded by nobody here, so its replays
+    // decode, and give the same value.
+    let elsewhere = TieredStore::new(MemoryStore::new(), durable);
+    for decodes in 1..=2 {
+        assert_eq!(tiered(&elsewhere, 1, 100).await.unwrap(), first);
+        assert_eq!(TIERED_DECODES.load(Ordering::SeqCst), recorded + decodes);
+    }
+    assert!(elsewhere.fast().peek(&tiered_key(1)).is_some(), "copied");
+}
+
+fn tiered_key(id: u64) -> idem_runtime::Key {
+    Operation::new("typed.tiered").key(&id).unwrap()
 }

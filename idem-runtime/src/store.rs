@@ -37,6 +37,8 @@ pub mod testkit;
 pub mod tiered;
 
 use std::any::Any;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -440,18 +442,38 @@ pub type Typed = Arc<dyn Any + Send + Sync>;
 pub trait TypedStore: Send + Sync {
     /// [`Store::complete`], keeping `typed` beside `value`, in the same step: a replay that
     /// finds this record's encoding finds exactly this value beside it.
-    fn complete_typed(
-        &self,
-        key: &Key,
+    /// A store that completes in memory answers at once; one whose completion goes to
+    /// another store first (a tier) answers with a future.
+    fn complete_typed<'a>(
+        &'a self,
+        key: &'a Key,
         token: Token,
         value: Bytes,
         ttl: Duration,
         typed: Typed,
-    ) -> bool;
+    ) -> TypedCompletion<'a>;
 
     /// As [`Store::peek`], with the typed value kept beside a live completed record, if any:
     /// the value, the encoding and the fingerprint. `None`: no live completed record.
     fn peek_typed(&self, key: &Key) -> Option<(Option<Typed>, Bytes, Option<Fingerprint>)>;
+}
+
+/// What [`TypedStore::complete_typed`] answers: whether the claim was held, now or once the
+/// future is done.
+#[doc(hidden)]
+pub enum TypedCompletion<'a> {
+    Done(bool),
+    Pending(Pin<Box<dyn Future<Output = Result<bool, Error>> + Send + 'a>>),
+}
+
+impl TypedCompletion<'_> {
+    /// Whether the claim was held, awaiting the completion if it is pending.
+    pub(crate) async fn landed(self) -> Result<bool, Error> {
+        match self {
+            Self::Done(held) => Ok(held),
+            Self::Pending(completion) => completion.await,
+        }
+    }
 }
 
 macro_rules! forward_store {

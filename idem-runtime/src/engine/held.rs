@@ -40,6 +40,9 @@ pub(super) struct Held {
     owed: Owed,
     /// Whether this guard already runs in the background: dropping it then only lands.
     detached: bool,
+    /// Whether the retries within the lease ran to their end (and the caller was told the
+    /// result is unrecorded): the background then goes on late at once.
+    gave_up: bool,
     /// How many attempts at the owed step failed so far.
     failures: AtomicU32,
     /// When the body started, for the log of its outcome.
@@ -165,6 +168,7 @@ impl Held {
             attempt,
             owed: Owed::Release,
             detached: false,
+            gave_up: false,
             failures: AtomicU32::new(0),
             started: Instant::now(),
             span,
@@ -313,18 +317,19 @@ impl Held {
                 return;
             }
         }
-        let end = self.claim.retries_end();
-        let retried = self.renewing(self.discharge(end, Duration::ZERO)).await;
-        match retried {
-            Some(landing) => self.settled(landing),
-            None if self.detached => {
-                let landing = self.late().await;
-                self.settled(landing);
+        if !self.gave_up {
+            let end = self.claim.retries_end();
+            if let Some(landing) = self.renewing(self.discharge(end, Duration::ZERO)).await {
+                return self.settled(landing);
             }
-            // The caller is told (the failed attempts set its `Unrecorded`); the drop hands
-            // the completion to the background.
-            None => {}
+            self.gave_up = true;
         }
+        if self.detached {
+            let landing = self.late().await;
+            self.settled(landing);
+        }
+        // Otherwise the caller is told (the failed attempts set its `Unrecorded`), and the
+        // drop hands the completion to the background.
     }
 
     /// The store was told: nothing is owed, and the flight lands.
@@ -393,13 +398,12 @@ impl Held {
             Owed::Complete { record, typed, ttl } => {
                 let (store, key, token) = (&self.claim.store, &self.claim.key, self.claim.token);
                 match (typed, store.typed()) {
-                    (Some(typed), Some(keeps)) => Ok(keeps.complete_typed(
-                        key,
-                        token,
-                        record.clone(),
-                        *ttl,
-                        Arc::clone(typed),
-                    )),
+                    (Some(typed), Some(keeps)) => {
+                        keeps
+                            .complete_typed(key, token, record.clone(), *ttl, Arc::clone(typed))
+                            .landed()
+                            .await
+                    }
                     _ => store.complete(key, token, record.clone(), *ttl).await,
                 }
             }
@@ -579,6 +583,7 @@ impl Drop for Held {
             attempt: self.attempt.clone(),
             owed,
             detached: true,
+            gave_up: self.gave_up,
             failures: AtomicU32::new(self.failures()),
             started: self.started,
             span: self.span.clone(),

@@ -14,7 +14,7 @@ use moka::Expiry;
 use tokio::time::Instant;
 
 use crate::key::KeyHasher;
-use crate::store::{Recorded, Typed, TypedStore};
+use crate::store::{Recorded, Typed, TypedCompletion, TypedStore};
 use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
 mod marks;
@@ -556,15 +556,15 @@ impl Store for MemoryStore {
 }
 
 impl TypedStore for MemoryStore {
-    fn complete_typed(
-        &self,
-        key: &Key,
+    fn complete_typed<'a>(
+        &'a self,
+        key: &'a Key,
         token: Token,
         value: Bytes,
         ttl: Duration,
         typed: Typed,
-    ) -> bool {
-        self.record(key, token, value, Some(typed), ttl)
+    ) -> TypedCompletion<'a> {
+        TypedCompletion::Done(self.record(key, token, value, Some(typed), ttl))
     }
 
     fn peek_typed(&self, key: &Key) -> Option<(Option<Typed>, Bytes, Option<Fingerprint>)> {
@@ -603,7 +603,9 @@ mod tests {
                 panic!("a fresh key is acquired");
             };
             let value = Bytes::from(vec![b'7'; len]);
-            assert!(store.complete_typed(key, token, value, Duration::from_secs(60), typed()));
+            let completed =
+                store.complete_typed(key, token, value, Duration::from_secs(60), typed());
+            assert!(completed.landed().await.unwrap());
             kept.push(store.peek_typed(key).expect("recorded"));
         }
         assert!(

@@ -15,7 +15,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::Recorded;
+use super::{Recorded, Typed, TypedCompletion, TypedStore};
 use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
 /// The lease of the claim through which a record is copied into the fast tier. The claim is
@@ -168,10 +168,18 @@ impl<F: Store, D: Store> TieredStore<F, D> {
         })
     }
 
-    /// Ends a copy begun under `token` with the durable record's value, to expire by
+    /// Ends a copy begun under `token` with the durable record's value (and its typed
+    /// value, when this process made it and the fast tier keeps one), to expire by
     /// `expires` (never later than the durable record). Refused when a removal came since
     /// the copy began; a failure leaves the fast tier without it, nothing more.
-    async fn finish_copy(&self, key: &Key, token: Token, value: Bytes, expires: Instant) {
+    async fn finish_copy(
+        &self,
+        key: &Key,
+        token: Token,
+        value: Bytes,
+        typed: Option<Typed>,
+        expires: Instant,
+    ) {
         // A grain early: durable stores count time in whole milliseconds, so `expires` may be
         // a fraction of one past the record's end; the copy must never outlive it.
         let sent = Instant::now();
@@ -182,10 +190,17 @@ impl<F: Store, D: Store> TieredStore<F, D> {
             self.abandon_copy(key, token).await;
             return;
         }
-        match self
-            .on_fast(self.fast.complete(key, token, value, ttl))
-            .await
-        {
+        let copied = match (typed, self.fast.typed()) {
+            (Some(typed), Some(keeps)) => {
+                let completion = keeps.complete_typed(key, token, value, ttl, typed);
+                self.on_fast(completion.landed()).await
+            }
+            _ => {
+                self.on_fast(self.fast.complete(key, token, value, ttl))
+                    .await
+            }
+        };
+        match copied {
             // The fast tier counts the TTL from when it acts, anywhere between `sent` and
             // now: a copy made later than the allowance could outlive the durable record.
             // It is dropped at once, while the durable record still lives; the next replay
@@ -205,6 +220,34 @@ impl<F: Store, D: Store> TieredStore<F, D> {
     /// copy's short lease.
     async fn abandon_copy(&self, key: &Key, token: Token) {
         let _ = self.on_fast(self.fast.release(key, token)).await;
+    }
+
+    /// [`Store::complete`], and the copy, with `typed` beside it if there is one.
+    async fn complete_keeping(
+        &self,
+        key: &Key,
+        token: Token,
+        value: Bytes,
+        typed: Option<Typed>,
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        // Only a claim whose fingerprint is remembered is copied (past REMEMBERED_CLAIMS,
+        // the first replay copies it). The copy begins before the durable record is
+        // written, so that a removal from here on refuses it.
+        let remembered = self.claims().remove(&(*key, token));
+        let copy = match &remembered {
+            Some(fingerprint) => self.begin_copy(key, fingerprint.as_ref()).await,
+            None => None,
+        };
+        // The durable record expires `ttl` after the durable store acts, which is after now.
+        let expires = Instant::now() + crate::limits::clamp(ttl);
+        let completed = self.durable.complete(key, token, value.clone(), ttl).await;
+        match (copy, &completed) {
+            (Some(copy), Ok(true)) => self.finish_copy(key, copy, value, typed, expires).await,
+            (Some(copy), _) => self.abandon_copy(key, copy).await,
+            (None, _) => {}
+        }
+        completed
     }
 
     fn claims(&self) -> std::sync::MutexGuard<'_, Fingerprints> {
@@ -276,7 +319,7 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
                             expires_in: Some(left),
                             ..
                         })) if recorded == *fingerprint => {
-                            self.finish_copy(key, copy, value, asked + left).await;
+                            self.finish_copy(key, copy, value, None, asked + left).await;
                         }
                         _ => self.abandon_copy(key, copy).await,
                     }
@@ -294,23 +337,7 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
         value: Bytes,
         ttl: Duration,
     ) -> Result<bool, Error> {
-        // Only a claim whose fingerprint is remembered is copied (past REMEMBERED_CLAIMS,
-        // the first replay copies it). The copy begins before the durable record is
-        // written, so that a removal from here on refuses it.
-        let remembered = self.claims().remove(&(*key, token));
-        let copy = match &remembered {
-            Some(fingerprint) => self.begin_copy(key, fingerprint.as_ref()).await,
-            None => None,
-        };
-        // The durable record expires `ttl` after the durable store acts, which is after now.
-        let expires = Instant::now() + crate::limits::clamp(ttl);
-        let completed = self.durable.complete(key, token, value.clone(), ttl).await;
-        match (copy, &completed) {
-            (Some(copy), Ok(true)) => self.finish_copy(key, copy, value, expires).await,
-            (Some(copy), _) => self.abandon_copy(key, copy).await,
-            (None, _) => {}
-        }
-        completed
+        self.complete_keeping(key, token, value, None, ttl).await
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
@@ -393,6 +420,37 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
 
     fn flights(&self) -> Option<&Flights> {
         self.durable.flights()
+    }
+
+    /// This tier, when its fast tier keeps typed values.
+    fn typed(&self) -> Option<&dyn TypedStore> {
+        self.fast.typed().map(|_| self as &dyn TypedStore)
+    }
+}
+
+/// A fast tier that keeps typed values (memory) keeps them for the copies of records
+/// completed through this process, so that their replays decode nothing; a copy made from a
+/// replay of the durable record is kept encoded.
+impl<F: Store, D: Store> TypedStore for TieredStore<F, D> {
+    fn complete_typed<'a>(
+        &'a self,
+        key: &'a Key,
+        token: Token,
+        value: Bytes,
+        ttl: Duration,
+        typed: Typed,
+    ) -> TypedCompletion<'a> {
+        TypedCompletion::Pending(Box::pin(self.complete_keeping(
+            key,
+            token,
+            value,
+            Some(typed),
+            ttl,
+        )))
+    }
+
+    fn peek_typed(&self, key: &Key) -> Option<(Option<Typed>, Bytes, Option<Fingerprint>)> {
+        self.fast.typed()?.peek_typed(key)
     }
 }
 
