@@ -191,3 +191,33 @@ fn finishing_in_the_background_outside_a_runtime_is_a_config_error() {
         "{polled:?}"
     );
 }
+
+/// A parameter the attribute uses as the TTL or the lease is accounted for there: no
+/// `ignore` needed, and the durations it carries are the call's.
+#[idempotent(key = id, store = store, ttl = ttl, lease = lease, namespace = "limits.params")]
+async fn with_durations(
+    store: &MemoryStore,
+    id: u64,
+    ttl: Duration,
+    lease: Duration,
+) -> Result<u64, Error> {
+    Ok(id)
+}
+
+#[tokio::test]
+async fn durations_from_parameters_are_the_calls() {
+    let store = MemoryStore::new();
+    let hour = Duration::from_secs(3600);
+    assert_eq!(
+        with_durations(&store, 1, hour, Duration::from_secs(8))
+            .await
+            .unwrap(),
+        1
+    );
+    // A lease under the minimum is this call's, and refused as such.
+    let err = with_durations(&store, 2, hour, Duration::from_millis(1))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err}");
+    assert!(err.to_string().contains("lease"), "{err}");
+}

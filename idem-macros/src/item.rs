@@ -6,7 +6,7 @@ use syn::spanned::Spanned;
 use syn::visit::Visit;
 use syn::{Expr, FnArg, ItemFn, Pat, ReceiverKind, ReturnType, Type};
 
-use crate::attr::{Args, OnCancel};
+use crate::attr::{Args, Duration, OnCancel};
 
 /// Collects every error in the function's shape; `Ok` when it can be expanded. `parsed`:
 /// the arguments parsed without errors (only then are parameters checked for being
@@ -307,8 +307,10 @@ impl Visit<'_> for Names {
 }
 
 /// Every parameter (receivers aside) must be named by `key`, `fingerprint`, `store`,
-/// `transaction` or `ignore`: one that is not could differ between a call and its retry
-/// without the retry noticing, which would replay a result made from another value.
+/// `transaction`, `ttl`, `lease` or `ignore`: one that is not could differ between a call
+/// and its retry without the retry noticing, which would replay a result made from another
+/// value. (One also in `ignore` after `ttl` or `lease` is no error: `ignore` was once the
+/// only way to account for it.)
 fn unaccounted(item: &ItemFn, args: &Args, params: &BTreeSet<String>) -> Vec<syn::Error> {
     let mut errors = Vec::new();
     let function = &item.sig.ident;
@@ -319,6 +321,14 @@ fn unaccounted(item: &ItemFn, args: &Args, params: &BTreeSet<String>) -> Vec<syn
         names(&args.store),
     );
     let transaction = args.transaction.as_ref().map(|(tx, _)| tx.to_string());
+    // A parameter the attribute itself uses (`ttl = ttl`, `lease = policy.lease`) changes
+    // how long the result is kept or the claim lives, never the result: accounted for.
+    let durations = |duration: &Option<Duration>| match duration {
+        Some(Duration::Expr(expr)) => mentioned(expr),
+        _ => BTreeSet::new(),
+    };
+    let mut in_settings = durations(&args.ttl);
+    in_settings.extend(durations(&args.lease));
 
     let mut ignored = BTreeSet::new();
     for name in args.ignore.iter().flatten() {
@@ -365,6 +375,7 @@ fn unaccounted(item: &ItemFn, args: &Args, params: &BTreeSet<String>) -> Vec<syn
                 || in_fingerprint.contains(&name)
                 || in_store.contains(&name)
                 || transaction.as_deref() == Some(name.as_str())
+                || in_settings.contains(&name)
                 || ignored.contains(&name);
             if accounted {
                 continue;
@@ -571,6 +582,28 @@ mod tests {
             e[0].starts_with("`db` is a store, but `store =` does not name it"),
             "{e:?}"
         );
+    }
+
+    #[test]
+    fn a_parameter_the_attribute_uses_for_ttl_or_lease_is_accounted_for() {
+        let ok = errors(
+            "key = id, ttl = ttl, lease = policy.lease",
+            "async fn f(id: u64, ttl: Duration, policy: &Policy) -> Result<(), E> { Ok(()) }",
+        );
+        assert!(ok.is_empty(), "{ok:?}");
+        // Listed in `ignore` as well, as the rule once asked: still no error.
+        let ok = errors(
+            "key = id, ttl = ttl, ignore = ttl",
+            "async fn f(id: u64, ttl: Duration) -> Result<(), E> { Ok(()) }",
+        );
+        assert!(ok.is_empty(), "{ok:?}");
+        // A literal uses no parameter.
+        let e = errors(
+            r#"key = id, ttl = "1h""#,
+            "async fn f(id: u64, ttl: Duration) -> Result<(), E> { Ok(()) }",
+        );
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert!(e[0].starts_with("`ttl` is not in"), "{e:?}");
     }
 
     #[test]
