@@ -2,6 +2,12 @@
 another module (`crate::…`, `super::…`, `self::…`, grouped imports included; a module's own
 parent or children excepted) is an edge. Prints every cycle; exits 1 if there is one.
 
+Also the layers' direction: the engine (`engine`, `engine::…`) uses the stores (`store`,
+`store::…`), never the reverse, and the stores use no other layer that uses the engine
+(`http`, `default_store`). A path through the crate root's re-exports counts as an arrow
+to the module that defines the item; links in comments and docs do not. Prints every arrow
+against it; exits 1 if there is one.
+
     python3 scripts/import_cycles.py
 """
 import os, re, sys
@@ -15,6 +21,15 @@ for dp, dn, fn in os.walk(root):
             rel = rel.replace('lib', 'crate') if rel == 'lib' else rel
             mods[rel] = open(p).read()
 names = set(mods)
+# What the crate root re-exports (`pub use crate::engine::{Operation, …}`), so that a path
+# through the root (`crate::Operation`) is an edge to the module that defines it.
+reexports = {}
+for path, group in re.findall(r'pub use crate::([\w:]+)::\{([^}]*)\};', mods['crate']):
+    for item in group.split(','):
+        item = item.strip().split(' as ')[-1]
+        if item and item != 'self': reexports[item] = path
+for path, item in re.findall(r'pub use crate::([\w:]+)::(\w+);', mods['crate']):
+    reexports[item] = path
 def resolve(mod, path):
     parts = path.split('::')
     if parts[0] == 'crate':
@@ -34,10 +49,15 @@ def resolve(mod, path):
         cand = '::'.join(base + parts[:i])
         if cand in names:
             best = cand; break
+    if best is None and not base and parts and parts[0] in reexports:
+        target = reexports[parts[0]]
+        best = target if target in names else target.rsplit('::', 1)[0]
     return best
 edges = {m: set() for m in names}
 for m, src in mods.items():
     src = re.sub(r'#\[cfg\(test\)\]\s*mod tests \{.*', '', src, flags=re.S)
+    # Comments and docs link to items (`[`step`](crate::step)`) without importing them.
+    src = re.sub(r'//.*', '', src)
     paths = re.findall(r'\b((?:crate|super|self)(?:::\w+)+)', src)
     # grouped imports: `use crate::{a, b::c, d::{e}}` -> crate::a, crate::b::c, crate::d
     for prefix, group in re.findall(r'\buse\s+((?:crate|super|self)(?:::\w+)*)::\{([^;]*)\};', src):
@@ -75,4 +95,10 @@ for v in sorted(names):
     if v not in index: sc(v)
 for c in out: print('cycle:', ' <-> '.join(c))
 print(len(out), 'cycles among', len(names), 'modules')
-sys.exit(1 if out else 0)
+def under(m, top): return m == top or m.startswith(top + '::')
+above = ('engine', 'http', 'default_store')
+upward = sorted((m, t) for m in names if under(m, 'store')
+                for t in edges[m] if any(under(t, top) for top in above))
+for m, t in upward: print('upward:', m, '->', t)
+print(len(upward), 'imports from the stores into the layers above them')
+sys.exit(1 if out or upward else 0)

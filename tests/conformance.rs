@@ -1,6 +1,6 @@
-//! The store conformance suite (`idem_runtime::store::testkit`) against every backend.
+//! The store conformance suite (`idem_runtime::testkit`) against every backend.
 
-use idem_runtime::store::testkit;
+use idem_runtime::testkit;
 use idem_runtime::MemoryStore;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

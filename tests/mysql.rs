@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_runtime::store::testkit;
+use idem_runtime::testkit;
 use idem_runtime::{Error, MySqlStore, Operation};
 use idem_tests::scenarios::{self, namespace};
 use idem_tests::{mysql_store, mysql_url, until_lapsed, Probe, Runs};

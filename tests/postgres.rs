@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_runtime::store::testkit;
+use idem_runtime::testkit;
 use idem_runtime::{Error, InFlight, Operation, Outcome, PostgresStore};
 use idem_tests::scenarios::{self, namespace};
 use idem_tests::{drop_store_objects, postgres_store, postgres_url, Probe, Runs};

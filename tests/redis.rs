@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use idem_runtime::store::testkit;
+use idem_runtime::testkit;
 use idem_runtime::{Error, Operation, Outcome, RedisStore};
 use idem_tests::scenarios::{self, namespace};
 use idem_tests::{redis_store, redis_url, PrivateRedis, Runs};

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use idem_runtime::store::testkit;
+use idem_runtime::testkit;
 use idem_runtime::{Error, Operation, RedisStore};
 use idem_tests::{unavailable, PrivateRedisCluster, Runs};
 

@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_runtime::store::testkit;
+use idem_runtime::testkit;
 use idem_runtime::MemoryStore;
 use idem_runtime::{Claim, Error, Operation, Outcome, SqliteStore, Store, TieredStore};
 use idem_tests::scenarios::{self, namespace};

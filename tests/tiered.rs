@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_runtime::store::testkit;
+use idem_runtime::testkit;
 use idem_runtime::{Claim, Error, Fingerprint, Key, MemoryStore, Operation, Store, TieredStore};
 use idem_tests::scenarios::namespace;
 use idem_tests::{postgres_store, redis_store, Down, Probe, Runs};

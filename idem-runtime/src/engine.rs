@@ -6,6 +6,8 @@ mod held;
 mod lease;
 pub(crate) mod settle;
 pub(crate) mod steps;
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+mod transaction;
 
 use std::any::Any;
 use std::borrow::Cow;
@@ -22,8 +24,8 @@ pub(crate) use self::call::Derived;
 pub use self::call::Typing;
 use self::call::{Answer, Call};
 use self::held::Held;
-use crate::__private::IdemResult;
 use crate::codec::{self, ErrorPolicy, Json, ReleaseErrors, ValueCodec};
+use crate::expansion::IdemResult;
 use crate::namespace::Namespace;
 use crate::{background, CacheErrors, Error, Fingerprint, Key, Store};
 

@@ -50,9 +50,16 @@
 #![warn(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+// What `#[idempotent]` expands to, through `__private` (design §7). The items are defined
+// under a name that reads well where the compiler quotes it ("required by a bound in
+// `idem_runtime::expansion::key`"): a note never sends a user to a module called private.
 #[doc(hidden)]
 #[path = "private.rs"]
-pub mod __private;
+pub mod expansion;
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::expansion::*;
+}
 mod background;
 mod codec;
 mod default_store;
@@ -69,6 +76,9 @@ mod meter;
 pub mod metrics;
 mod namespace;
 pub mod store;
+#[cfg(feature = "testkit")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
+pub mod testkit;
 
 pub use crate::background::{drain, Undrained};
 pub use crate::codec::{CacheErrors, ErrorPolicy, ReleaseErrors};
@@ -102,9 +112,6 @@ pub use crate::store::{Claim, Recorded, Store, Token};
 
 // For implementors of `Store`, documented in `store` where they belong; kept here too so
 // that `idem_runtime::{async_trait, Bytes}` go on working.
-#[cfg(feature = "testkit")]
-#[doc(hidden)]
-pub use crate::store::testkit;
 #[doc(hidden)]
 pub use crate::store::{async_trait, Bytes};
 

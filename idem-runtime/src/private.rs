@@ -1,4 +1,5 @@
-//! What `#[idempotent]` expands to. Not a public API: no stability promise.
+//! What `#[idempotent]` expands to (reached through `__private`). Not a public API: no
+//! stability promise.
 
 use std::future::Future;
 use std::marker::PhantomData;

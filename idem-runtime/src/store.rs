@@ -10,7 +10,7 @@
 //! ```
 //!
 //! Third-party backends implement [`Store`] (with [`async_trait`](macro@async_trait) and [`Bytes`], re-exported
-//! here); the conformance suite in `testkit` (feature `testkit`) checks that an
+//! here); the conformance suite in `idem_runtime::testkit` (feature `testkit`) checks that an
 //! implementation keeps this contract.
 
 #[cfg(feature = "memory")]
@@ -32,8 +32,6 @@ pub use transaction::Transactional;
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 #[doc(hidden)]
 pub use transaction::{Call, Savepoint};
-#[cfg(feature = "testkit")]
-pub mod testkit;
 pub mod tiered;
 
 use std::any::Any;

@@ -20,8 +20,8 @@ use pin_project_lite::pin_project;
 use super::attempt;
 use super::held::{Beat, Ending, Held, Verdict};
 use super::{Begun, Handle, Operation, Outcome, Settings};
-use crate::__private::IdemResult;
 use crate::codec::{self, ErrorPolicy, ValueCodec};
+use crate::expansion::IdemResult;
 use crate::store::Typed;
 use crate::{Error, Fingerprint, Key};
 

@@ -10,7 +10,7 @@
 //! # async fn my_store() -> idem_runtime::MemoryStore { idem_runtime::MemoryStore::new() }
 //! #[tokio::test]
 //! async fn my_store_keeps_the_contract() {
-//!     idem_runtime::store::testkit::conformance(&my_store().await).await;
+//!     idem_runtime::testkit::conformance(&my_store().await).await;
 //! }
 //! ```
 //!
