@@ -20,14 +20,25 @@
 //! promise panics with a message naming the check, like any failed assertion.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 
 use crate::{step, Claim, Error, Fingerprint, Key, Operation, Outcome, Store, Token};
 
-/// A short lease: long enough for a slow server's round trips, short enough to wait out.
+/// A short lease, for the checks that a lease runs out: long enough for a slow server's
+/// round trips, short enough to wait out. A check never needs such a claim to be still held
+/// after a step a busy machine could delay past it; where it does, it measures the time and
+/// tries again with a fresh key, and fails only if the store let go within the lease.
 const LEASE: Duration = Duration::from_millis(400);
+
+/// The lease of every claim that must stay held while a check looks at it: no machine is
+/// slow enough for it to run out.
+const HELD: Duration = Duration::from_secs(60);
+
+/// How many fresh keys a check that needs a short lease still held tries before it gives
+/// up (a machine too slow to take a step within 400 ms five times running).
+const TRIES: usize = 5;
 
 /// Runs every check against `store`. Panics on the first broken promise.
 pub async fn conformance<S: Store + Clone>(store: &S) {
@@ -78,7 +89,16 @@ fn fingerprint(n: u32) -> Fingerprint {
 }
 
 async fn acquire<S: Store>(store: &S, key: &Key, fp: Option<&Fingerprint>) -> Token {
-    match store.claim(key, fp, LEASE).await {
+    acquire_for(store, key, fp, HELD).await
+}
+
+async fn acquire_for<S: Store>(
+    store: &S,
+    key: &Key,
+    fp: Option<&Fingerprint>,
+    lease: Duration,
+) -> Token {
+    match store.claim(key, fp, lease).await {
         Ok(Claim::Acquired { token }) => token,
         other => panic!("claim of a free key must acquire it, got {other:?}"),
     }
@@ -103,7 +123,7 @@ async fn fence_is_stale<S: Store>(store: &S, key: &Key, token: Token, newer: Tok
 
 async fn claim<S: Store>(store: &S, key: &Key, fp: Option<&Fingerprint>) -> Claim {
     store
-        .claim(key, fp, LEASE)
+        .claim(key, fp, HELD)
         .await
         .unwrap_or_else(|e| panic!("claim failed: {e}"))
 }
@@ -210,9 +230,7 @@ async fn release_frees_the_key_with_a_larger_fence<S: Store>(store: &S, keys: &K
 }
 
 async fn lapsed_lease_is_taken_over_and_fences_the_old_holder<S: Store>(store: &S, keys: &Keys) {
-    let key = keys.fresh();
-    let stale = acquire(store, &key, None).await;
-    let stale_fence = fence(store, &key, stale).await;
+    let (key, stale, stale_fence) = fenced_with_a_short_lease(store, keys).await;
     tokio::time::sleep(LEASE + LEASE / 2).await;
     let owner = acquire(store, &key, Some(&fingerprint(2))).await;
     assert_ne!(owner, stale, "a takeover must get another token");
@@ -253,36 +271,71 @@ async fn lapsed_lease_is_taken_over_and_fences_the_old_holder<S: Store>(store: &
     );
 }
 
+/// A claim of a fresh key under the short lease, and its fence, taken while it was held.
+async fn fenced_with_a_short_lease<S: Store>(store: &S, keys: &Keys) -> (Key, Token, Token) {
+    for _ in 0..TRIES {
+        let key = keys.fresh();
+        let asked = Instant::now();
+        let token = acquire_for(store, &key, None, LEASE).await;
+        match store.fence(&key, token).await.unwrap() {
+            Some(fence) => return (key, token, fence),
+            None => assert!(
+                asked.elapsed() >= LEASE,
+                "a held claim must get a fencing token"
+            ),
+        }
+    }
+    panic!("{TRIES} claims under a {LEASE:?} lease ran out before their fence: too slow a machine for this check")
+}
+
 async fn renew_extends_the_lease<S: Store>(store: &S, keys: &Keys) {
-    let key = keys.fresh();
-    let token = acquire(store, &key, None).await;
-    tokio::time::sleep(LEASE / 2).await;
-    assert!(
-        store.renew(&key, token, LEASE * 3).await.unwrap(),
-        "the holder's renew must apply"
-    );
-    tokio::time::sleep(LEASE).await; // past the original lease, inside the renewed one
-    assert_eq!(
-        claim(store, &key, None).await,
-        Claim::InProgress { fingerprint: None },
-        "a renewed claim must outlive its first lease"
-    );
-    assert!(store.release(&key, token).await.unwrap());
+    for _ in 0..TRIES {
+        let key = keys.fresh();
+        let asked = Instant::now();
+        let token = acquire_for(store, &key, None, LEASE).await;
+        tokio::time::sleep(LEASE / 2).await;
+        if !store.renew(&key, token, HELD).await.unwrap() {
+            assert!(asked.elapsed() >= LEASE, "the holder's renew must apply");
+            continue;
+        }
+        tokio::time::sleep(LEASE).await; // past the original lease, inside the renewed one
+        assert_eq!(
+            claim(store, &key, None).await,
+            Claim::InProgress { fingerprint: None },
+            "a renewed claim must outlive its first lease"
+        );
+        assert!(store.release(&key, token).await.unwrap());
+        return;
+    }
+    panic!("{TRIES} claims under a {LEASE:?} lease ran out before their renewal: too slow a machine for this check")
 }
 
 async fn results_expire_after_their_ttl<S: Store>(store: &S, keys: &Keys) {
-    let key = keys.fresh();
-    let token = acquire(store, &key, None).await;
-    let first_fence = fence(store, &key, token).await;
     let ttl = Duration::from_millis(300);
-    assert!(store
-        .complete(&key, token, Bytes::from_static(b"v1"), ttl)
-        .await
-        .unwrap());
-    assert!(matches!(
-        claim(store, &key, None).await,
-        Claim::Completed { .. }
-    ));
+    let mut recorded = None;
+    for _ in 0..TRIES {
+        let key = keys.fresh();
+        let token = acquire(store, &key, None).await;
+        let first_fence = fence(store, &key, token).await;
+        let asked = Instant::now();
+        assert!(store
+            .complete(&key, token, Bytes::from_static(b"v1"), ttl)
+            .await
+            .unwrap());
+        // Replayed within its TTL; a record found gone is a failure only if the TTL had
+        // not passed since the completion was sent.
+        if matches!(claim(store, &key, None).await, Claim::Completed { .. }) {
+            recorded = Some((key, token, first_fence));
+            break;
+        }
+        assert!(
+            asked.elapsed() >= ttl,
+            "a record must be replayed within its TTL"
+        );
+    }
+    let Some((key, token, first_fence)) = recorded else {
+        panic!("{TRIES} records with a {ttl:?} TTL ran out before they were read: too slow a machine for this check")
+    };
     tokio::time::sleep(ttl * 2).await;
     let next = acquire(store, &key, None).await;
     assert_ne!(next, token, "a claim after the TTL must get another token");
@@ -354,7 +407,7 @@ async fn concurrent_claims_have_one_winner<S: Store + Clone>(store: &S, keys: &K
     let claims: Vec<_> = (0..64)
         .map(|_| {
             let store = store.clone();
-            tokio::spawn(async move { store.claim(&key, None, LEASE).await })
+            tokio::spawn(async move { store.claim(&key, None, HELD).await })
         })
         .collect();
     let mut acquired = 0;
@@ -434,7 +487,7 @@ async fn lease_left_is_the_live_claims_only<S: Store>(store: &S, keys: &Keys) {
     let held = left(key).await;
     if let Some(held) = held {
         assert!(
-            !held.is_zero() && held <= LEASE,
+            !held.is_zero() && held <= HELD,
             "lease_left of a fresh claim must be within its lease: {held:?}"
         );
     }
@@ -452,7 +505,7 @@ async fn lease_left_is_the_live_claims_only<S: Store>(store: &S, keys: &Keys) {
         return;
     }
     let lapsed = keys.fresh();
-    acquire(store, &lapsed, None).await;
+    acquire_for(store, &lapsed, None, LEASE).await;
     tokio::time::sleep(LEASE + Duration::from_millis(100)).await;
     assert_eq!(left(lapsed).await, None, "lease_left of a lapsed claim");
 }
@@ -466,7 +519,7 @@ async fn a_claim_again_with_its_nonce_is_its_own<S: Store>(store: &S, keys: &Key
     let fp = fingerprint(7);
     let claim = |nonce: u64| async move {
         store
-            .claim_with_nonce(&key, Some(&fp), LEASE, nonce)
+            .claim_with_nonce(&key, Some(&fp), HELD, nonce)
             .await
             .unwrap_or_else(|e| panic!("claim failed: {e}"))
     };
@@ -491,7 +544,7 @@ async fn a_claim_again_with_its_nonce_is_its_own<S: Store>(store: &S, keys: &Key
     if token != first {
         assert!(
             !store
-                .complete(&key, first, Bytes::from_static(b"old"), LEASE)
+                .complete(&key, first, Bytes::from_static(b"old"), HELD)
                 .await
                 .unwrap(),
             "a claim taken again must refuse its old token"
@@ -499,7 +552,7 @@ async fn a_claim_again_with_its_nonce_is_its_own<S: Store>(store: &S, keys: &Key
     }
     assert!(
         store
-            .complete(&key, token, Bytes::from_static(b"v"), LEASE)
+            .complete(&key, token, Bytes::from_static(b"v"), HELD)
             .await
             .unwrap(),
         "the claim completes under its token"
