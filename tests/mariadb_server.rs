@@ -14,6 +14,8 @@ pub struct PrivateMariaDb {
     child: std::process::Child,
     dir: PathBuf,
     port: u16,
+    /// Server options beyond the defaults (replication, semi-synchronous commits).
+    options: Vec<String>,
     /// Its URL (user `root`, no password, database `test`).
     pub url: String,
 }
@@ -22,6 +24,64 @@ impl PrivateMariaDb {
     /// Starts one, or `None` (skipped; failed with `IDEM_REQUIRE_SERVICES=1`) when MariaDB's
     /// server programs are not here.
     pub fn start() -> Option<Self> {
+        Self::start_with(&[])
+    }
+
+    /// A primary for [`replica_of`](Self::replica_of): binary log on, `server_id` 1, and
+    /// `options` (`--rpl-semi-sync-master-enabled=ON`, …).
+    pub fn primary(options: &[&str]) -> Option<Self> {
+        let mut all = vec!["--server-id=1", "--log-bin=binlog", "--binlog-format=ROW"];
+        all.extend_from_slice(options);
+        Self::start_with(&all)
+    }
+
+    /// A replica of `primary` (`server_id` 2, with `options`), replicating from the
+    /// primary's position now (after its own set-up), and applying: its tables are the
+    /// primary's from here on.
+    pub fn replica_of(primary: &Self, options: &[&str]) -> Option<Self> {
+        let mut all = vec!["--server-id=2", "--log-bin=binlog", "--binlog-format=ROW"];
+        all.extend_from_slice(options);
+        let replica = Self::start_with(&all)?;
+        let position = primary.query("SELECT @@GLOBAL.gtid_binlog_pos")?;
+        replica.sql(&format!(
+            "RESET MASTER; SET GLOBAL gtid_slave_pos = '{position}'; \
+             CHANGE MASTER TO MASTER_HOST = '127.0.0.1', MASTER_PORT = {}, MASTER_USER = 'root', \
+             MASTER_CONNECT_RETRY = 1, MASTER_USE_GTID = slave_pos; START SLAVE",
+            primary.port
+        ))?;
+        Some(replica)
+    }
+
+    /// Runs `statements` as root, or says why not.
+    pub fn sql(&self, statements: &str) -> Option<()> {
+        self.query(statements).map(drop)
+    }
+
+    /// The output of `statements` as root (tab-separated, no column names), or `None`.
+    pub fn query(&self, statements: &str) -> Option<String> {
+        let out = Command::new("mariadb")
+            .args([
+                "-uroot",
+                "-h127.0.0.1",
+                &format!("-P{}", self.port),
+                "-N",
+                "-B",
+                "-e",
+                statements,
+            ])
+            .output()
+            .ok()?;
+        if !out.status.success() {
+            return unavailable(
+                "a private mariadbd",
+                format!("{statements}: {}", String::from_utf8_lossy(&out.stderr)),
+            );
+        }
+        Some(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    }
+
+    fn start_with(options: &[&str]) -> Option<Self> {
+        let options: Vec<String> = options.iter().map(|option| option.to_string()).collect();
         let port = free_port()?;
         let dir = std::env::temp_dir().join(format!("idem-mariadb-{}-{port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -46,7 +106,7 @@ impl PrivateMariaDb {
                 )
             }
         }
-        let child = match Self::spawn(&dir, port) {
+        let child = match Self::spawn(&dir, port, &options) {
             Ok(child) => child,
             Err(e) => return unavailable("mariadbd (to start a private server)", e),
         };
@@ -55,6 +115,7 @@ impl PrivateMariaDb {
             url: format!("mysql://root@127.0.0.1:{port}/test"),
             dir,
             port,
+            options,
         };
         server.wait_until_serving()?;
         let created = Command::new("mariadb")
@@ -82,15 +143,21 @@ impl PrivateMariaDb {
     /// Starts the server again on its files and port (after [`kill`](Self::kill)), and
     /// waits until it serves: InnoDB's crash recovery runs first.
     pub fn start_again(&mut self) {
-        self.child = Self::spawn(&self.dir, self.port).expect("start mariadbd again");
+        self.child =
+            Self::spawn(&self.dir, self.port, &self.options).expect("start mariadbd again");
         self.wait_until_serving().expect("mariadbd serves again");
     }
 
-    fn spawn(dir: &std::path::Path, port: u16) -> std::io::Result<std::process::Child> {
+    fn spawn(
+        dir: &std::path::Path,
+        port: u16,
+        options: &[String],
+    ) -> std::io::Result<std::process::Child> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(dir.join("log"))?;
+        let logs = options.iter().any(|option| option.starts_with("--log-bin"));
         Command::new("mariadbd")
             .args([
                 "--no-defaults".to_string(),
@@ -100,10 +167,11 @@ impl PrivateMariaDb {
                 format!("--socket={}", dir.join("sock").display()),
                 format!("--pid-file={}", dir.join("pid").display()),
                 format!("--user={}", user()),
-                "--skip-log-bin".to_string(),
                 "--skip-name-resolve".to_string(),
                 "--innodb-buffer-pool-size=16M".to_string(),
             ])
+            .args((!logs).then(|| "--skip-log-bin".to_string()))
+            .args(options)
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
