@@ -474,6 +474,26 @@ impl TypedCompletion<'_> {
     }
 }
 
+/// [`Store::complete`], keeping `typed` beside the record where `store` keeps typed values.
+pub(crate) async fn complete_keeping<S: Store + ?Sized>(
+    store: &S,
+    key: &Key,
+    token: Token,
+    value: Bytes,
+    ttl: Duration,
+    typed: Option<Typed>,
+) -> Result<bool, Error> {
+    match (typed, store.typed()) {
+        (Some(typed), Some(keeps)) => {
+            keeps
+                .complete_typed(key, token, value, ttl, typed)
+                .landed()
+                .await
+        }
+        _ => store.complete(key, token, value, ttl).await,
+    }
+}
+
 macro_rules! forward_store {
     ($($ty:ty),*) => {$(
         #[async_trait]

@@ -40,9 +40,6 @@ pub(super) struct Held {
     owed: Owed,
     /// Whether this guard already runs in the background: dropping it then only lands.
     detached: bool,
-    /// Whether the retries within the lease ran to their end (and the caller was told the
-    /// result is unrecorded): the background then goes on late at once.
-    gave_up: bool,
     /// How many attempts at the owed step failed so far.
     failures: AtomicU32,
     /// When the body started, for the log of its outcome.
@@ -168,7 +165,6 @@ impl Held {
             attempt,
             owed: Owed::Release,
             detached: false,
-            gave_up: false,
             failures: AtomicU32::new(0),
             started: Instant::now(),
             span,
@@ -317,13 +313,13 @@ impl Held {
                 return;
             }
         }
-        if !self.gave_up {
-            let end = self.claim.retries_end();
-            if let Some(landing) = self.renewing(self.discharge(end, Duration::ZERO)).await {
-                return self.settled(landing);
-            }
-            self.gave_up = true;
+        let end = self.claim.retries_end();
+        if let Some(landing) = self.renewing(self.discharge(end, Duration::ZERO)).await {
+            return self.settled(landing);
         }
+        // The retries within the lease are over, for this guard and the background that
+        // takes it over: a caller told the result is unrecorded, then the late tries.
+        self.claim.end_retries();
         if self.detached {
             let landing = self.late().await;
             self.settled(landing);
@@ -339,9 +335,13 @@ impl Held {
     }
 
     /// Retries the owed step until it is done, or `None` when the next try would pass
-    /// `deadline`, pausing between tries by the backoff, and at least `least`.
+    /// `deadline` (at once if it has passed), pausing between tries by the backoff, and at
+    /// least `least`.
     async fn discharge(&self, deadline: Instant, least: Duration) -> Option<Landing> {
         loop {
+            if Instant::now() >= deadline {
+                return None;
+            }
             if let Some(landing) = self.attempt().await {
                 return Some(landing);
             }
@@ -396,16 +396,17 @@ impl Held {
     async fn attempt(&self) -> Option<Landing> {
         let result = match &self.owed {
             Owed::Complete { record, typed, ttl } => {
-                let (store, key, token) = (&self.claim.store, &self.claim.key, self.claim.token);
-                match (typed, store.typed()) {
-                    (Some(typed), Some(keeps)) => {
-                        keeps
-                            .complete_typed(key, token, record.clone(), *ttl, Arc::clone(typed))
-                            .landed()
-                            .await
-                    }
-                    _ => store.complete(key, token, record.clone(), *ttl).await,
-                }
+                let claim = &self.claim;
+                let (record, typed) = (record.clone(), typed.clone());
+                crate::store::complete_keeping(
+                    &*claim.store,
+                    &claim.key,
+                    claim.token,
+                    record,
+                    *ttl,
+                    typed,
+                )
+                .await
             }
             Owed::Release => {
                 self.claim
@@ -583,7 +584,6 @@ impl Drop for Held {
             attempt: self.attempt.clone(),
             owed,
             detached: true,
-            gave_up: self.gave_up,
             failures: AtomicU32::new(self.failures()),
             started: self.started,
             span: self.span.clone(),

@@ -152,6 +152,15 @@ impl Lease {
             .get_or_insert_with(|| self.expires())
     }
 
+    /// Ends the retries within the lease now: they gave up, and whatever takes the owed
+    /// step over (the guard's background half) goes on to its late tries without more.
+    pub(super) fn end_retries(&self) {
+        *self
+            .retries_end
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(Instant::now());
+    }
+
     pub(super) fn expires(&self) -> Instant {
         *self.expires.lock().unwrap_or_else(PoisonError::into_inner)
     }

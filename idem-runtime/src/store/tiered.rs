@@ -190,17 +190,8 @@ impl<F: Store, D: Store> TieredStore<F, D> {
             self.abandon_copy(key, token).await;
             return;
         }
-        let copied = match (typed, self.fast.typed()) {
-            (Some(typed), Some(keeps)) => {
-                let completion = keeps.complete_typed(key, token, value, ttl, typed);
-                self.on_fast(completion.landed()).await
-            }
-            _ => {
-                self.on_fast(self.fast.complete(key, token, value, ttl))
-                    .await
-            }
-        };
-        match copied {
+        let copied = super::complete_keeping(&self.fast, key, token, value, ttl, typed);
+        match self.on_fast(copied).await {
             // The fast tier counts the TTL from when it acts, anywhere between `sent` and
             // now: a copy made later than the allowance could outlive the durable record.
             // It is dropped at once, while the durable record still lives; the next replay
@@ -223,7 +214,7 @@ impl<F: Store, D: Store> TieredStore<F, D> {
     }
 
     /// [`Store::complete`], and the copy, with `typed` beside it if there is one.
-    async fn complete_keeping(
+    async fn complete_and_copy(
         &self,
         key: &Key,
         token: Token,
@@ -337,7 +328,7 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
         value: Bytes,
         ttl: Duration,
     ) -> Result<bool, Error> {
-        self.complete_keeping(key, token, value, None, ttl).await
+        self.complete_and_copy(key, token, value, None, ttl).await
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
@@ -440,7 +431,7 @@ impl<F: Store, D: Store> TypedStore for TieredStore<F, D> {
         ttl: Duration,
         typed: Typed,
     ) -> TypedCompletion<'a> {
-        TypedCompletion::Pending(Box::pin(self.complete_keeping(
+        TypedCompletion::Pending(Box::pin(self.complete_and_copy(
             key,
             token,
             value,
