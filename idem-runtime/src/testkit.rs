@@ -271,50 +271,71 @@ async fn lapsed_lease_is_taken_over_and_fences_the_old_holder<S: Store>(store: &
     );
 }
 
-/// A claim of a fresh key under the short lease, and its fence, taken while it was held.
-async fn fenced_with_a_short_lease<S: Store>(store: &S, keys: &Keys) -> (Key, Token, Token) {
+/// Runs `check` on fresh keys until one sees what it looks for within `window` (a short
+/// lease or TTL): `check` answers `Err(asked)` when the store let go, `asked` being when the
+/// window began. That is a broken promise only if `window` had not passed since; otherwise
+/// the machine was slower than the window, and another key is tried.
+async fn on_a_fresh_key<T, F, Fut>(keys: &Keys, window: Duration, promise: &str, mut check: F) -> T
+where
+    F: FnMut(Key) -> Fut,
+    Fut: std::future::Future<Output = Result<T, Instant>>,
+{
     for _ in 0..TRIES {
-        let key = keys.fresh();
-        let asked = Instant::now();
-        let token = acquire_for(store, &key, None, LEASE).await;
-        match store.fence(&key, token).await.unwrap() {
-            Some(fence) => return (key, token, fence),
-            None => assert!(
-                asked.elapsed() >= LEASE,
-                "a held claim must get a fencing token"
-            ),
+        match check(keys.fresh()).await {
+            Ok(seen) => return seen,
+            Err(asked) => assert!(asked.elapsed() >= window, "{promise}"),
         }
     }
-    panic!("{TRIES} claims under a {LEASE:?} lease ran out before their fence: too slow a machine for this check")
+    panic!("{TRIES} tries outlasted their {window:?} before this could be checked: {promise} (too slow a machine for this check)")
+}
+
+/// A claim of a fresh key under the short lease, and its fence, taken while it was held.
+async fn fenced_with_a_short_lease<S: Store>(store: &S, keys: &Keys) -> (Key, Token, Token) {
+    on_a_fresh_key(
+        keys,
+        LEASE,
+        "a held claim must get a fencing token",
+        |key| async move {
+            let asked = Instant::now();
+            let token = acquire_for(store, &key, None, LEASE).await;
+            match store.fence(&key, token).await.unwrap() {
+                Some(fence) => Ok((key, token, fence)),
+                None => Err(asked),
+            }
+        },
+    )
+    .await
 }
 
 async fn renew_extends_the_lease<S: Store>(store: &S, keys: &Keys) {
-    for _ in 0..TRIES {
-        let key = keys.fresh();
-        let asked = Instant::now();
-        let token = acquire_for(store, &key, None, LEASE).await;
-        tokio::time::sleep(LEASE / 2).await;
-        if !store.renew(&key, token, HELD).await.unwrap() {
-            assert!(asked.elapsed() >= LEASE, "the holder's renew must apply");
-            continue;
-        }
-        tokio::time::sleep(LEASE).await; // past the original lease, inside the renewed one
-        assert_eq!(
-            claim(store, &key, None).await,
-            Claim::InProgress { fingerprint: None },
-            "a renewed claim must outlive its first lease"
-        );
-        assert!(store.release(&key, token).await.unwrap());
-        return;
-    }
-    panic!("{TRIES} claims under a {LEASE:?} lease ran out before their renewal: too slow a machine for this check")
+    let (key, token) = on_a_fresh_key(
+        keys,
+        LEASE,
+        "the holder's renew must apply",
+        |key| async move {
+            let asked = Instant::now();
+            let token = acquire_for(store, &key, None, LEASE).await;
+            tokio::time::sleep(LEASE / 2).await;
+            match store.renew(&key, token, HELD).await.unwrap() {
+                true => Ok((key, token)),
+                false => Err(asked),
+            }
+        },
+    )
+    .await;
+    tokio::time::sleep(LEASE).await; // past the original lease, inside the renewed one
+    assert_eq!(
+        claim(store, &key, None).await,
+        Claim::InProgress { fingerprint: None },
+        "a renewed claim must outlive its first lease"
+    );
+    assert!(store.release(&key, token).await.unwrap());
 }
 
 async fn results_expire_after_their_ttl<S: Store>(store: &S, keys: &Keys) {
     let ttl = Duration::from_millis(300);
-    let mut recorded = None;
-    for _ in 0..TRIES {
-        let key = keys.fresh();
+    let replayed = "a record must be replayed within its TTL";
+    let (key, token, first_fence) = on_a_fresh_key(keys, ttl, replayed, |key| async move {
         let token = acquire(store, &key, None).await;
         let first_fence = fence(store, &key, token).await;
         let asked = Instant::now();
@@ -322,20 +343,12 @@ async fn results_expire_after_their_ttl<S: Store>(store: &S, keys: &Keys) {
             .complete(&key, token, Bytes::from_static(b"v1"), ttl)
             .await
             .unwrap());
-        // Replayed within its TTL; a record found gone is a failure only if the TTL had
-        // not passed since the completion was sent.
-        if matches!(claim(store, &key, None).await, Claim::Completed { .. }) {
-            recorded = Some((key, token, first_fence));
-            break;
+        match claim(store, &key, None).await {
+            Claim::Completed { .. } => Ok((key, token, first_fence)),
+            _ => Err(asked),
         }
-        assert!(
-            asked.elapsed() >= ttl,
-            "a record must be replayed within its TTL"
-        );
-    }
-    let Some((key, token, first_fence)) = recorded else {
-        panic!("{TRIES} records with a {ttl:?} TTL ran out before they were read: too slow a machine for this check")
-    };
+    })
+    .await;
     tokio::time::sleep(ttl * 2).await;
     let next = acquire(store, &key, None).await;
     assert_ne!(next, token, "a claim after the TTL must get another token");
