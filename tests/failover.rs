@@ -98,3 +98,36 @@ impl Claimers {
         (acknowledged, self.refused.load(Ordering::Relaxed))
     }
 }
+
+/// What the failovers of one mode found.
+#[derive(Debug, Default)]
+pub struct Count {
+    pub failovers: usize,
+    /// Claims the old primary acknowledged before it was killed.
+    pub acknowledged: usize,
+    /// Of those, the ones the promoted server did not have: a retry there would claim the
+    /// key again and run the body a second time.
+    pub lost: usize,
+    /// Claims refused (the kill, or a commit the replicas did not confirm in time): their
+    /// bodies never ran.
+    pub refused: usize,
+}
+
+impl Count {
+    /// Adds one failover: the claims the old primary `acknowledged` and `refused`, each
+    /// acknowledged one looked for on the `promoted` server.
+    pub async fn failover<S: Store>(&mut self, promoted: &S, acknowledged: &[Key], refused: usize) {
+        self.failovers += 1;
+        self.acknowledged += acknowledged.len();
+        self.refused += refused;
+        for key in acknowledged {
+            let claim = promoted
+                .claim(key, None, Duration::from_secs(60))
+                .await
+                .unwrap();
+            if let Claim::Acquired { .. } = claim {
+                self.lost += 1;
+            }
+        }
+    }
+}

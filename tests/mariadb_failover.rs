@@ -13,8 +13,8 @@
 
 use std::time::Duration;
 
-use idem_runtime::{Claim, MySqlStore, Store};
-use idem_tests::failover::{until, Claimers};
+use idem_runtime::MySqlStore;
+use idem_tests::failover::{until, Claimers, Count};
 use idem_tests::PrivateMariaDb;
 use sqlx::Row;
 
@@ -60,19 +60,6 @@ impl Replication {
     }
 }
 
-#[derive(Debug, Default)]
-struct Count {
-    failovers: usize,
-    /// Claims the old primary acknowledged before it was killed.
-    acknowledged: usize,
-    /// Of those, the ones the promoted replica did not have: each a body a retry there
-    /// would run a second time.
-    lost: usize,
-    /// Claims that failed (the kill, or a commit the replica never confirmed within the
-    /// store's timeout): their bodies never ran.
-    refused: usize,
-}
-
 /// A value of `SHOW SLAVE STATUS` on `replica`.
 async fn replica_status(replica: &MySqlStore, column: &str) -> Option<String> {
     let row = sqlx::query("SHOW SLAVE STATUS")
@@ -91,20 +78,13 @@ async fn value(store: &MySqlStore, query: &str) -> Option<String> {
 async fn count_lost_claims(replication: Replication, cut: bool) -> Option<Count> {
     let mut count = Count::default();
     for round in 0..failovers() {
-        let mut primary = tokio::task::spawn_blocking(|| PrivateMariaDb::primary(&[]))
+        let mut primary = tokio::task::spawn_blocking(PrivateMariaDb::primary)
             .await
             .unwrap()?;
         let primary_store = MySqlStore::connect(&primary.url).await.unwrap();
-        let replica = {
-            let primary = &primary;
-            let options = replication.replica_options();
-            std::thread::scope(|scope| {
-                scope
-                    .spawn(move || PrivateMariaDb::replica_of(primary, options))
-                    .join()
-                    .unwrap()
-            })?
-        };
+        let replica = tokio::task::block_in_place(|| {
+            PrivateMariaDb::replica_of(&primary, replication.replica_options())
+        })?;
         let replica_store = MySqlStore::connect(&replica.url).await.unwrap();
         if let Some(settings) = replication.primary_settings() {
             primary.sql(settings)?;
@@ -162,18 +142,7 @@ async fn count_lost_claims(replication: Replication, cut: bool) -> Option<Count>
         })
         .await;
         replica.sql("STOP SLAVE; RESET SLAVE ALL")?;
-        count.acknowledged += acknowledged.len();
-        count.refused += refused;
-        for key in &acknowledged {
-            let claim = replica_store
-                .claim(key, None, Duration::from_secs(60))
-                .await
-                .unwrap();
-            if let Claim::Acquired { .. } = claim {
-                count.lost += 1;
-            }
-        }
-        count.failovers += 1;
+        count.failover(&replica_store, &acknowledged, refused).await;
         drop((store, replica_store));
         tokio::task::spawn_blocking(move || drop(replica))
             .await

@@ -27,12 +27,9 @@ impl PrivateMariaDb {
         Self::start_with(&[])
     }
 
-    /// A primary for [`replica_of`](Self::replica_of): binary log on, `server_id` 1, and
-    /// `options` (`--rpl-semi-sync-master-enabled=ON`, …).
-    pub fn primary(options: &[&str]) -> Option<Self> {
-        let mut all = vec!["--server-id=1", "--log-bin=binlog", "--binlog-format=ROW"];
-        all.extend_from_slice(options);
-        Self::start_with(&all)
+    /// A primary for [`replica_of`](Self::replica_of): binary log on, `server_id` 1.
+    pub fn primary() -> Option<Self> {
+        Self::start_with(&["--server-id=1", "--log-bin=binlog", "--binlog-format=ROW"])
     }
 
     /// A replica of `primary` (`server_id` 2, with `options`), replicating from the

@@ -12,8 +12,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_runtime::{Claim, PostgresStore, Store};
-use idem_tests::failover::{until, Claimers};
+use idem_runtime::PostgresStore;
+use idem_tests::failover::{until, Claimers, Count};
 use idem_tests::PrivatePostgres;
 
 fn failovers() -> usize {
@@ -33,19 +33,6 @@ async fn streaming(primary: &PostgresStore, sync: bool) -> bool {
     .fetch_one(primary.pool())
     .await;
     matches!(found, Ok((1,)))
-}
-
-#[derive(Debug, Default)]
-struct Count {
-    failovers: usize,
-    /// Claims the old primary acknowledged before it crashed.
-    acknowledged: usize,
-    /// Of those, the ones the promoted standby did not have: each a body a retry there
-    /// would run a second time.
-    lost: usize,
-    /// Claims that failed (the crash, or a synchronous commit the standby never confirmed
-    /// within the store's timeout): their bodies never ran.
-    refused: usize,
 }
 
 /// `cut`: the standby stops streaming before the claims (a partition between the two, or a
@@ -115,18 +102,7 @@ async fn count_lost_claims(sync: bool, cut: bool) -> Option<Count> {
         .await
         .unwrap();
         let promoted = PostgresStore::connect(&standby.url).await.unwrap();
-        count.acknowledged += acknowledged.len();
-        count.refused += refused;
-        for key in &acknowledged {
-            let claim = promoted
-                .claim(key, None, Duration::from_secs(60))
-                .await
-                .unwrap();
-            if let Claim::Acquired { .. } = claim {
-                count.lost += 1;
-            }
-        }
-        count.failovers += 1;
+        count.failover(&promoted, &acknowledged, refused).await;
         drop(store);
         drop(promoted);
         tokio::task::spawn_blocking(move || drop((primary, standby)))

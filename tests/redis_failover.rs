@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use idem_runtime::{Claim, Error, Operation, Outcome, RedisStore, Store};
-use idem_tests::failover::{until, Claimers};
+use idem_tests::failover::{until, Claimers, Count};
 use idem_tests::{unavailable, PrivateRedis};
 
 /// Asks `url` for `INFO replication` and whether its text has `expected`.
@@ -247,19 +247,6 @@ fn failovers() -> usize {
         .unwrap_or(10)
 }
 
-/// What the failovers of one mode found.
-#[derive(Debug, Default)]
-struct Count {
-    failovers: usize,
-    /// Claims the old primary acknowledged before it was killed.
-    acknowledged: usize,
-    /// Of those, the ones the promoted replica did not have: a retry there would claim the
-    /// key again and run the body a second time.
-    lost: usize,
-    /// Claims refused (not acknowledged by the replicas in time): their bodies never ran.
-    refused: usize,
-}
-
 /// Failovers at random points: callers claim fresh keys on the primary as fast as they can;
 /// the primary is SIGKILLed at a random moment, the replica promoted (`REPLICAOF NO ONE`,
 /// what Sentinel does), and every claim the old primary acknowledged is looked for on the new
@@ -308,7 +295,6 @@ async fn count_lost_claims(replicas: Option<u32>, link: Link) -> Option<Count> {
         claimers.until(20 + (seed % 200) as usize, 16).await;
         primary.kill();
         let (acknowledged, refused) = claimers.stop().await;
-        count.refused += refused;
         // Promoted once it saw its primary go (as Sentinel promotes it only after its
         // primary was down for a while): by then it applied what reached it.
         until("the replica's view of the kill", || {
@@ -319,17 +305,7 @@ async fn count_lost_claims(replicas: Option<u32>, link: Link) -> Option<Count> {
             .await
             .unwrap();
         let promoted = RedisStore::connect(&replica.url).await.unwrap();
-        count.acknowledged += acknowledged.len();
-        for key in &acknowledged {
-            if let Claim::Acquired { .. } = promoted
-                .claim(key, None, Duration::from_secs(60))
-                .await
-                .unwrap()
-            {
-                count.lost += 1;
-            }
-        }
-        count.failovers += 1;
+        count.failover(&promoted, &acknowledged, refused).await;
 
         // The old primary comes back as the replica of the new one.
         let port = primary.port;
