@@ -8,6 +8,7 @@ use idem_runtime::store::Claim;
 use idem_runtime::{async_trait, Bytes, Error, Fingerprint, Flights, Key, Store, Token};
 
 mod child;
+mod dynamodb_server;
 pub mod failover;
 mod mariadb_server;
 pub mod netns;
@@ -15,6 +16,9 @@ pub mod scenarios;
 mod servers;
 
 pub use child::Child;
+pub use dynamodb_server::{
+    dynamodb_client, dynamodb_endpoint, dynamodb_store, dynamodb_url, TABLE as DYNAMODB_TABLE,
+};
 pub use mariadb_server::PrivateMariaDb;
 pub use servers::{PrivatePostgres, PrivateRedis, PrivateRedisCluster};
 

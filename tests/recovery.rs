@@ -11,7 +11,9 @@ use idem_runtime::{
     Store, DEFAULT_LEASE,
 };
 use idem_tests::scenarios::{self, namespace};
-use idem_tests::{postgres_store, postgres_url, redis_store, redis_url, Child, Runs};
+use idem_tests::{
+    dynamodb_store, postgres_store, postgres_url, redis_store, redis_url, Child, Runs,
+};
 
 /// The SQLite file the crash test and its child share: the child finds it without being
 /// told; namespaces keep runs apart.
@@ -164,7 +166,12 @@ async fn live_holders_keep_their_keys_with_the_default_lease() {
     };
     let sqlite = async { live_holders_are_never_taken_over(sqlite_store().await).await };
     let memory = live_holders_are_never_taken_over(MemoryStore::new());
-    tokio::join!(redis, postgres, sqlite, memory);
+    let dynamodb = async {
+        if let Some(store) = dynamodb_store().await {
+            live_holders_are_never_taken_over(store).await;
+        }
+    };
+    tokio::join!(redis, postgres, sqlite, memory, dynamodb);
 }
 
 // ---- A client through a server that is SIGKILLed mid-request and restarted ---------------
@@ -319,6 +326,9 @@ async fn a_lost_claim_reply_is_recognised_on_every_shared_store() {
         a_lost_claim_reply_is_recognised(store).await;
     }
     a_lost_claim_reply_is_recognised(sqlite_store().await).await;
+    if let Some(store) = dynamodb_store().await {
+        a_lost_claim_reply_is_recognised(store).await;
+    }
     let tiered = idem_runtime::TieredStore::new(MemoryStore::new(), sqlite_store().await);
     a_lost_claim_reply_is_recognised(tiered).await;
 }

@@ -90,6 +90,9 @@ pub use crate::error::{BoxError, Error};
 pub use crate::flights::Flights;
 pub use crate::key::{Fingerprint, Key, FORMAT_VERSION};
 pub use crate::limits::{MAX_DURATION, MIN_LEASE};
+#[cfg(feature = "dynamodb")]
+#[doc(inline)]
+pub use crate::store::dynamodb::DynamoDbStore;
 #[cfg(feature = "memory")]
 #[doc(inline)]
 pub use crate::store::memory::{MemoryStore, MemoryStoreBuilder};

@@ -13,6 +13,8 @@
 //! here); the conformance suite in `idem_runtime::testkit` (feature `testkit`) checks that an
 //! implementation keeps this contract.
 
+#[cfg(feature = "dynamodb")]
+pub mod dynamodb;
 #[cfg(feature = "memory")]
 pub mod memory;
 #[cfg(feature = "mysql")]

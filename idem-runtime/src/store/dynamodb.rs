@@ -1,0 +1,677 @@
+//! The serverless store: one DynamoDB table, with `aws-sdk-dynamodb`.
+//!
+//! # Table
+//!
+//! [`DynamoDbStore::migrate`] creates the table if it is missing (partition key `id`, a
+//! string; on-demand billing) and turns on DynamoDB's TTL on `expiration`. One item per
+//! call, readable in the console:
+//!
+//! | attribute | holds |
+//! |---|---|
+//! | `id` | the key's 64 hex digits (sha256 of the format version, namespace and key value) |
+//! | `state` | `IN_PROGRESS`, `COMPLETED`, `RELEASED` or `REMOVED` |
+//! | `token` | the fencing token: the first claimer's clock in microseconds, one more each claim |
+//! | `version` | how many claims, renewals and settlements the item has had |
+//! | `nonce`, `lease_ms`, `renewed_at` | the claim in progress: its nonce, its lease, when it was last renewed (holder's clock, ms; informational) |
+//! | `fingerprint` | 32 bytes, absent for none |
+//! | `value`, `expires_at` | the recorded result, and when it stops being replayed (ms since the epoch) |
+//! | `steps` | each recorded step's value and expiry, by the step's key in hex |
+//! | `expiration` | DynamoDB's TTL attribute (seconds): when the table may delete the item |
+//! | `written` | the id of the last write, so that a write the SDK sent again knows it landed |
+//!
+//! # Writes
+//!
+//! Every claim, renewal, completion, release, step and removal is **one conditional
+//! `UpdateItem`**, and a condition that fails returns the item as it was
+//! (`ReturnValuesOnConditionCheckFailure = ALL_OLD`), so a replay or a key in progress costs
+//! one round trip. Completion, release, renewal and a step's record act only while the item
+//! is in progress under the caller's token; a claim acts only on an absent, released or
+//! removed item, a completed one whose `expires_at` has passed, one in progress under the
+//! caller's own nonce (a claim whose reply was lost), or one this process has watched
+//! unchanged for its whole lease. The token only grows (`if_not_exists(token, :now_µs) + 1`):
+//! it is the fencing token too, and a holder that lost the key cannot write anything.
+//!
+//! # Clocks
+//!
+//! DynamoDB offers no clock to a condition, so **leases are waited out, not compared**: a
+//! claim in progress is taken over once this process has seen it unchanged (same `token`,
+//! same `version`) for its `lease_ms`, by its own monotonic clock. A live holder's renewal
+//! changes `version`, so no wall clock, however wrong, lets a live claim be taken; a dead
+//! holder's key frees a lease after a process first finds it held (a process that saw the
+//! holder claim it frees it a lease after that). A completed record's expiry
+//! (`expires_at`) is judged by the caller's wall clock: a clock ahead by a minute replays a
+//! 24-hour result for a minute less. DynamoDB deletes items past `expiration` only "within a
+//! few days", and they are read until then: no condition trusts that deletion.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use aws_sdk_dynamodb::error::{DisplayErrorContext, SdkError};
+use aws_sdk_dynamodb::types::{
+    AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType, ReturnValue,
+    ReturnValuesOnConditionCheckFailure, ScalarAttributeType, TimeToLiveSpecification,
+};
+use aws_sdk_dynamodb::Client;
+use bytes::Bytes;
+
+use self::item::{
+    b, millis, n, now_ms, number, s, state, Item, State, COMPLETED, EXPIRATION, EXPIRES_AT,
+    FINGERPRINT, ID, IN_PROGRESS, LEASE_MS, NONCE, RELEASED, REMOVED, RENEWED_AT, STATE, STEPS,
+    TOKEN, VALUE, VERSION, WRITTEN,
+};
+use self::seen::{Held, Seen};
+use crate::store::Recorded;
+use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
+
+mod item;
+mod seen;
+
+/// The default time an operation may take before it fails with [`Error::Store`].
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// How long an item in progress, or one holding steps, is kept past its lease before the
+/// table may delete it: a released call's steps wait this long for its retry.
+const KEPT: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// How many times a claim reads the item again when it changed between the write and the
+/// read (a claim racing a completion that has just expired, say) before it gives up.
+const CLAIM_ROUNDS: usize = 4;
+
+/// A store on one DynamoDB table, shared by every process, container and Lambda function
+/// that uses the same table.
+///
+/// Cloning is cheap; clones share the client, the registry of running calls and what this
+/// process has seen of other holders' claims.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use idem_runtime::DynamoDbStore;
+///
+/// # async fn example(config: aws_sdk_dynamodb::Config) -> Result<(), idem_runtime::Error> {
+/// let client = aws_sdk_dynamodb::Client::from_conf(config);
+/// let store = DynamoDbStore::new(client, "idem").with_timeout(Duration::from_secs(1));
+/// store.migrate().await?; // once, at deployment
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct DynamoDbStore {
+    client: Client,
+    table: Arc<str>,
+    timeout: Duration,
+    flights: Arc<Flights>,
+    seen: Arc<Seen>,
+}
+
+impl DynamoDbStore {
+    /// A store on `table`, through `client` (whose configuration says the region, the
+    /// credentials and the endpoint). Nothing is sent until the first call; create the
+    /// table with [`migrate`](Self::migrate) or your infrastructure code.
+    pub fn new(client: Client, table: impl Into<Arc<str>>) -> Self {
+        Self {
+            client,
+            table: table.into(),
+            timeout: DEFAULT_TIMEOUT,
+            flights: Arc::default(),
+            seen: Arc::default(),
+        }
+    }
+
+    /// Sets how long one operation may take, the SDK's own retries included, before it
+    /// fails with [`Error::Store`] (default [`DEFAULT_TIMEOUT`]). The body never runs after
+    /// such a failure.
+    #[must_use]
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Creates the table if it is missing (partition key `id`, a string; on-demand
+    /// billing), waits until it is active, and turns on DynamoDB's TTL on `expiration` so
+    /// that the table deletes expired items (within days; they are treated as absent until
+    /// then). Safe to run from several processes at once.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when DynamoDB refuses or cannot be reached, or the table does not
+    /// become active within a minute.
+    pub async fn migrate(&self) -> Result<(), Error> {
+        let created = self
+            .client
+            .create_table()
+            .table_name(&*self.table)
+            .attribute_definitions(
+                AttributeDefinition::builder()
+                    .attribute_name(ID)
+                    .attribute_type(ScalarAttributeType::S)
+                    .build()
+                    .map_err(Error::store)?,
+            )
+            .key_schema(
+                KeySchemaElement::builder()
+                    .attribute_name(ID)
+                    .key_type(KeyType::Hash)
+                    .build()
+                    .map_err(Error::store)?,
+            )
+            .billing_mode(BillingMode::PayPerRequest)
+            .send()
+            .await;
+        match created {
+            Ok(_) => {}
+            Err(err)
+                if err
+                    .as_service_error()
+                    .is_some_and(|err| err.is_resource_in_use_exception()) => {}
+            Err(err) => return Err(sdk_error(&err)),
+        }
+        self.wait_until_active().await?;
+        let ttl = self
+            .client
+            .update_time_to_live()
+            .table_name(&*self.table)
+            .time_to_live_specification(
+                TimeToLiveSpecification::builder()
+                    .enabled(true)
+                    .attribute_name(EXPIRATION)
+                    .build()
+                    .map_err(Error::store)?,
+            )
+            .send()
+            .await;
+        match ttl {
+            Ok(_) => Ok(()),
+            // DynamoDB refuses to turn on a TTL that is already on.
+            Err(err) if self.ttl_is_on().await? => {
+                tracing::debug!(error = %DisplayErrorContext(&err), "the table's TTL was already on");
+                Ok(())
+            }
+            Err(err) => Err(sdk_error(&err)),
+        }
+    }
+
+    async fn wait_until_active(&self) -> Result<(), Error> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let table = self
+                .client
+                .describe_table()
+                .table_name(&*self.table)
+                .send()
+                .await
+                .map_err(|err| sdk_error(&err))?;
+            let status = table.table().and_then(|table| table.table_status());
+            if status.is_some_and(|status| status.as_str() == "ACTIVE") {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::store(format!(
+                    "the DynamoDB table `{}` did not become active within a minute ({status:?})",
+                    self.table
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    async fn ttl_is_on(&self) -> Result<bool, Error> {
+        let described = self
+            .client
+            .describe_time_to_live()
+            .table_name(&*self.table)
+            .send()
+            .await
+            .map_err(|err| sdk_error(&err))?;
+        Ok(described
+            .time_to_live_description()
+            .is_some_and(|ttl| ttl.attribute_name() == Some(EXPIRATION)))
+    }
+
+    /// One conditional `UpdateItem` on the item of `key`: `Ok(Ok(new))` with the attributes
+    /// it set, or `Ok(Err(old))` with the item as it was when the condition failed (`None`:
+    /// no item, or an endpoint that does not return it).
+    async fn update(
+        &self,
+        key: &Key,
+        update: Update<'_>,
+    ) -> Result<Result<Item, Option<Item>>, Error> {
+        let written = crate::store::nonce();
+        // Every write sets its id first: `SET` may appear once in an expression.
+        let clauses = update.set.strip_prefix("SET ").unwrap_or(update.set);
+        let mut values = update.values;
+        values.push((":written", n(written)));
+        let mut names: HashMap<String, String> = update
+            .names
+            .iter()
+            .chain([&WRITTEN])
+            .map(|name| (format!("#{name}"), (*name).to_owned()))
+            .collect();
+        if let Some(step) = update.step {
+            names.insert("#step".to_owned(), step);
+        }
+        let request = self
+            .client
+            .update_item()
+            .table_name(&*self.table)
+            .key(ID, s(&key.to_hex()))
+            .update_expression(format!("SET #{WRITTEN} = :written, {}", clauses))
+            .condition_expression(update.condition)
+            .set_expression_attribute_names(Some(names))
+            .set_expression_attribute_values(Some(
+                values
+                    .into_iter()
+                    .map(|(name, value)| (name.to_owned(), value))
+                    .collect(),
+            ))
+            .return_values(update.returns)
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
+        match self.within(request.send()).await? {
+            Ok(output) => Ok(Ok(output.attributes.unwrap_or_default())),
+            Err(err) => {
+                let old = match err.as_service_error() {
+                    Some(failed) if failed.is_conditional_check_failed_exception() => {
+                        match failed {
+                            aws_sdk_dynamodb::operation::update_item::UpdateItemError::ConditionalCheckFailedException(failed) => failed.item().cloned(),
+                            _ => None,
+                        }
+                    }
+                    _ => return Err(sdk_error(&err)),
+                };
+                // The SDK sent the request again after losing the reply of one that landed:
+                // the condition now fails on this very write.
+                if old
+                    .as_ref()
+                    .is_some_and(|old| number(old, WRITTEN).ok() == Some(written))
+                {
+                    return Ok(Ok(old.unwrap_or_default()));
+                }
+                Ok(Err(old))
+            }
+        }
+    }
+
+    /// The item of `key`, read consistently (`None`: none).
+    async fn get(&self, key: &Key) -> Result<Option<Item>, Error> {
+        let request = self
+            .client
+            .get_item()
+            .table_name(&*self.table)
+            .key(ID, s(&key.to_hex()))
+            .consistent_read(true);
+        let output = self
+            .within(request.send())
+            .await?
+            .map_err(|err| sdk_error(&err))?;
+        Ok(output.item)
+    }
+
+    /// One compare-and-set on the claim `token`: the attributes it set when it applied,
+    /// `None` when the item is not in progress under `token`.
+    async fn fenced(
+        &self,
+        key: &Key,
+        token: Token,
+        set: &str,
+        names: &[&'static str],
+        mut values: Vec<(&'static str, AttributeValue)>,
+        step: Option<String>,
+    ) -> Result<Option<Item>, Error> {
+        let mut all = vec![STATE, TOKEN];
+        all.extend_from_slice(names);
+        values.push((":in_progress", s(IN_PROGRESS)));
+        values.push((":token", n(token.get())));
+        let update = Update {
+            set,
+            condition: &format!("#{STATE} = :in_progress AND #{TOKEN} = :token"),
+            names: &all,
+            values,
+            returns: ReturnValue::UpdatedNew,
+            step,
+        };
+        Ok(self.update(key, update).await?.ok())
+    }
+
+    async fn within<T>(&self, operation: impl std::future::Future<Output = T>) -> Result<T, Error> {
+        let timeout = self.timeout;
+        tokio::time::timeout(timeout, operation)
+            .await
+            .map_err(|_| Error::store(format!("DynamoDB did not answer within {timeout:?}")))
+    }
+
+    /// Reads what a failed claim found, when the endpoint did not return it.
+    async fn found(&self, key: &Key, old: Option<Item>) -> Result<State, Error> {
+        match old {
+            Some(old) => state(Some(&old)),
+            None => state(self.get(key).await?.as_ref()),
+        }
+    }
+}
+
+/// One `UpdateItem`: its `SET … [REMOVE …]` clauses (the write id is set first), its condition,
+/// the attribute names both use (each written `#name`), the values, and a step's key in
+/// hex, written `#step`.
+struct Update<'a> {
+    set: &'a str,
+    condition: &'a str,
+    names: &'a [&'static str],
+    values: Vec<(&'static str, AttributeValue)>,
+    returns: ReturnValue,
+    step: Option<String>,
+}
+
+fn sdk_error<E, R>(err: &SdkError<E, R>) -> Error
+where
+    E: std::error::Error + 'static,
+    R: fmt::Debug,
+{
+    Error::store(format!("DynamoDB: {}", DisplayErrorContext(err)))
+}
+
+/// Seconds since the epoch `after` from now, for DynamoDB's TTL attribute.
+fn expiration(now_ms: u64, after: Duration) -> u64 {
+    (now_ms.saturating_add(millis(after))).div_ceil(1000)
+}
+
+impl fmt::Debug for DynamoDbStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DynamoDbStore")
+            .field("table", &self.table)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl Store for DynamoDbStore {
+    async fn claim(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Claim, Error> {
+        self.claim_with_nonce(key, fingerprint, lease, crate::store::nonce())
+            .await
+    }
+
+    /// A claim found in progress under this nonce is this call's own (a reply was lost):
+    /// it is taken again under the next token, with a whole lease.
+    async fn claim_with_nonce(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+        nonce: u64,
+    ) -> Result<Claim, Error> {
+        for _ in 0..CLAIM_ROUNDS {
+            let now = now_ms();
+            let lapsed = self.seen.lapsed(key);
+            let mut condition = format!(
+                "attribute_not_exists(#{ID}) OR #{STATE} IN (:released, :removed) \
+                 OR (#{STATE} = :completed AND #{EXPIRES_AT} <= :now) \
+                 OR (#{STATE} = :in_progress AND #{NONCE} = :nonce)"
+            );
+            let mut values = vec![
+                (":released", s(RELEASED)),
+                (":removed", s(REMOVED)),
+                (":completed", s(COMPLETED)),
+                (":in_progress", s(IN_PROGRESS)),
+                (":now", n(now)),
+                (":nonce", n(nonce)),
+                (":start", n(now.saturating_mul(1000))),
+                (":zero", n(0)),
+                (":one", n(1)),
+                (":lease", n(millis(lease))),
+                (":expiration", n(expiration(now, lease + KEPT))),
+                (":no_steps", AttributeValue::M(HashMap::new())),
+            ];
+            if let Some(held) = lapsed {
+                condition.push_str(&format!(
+                    " OR (#{STATE} = :in_progress AND #{TOKEN} = :seen_token AND #{VERSION} = :seen_version)"
+                ));
+                values.push((":seen_token", n(held.token.get())));
+                values.push((":seen_version", n(held.version)));
+            }
+            let mut set = format!(
+                "SET #{STATE} = :in_progress, #{TOKEN} = if_not_exists(#{TOKEN}, :start) + :one, \
+                 #{VERSION} = if_not_exists(#{VERSION}, :zero) + :one, #{NONCE} = :nonce, \
+                 #{LEASE_MS} = :lease, #{RENEWED_AT} = :now, #{EXPIRATION} = :expiration, \
+                 #{STEPS} = if_not_exists(#{STEPS}, :no_steps)"
+            );
+            match fingerprint {
+                Some(fingerprint) => {
+                    set.push_str(&format!(", #{FINGERPRINT} = :fingerprint"));
+                    values.push((":fingerprint", b(fingerprint.as_bytes())));
+                    set.push_str(&format!(" REMOVE #{VALUE}, #{EXPIRES_AT}"));
+                }
+                None => set.push_str(&format!(" REMOVE #{VALUE}, #{EXPIRES_AT}, #{FINGERPRINT}")),
+            }
+            let update = Update {
+                set: &set,
+                condition: &condition,
+                names: &[
+                    ID,
+                    STATE,
+                    TOKEN,
+                    VERSION,
+                    NONCE,
+                    LEASE_MS,
+                    RENEWED_AT,
+                    EXPIRATION,
+                    STEPS,
+                    FINGERPRINT,
+                    VALUE,
+                    EXPIRES_AT,
+                ],
+                values,
+                returns: ReturnValue::AllNew,
+                step: None,
+            };
+            let old = match self.update(key, update).await? {
+                Ok(new) => {
+                    let held = Held {
+                        token: Token::new(number(&new, TOKEN)?),
+                        version: number(&new, VERSION)?,
+                        lease: Duration::from_millis(number(&new, LEASE_MS)?),
+                    };
+                    // This process's own claim: seen from the moment it was answered.
+                    self.seen.saw(key, held, Instant::now());
+                    return Ok(Claim::Acquired { token: held.token });
+                }
+                Err(old) => old,
+            };
+            match self.found(key, old).await? {
+                State::InProgress {
+                    held, fingerprint, ..
+                } => {
+                    if self.seen.saw(key, held, Instant::now()) < held.lease {
+                        return Ok(Claim::InProgress { fingerprint });
+                    }
+                    // Seen unchanged for a whole lease: claimed again, over exactly it.
+                }
+                State::Completed {
+                    value,
+                    fingerprint,
+                    expires_at,
+                } if expires_at > now => {
+                    self.seen.forget(key);
+                    return Ok(Claim::Completed { value, fingerprint });
+                }
+                // Changed since: the next round sees it as it is now.
+                State::Completed { .. } | State::Free => {}
+            }
+        }
+        Err(Error::store(format!(
+            "the DynamoDB item of key {} changed under {CLAIM_ROUNDS} claims in a row",
+            key.short()
+        )))
+    }
+
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        let now = now_ms();
+        let set = format!(
+            "SET #{STATE} = :completed, #{VALUE} = :value, #{EXPIRES_AT} = :expires_at, \
+             #{EXPIRATION} = :expiration, #{VERSION} = #{VERSION} + :one \
+             REMOVE #{NONCE}, #{LEASE_MS}, #{RENEWED_AT}, #{STEPS}"
+        );
+        let values = vec![
+            (":completed", s(COMPLETED)),
+            (":value", b(&value)),
+            (":expires_at", n(now.saturating_add(millis(ttl)))),
+            (":expiration", n(expiration(now, ttl))),
+            (":one", n(1)),
+        ];
+        let names = [
+            VALUE, EXPIRES_AT, EXPIRATION, VERSION, NONCE, LEASE_MS, RENEWED_AT, STEPS,
+        ];
+        let done = self.fenced(key, token, &set, &names, values, None).await?;
+        self.seen.forget(key);
+        Ok(done.is_some())
+    }
+
+    async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
+        let set = format!(
+            "SET #{STATE} = :released, #{VERSION} = #{VERSION} + :one \
+             REMOVE #{NONCE}, #{LEASE_MS}, #{RENEWED_AT}, #{FINGERPRINT}"
+        );
+        let values = vec![(":released", s(RELEASED)), (":one", n(1))];
+        let names = [VERSION, NONCE, LEASE_MS, RENEWED_AT, FINGERPRINT];
+        let done = self.fenced(key, token, &set, &names, values, None).await?;
+        self.seen.forget(key);
+        Ok(done.is_some())
+    }
+
+    async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
+        let now = now_ms();
+        let set = format!(
+            "SET #{VERSION} = #{VERSION} + :one, #{LEASE_MS} = :lease, #{RENEWED_AT} = :now, \
+             #{EXPIRATION} = :expiration"
+        );
+        let values = vec![
+            (":one", n(1)),
+            (":lease", n(millis(lease))),
+            (":now", n(now)),
+            (":expiration", n(expiration(now, lease + KEPT))),
+        ];
+        let names = [VERSION, LEASE_MS, RENEWED_AT, EXPIRATION];
+        let Some(new) = self.fenced(key, token, &set, &names, values, None).await? else {
+            return Ok(false);
+        };
+        if let Ok(version) = number(&new, VERSION) {
+            let held = Held {
+                token,
+                version,
+                lease,
+            };
+            self.seen.saw(key, held, Instant::now());
+        }
+        Ok(true)
+    }
+
+    /// Claim tokens grow on this store: a claim's fence is its token, without a round trip.
+    /// A holder that lost the key gets its own, smaller token, which downstream fences refuse.
+    async fn fence(&self, _key: &Key, token: Token) -> Result<Option<Token>, Error> {
+        Ok(Some(token))
+    }
+
+    async fn record_step(
+        &self,
+        call: &Key,
+        token: Token,
+        step: &Key,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        let now = now_ms();
+        let set = format!("SET #{STEPS}.#step = :step, #{EXPIRATION} = :expiration");
+        let values = vec![
+            (":step", item::step(&value, now.saturating_add(millis(ttl)))),
+            (":expiration", n(expiration(now, ttl.max(KEPT)))),
+        ];
+        let recorded = self
+            .fenced(
+                call,
+                token,
+                &set,
+                &[STEPS, EXPIRATION],
+                values,
+                Some(step.to_hex()),
+            )
+            .await?;
+        Ok(recorded.is_some())
+    }
+
+    async fn steps(&self, call: &Key) -> Result<Vec<(Key, Bytes)>, Error> {
+        item::steps(self.get(call).await?.as_ref(), now_ms())
+    }
+
+    async fn remove(&self, key: &Key) -> Result<bool, Error> {
+        let update = Update {
+            set: &format!(
+                "SET #{STATE} = :removed, #{VERSION} = if_not_exists(#{VERSION}, :zero) + :one \
+                 REMOVE #{VALUE}, #{FINGERPRINT}, #{NONCE}, #{STEPS}, #{LEASE_MS}, #{RENEWED_AT}, #{EXPIRES_AT}"
+            ),
+            condition: &format!("attribute_exists(#{ID})"),
+            names: &[
+                ID, STATE, VERSION, VALUE, FINGERPRINT, NONCE, STEPS, LEASE_MS, RENEWED_AT,
+                EXPIRES_AT,
+            ],
+            values: vec![(":removed", s(REMOVED)), (":zero", n(0)), (":one", n(1))],
+            returns: ReturnValue::AllOld,
+            step: None,
+        };
+        self.seen.forget(key);
+        match self.update(key, update).await? {
+            Ok(old) => Ok(matches!(
+                item::string(&old, STATE),
+                Ok(IN_PROGRESS | COMPLETED)
+            )),
+            Err(_) => Ok(false),
+        }
+    }
+
+    async fn lookup(&self, key: &Key) -> Result<Option<Recorded>, Error> {
+        let now = now_ms();
+        match state(self.get(key).await?.as_ref())? {
+            State::Completed {
+                value,
+                fingerprint,
+                expires_at,
+            } if expires_at > now => Ok(Some(Recorded::new(
+                value,
+                fingerprint,
+                Some(Duration::from_millis(expires_at - now)),
+            ))),
+            State::InProgress { held, .. } => {
+                self.seen.saw(key, held, Instant::now());
+                Ok(None)
+            }
+            State::Completed { .. } | State::Free => Ok(None),
+        }
+    }
+
+    /// By what this process has seen of the claim: its lease, less how long it has been
+    /// seen unchanged (a whole lease the first time this process sees it).
+    async fn lease_left(&self, key: &Key) -> Result<Option<Duration>, Error> {
+        match state(self.get(key).await?.as_ref())? {
+            State::InProgress { held, .. } => Ok(self.seen.left(key, held)),
+            State::Completed { .. } | State::Free => Ok(None),
+        }
+    }
+
+    fn claim_timeout(&self) -> Option<Duration> {
+        Some(self.timeout)
+    }
+
+    fn flights(&self) -> Option<&Flights> {
+        Some(&self.flights)
+    }
+}

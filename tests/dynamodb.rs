@@ -1,0 +1,463 @@
+//! `DynamoDbStore` against a DynamoDB emulator (`dynoxide`) over real HTTP: the store
+//! contract, one body for a crowd across two processes' stores, a SIGKILLed holder, zombies
+//! and their fences, requests dropped before and after the emulator acted, and items an
+//! operator can read.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use aws_sdk_dynamodb::types::AttributeValue;
+use idem_runtime::testkit;
+use idem_runtime::{DynamoDbStore, Error, Operation, Store};
+use idem_tests::scenarios::{self, namespace};
+use idem_tests::{dynamodb_client, dynamodb_endpoint, dynamodb_store, DYNAMODB_TABLE};
+use rand::{RngExt, SeedableRng};
+use rand_xorshift::XorShiftRng;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamodb_store_keeps_the_store_contract() {
+    let Some(store) = dynamodb_store().await else {
+        return;
+    };
+    testkit::conformance(&store).await;
+}
+
+/// Two stores are two processes: neither has seen what the other claimed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_stores_with_200_callers_each_run_the_body_once() {
+    let Some(first) = dynamodb_store().await else {
+        return;
+    };
+    let Some(second) = dynamodb_store().await else {
+        return;
+    };
+    scenarios::two_stores_200_callers_each(first, second).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_that_lost_its_lease_cannot_overwrite_the_new_owner() {
+    let Some(store) = dynamodb_store().await else {
+        return;
+    };
+    scenarios::zombie_cannot_overwrite_the_new_owner(store.clone()).await;
+    scenarios::a_lapsed_holder_answers_only_what_the_key_records(store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zombies_fenced_write_is_refused_downstream() {
+    let Some(store) = dynamodb_store().await else {
+        return;
+    };
+    scenarios::zombie_fences_are_refused_downstream(store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a child of a_sigkilled_holder_is_taken_over_after_its_lease"]
+async fn crash_child() {
+    let store = dynamodb_store()
+        .await
+        .expect("the parent found the emulator");
+    scenarios::crash_child(store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a child of a_holder_sigkilled_after_a_renewal_frees_its_key_within_10s"]
+async fn default_lease_crash_child() {
+    let store = dynamodb_store()
+        .await
+        .expect("the parent found the emulator");
+    scenarios::default_lease_crash_child(store).await;
+}
+
+/// A process claims with a 1 s lease and is SIGKILLed: this process is refused while the
+/// lease can last and runs the body after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkilled_holder_is_taken_over_after_its_lease() {
+    let Some(store) = dynamodb_store().await else {
+        return;
+    };
+    scenarios::crash_frees_the_key_after_the_lease(store, "crash_child").await;
+}
+
+/// With the default lease (8 s), killed right after a renewal, and first seen held here
+/// after the kill: the key runs again within 10 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_sigkilled_after_a_renewal_frees_its_key_within_10s() {
+    let Some(store) = dynamodb_store().await else {
+        return;
+    };
+    scenarios::a_crashed_holder_frees_its_key_within_seconds(store, "default_lease_crash_child")
+        .await;
+}
+
+/// DynamoDB has no clock a condition can read: a claim is taken over once this process has
+/// seen it unchanged for its lease, by its own clock. A process that first looks after the
+/// holder's lease ran out by every clock still waits a lease from that look; the holder's
+/// late completion is then refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_claim_is_taken_a_lease_after_this_process_first_sees_it() {
+    const LEASE: Duration = Duration::from_secs(1);
+    let Some(holder) = dynamodb_store().await else {
+        return;
+    };
+    let key = Operation::new(namespace("dynamodb.first_sight"))
+        .key(&1)
+        .unwrap();
+    let idem_runtime::Claim::Acquired { token } = holder.claim(&key, None, LEASE).await.unwrap()
+    else {
+        panic!("a fresh key is free")
+    };
+    // The holder's lease is over by every clock before the other process looks.
+    tokio::time::sleep(LEASE + LEASE / 2).await;
+    let url = dynamodb_endpoint().await.unwrap();
+    let other = DynamoDbStore::new(dynamodb_client(&url), DYNAMODB_TABLE);
+    let first_look = Instant::now();
+    assert_eq!(
+        other.claim(&key, None, LEASE).await.unwrap(),
+        idem_runtime::Claim::InProgress { fingerprint: None },
+        "a claim seen for the first time is not taken"
+    );
+    let left = other.lease_left(&key).await.unwrap();
+    assert!(left.is_some_and(|left| left <= LEASE), "{left:?}");
+    let taken = loop {
+        match other.claim(&key, None, LEASE).await.unwrap() {
+            idem_runtime::Claim::Acquired { token } => break token,
+            idem_runtime::Claim::InProgress { .. } => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            found => panic!("{found:?}"),
+        }
+    };
+    assert!(
+        first_look.elapsed() >= LEASE,
+        "taken {:?} after the first look, within its lease",
+        first_look.elapsed()
+    );
+    assert!(
+        taken > token,
+        "the takeover's token is larger: {taken:?} after {token:?}"
+    );
+    assert!(
+        !holder
+            .complete(&key, token, "late".into(), Duration::from_secs(60))
+            .await
+            .unwrap(),
+        "the dead holder's late completion is refused"
+    );
+}
+
+/// The item of `key`, as an operator reads it in the console.
+async fn item(
+    store_url: &str,
+    key: &idem_runtime::Key,
+) -> std::collections::HashMap<String, AttributeValue> {
+    dynamodb_client(store_url)
+        .get_item()
+        .table_name(DYNAMODB_TABLE)
+        .key("id", AttributeValue::S(key.to_hex()))
+        .consistent_read(true)
+        .send()
+        .await
+        .unwrap()
+        .item
+        .expect("the key's item")
+}
+
+fn text(item: &std::collections::HashMap<String, AttributeValue>, name: &str) -> String {
+    match item.get(name) {
+        Some(AttributeValue::S(text)) => text.clone(),
+        other => panic!("`{name}` is {other:?}"),
+    }
+}
+
+/// An operator finds a stuck claim by its state and lease in plain attributes, the result
+/// once completed, and DynamoDB's TTL attribute in seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_item_says_its_state_in_plain_attributes() {
+    let Some(store) = dynamodb_store().await else {
+        return;
+    };
+    let url = dynamodb_endpoint().await.unwrap();
+    let op = Operation::new(namespace("dynamodb.items"));
+    let key = op.key(&1).unwrap();
+    let (entered, mut has_entered) = tokio::sync::mpsc::channel(1);
+    let (go, mut wait) = tokio::sync::mpsc::channel::<()>(1);
+    let running = tokio::spawn({
+        let (op, store) = (op.clone(), store.clone());
+        async move {
+            op.run(&store, &key, None, async {
+                entered.send(()).await.unwrap();
+                wait.recv().await;
+                Ok::<_, Error>(42_u32)
+            })
+            .await
+        }
+    });
+    has_entered.recv().await.unwrap();
+    let held = item(&url, &key).await;
+    assert_eq!(text(&held, "state"), "IN_PROGRESS");
+    assert!(matches!(held.get("lease_ms"), Some(AttributeValue::N(ms)) if ms == "8000"));
+    assert!(held.contains_key("token") && held.contains_key("renewed_at"));
+    go.send(()).await.unwrap();
+    let _ = running.await.unwrap().unwrap();
+    let done = item(&url, &key).await;
+    assert_eq!(text(&done, "state"), "COMPLETED");
+    let Some(AttributeValue::B(value)) = done.get("value") else {
+        panic!("no value: {done:?}")
+    };
+    // The engine's encoding: a version byte, then the value's JSON.
+    assert_eq!(value.as_ref(), b"v42", "the recorded result");
+    let Some(AttributeValue::N(expiration)) = done.get("expiration") else {
+        panic!("no TTL attribute: {done:?}")
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let expiration: u64 = expiration.parse().unwrap();
+    assert!(
+        expiration > now + 23 * 3600 && expiration <= now + 24 * 3600 + 1,
+        "DynamoDB's TTL is in seconds, a day from now: {expiration} at {now}"
+    );
+}
+
+// ---- Requests dropped before and after the emulator acted ----------------------------------
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// An HTTP proxy in front of the emulator that drops a seeded tenth of the requests: half
+/// before forwarding them (the emulator never sees them), half after the emulator answered
+/// (it acted; the client never hears). A dropped request's connection is closed without an
+/// answer, as a network that lost it would leave it.
+struct DroppingProxy {
+    port: u16,
+    dropped_before: Arc<AtomicUsize>,
+    dropped_after: Arc<AtomicUsize>,
+    forwarded: Arc<AtomicUsize>,
+}
+
+/// What the proxy's connections share.
+struct Fates {
+    client: Upstream,
+    upstream: String,
+    rng: Mutex<XorShiftRng>,
+    drop: f64,
+    dropped_before: Arc<AtomicUsize>,
+    dropped_after: Arc<AtomicUsize>,
+    forwarded: Arc<AtomicUsize>,
+}
+
+impl DroppingProxy {
+    async fn start(upstream: String, seed: u64, drop: f64) -> Self {
+        use hyper_util::client::legacy::Client;
+        use hyper_util::rt::{TokioExecutor, TokioIo};
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let fates = Arc::new(Fates {
+            client: Client::builder(TokioExecutor::new()).build_http(),
+            upstream,
+            rng: Mutex::new(XorShiftRng::seed_from_u64(seed)),
+            drop,
+            dropped_before: Arc::default(),
+            dropped_after: Arc::default(),
+            forwarded: Arc::default(),
+        });
+        let proxy = Self {
+            port: listener.local_addr().unwrap().port(),
+            dropped_before: Arc::clone(&fates.dropped_before),
+            dropped_after: Arc::clone(&fates.dropped_after),
+            forwarded: Arc::clone(&fates.forwarded),
+        };
+        tokio::spawn(async move {
+            loop {
+                let (stream, _) = listener.accept().await.unwrap();
+                let fates = Arc::clone(&fates);
+                let service =
+                    hyper::service::service_fn(move |request| Arc::clone(&fates).serve(request));
+                tokio::spawn(async move {
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        proxy
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+}
+
+type Upstream = hyper_util::client::legacy::Client<
+    hyper_util::client::legacy::connect::HttpConnector,
+    http_body_util::Full<bytes::Bytes>,
+>;
+
+impl Fates {
+    /// Forwards `request`, or drops it before or after the emulator acted.
+    async fn serve(
+        self: Arc<Self>,
+        request: http::Request<hyper::body::Incoming>,
+    ) -> Result<http::Response<http_body_util::Full<bytes::Bytes>>, BoxError> {
+        let fate: f64 = self.rng.lock().unwrap().random();
+        if fate < self.drop / 2.0 {
+            self.dropped_before.fetch_add(1, Ordering::Relaxed);
+            return Err("dropped before the emulator saw it".into());
+        }
+        let answer = forward(&self.client, &self.upstream, request).await?;
+        if fate < self.drop {
+            self.dropped_after.fetch_add(1, Ordering::Relaxed);
+            return Err("dropped after the emulator acted".into());
+        }
+        self.forwarded.fetch_add(1, Ordering::Relaxed);
+        Ok(answer)
+    }
+}
+
+/// Sends `request` on to `upstream` and reads the whole answer.
+async fn forward(
+    client: &Upstream,
+    upstream: &str,
+    request: http::Request<hyper::body::Incoming>,
+) -> Result<http::Response<http_body_util::Full<bytes::Bytes>>, BoxError> {
+    use http_body_util::{BodyExt, Full};
+
+    let (mut parts, body) = request.into_parts();
+    let body = body.collect().await.map_err(BoxError::from)?.to_bytes();
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    parts.uri = format!("{upstream}{path}")
+        .parse()
+        .map_err(BoxError::from)?;
+    let answer = client
+        .request(http::Request::from_parts(parts, Full::new(body)))
+        .await
+        .map_err(BoxError::from)?;
+    let (parts, body) = answer.into_parts();
+    let body = body.collect().await.map_err(BoxError::from)?.to_bytes();
+    Ok(http::Response::from_parts(parts, Full::new(body)))
+}
+
+/// 200 keys, a caller on each of two stores (two processes) through the proxy, every caller
+/// retrying until it gets a value (a call fails when its store's tries all time out or are
+/// dropped, or when it waited out its wait for another): every key's body runs once, every caller gets its
+/// key's value, and none hangs. The SDK sends a dropped request again (its standard retries):
+/// a claim finds its own nonce, a settlement its own write id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_dropped_before_or_after_the_emulator_acted_run_every_body_once() {
+    const KEYS: u32 = 200;
+    // A holder's completion and renewals must land within its lease: each try of one is
+    // bounded by the store's timeout, a quarter of the lease here (3 s against 8 s by
+    // default), and the SDK sends a dropped request again after 20 ms to 80 ms.
+    const LEASE: Duration = Duration::from_secs(4);
+    let Some(direct) = dynamodb_store().await else {
+        return;
+    };
+    let upstream = dynamodb_endpoint().await.unwrap();
+    let proxies = [
+        DroppingProxy::start(upstream.clone(), 7, 0.10).await,
+        DroppingProxy::start(upstream, 8, 0.10).await,
+    ];
+    let stores = proxies.each_ref().map(|proxy| {
+        DynamoDbStore::new(dynamodb_client(&proxy.url()), DYNAMODB_TABLE).with_timeout(LEASE / 4)
+    });
+    let op = Operation::new(namespace("dynamodb.dropped")).lease(LEASE);
+    let runs: Arc<Vec<AtomicUsize>> = Arc::new((0..KEYS).map(|_| AtomicUsize::new(0)).collect());
+    let (failures, started) = (Arc::new(AtomicUsize::new(0)), Instant::now());
+    let mut callers = Vec::new();
+    for key in 0..KEYS {
+        for store in &stores {
+            let (op, store, runs, failures) = (
+                op.clone(),
+                store.clone(),
+                Arc::clone(&runs),
+                Arc::clone(&failures),
+            );
+            callers.push(tokio::spawn(async move {
+                let k = op.key(&key).unwrap();
+                loop {
+                    let call = op.run(&store, &k, None, async {
+                        runs[key as usize].fetch_add(1, Ordering::SeqCst);
+                        Ok::<_, Error>(key)
+                    });
+                    match tokio::time::timeout(Duration::from_secs(60), call).await {
+                        Ok(Ok(value)) => return value.into_inner(),
+                        Ok(Err(_)) => {
+                            failures.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(_) => panic!("a call on key {key} hung for a minute"),
+                    }
+                }
+            }));
+        }
+    }
+    for (i, caller) in callers.into_iter().enumerate() {
+        assert_eq!(
+            caller.await.unwrap(),
+            i as u32 / 2,
+            "a caller got another key's value"
+        );
+    }
+    idem_runtime::drain(Duration::from_secs(30))
+        .await
+        .expect("background work drained");
+    let ran: Vec<usize> = runs
+        .iter()
+        .map(|runs| runs.load(Ordering::SeqCst))
+        .collect();
+    let twice = ran.iter().filter(|runs| **runs > 1).count();
+    let [before, after, forwarded] = [
+        |p: &DroppingProxy| p.dropped_before.load(Ordering::Relaxed),
+        |p: &DroppingProxy| p.dropped_after.load(Ordering::Relaxed),
+        |p: &DroppingProxy| p.forwarded.load(Ordering::Relaxed),
+    ]
+    .map(|count| proxies.iter().map(count).sum::<usize>());
+    println!(
+        "{KEYS} keys, 2 callers each: {forwarded} requests answered, {before} dropped before and \
+         {after} after the emulator acted; {} calls failed and were retried; keys run twice: \
+         {twice}; {:?}",
+        failures.load(Ordering::Relaxed),
+        started.elapsed()
+    );
+    assert!(
+        before > 0 && after > 0,
+        "the proxy dropped requests both ways"
+    );
+    assert_eq!(twice, 0, "keys whose body ran twice: {ran:?}");
+    assert!(
+        ran.iter().all(|runs| *runs == 1),
+        "every key's body ran: {ran:?}"
+    );
+    for key in 0..KEYS {
+        let recorded = direct.lookup(&op.key(&key).unwrap()).await.unwrap();
+        assert!(recorded.is_some(), "key {key} has its result recorded");
+    }
+}
+
+/// Counted at the wire: a first execution is two requests (the claim and the completion),
+/// a replay one (the claim, whose failed condition returns the record), a duplicate of a
+/// running call one a poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_execution_is_two_requests_and_a_replay_one() {
+    let Some(_) = dynamodb_store().await else {
+        return;
+    };
+    let proxy = DroppingProxy::start(dynamodb_endpoint().await.unwrap(), 1, 0.0).await;
+    let store = DynamoDbStore::new(dynamodb_client(&proxy.url()), DYNAMODB_TABLE);
+    let op = Operation::new(namespace("dynamodb.requests"));
+    let key = op.key(&1).unwrap();
+    let requests = || proxy.forwarded.load(Ordering::SeqCst);
+    let first = op
+        .run(&store, &key, None, async { Ok::<_, Error>(1_u32) })
+        .await
+        .unwrap();
+    assert_eq!(first, idem_runtime::Outcome::Executed(1));
+    assert_eq!(requests(), 2, "a first execution: a claim and a completion");
+    let replay = op
+        .run(&store, &key, None, async { Ok::<_, Error>(2_u32) })
+        .await
+        .unwrap();
+    assert_eq!(replay, idem_runtime::Outcome::Replayed(1));
+    assert_eq!(requests(), 3, "a replay: one claim");
+}
