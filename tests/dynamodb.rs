@@ -461,3 +461,61 @@ async fn a_first_execution_is_two_requests_and_a_replay_one() {
     assert_eq!(replay, idem_runtime::Outcome::Replayed(1));
     assert_eq!(requests(), 3, "a replay: one claim");
 }
+
+/// A table made elsewhere with another key is refused by `migrate` with a message naming
+/// the key it needs; a call on it fails closed, its body not run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_with_another_key_is_refused() {
+    use aws_sdk_dynamodb::types::{
+        AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType,
+    };
+
+    let Some(_) = dynamodb_store().await else {
+        return;
+    };
+    let client = dynamodb_client(&dynamodb_endpoint().await.unwrap());
+    let table = "idem_tests_another_key";
+    let created = client
+        .create_table()
+        .table_name(table)
+        .attribute_definitions(
+            AttributeDefinition::builder()
+                .attribute_name("pk")
+                .attribute_type(ScalarAttributeType::S)
+                .build()
+                .unwrap(),
+        )
+        .key_schema(
+            KeySchemaElement::builder()
+                .attribute_name("pk")
+                .key_type(KeyType::Hash)
+                .build()
+                .unwrap(),
+        )
+        .billing_mode(BillingMode::PayPerRequest)
+        .send()
+        .await;
+    if let Err(err) = created {
+        assert!(
+            err.as_service_error()
+                .is_some_and(|err| err.is_resource_in_use_exception()),
+            "{err:?}"
+        );
+    }
+    let store = DynamoDbStore::new(client, table);
+    let refused = store.migrate().await.unwrap_err();
+    assert!(
+        matches!(&refused, Error::Config(_)) && refused.to_string().contains("partition key `id`"),
+        "{refused}"
+    );
+    let op = Operation::new(namespace("dynamodb.another_key"));
+    let ran = AtomicUsize::new(0);
+    let call = op
+        .run(&store, &op.key(&1).unwrap(), None, async {
+            ran.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Error>(1)
+        })
+        .await;
+    assert!(matches!(call, Err(Error::Store(_))), "{call:?}");
+    assert_eq!(ran.load(Ordering::SeqCst), 0, "fail closed");
+}

@@ -136,6 +136,8 @@ impl DynamoDbStore {
     ///
     /// # Errors
     ///
+    /// [`Error::Config`] when the table exists with another key (this store needs a
+    /// partition key `id` of type S and no sort key) or with its TTL on another attribute;
     /// [`Error::Store`] when DynamoDB refuses or cannot be reached, or the table does not
     /// become active within a minute.
     pub async fn migrate(&self) -> Result<(), Error> {
@@ -169,8 +171,17 @@ impl DynamoDbStore {
             Err(err) => return Err(sdk_error(&err)),
         }
         self.wait_until_active().await?;
-        let ttl = self
-            .client
+        match self.ttl_attribute().await? {
+            Some(attribute) if attribute == EXPIRATION => return Ok(()),
+            Some(other) => {
+                return Err(Error::config(format!(
+                    "the DynamoDB table `{}` expires items by `{other}`; DynamoDbStore's items expire by `{EXPIRATION}` (seconds since the epoch), and a table has one TTL attribute: use a table of its own",
+                    self.table
+                )))
+            }
+            None => {}
+        }
+        self.client
             .update_time_to_live()
             .table_name(&*self.table)
             .time_to_live_specification(
@@ -181,29 +192,43 @@ impl DynamoDbStore {
                     .map_err(Error::store)?,
             )
             .send()
-            .await;
-        match ttl {
-            Ok(_) => Ok(()),
-            // DynamoDB refuses to turn on a TTL that is already on.
-            Err(err) if self.ttl_is_on().await? => {
-                tracing::debug!(error = %DisplayErrorContext(&err), "the table's TTL was already on");
-                Ok(())
-            }
-            Err(err) => Err(sdk_error(&err)),
-        }
+            .await
+            .map_err(|err| sdk_error(&err))?;
+        Ok(())
     }
 
+    /// Waits until the table is active, and refuses one whose key is not `id`, a string,
+    /// alone: every request of this store would fail on it.
     async fn wait_until_active(&self) -> Result<(), Error> {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            let table = self
+            let described = self
                 .client
                 .describe_table()
                 .table_name(&*self.table)
                 .send()
                 .await
                 .map_err(|err| sdk_error(&err))?;
-            let status = table.table().and_then(|table| table.table_status());
+            let table = described.table();
+            let keys: Vec<_> = table
+                .map(|table| table.key_schema())
+                .unwrap_or_default()
+                .iter()
+                .map(|key| (key.attribute_name(), key.key_type().as_str()))
+                .collect();
+            let id_type = table
+                .map(|table| table.attribute_definitions())
+                .unwrap_or_default()
+                .iter()
+                .find(|attribute| attribute.attribute_name() == ID)
+                .map(|attribute| attribute.attribute_type().as_str());
+            if keys != [(ID, "HASH")] || id_type != Some("S") {
+                return Err(Error::config(format!(
+                    "the DynamoDB table `{}` has the key {keys:?} ({id_type:?}); DynamoDbStore needs a partition key `{ID}` of type S and no sort key: use a table of its own",
+                    self.table
+                )));
+            }
+            let status = table.and_then(|table| table.table_status());
             if status.is_some_and(|status| status.as_str() == "ACTIVE") {
                 return Ok(());
             }
@@ -217,7 +242,8 @@ impl DynamoDbStore {
         }
     }
 
-    async fn ttl_is_on(&self) -> Result<bool, Error> {
+    /// The attribute the table's TTL is on, if it is on (or being turned on).
+    async fn ttl_attribute(&self) -> Result<Option<String>, Error> {
         let described = self
             .client
             .describe_time_to_live()
@@ -227,7 +253,12 @@ impl DynamoDbStore {
             .map_err(|err| sdk_error(&err))?;
         Ok(described
             .time_to_live_description()
-            .is_some_and(|ttl| ttl.attribute_name() == Some(EXPIRATION)))
+            .filter(|ttl| {
+                ttl.time_to_live_status()
+                    .is_some_and(|status| matches!(status.as_str(), "ENABLED" | "ENABLING"))
+            })
+            .and_then(|ttl| ttl.attribute_name())
+            .map(str::to_owned))
     }
 
     /// One conditional `UpdateItem` on the item of `key`: `Ok(Ok(new))` with the attributes
