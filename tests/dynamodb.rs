@@ -232,6 +232,8 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// answer, as a network that lost it would leave it.
 struct DroppingProxy {
     port: u16,
+    /// How many of the next requests are dropped after the emulator acted, whatever the seed.
+    drop_next_after: Arc<AtomicUsize>,
     dropped_before: Arc<AtomicUsize>,
     dropped_after: Arc<AtomicUsize>,
     forwarded: Arc<AtomicUsize>,
@@ -243,6 +245,7 @@ struct Fates {
     upstream: String,
     rng: Mutex<XorShiftRng>,
     drop: f64,
+    drop_next_after: Arc<AtomicUsize>,
     dropped_before: Arc<AtomicUsize>,
     dropped_after: Arc<AtomicUsize>,
     forwarded: Arc<AtomicUsize>,
@@ -259,12 +262,14 @@ impl DroppingProxy {
             upstream,
             rng: Mutex::new(XorShiftRng::seed_from_u64(seed)),
             drop,
+            drop_next_after: Arc::default(),
             dropped_before: Arc::default(),
             dropped_after: Arc::default(),
             forwarded: Arc::default(),
         });
         let proxy = Self {
             port: listener.local_addr().unwrap().port(),
+            drop_next_after: Arc::clone(&fates.drop_next_after),
             dropped_before: Arc::clone(&fates.dropped_before),
             dropped_after: Arc::clone(&fates.dropped_after),
             forwarded: Arc::clone(&fates.forwarded),
@@ -307,7 +312,11 @@ impl Fates {
             return Err("dropped before the emulator saw it".into());
         }
         let answer = forward(&self.client, &self.upstream, request).await?;
-        if fate < self.drop {
+        let chosen = self
+            .drop_next_after
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if chosen || fate < self.drop {
             self.dropped_after.fetch_add(1, Ordering::Relaxed);
             return Err("dropped after the emulator acted".into());
         }
@@ -341,16 +350,18 @@ async fn forward(
 
 /// 200 keys, a caller on each of two stores (two processes) through the proxy, every caller
 /// retrying until it gets a value (a call fails when its store's tries all time out or are
-/// dropped, or when it waited out its wait for another): every key's body runs once, every caller gets its
-/// key's value, and none hangs. The SDK sends a dropped request again (its standard retries):
-/// a claim finds its own nonce, a settlement its own write id.
+/// dropped, or when it waited out its wait for another): every key's body runs once, every
+/// caller gets its key's value, and none hangs. The SDK sends a dropped request again (its
+/// standard retries): a claim finds its own nonce, a settlement its own write id. At most 32
+/// calls are in flight: on a busy machine, hundreds of them would spend the timeouts of
+/// their requests on the test's own CPU, and retry for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_dropped_before_or_after_the_emulator_acted_run_every_body_once() {
     const KEYS: u32 = 200;
     // A holder's completion and renewals must land within its lease: each try of one is
-    // bounded by the store's timeout, a quarter of the lease here (3 s against 8 s by
-    // default), and the SDK sends a dropped request again after 20 ms to 80 ms.
-    const LEASE: Duration = Duration::from_secs(4);
+    // bounded by the store's timeout (3 s against the default 8 s), and the SDK sends a
+    // dropped request again after 20 ms to 80 ms.
+    const TRIES: usize = 50;
     let Some(direct) = dynamodb_store().await else {
         return;
     };
@@ -359,24 +370,27 @@ async fn requests_dropped_before_or_after_the_emulator_acted_run_every_body_once
         DroppingProxy::start(upstream.clone(), 7, 0.10).await,
         DroppingProxy::start(upstream, 8, 0.10).await,
     ];
-    let stores = proxies.each_ref().map(|proxy| {
-        DynamoDbStore::new(dynamodb_client(&proxy.url()), DYNAMODB_TABLE).with_timeout(LEASE / 4)
-    });
-    let op = Operation::new(namespace("dynamodb.dropped")).lease(LEASE);
+    let stores = proxies
+        .each_ref()
+        .map(|proxy| DynamoDbStore::new(dynamodb_client(&proxy.url()), DYNAMODB_TABLE));
+    let op = Operation::new(namespace("dynamodb.dropped"));
     let runs: Arc<Vec<AtomicUsize>> = Arc::new((0..KEYS).map(|_| AtomicUsize::new(0)).collect());
     let (failures, started) = (Arc::new(AtomicUsize::new(0)), Instant::now());
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(32));
     let mut callers = Vec::new();
     for key in 0..KEYS {
         for store in &stores {
-            let (op, store, runs, failures) = (
+            let (op, store, runs, failures, in_flight) = (
                 op.clone(),
                 store.clone(),
                 Arc::clone(&runs),
                 Arc::clone(&failures),
+                Arc::clone(&in_flight),
             );
             callers.push(tokio::spawn(async move {
                 let k = op.key(&key).unwrap();
-                loop {
+                for _ in 0..TRIES {
+                    let _turn = in_flight.acquire().await.unwrap();
                     let call = op.run(&store, &k, None, async {
                         runs[key as usize].fetch_add(1, Ordering::SeqCst);
                         Ok::<_, Error>(key)
@@ -389,6 +403,7 @@ async fn requests_dropped_before_or_after_the_emulator_acted_run_every_body_once
                         Err(_) => panic!("a call on key {key} hung for a minute"),
                     }
                 }
+                panic!("{TRIES} calls on key {key} failed in a row")
             }));
         }
     }
@@ -518,4 +533,63 @@ async fn a_table_with_another_key_is_refused() {
         .await;
     assert!(matches!(call, Err(Error::Store(_))), "{call:?}");
     assert_eq!(ran.load(Ordering::SeqCst), 0, "fail closed");
+}
+
+/// A reply lost after DynamoDB acted, and the SDK's resend of the same request: a claim
+/// finds its own nonce and holds the key (another process is refused), a completion finds
+/// its own write id and reports that it landed, and the record replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resent_write_whose_first_reply_was_lost_knows_it_landed() {
+    let Some(other) = dynamodb_store().await else {
+        return;
+    };
+    let proxy = DroppingProxy::start(dynamodb_endpoint().await.unwrap(), 1, 0.0).await;
+    let store = DynamoDbStore::new(dynamodb_client(&proxy.url()), DYNAMODB_TABLE);
+    let key = Operation::new(namespace("dynamodb.resent"))
+        .key(&1)
+        .unwrap();
+    let ttl = Duration::from_secs(60);
+
+    proxy.drop_next_after.store(1, Ordering::SeqCst);
+    let idem_runtime::Claim::Acquired { token } = store
+        .claim(&key, None, Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("the resent claim is the caller's own")
+    };
+    assert_eq!(
+        proxy.dropped_after.load(Ordering::SeqCst),
+        1,
+        "the first reply was lost"
+    );
+    assert_eq!(
+        other
+            .claim(&key, None, Duration::from_secs(60))
+            .await
+            .unwrap(),
+        idem_runtime::Claim::InProgress { fingerprint: None },
+        "another process finds the key held"
+    );
+
+    proxy.drop_next_after.store(1, Ordering::SeqCst);
+    assert!(
+        store
+            .complete(&key, token, "landed".into(), ttl)
+            .await
+            .unwrap(),
+        "the resent completion finds its own write"
+    );
+    assert_eq!(proxy.dropped_after.load(Ordering::SeqCst), 2);
+    assert!(
+        !store
+            .complete(&key, token, "again".into(), ttl)
+            .await
+            .unwrap(),
+        "a new completion of a completed key is refused"
+    );
+    assert!(matches!(
+        other.claim(&key, None, ttl).await.unwrap(),
+        idem_runtime::Claim::Completed { value, .. } if value == "landed"
+    ));
 }
