@@ -50,6 +50,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use aws_sdk_dynamodb::error::{DisplayErrorContext, SdkError};
+use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
 use aws_sdk_dynamodb::types::{
     AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType, ReturnValue,
     ReturnValuesOnConditionCheckFailure, ScalarAttributeType, TimeToLiveSpecification,
@@ -288,7 +289,7 @@ impl DynamoDbStore {
             .update_item()
             .table_name(&*self.table)
             .key(ID, s(&key.to_hex()))
-            .update_expression(format!("SET #{WRITTEN} = :written, {}", clauses))
+            .update_expression(format!("SET #{WRITTEN} = :written, {clauses}"))
             .condition_expression(update.condition)
             .set_expression_attribute_names(Some(names))
             .set_expression_attribute_values(Some(
@@ -302,15 +303,12 @@ impl DynamoDbStore {
         match self.within(request.send()).await? {
             Ok(output) => Ok(Ok(output.attributes.unwrap_or_default())),
             Err(err) => {
-                let old = match err.as_service_error() {
-                    Some(failed) if failed.is_conditional_check_failed_exception() => {
-                        match failed {
-                            aws_sdk_dynamodb::operation::update_item::UpdateItemError::ConditionalCheckFailedException(failed) => failed.item().cloned(),
-                            _ => None,
-                        }
-                    }
-                    _ => return Err(sdk_error(&err)),
+                let Some(UpdateItemError::ConditionalCheckFailedException(failed)) =
+                    err.as_service_error()
+                else {
+                    return Err(sdk_error(&err));
                 };
+                let old = failed.item().cloned();
                 // The SDK sent the request again after losing the reply of one that landed:
                 // the condition now fails on this very write.
                 if old
