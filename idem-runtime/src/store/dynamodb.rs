@@ -58,15 +58,16 @@ use aws_sdk_dynamodb::types::{
 use aws_sdk_dynamodb::Client;
 use bytes::Bytes;
 
+use self::expression::{Expression, COMPLETE, RECORD_STEP, RELEASE, REMOVE, RENEW};
 use self::item::{
-    b, millis, n, now_ms, number, s, state, Item, State, COMPLETED, EXPIRATION, EXPIRES_AT,
-    FINGERPRINT, ID, IN_PROGRESS, LEASE_MS, NONCE, RELEASED, REMOVED, RENEWED_AT, STATE, STEPS,
-    TOKEN, VALUE, VERSION, WRITTEN,
+    b, millis, n, now_ms, number, s, state, Item, State, COMPLETED, EXPIRATION, ID, IN_PROGRESS,
+    LEASE_MS, RELEASED, REMOVED, STATE, TOKEN, VERSION, WRITTEN,
 };
 use self::seen::{Held, Seen};
 use crate::store::Recorded;
 use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
+mod expression;
 mod item;
 mod seen;
 
@@ -262,63 +263,55 @@ impl DynamoDbStore {
             .map(str::to_owned))
     }
 
-    /// One conditional `UpdateItem` on the item of `key`: `Ok(Ok(new))` with the attributes
-    /// it set, or `Ok(Err(old))` with the item as it was when the condition failed (`None`:
-    /// no item, or an endpoint that does not return it).
+    /// One conditional `UpdateItem` on the item of `key`, `values` bound to its
+    /// placeholders (`:written` added): `Ok(Ok(new))` with the attributes `returns` asks
+    /// for, or `Ok(Err(old))` with the item as it was when the condition failed (`None`: no
+    /// item). Where the endpoint does not return that item, it is read, so that every write
+    /// can tell whether an earlier try of its own landed.
     async fn update(
         &self,
         key: &Key,
-        update: Update<'_>,
+        expression: &Expression,
+        mut values: Vec<(&'static str, AttributeValue)>,
+        returns: ReturnValue,
+        step: Option<String>,
     ) -> Result<Result<Item, Option<Item>>, Error> {
         let written = crate::store::nonce();
-        // Every write sets its id first: `SET` may appear once in an expression.
-        let clauses = update.set.strip_prefix("SET ").unwrap_or(update.set);
-        let mut values = update.values;
         values.push((":written", n(written)));
-        let mut names: HashMap<String, String> = update
-            .names
-            .iter()
-            .chain([&WRITTEN])
-            .map(|name| (format!("#{name}"), (*name).to_owned()))
-            .collect();
-        if let Some(step) = update.step {
-            names.insert("#step".to_owned(), step);
-        }
         let request = self
             .client
             .update_item()
             .table_name(&*self.table)
             .key(ID, s(&key.to_hex()))
-            .update_expression(format!("SET #{WRITTEN} = :written, {clauses}"))
-            .condition_expression(update.condition)
-            .set_expression_attribute_names(Some(names))
+            .update_expression(&expression.update)
+            .condition_expression(&expression.condition)
+            .set_expression_attribute_names(Some(expression.names(step)))
             .set_expression_attribute_values(Some(
                 values
                     .into_iter()
                     .map(|(name, value)| (name.to_owned(), value))
                     .collect(),
             ))
-            .return_values(update.returns)
+            .return_values(returns)
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
-        match self.within(request.send()).await? {
-            Ok(output) => Ok(Ok(output.attributes.unwrap_or_default())),
-            Err(err) => {
-                let Some(UpdateItemError::ConditionalCheckFailedException(failed)) =
-                    err.as_service_error()
-                else {
-                    return Err(sdk_error(&err));
-                };
-                let old = failed.item().cloned();
-                // The SDK sent the request again after losing the reply of one that landed:
-                // the condition now fails on this very write.
-                if old
-                    .as_ref()
-                    .is_some_and(|old| number(old, WRITTEN).ok() == Some(written))
-                {
-                    return Ok(Ok(old.unwrap_or_default()));
+        let failed = match self.within(request.send()).await? {
+            Ok(output) => return Ok(Ok(output.attributes.unwrap_or_default())),
+            Err(err) => match err.as_service_error() {
+                Some(UpdateItemError::ConditionalCheckFailedException(failed)) => {
+                    failed.item().cloned()
                 }
-                Ok(Err(old))
-            }
+                _ => return Err(sdk_error(&err)),
+            },
+        };
+        let old = match failed {
+            Some(old) => Some(old),
+            None => self.get(key).await?,
+        };
+        // The SDK sent the request again after losing the reply of one that landed: the
+        // condition now fails on this very write.
+        match old {
+            Some(old) if number(&old, WRITTEN).ok() == Some(written) => Ok(Ok(old)),
+            old => Ok(Err(old)),
         }
     }
 
@@ -343,24 +336,16 @@ impl DynamoDbStore {
         &self,
         key: &Key,
         token: Token,
-        set: &str,
-        names: &[&'static str],
+        expression: &Expression,
         mut values: Vec<(&'static str, AttributeValue)>,
         step: Option<String>,
     ) -> Result<Option<Item>, Error> {
-        let mut all = vec![STATE, TOKEN];
-        all.extend_from_slice(names);
         values.push((":in_progress", s(IN_PROGRESS)));
         values.push((":token", n(token.get())));
-        let update = Update {
-            set,
-            condition: &format!("#{STATE} = :in_progress AND #{TOKEN} = :token"),
-            names: &all,
-            values,
-            returns: ReturnValue::UpdatedNew,
-            step,
-        };
-        Ok(self.update(key, update).await?.ok())
+        let done = self
+            .update(key, expression, values, ReturnValue::UpdatedNew, step)
+            .await?;
+        Ok(done.ok())
     }
 
     async fn within<T>(&self, operation: impl std::future::Future<Output = T>) -> Result<T, Error> {
@@ -369,26 +354,6 @@ impl DynamoDbStore {
             .await
             .map_err(|_| Error::store(format!("DynamoDB did not answer within {timeout:?}")))
     }
-
-    /// Reads what a failed claim found, when the endpoint did not return it.
-    async fn found(&self, key: &Key, old: Option<Item>) -> Result<State, Error> {
-        match old {
-            Some(old) => state(Some(&old)),
-            None => state(self.get(key).await?.as_ref()),
-        }
-    }
-}
-
-/// One `UpdateItem`: its `SET … [REMOVE …]` clauses (the write id is set first), its condition,
-/// the attribute names both use (each written `#name`), the values, and a step's key in
-/// hex, written `#step`.
-struct Update<'a> {
-    set: &'a str,
-    condition: &'a str,
-    names: &'a [&'static str],
-    values: Vec<(&'static str, AttributeValue)>,
-    returns: ReturnValue,
-    step: Option<String>,
 }
 
 fn sdk_error<E, R>(err: &SdkError<E, R>) -> Error
@@ -437,11 +402,6 @@ impl Store for DynamoDbStore {
         for _ in 0..CLAIM_ROUNDS {
             let now = now_ms();
             let lapsed = self.seen.lapsed(key);
-            let mut condition = format!(
-                "attribute_not_exists(#{ID}) OR #{STATE} IN (:released, :removed) \
-                 OR (#{STATE} = :completed AND #{EXPIRES_AT} <= :now) \
-                 OR (#{STATE} = :in_progress AND #{NONCE} = :nonce)"
-            );
             let mut values = vec![
                 (":released", s(RELEASED)),
                 (":removed", s(REMOVED)),
@@ -457,48 +417,17 @@ impl Store for DynamoDbStore {
                 (":no_steps", AttributeValue::M(HashMap::new())),
             ];
             if let Some(held) = lapsed {
-                condition.push_str(&format!(
-                    " OR (#{STATE} = :in_progress AND #{TOKEN} = :seen_token AND #{VERSION} = :seen_version)"
-                ));
                 values.push((":seen_token", n(held.token.get())));
                 values.push((":seen_version", n(held.version)));
             }
-            let mut set = format!(
-                "SET #{STATE} = :in_progress, #{TOKEN} = if_not_exists(#{TOKEN}, :start) + :one, \
-                 #{VERSION} = if_not_exists(#{VERSION}, :zero) + :one, #{NONCE} = :nonce, \
-                 #{LEASE_MS} = :lease, #{RENEWED_AT} = :now, #{EXPIRATION} = :expiration, \
-                 #{STEPS} = if_not_exists(#{STEPS}, :no_steps)"
-            );
-            match fingerprint {
-                Some(fingerprint) => {
-                    set.push_str(&format!(", #{FINGERPRINT} = :fingerprint"));
-                    values.push((":fingerprint", b(fingerprint.as_bytes())));
-                    set.push_str(&format!(" REMOVE #{VALUE}, #{EXPIRES_AT}"));
-                }
-                None => set.push_str(&format!(" REMOVE #{VALUE}, #{EXPIRES_AT}, #{FINGERPRINT}")),
+            if let Some(fingerprint) = fingerprint {
+                values.push((":fingerprint", b(fingerprint.as_bytes())));
             }
-            let update = Update {
-                set: &set,
-                condition: &condition,
-                names: &[
-                    ID,
-                    STATE,
-                    TOKEN,
-                    VERSION,
-                    NONCE,
-                    LEASE_MS,
-                    RENEWED_AT,
-                    EXPIRATION,
-                    STEPS,
-                    FINGERPRINT,
-                    VALUE,
-                    EXPIRES_AT,
-                ],
-                values,
-                returns: ReturnValue::AllNew,
-                step: None,
-            };
-            let old = match self.update(key, update).await? {
+            let expression = expression::claim(fingerprint.is_some(), lapsed.is_some());
+            let claimed = self
+                .update(key, expression, values, ReturnValue::UpdatedNew, None)
+                .await?;
+            let old = match claimed {
                 Ok(new) => {
                     let held = Held {
                         token: Token::new(number(&new, TOKEN)?),
@@ -511,7 +440,7 @@ impl Store for DynamoDbStore {
                 }
                 Err(old) => old,
             };
-            match self.found(key, old).await? {
+            match state(old.as_ref())? {
                 State::InProgress {
                     held, fingerprint, ..
                 } => {
@@ -546,11 +475,6 @@ impl Store for DynamoDbStore {
         ttl: Duration,
     ) -> Result<bool, Error> {
         let now = now_ms();
-        let set = format!(
-            "SET #{STATE} = :completed, #{VALUE} = :value, #{EXPIRES_AT} = :expires_at, \
-             #{EXPIRATION} = :expiration, #{VERSION} = #{VERSION} + :one \
-             REMOVE #{NONCE}, #{LEASE_MS}, #{RENEWED_AT}, #{STEPS}"
-        );
         let values = vec![
             (":completed", s(COMPLETED)),
             (":value", b(&value)),
@@ -558,40 +482,27 @@ impl Store for DynamoDbStore {
             (":expiration", n(expiration(now, ttl))),
             (":one", n(1)),
         ];
-        let names = [
-            VALUE, EXPIRES_AT, EXPIRATION, VERSION, NONCE, LEASE_MS, RENEWED_AT, STEPS,
-        ];
-        let done = self.fenced(key, token, &set, &names, values, None).await?;
+        let done = self.fenced(key, token, &COMPLETE, values, None).await?;
         self.seen.forget(key);
         Ok(done.is_some())
     }
 
     async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
-        let set = format!(
-            "SET #{STATE} = :released, #{VERSION} = #{VERSION} + :one \
-             REMOVE #{NONCE}, #{LEASE_MS}, #{RENEWED_AT}, #{FINGERPRINT}"
-        );
         let values = vec![(":released", s(RELEASED)), (":one", n(1))];
-        let names = [VERSION, NONCE, LEASE_MS, RENEWED_AT, FINGERPRINT];
-        let done = self.fenced(key, token, &set, &names, values, None).await?;
+        let done = self.fenced(key, token, &RELEASE, values, None).await?;
         self.seen.forget(key);
         Ok(done.is_some())
     }
 
     async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
         let now = now_ms();
-        let set = format!(
-            "SET #{VERSION} = #{VERSION} + :one, #{LEASE_MS} = :lease, #{RENEWED_AT} = :now, \
-             #{EXPIRATION} = :expiration"
-        );
         let values = vec![
             (":one", n(1)),
             (":lease", n(millis(lease))),
             (":now", n(now)),
             (":expiration", n(expiration(now, lease + KEPT))),
         ];
-        let names = [VERSION, LEASE_MS, RENEWED_AT, EXPIRATION];
-        let Some(new) = self.fenced(key, token, &set, &names, values, None).await? else {
+        let Some(new) = self.fenced(key, token, &RENEW, values, None).await? else {
             return Ok(false);
         };
         if let Ok(version) = number(&new, VERSION) {
@@ -620,20 +531,12 @@ impl Store for DynamoDbStore {
         ttl: Duration,
     ) -> Result<bool, Error> {
         let now = now_ms();
-        let set = format!("SET #{STEPS}.#step = :step, #{EXPIRATION} = :expiration");
         let values = vec![
             (":step", item::step(&value, now.saturating_add(millis(ttl)))),
             (":expiration", n(expiration(now, ttl.max(KEPT)))),
         ];
         let recorded = self
-            .fenced(
-                call,
-                token,
-                &set,
-                &[STEPS, EXPIRATION],
-                values,
-                Some(step.to_hex()),
-            )
+            .fenced(call, token, &RECORD_STEP, values, Some(step.to_hex()))
             .await?;
         Ok(recorded.is_some())
     }
@@ -643,22 +546,12 @@ impl Store for DynamoDbStore {
     }
 
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
-        let update = Update {
-            set: &format!(
-                "SET #{STATE} = :removed, #{VERSION} = if_not_exists(#{VERSION}, :zero) + :one \
-                 REMOVE #{VALUE}, #{FINGERPRINT}, #{NONCE}, #{STEPS}, #{LEASE_MS}, #{RENEWED_AT}, #{EXPIRES_AT}"
-            ),
-            condition: &format!("attribute_exists(#{ID})"),
-            names: &[
-                ID, STATE, VERSION, VALUE, FINGERPRINT, NONCE, STEPS, LEASE_MS, RENEWED_AT,
-                EXPIRES_AT,
-            ],
-            values: vec![(":removed", s(REMOVED)), (":zero", n(0)), (":one", n(1))],
-            returns: ReturnValue::AllOld,
-            step: None,
-        };
+        let values = vec![(":removed", s(REMOVED)), (":zero", n(0)), (":one", n(1))];
         self.seen.forget(key);
-        match self.update(key, update).await? {
+        match self
+            .update(key, &REMOVE, values, ReturnValue::AllOld, None)
+            .await?
+        {
             Ok(old) => Ok(matches!(
                 item::string(&old, STATE),
                 Ok(IN_PROGRESS | COMPLETED)
