@@ -226,29 +226,37 @@ async fn an_item_says_its_state_in_plain_attributes() {
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// An HTTP proxy in front of the emulator that drops a seeded tenth of the requests: half
+/// An HTTP proxy in front of the emulator that drops a seeded share of the requests: half
 /// before forwarding them (the emulator never sees them), half after the emulator answered
 /// (it acted; the client never hears). A dropped request's connection is closed without an
 /// answer, as a network that lost it would leave it.
 struct DroppingProxy {
     port: u16,
-    /// How many of the next requests are dropped after the emulator acted, whatever the seed.
-    drop_next_after: Arc<AtomicUsize>,
-    dropped_before: Arc<AtomicUsize>,
-    dropped_after: Arc<AtomicUsize>,
-    forwarded: Arc<AtomicUsize>,
+    fates: Arc<Fates>,
 }
 
-/// What the proxy's connections share.
+/// What the proxy's connections share: what it does, and what it did.
 struct Fates {
     client: Upstream,
     upstream: String,
     rng: Mutex<XorShiftRng>,
     drop: f64,
-    drop_next_after: Arc<AtomicUsize>,
-    dropped_before: Arc<AtomicUsize>,
-    dropped_after: Arc<AtomicUsize>,
-    forwarded: Arc<AtomicUsize>,
+    /// How many of the next requests are dropped after the emulator acted, whatever the seed.
+    drop_next_after: AtomicUsize,
+    /// Whether a failed condition's answer loses the item it returns, as an endpoint without
+    /// `ReturnValuesOnConditionCheckFailure` answers.
+    strip_failed_items: std::sync::atomic::AtomicBool,
+    dropped_before: AtomicUsize,
+    dropped_after: AtomicUsize,
+    forwarded: AtomicUsize,
+}
+
+impl std::ops::Deref for DroppingProxy {
+    type Target = Fates;
+
+    fn deref(&self) -> &Fates {
+        &self.fates
+    }
 }
 
 impl DroppingProxy {
@@ -262,17 +270,15 @@ impl DroppingProxy {
             upstream,
             rng: Mutex::new(XorShiftRng::seed_from_u64(seed)),
             drop,
-            drop_next_after: Arc::default(),
-            dropped_before: Arc::default(),
-            dropped_after: Arc::default(),
-            forwarded: Arc::default(),
+            drop_next_after: AtomicUsize::new(0),
+            strip_failed_items: false.into(),
+            dropped_before: AtomicUsize::new(0),
+            dropped_after: AtomicUsize::new(0),
+            forwarded: AtomicUsize::new(0),
         });
         let proxy = Self {
             port: listener.local_addr().unwrap().port(),
-            drop_next_after: Arc::clone(&fates.drop_next_after),
-            dropped_before: Arc::clone(&fates.dropped_before),
-            dropped_after: Arc::clone(&fates.dropped_after),
-            forwarded: Arc::clone(&fates.forwarded),
+            fates: Arc::clone(&fates),
         };
         tokio::spawn(async move {
             loop {
@@ -311,7 +317,7 @@ impl Fates {
             self.dropped_before.fetch_add(1, Ordering::Relaxed);
             return Err("dropped before the emulator saw it".into());
         }
-        let answer = forward(&self.client, &self.upstream, request).await?;
+        let (mut parts, mut body) = forward(&self.client, &self.upstream, request).await?;
         let chosen = self
             .drop_next_after
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
@@ -320,8 +326,23 @@ impl Fates {
             self.dropped_after.fetch_add(1, Ordering::Relaxed);
             return Err("dropped after the emulator acted".into());
         }
+        if self.strip_failed_items.load(Ordering::SeqCst) {
+            if let Ok(mut failed) = serde_json::from_slice::<serde_json::Value>(&body) {
+                let is_failed_condition = failed["__type"]
+                    .as_str()
+                    .is_some_and(|kind| kind.ends_with("ConditionalCheckFailedException"));
+                if is_failed_condition && failed.as_object_mut().unwrap().remove("Item").is_some() {
+                    body = serde_json::to_vec(&failed).unwrap().into();
+                    parts.headers.remove(http::header::CONTENT_LENGTH);
+                    parts.headers.remove("x-amz-crc32");
+                }
+            }
+        }
         self.forwarded.fetch_add(1, Ordering::Relaxed);
-        Ok(answer)
+        Ok(http::Response::from_parts(
+            parts,
+            http_body_util::Full::new(body),
+        ))
     }
 }
 
@@ -330,7 +351,7 @@ async fn forward(
     client: &Upstream,
     upstream: &str,
     request: http::Request<hyper::body::Incoming>,
-) -> Result<http::Response<http_body_util::Full<bytes::Bytes>>, BoxError> {
+) -> Result<(http::response::Parts, bytes::Bytes), BoxError> {
     use http_body_util::{BodyExt, Full};
 
     let (mut parts, body) = request.into_parts();
@@ -345,7 +366,7 @@ async fn forward(
         .map_err(BoxError::from)?;
     let (parts, body) = answer.into_parts();
     let body = body.collect().await.map_err(BoxError::from)?.to_bytes();
-    Ok(http::Response::from_parts(parts, Full::new(body)))
+    Ok((parts, body))
 }
 
 /// 200 keys, a caller on each of two stores (two processes) through the proxy, every caller
@@ -592,4 +613,139 @@ async fn a_resent_write_whose_first_reply_was_lost_knows_it_landed() {
         other.claim(&key, None, ttl).await.unwrap(),
         idem_runtime::Claim::Completed { value, .. } if value == "landed"
     ));
+}
+
+/// Through an endpoint that does not return the item a failed condition found (the
+/// emulator dynalite, say): the store reads it instead, keeps the whole contract, and a
+/// resent completion still knows it landed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_failed_conditions_item_the_store_reads_it_and_keeps_the_contract() {
+    let Some(_) = dynamodb_store().await else {
+        return;
+    };
+    let proxy = DroppingProxy::start(dynamodb_endpoint().await.unwrap(), 1, 0.0).await;
+    proxy.strip_failed_items.store(true, Ordering::SeqCst);
+    let store = DynamoDbStore::new(dynamodb_client(&proxy.url()), DYNAMODB_TABLE);
+    testkit::conformance(&store).await;
+
+    let key = Operation::new(namespace("dynamodb.no_old_item"))
+        .key(&1)
+        .unwrap();
+    let idem_runtime::Claim::Acquired { token } = store
+        .claim(&key, None, Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key is free")
+    };
+    proxy.drop_next_after.store(1, Ordering::SeqCst);
+    let ttl = Duration::from_secs(60);
+    assert!(
+        store
+            .complete(&key, token, "landed".into(), ttl)
+            .await
+            .unwrap(),
+        "the resent completion reads the item and finds its own write"
+    );
+    let before = proxy.forwarded.load(Ordering::SeqCst);
+    assert!(matches!(
+        store.claim(&key, None, ttl).await.unwrap(),
+        idem_runtime::Claim::Completed { value, .. } if value == "landed"
+    ));
+    assert_eq!(
+        proxy.forwarded.load(Ordering::SeqCst) - before,
+        2,
+        "a replay costs the failed claim and the read"
+    );
+}
+
+/// Tokens only grow: across a removal (its tombstone keeps the token) and across the
+/// deletion of the item by DynamoDB's TTL (the next claim starts from its clock in
+/// microseconds). A completion drops the call's steps; a step past DynamoDB's 400 KB item
+/// limit fails with `Error::Store`, recording nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_grow_across_removals_and_deletions_and_steps_end_with_their_call() {
+    let Some(store) = dynamodb_store().await else {
+        return;
+    };
+    let url = dynamodb_endpoint().await.unwrap();
+    let op = Operation::new(namespace("dynamodb.tokens"));
+    let key = op.key(&1).unwrap();
+    let held = Duration::from_secs(60);
+    let claim = || async {
+        match store.claim(&key, None, held).await.unwrap() {
+            idem_runtime::Claim::Acquired { token } => token,
+            other => panic!("the key is free: {other:?}"),
+        }
+    };
+    let first = claim().await;
+    let step = op.key(&"step").unwrap();
+    assert!(store
+        .record_step(&key, first, &step, "one".into(), held)
+        .await
+        .unwrap());
+    let too_big = bytes::Bytes::from(vec![b'x'; 450 * 1024]);
+    let refused = store.record_step(&key, first, &step, too_big, held).await;
+    assert!(matches!(refused, Err(Error::Store(_))), "{refused:?}");
+    assert_eq!(
+        store.steps(&key).await.unwrap().len(),
+        1,
+        "the big step recorded nothing"
+    );
+    assert!(store.complete(&key, first, "v".into(), held).await.unwrap());
+    assert_eq!(
+        item(&url, &key).await.get("steps"),
+        None,
+        "a completion drops the steps"
+    );
+
+    assert!(store.remove(&key).await.unwrap());
+    let after_removal = claim().await;
+    assert!(after_removal > first, "{after_removal:?} after {first:?}");
+
+    // What DynamoDB's TTL does to an expired item, days later.
+    dynamodb_client(&url)
+        .delete_item()
+        .table_name(DYNAMODB_TABLE)
+        .key("id", AttributeValue::S(key.to_hex()))
+        .send()
+        .await
+        .unwrap();
+    let after_deletion = claim().await;
+    assert!(
+        after_deletion > after_removal,
+        "{after_deletion:?} after {after_removal:?}"
+    );
+}
+
+/// `migrate` from several processes at once on a new table: every one succeeds, and the
+/// table works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_at_once_all_succeed() {
+    let Some(_) = dynamodb_store().await else {
+        return;
+    };
+    let url = dynamodb_endpoint().await.unwrap();
+    let table = namespace("idem_tests_migrate").replace('.', "_");
+    let stores: Vec<_> = (0..4)
+        .map(|_| DynamoDbStore::new(dynamodb_client(&url), table.as_str()))
+        .collect();
+    let migrations = stores.iter().map(|store| store.migrate());
+    for migrated in futures_util::future::join_all(migrations).await {
+        migrated.unwrap();
+    }
+    let op = Operation::new(namespace("dynamodb.migrated"));
+    let out = op
+        .run(&stores[0], &op.key(&1).unwrap(), None, async {
+            Ok::<_, Error>(1)
+        })
+        .await
+        .unwrap();
+    assert_eq!(out, idem_runtime::Outcome::Executed(1));
+    dynamodb_client(&url)
+        .delete_table()
+        .table_name(&table)
+        .send()
+        .await
+        .unwrap();
 }
