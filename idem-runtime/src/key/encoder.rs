@@ -9,10 +9,12 @@ use sha2::{Digest, Sha256};
 
 use crate::Error;
 
-/// Gathers the encoding in a small buffer on the stack and hashes it in large pieces: a
-/// typical key is hashed with one call to the hasher, not one per field.
+/// Gathers the encoding on the stack and hashes it at the end, in one call: a typical key
+/// never starts a hasher before it is complete. A longer encoding is hashed in buffer-sized
+/// pieces as it grows.
 pub(super) struct Sink {
-    hasher: Sha256,
+    /// Started only once the encoding outgrows the buffer.
+    hasher: Option<Sha256>,
     buffer: [u8; 128],
     len: usize,
 }
@@ -20,24 +22,39 @@ pub(super) struct Sink {
 impl Sink {
     pub(super) fn new() -> Self {
         Self {
-            hasher: Sha256::new(),
+            hasher: None,
             buffer: [0; 128],
             len: 0,
         }
     }
 
+    #[inline]
     pub(super) fn write(&mut self, bytes: &[u8]) {
-        if self.len + bytes.len() > self.buffer.len() {
-            self.flush();
-            if bytes.len() > self.buffer.len() {
-                self.hasher.update(bytes);
-                return;
+        let end = self.len + bytes.len();
+        match self.buffer.get_mut(self.len..end) {
+            Some(room) => {
+                room.copy_from_slice(bytes);
+                self.len = end;
             }
+            None => self.spill(bytes),
         }
-        self.buffer[self.len..self.len + bytes.len()].copy_from_slice(bytes);
-        self.len += bytes.len();
     }
 
+    /// `bytes` do not fit beside what is gathered: hash that, then gather them, or hash them
+    /// too when they would not fit on their own.
+    #[cold]
+    fn spill(&mut self, bytes: &[u8]) {
+        self.flush();
+        match self.buffer.get_mut(..bytes.len()) {
+            Some(room) => {
+                room.copy_from_slice(bytes);
+                self.len = bytes.len();
+            }
+            None => self.hasher.get_or_insert_with(Sha256::new).update(bytes),
+        }
+    }
+
+    #[inline]
     fn byte(&mut self, byte: u8) {
         if self.len == self.buffer.len() {
             self.flush();
@@ -54,13 +71,22 @@ impl Sink {
         }
     }
 
-    /// The common case, in 64-bit arithmetic.
+    /// The common case, in 64-bit arithmetic: a number under 128 is one byte, a larger one
+    /// is gathered on the stack and written at once.
+    #[inline]
     fn leb128_u64(&mut self, mut n: u64) {
-        while n >= 0x80 {
-            self.byte((n as u8) | 0x80);
-            n >>= 7;
+        if n < 0x80 {
+            return self.byte(n as u8);
         }
-        self.byte(n as u8);
+        let mut bytes = [0_u8; 10];
+        let mut len = 0;
+        while n >= 0x80 {
+            bytes[len] = (n as u8) | 0x80;
+            n >>= 7;
+            len += 1;
+        }
+        bytes[len] = n as u8;
+        self.write(&bytes[..=len]);
     }
 
     fn leb128_u128(&mut self, mut n: u128) {
@@ -75,13 +101,20 @@ impl Sink {
     }
 
     fn flush(&mut self) {
-        self.hasher.update(&self.buffer[..self.len]);
+        let gathered = &self.buffer[..self.len];
+        self.hasher.get_or_insert_with(Sha256::new).update(gathered);
         self.len = 0;
     }
 
-    pub(super) fn finish(mut self) -> [u8; 32] {
-        self.flush();
-        self.hasher.finalize().into()
+    pub(super) fn finish(self) -> [u8; 32] {
+        let gathered = &self.buffer[..self.len];
+        match self.hasher {
+            None => Sha256::digest(gathered).into(),
+            Some(mut hasher) => {
+                hasher.update(gathered);
+                hasher.finalize().into()
+            }
+        }
     }
 }
 
@@ -93,14 +126,35 @@ pub(super) fn encode<V: Serialize + ?Sized>(sink: &mut Sink, value: &V) -> Resul
 }
 
 /// Writes a length-prefixed string (tag `s`).
+#[inline]
 pub(super) fn write_str(out: &mut Sink, s: &str) {
     write_bytes(out, b's', s.as_bytes());
 }
 
+#[inline]
 fn write_bytes(out: &mut Sink, tag: u8, bytes: &[u8]) {
     out.byte(tag);
-    out.leb128(bytes.len() as u128);
+    out.leb128_u64(bytes.len() as u64);
     out.write(bytes);
+}
+
+/// `U` + LEB128 of a non-negative integer: every integer type up to 64 bits takes this path,
+/// in 64-bit arithmetic, and writes the same bytes as [`write_int`].
+#[inline]
+fn write_u64(out: &mut Sink, v: u64) {
+    out.byte(b'U');
+    out.leb128_u64(v);
+}
+
+/// [`write_int`] for a signed integer of up to 64 bits.
+#[inline]
+fn write_i64(out: &mut Sink, v: i64) {
+    if v < 0 {
+        out.byte(b'I');
+        out.leb128_u64(!v as u64);
+    } else {
+        write_u64(out, v as u64);
+    }
 }
 
 /// `U` + LEB128 of a non-negative integer; `I` + LEB128 of `-(v + 1)` for a negative one.
@@ -171,19 +225,23 @@ impl<'h> ser::Serializer for Encoder<'h> {
     }
 
     fn serialize_i8(self, v: i8) -> Result {
-        self.serialize_i128(v.into())
+        write_i64(self.out, v.into());
+        Ok(())
     }
 
     fn serialize_i16(self, v: i16) -> Result {
-        self.serialize_i128(v.into())
+        write_i64(self.out, v.into());
+        Ok(())
     }
 
     fn serialize_i32(self, v: i32) -> Result {
-        self.serialize_i128(v.into())
+        write_i64(self.out, v.into());
+        Ok(())
     }
 
     fn serialize_i64(self, v: i64) -> Result {
-        self.serialize_i128(v.into())
+        write_i64(self.out, v);
+        Ok(())
     }
 
     fn serialize_i128(self, v: i128) -> Result {
@@ -192,19 +250,23 @@ impl<'h> ser::Serializer for Encoder<'h> {
     }
 
     fn serialize_u8(self, v: u8) -> Result {
-        self.serialize_i128(v.into())
+        write_u64(self.out, v.into());
+        Ok(())
     }
 
     fn serialize_u16(self, v: u16) -> Result {
-        self.serialize_i128(v.into())
+        write_u64(self.out, v.into());
+        Ok(())
     }
 
     fn serialize_u32(self, v: u32) -> Result {
-        self.serialize_i128(v.into())
+        write_u64(self.out, v.into());
+        Ok(())
     }
 
     fn serialize_u64(self, v: u64) -> Result {
-        self.serialize_i128(v.into())
+        write_u64(self.out, v);
+        Ok(())
     }
 
     fn serialize_u128(mut self, v: u128) -> Result {
@@ -446,7 +508,7 @@ impl ser::SerializeMap for MapEncoder<'_> {
     fn end(mut self) -> Result {
         self.entries.sort_unstable();
         self.out.byte(b'M');
-        self.out.leb128(self.entries.len() as u128);
+        self.out.leb128_u64(self.entries.len() as u64);
         for entry in &self.entries {
             self.out.write(entry);
         }
