@@ -148,6 +148,30 @@ async fn with_run_to_completion_an_aborted_call_finishes_in_the_background_and_i
     assert_eq!(runs.count(), 1);
 }
 
+/// A body under `run_to_completion` is polled in its caller's task: a task is spawned only
+/// when the caller goes away (the test above), not for every call.
+#[tokio::test(flavor = "current_thread")]
+async fn with_run_to_completion_a_body_runs_in_its_callers_task() {
+    let store = MemoryStore::new();
+    let op = Operation::new("cancel.complete_inline");
+    let key = op.key(&1).unwrap();
+    let tasks = || {
+        tokio::runtime::Handle::current()
+            .metrics()
+            .num_alive_tasks()
+    };
+    let before = tasks();
+    let during = op
+        .run_to_completion(&store, &key, None, async move { Ok::<_, Error>(tasks()) })
+        .await
+        .unwrap();
+    assert_eq!(
+        during,
+        Outcome::Executed(before),
+        "the body ran in a task of its own"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_run_to_completion_a_panic_still_reaches_the_caller_and_releases() {
     let store = MemoryStore::new();

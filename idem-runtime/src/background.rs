@@ -7,8 +7,10 @@
 
 use std::fmt;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::LazyLock;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::runtime::Handle;
@@ -47,6 +49,60 @@ where
         let _ticket = ticket;
         work.await
     })
+}
+
+/// `work` polled in its caller's task, and spawned on `runtime` to finish in the background
+/// if the caller drops it before it is done: a body under `on_cancel = "complete"` costs no
+/// task and no hand-off between workers unless its caller goes away.
+pub(crate) fn finish_if_dropped<F>(runtime: Handle, work: F) -> FinishIfDropped<F::Output>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    FinishIfDropped {
+        runtime,
+        work: Some(Box::pin(work)),
+        polling: false,
+    }
+}
+
+/// The future of [`finish_if_dropped`].
+pub(crate) struct FinishIfDropped<T: 'static> {
+    runtime: Handle,
+    /// `None` once it has finished.
+    work: Option<Pin<Box<dyn Future<Output = T> + Send>>>,
+    /// Set while `work` is polled: a drop that finds it set follows a panic inside that
+    /// poll, which goes on unwinding with `work` dropped, as a spawned task's panic would.
+    polling: bool,
+}
+
+impl<T: 'static> Future for FinishIfDropped<T> {
+    type Output = T;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        let this = &mut *self;
+        let work = this
+            .work
+            .as_mut()
+            .expect("a finished call is not polled again");
+        this.polling = true;
+        let polled = work.as_mut().poll(cx);
+        this.polling = false;
+        if polled.is_ready() {
+            this.work = None;
+        }
+        polled
+    }
+}
+
+impl<T: 'static> Drop for FinishIfDropped<T> {
+    fn drop(&mut self) {
+        if let Some(work) = self.work.take().filter(|_| !self.polling) {
+            drop(spawn(&self.runtime, async move {
+                work.await;
+            }));
+        }
+    }
 }
 
 /// Waits until the background work of every idempotent call in this process has finished:

@@ -327,8 +327,9 @@ impl<P> Operation<P> {
 
     /// Like [`run`](Self::run), but if this future is dropped mid-body, the body runs to the
     /// end in the background and its result is recorded (`on_cancel = "complete"`). The body
-    /// is spawned on the current tokio runtime, so it must be `Send + 'static`: it cannot
-    /// borrow the caller's arguments.
+    /// runs in the caller's task while the caller waits; once the caller drops it, the rest
+    /// of it is spawned on the tokio runtime the call started in, so it must be
+    /// `Send + 'static`: it cannot borrow the caller's arguments.
     ///
     /// # Errors
     ///
@@ -390,16 +391,13 @@ impl<P> Operation<P> {
             Begun::Replay(record) => return self.replay::<C, _, _>(&record),
             Begun::Run(held) => held,
         };
-        // Between the claim and the spawn there is no await point: once claimed, the guard
-        // lives in the task and releases the key if the task never runs.
+        // The body runs in this task while its caller waits, and goes on in a task of its
+        // own if the caller goes away; its guard releases the key if that task never runs.
         let operation = self.clone();
-        let task = background::spawn(&runtime, async move {
+        background::finish_if_dropped(runtime, async move {
             Call::<C, P, R, F, _>::running(&operation, held, body, |o| o).await
-        });
-        match task.await {
-            Ok(result) => result,
-            Err(join) => Err(lost(join).into()),
-        }
+        })
+        .await
     }
 
     pub(crate) fn replay<C, T, E>(&self, record: &[u8]) -> Result<Outcome<T>, E>
@@ -445,21 +443,12 @@ enum Begun {
     Run(Held),
 }
 
-/// The runtime an `on_cancel = "complete"` body is spawned on, checked before the claim:
-/// without one the body could not be spawned.
+/// The runtime an `on_cancel = "complete"` body goes on in when its caller drops it,
+/// checked before the claim: without one the body could not go on.
 fn spawner() -> Result<tokio::runtime::Handle, Error> {
     tokio::runtime::Handle::try_current().map_err(|_| {
-        Error::config("`on_cancel = \"complete\"` spawns the body: call it inside a tokio runtime")
+        Error::config("`on_cancel = \"complete\"` finishes a dropped body on the runtime: call it inside a tokio runtime")
     })
-}
-
-/// A spawned body that did not return: its panic goes on unwinding in the caller; a
-/// runtime that shut down under it is an error.
-fn lost(join: tokio::task::JoinError) -> Error {
-    match join.try_into_panic() {
-        Ok(panic) => std::panic::resume_unwind(panic),
-        Err(_) => Error::store("the runtime shut down while the body ran"),
-    }
 }
 
 /// The log of a call without a key (an absent optional key): its body runs with no claim.
