@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use idem_runtime::testkit;
-use idem_runtime::{Error, Operation, Outcome, RedisStore};
+use idem_runtime::{Error, Operation, Outcome, RedisStore, Store};
 use idem_tests::scenarios::{self, namespace};
 use idem_tests::{redis_store, redis_url, PrivateRedis, Runs};
 use tokio::time::Instant;
@@ -199,4 +199,28 @@ async fn crash_of_a_holder_frees_its_key_after_the_lease() {
         return;
     };
     scenarios::crash_frees_the_key_after_the_lease(store, "crash_child").await;
+}
+
+/// Only the store's own timeout bounds an operation: a claim made to wait for a replica
+/// longer than the connection's default response time (3 s) gets the server's answer (no
+/// replica acknowledged it) and is refused for that reason, not cut off by a timer of the
+/// connection's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_for_replicas_longer_than_the_default_timeout_gets_the_servers_answer() {
+    let Some(store) = redis_store().await else {
+        return;
+    };
+    let store = store.with_replicas(1, Duration::from_millis(3_500));
+    let key = Operation::new(namespace("redis.long_wait"))
+        .key(&1)
+        .unwrap();
+    let err = store
+        .claim(&key, None, Duration::from_secs(60))
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("acknowledged by 0 of the 1 replicas"),
+        "{err}"
+    );
 }
