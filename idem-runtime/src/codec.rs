@@ -32,8 +32,9 @@ pub(crate) trait ValueCodec<T> {
     /// Appends the encoding of `value` to `buf`, which holds the tag already.
     fn encode_into(value: &T, buf: &mut Vec<u8>) -> Result<(), Error>;
 
-    /// Decodes what follows the tag.
-    fn decode(payload: &[u8]) -> Result<T, Error>;
+    /// Decodes what follows the tag: a slice of the record, which a value may share
+    /// instead of copying (the HTTP layer's bodies do).
+    fn decode(payload: &Bytes) -> Result<T, Error>;
 
     /// The record of `value`, tag included.
     fn record(value: &T) -> Result<Bytes, Error> {
@@ -51,7 +52,7 @@ impl<T: Serialize + DeserializeOwned> ValueCodec<T> for Json {
         serde_json::to_writer(buf, value).map_err(|e| Error::codec(EncodeError(e)))
     }
 
-    fn decode(payload: &[u8]) -> Result<T, Error> {
+    fn decode(payload: &Bytes) -> Result<T, Error> {
         serde_json::from_slice(payload).map_err(|e| Error::codec(DecodeError(e)))
     }
 
@@ -94,7 +95,7 @@ pub(crate) fn encode_value<C: ValueCodec<T> + ?Sized, T>(value: &T) -> Result<By
     Ok(buf.into())
 }
 
-pub(crate) fn decode<C, T, E, P>(record: &[u8], policy: &P) -> Result<Replayed<T, E>, Error>
+pub(crate) fn decode<C, T, E, P>(record: &Bytes, policy: &P) -> Result<Replayed<T, E>, Error>
 where
     C: ValueCodec<T>,
     P: ErrorPolicy<E> + ?Sized,
@@ -102,7 +103,7 @@ where
     match record.split_first() {
         Some((&GONE_TAG, _)) => Err(Error::Gone),
         Some((&ERROR, json)) => policy.decode(json).map(Err),
-        Some((&tag, payload)) if tag == C::TAG => C::decode(payload).map(Ok),
+        Some((&tag, _)) if tag == C::TAG => C::decode(&record.slice(1..)).map(Ok),
         Some((&(VALUE | HTTP), _)) => Err(Error::codec(
             "the record was made by another kind of call (an HTTP response, or a function's value)",
         )),
@@ -218,10 +219,12 @@ mod tests {
 
     #[test]
     fn a_gone_record_replays_as_gone_whatever_the_type() {
-        let err = decode::<Json, u64, (), _>(GONE, &ReleaseErrors).unwrap_err();
+        let err =
+            decode::<Json, u64, (), _>(&Bytes::from_static(GONE), &ReleaseErrors).unwrap_err();
         assert!(matches!(err, Error::Gone), "{err}");
         let policy = CacheErrors(|_: &String| true);
-        let err = decode::<Json, String, String, _>(GONE, &policy).unwrap_err();
+        let err =
+            decode::<Json, String, String, _>(&Bytes::from_static(GONE), &policy).unwrap_err();
         assert!(matches!(err, Error::Gone), "{err}");
     }
 
@@ -230,7 +233,7 @@ mod tests {
         let record = encode_value::<Json, _>(&"text".to_string()).unwrap();
         let err = decode::<Json, u64, (), _>(&record, &ReleaseErrors).unwrap_err();
         assert!(matches!(err, Error::Codec(_)));
-        let err = decode::<Json, u64, (), _>(b"", &ReleaseErrors).unwrap_err();
+        let err = decode::<Json, u64, (), _>(&Bytes::new(), &ReleaseErrors).unwrap_err();
         assert!(matches!(err, Error::Codec(_)));
     }
 }

@@ -400,7 +400,7 @@ impl<P> Operation<P> {
         .await
     }
 
-    pub(crate) fn replay<C, T, E>(&self, record: &[u8]) -> Result<Outcome<T>, E>
+    pub(crate) fn replay<C, T, E>(&self, record: &Bytes) -> Result<Outcome<T>, E>
     where
         C: ValueCodec<T>,
         E: From<Error>,

@@ -14,12 +14,28 @@ pub const MIN_LEASE: Duration = Duration::from_millis(100);
 pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 60 * 60);
 
 /// Checks the durations of one operation; the error names the setting and its limits. A
-/// TTL shorter than the lease is refused too.
+/// TTL shorter than the lease is refused too. Every call checks, so the test that passes
+/// is inline and the error is built out of line.
+#[inline]
 pub(crate) fn check(
     ttl: Duration,
     lease: Duration,
     wait_timeout: Option<Duration>,
 ) -> Result<(), Error> {
+    let fits = |value: Duration, min: Duration| min <= value && value <= MAX_DURATION;
+    if fits(ttl, Duration::from_millis(1))
+        && fits(lease, MIN_LEASE)
+        && lease <= ttl
+        && wait_timeout.is_none_or(|wait| fits(wait, Duration::ZERO))
+    {
+        return Ok(());
+    }
+    refuse(ttl, lease, wait_timeout)
+}
+
+/// Why [`check`] refuses these durations.
+#[cold]
+fn refuse(ttl: Duration, lease: Duration, wait_timeout: Option<Duration>) -> Result<(), Error> {
     within("ttl", ttl, Duration::from_millis(1))?;
     within("lease", lease, MIN_LEASE)?;
     if ttl < lease {

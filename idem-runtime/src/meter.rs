@@ -49,20 +49,36 @@ impl Event {
 /// Counts one call of `namespace` that ended with `event`.
 #[cfg(feature = "metrics")]
 pub(crate) fn count(namespace: &Namespace, event: Event) {
-    let keys = keys::of(namespace);
-    ::metrics::with_recorder(|recorder| {
-        recorder.register_counter(keys.call(event), &keys::METADATA)
-    })
-    .increment(1);
+    report(namespace, None, Some(event));
 }
 
-/// Records how long a call of `namespace` took to settle its claim.
+/// Reports a settled claim of `namespace` at once: how long it took (if measured) and its
+/// event (if it decided one), with the namespace's keys looked up once for both.
 #[cfg(feature = "metrics")]
-pub(crate) fn claimed(namespace: &Namespace, took: Duration) {
+fn report(namespace: &Namespace, took: Option<Duration>, event: Option<Event>) {
+    if took.is_none() && event.is_none() {
+        return;
+    }
     let keys = keys::of(namespace);
-    ::metrics::with_recorder(|recorder| recorder.register_histogram(keys.claim(), &keys::METADATA))
+    if let Some(took) = took {
+        ::metrics::with_recorder(|recorder| {
+            recorder.register_histogram(keys.claim(), &keys::METADATA)
+        })
         .record(took.as_secs_f64());
+    }
+    if let Some(event) = event {
+        ::metrics::with_recorder(|recorder| {
+            recorder.register_counter(keys.call(event), &keys::METADATA)
+        })
+        .increment(1);
+    }
 }
+
+#[cfg(not(feature = "metrics"))]
+pub(crate) fn count(_: &Namespace, _: Event) {}
+
+#[cfg(not(feature = "metrics"))]
+fn report(_: &Namespace, _: Option<Duration>, _: Option<Event>) {}
 
 /// The metric keys of recent namespaces, built once per thread: a key with a label is a
 /// heap allocation, and building two of them on every call cost a memory replay more
@@ -155,10 +171,8 @@ pub(crate) fn settled<T>(
     result: &Result<T, crate::Error>,
     replayed: impl FnOnce(&T) -> bool,
 ) {
-    if let Some(started) = started {
-        claimed(namespace, started.elapsed());
-    }
-    decided(namespace, result, replayed);
+    let took = started.map(|started| started.elapsed());
+    report(namespace, took, decided(result, replayed));
 }
 
 /// Reports a claim settled without waiting, from a record in this process's memory: its
@@ -166,29 +180,20 @@ pub(crate) fn settled<T>(
 /// first bucket, and reading the clock twice to measure it would cost the replay more than
 /// all of its own work but the key's hash and the cache lookup.
 pub(crate) fn settled_at_once<T>(namespace: &Namespace, result: &Result<T, crate::Error>) {
-    claimed(namespace, Duration::ZERO);
-    decided(namespace, result, |_| true);
+    let took = cfg!(feature = "metrics").then_some(Duration::ZERO);
+    report(namespace, took, decided(result, |_| true));
 }
 
+/// The event a settled claim decided, if it decided one.
 fn decided<T>(
-    namespace: &Namespace,
     result: &Result<T, crate::Error>,
     replayed: impl FnOnce(&T) -> bool,
-) {
-    let event = match result {
+) -> Option<Event> {
+    match result {
         Ok(settled) => replayed(settled).then_some(Event::Replayed),
         Err(error) => Event::of(error),
-    };
-    if let Some(event) = event {
-        count(namespace, event);
     }
 }
-
-#[cfg(not(feature = "metrics"))]
-pub(crate) fn count(_: &Namespace, _: Event) {}
-
-#[cfg(not(feature = "metrics"))]
-pub(crate) fn claimed(_: &Namespace, _: Duration) {}
 
 #[cfg(test)]
 mod tests {

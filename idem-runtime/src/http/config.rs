@@ -10,13 +10,34 @@ use http::header::HeaderName;
 use http::request::Parts;
 use http::{Method, StatusCode};
 
-use crate::{Error, Fingerprint, Operation};
+use super::fingerprint::Memo;
+use crate::{Error, Fingerprint, Key, Operation};
 
 pub(super) type RecordIf = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 pub(super) type RecordHeaderIf = Arc<dyn Fn(&HeaderName) -> bool + Send + Sync>;
 pub(super) type OnUnrecorded = Arc<dyn Fn(&Unrecorded) + Send + Sync>;
-pub(super) type FingerprintFn =
+/// An application's own fingerprint of a request.
+pub(super) type CustomFingerprint =
     Arc<dyn Fn(&Parts, &Bytes) -> Result<Fingerprint, Error> + Send + Sync>;
+
+/// How a layer fingerprints a keyed request.
+#[derive(Clone)]
+pub(super) enum FingerprintFn {
+    /// The default: method, target and body, recent JSON requests remembered.
+    Default(Arc<Memo>),
+    /// The application's own.
+    Custom(CustomFingerprint),
+}
+
+impl FingerprintFn {
+    /// The fingerprint of a request sent with the idempotency key `key`.
+    pub(super) fn of(&self, key: &Key, parts: &Parts, body: &Bytes) -> Result<Fingerprint, Error> {
+        match self {
+            Self::Default(memo) => memo.of_request(key, parts, body),
+            Self::Custom(fingerprint) => fingerprint(parts, body),
+        }
+    }
+}
 
 /// Everything a layer was configured with, shared by its services.
 pub(super) struct Config<St, Sc> {
@@ -88,7 +109,7 @@ impl<St: Clone, Sc: Clone> Clone for Config<St, Sc> {
             record_if: Arc::clone(&self.record_if),
             record_header_if: Arc::clone(&self.record_header_if),
             on_unrecorded: self.on_unrecorded.clone(),
-            fingerprint: Arc::clone(&self.fingerprint),
+            fingerprint: self.fingerprint.clone(),
             retry_after: self.retry_after,
             unknown_principal: self.unknown_principal,
             #[cfg(feature = "governor")]

@@ -13,8 +13,8 @@ use http::{Method, StatusCode};
 use tower_layer::Layer;
 
 use super::config::{
-    Config, KeyScope, ScopeNotChosen, ScopedBy, UnkeptPolicy, UnknownPrincipal, Unrecorded,
-    Unscoped,
+    Config, FingerprintFn, KeyScope, ScopeNotChosen, ScopedBy, UnkeptPolicy, UnknownPrincipal,
+    Unrecorded, Unscoped,
 };
 use super::fingerprint;
 use super::service::IdempotencyService;
@@ -93,10 +93,7 @@ impl<St: Store + Clone> IdempotencyLayer<St, ScopeNotChosen> {
                 record_if: Arc::new(|status: StatusCode| status.is_success()),
                 record_header_if: Arc::new(|name: &HeaderName| name != SET_COOKIE),
                 on_unrecorded: None,
-                fingerprint: {
-                    let memo = fingerprint::Memo::new();
-                    Arc::new(move |parts: &Parts, body: &Bytes| memo.of_request(parts, body))
-                },
+                fingerprint: FingerprintFn::Default(Arc::new(fingerprint::Memo::new())),
                 retry_after: super::problem::DEFAULT_RETRY_AFTER,
                 unknown_principal: UnknownPrincipal::Refuse,
                 #[cfg(feature = "governor")]
@@ -330,7 +327,7 @@ impl<St: Clone, Sc: Clone> IdempotencyLayer<St, Sc> {
         self,
         fingerprint: impl Fn(&Parts, &Bytes) -> Result<Fingerprint, Error> + Send + Sync + 'static,
     ) -> Self {
-        self.with(|c| c.fingerprint = Arc::new(fingerprint))
+        self.with(|c| c.fingerprint = FingerprintFn::Custom(Arc::new(fingerprint)))
     }
 }
 

@@ -146,8 +146,8 @@ impl ValueCodec<Recorded> for HttpRecord {
         Ok(())
     }
 
-    fn decode(payload: &[u8]) -> Result<Recorded, Error> {
-        let mut rest = payload;
+    fn decode(payload: &Bytes) -> Result<Recorded, Error> {
+        let mut rest = &payload[..];
         let version = take(&mut rest, 1)?[0];
         if version != VERSION {
             return Err(Error::codec(format!(
@@ -164,10 +164,15 @@ impl ValueCodec<Recorded> for HttpRecord {
                 HeaderName::from_bytes(take(&mut rest, usize::from(len))?).map_err(corrupt)?;
             let len = u32::from_be_bytes(take(&mut rest, 4)?.try_into().map_err(corrupt)?);
             let len = usize::try_from(len).map_err(corrupt)?;
-            let value = HeaderValue::from_bytes(take(&mut rest, len)?).map_err(corrupt)?;
+            // Shared with the record too, not copied.
+            let at = payload.len() - rest.len();
+            take(&mut rest, len)?;
+            let value =
+                HeaderValue::from_maybe_shared(payload.slice(at..at + len)).map_err(corrupt)?;
             headers.append(name, value);
         }
-        let body = Bytes::copy_from_slice(rest);
+        // The body shares the record's bytes: a replay copies nothing.
+        let body = payload.slice(payload.len() - rest.len()..);
         Ok(Recorded {
             status,
             headers,
@@ -226,7 +231,7 @@ mod tests {
             bytes.ends_with(&body),
             "the body is stored as its own bytes, not as JSON"
         );
-        let back = HttpRecord::decode(&bytes[1..]).unwrap();
+        let back = HttpRecord::decode(&bytes.slice(1..)).unwrap();
         assert_eq!(back, response);
     }
 
@@ -242,7 +247,7 @@ mod tests {
         let first = response.clone().into_response(false);
         assert_eq!(first.headers().get_all("set-cookie").iter().count(), 2);
         assert_eq!(first.headers()["x-payment"], "created");
-        let replayed = HttpRecord::decode(&record(&response)[1..])
+        let replayed = HttpRecord::decode(&record(&response).slice(1..))
             .unwrap()
             .into_response(true);
         assert!(replayed.headers().get("set-cookie").is_none());
@@ -260,12 +265,15 @@ mod tests {
         let bytes = record(&response);
         for cut in 1..6 {
             assert!(matches!(
-                HttpRecord::decode(&bytes[1..cut]),
+                HttpRecord::decode(&bytes.slice(1..cut)),
                 Err(Error::Codec(_))
             ));
         }
         let mut future = bytes[1..].to_vec();
         future[0] = 2;
-        assert!(matches!(HttpRecord::decode(&future), Err(Error::Codec(_))));
+        assert!(matches!(
+            HttpRecord::decode(&Bytes::from(future)),
+            Err(Error::Codec(_))
+        ));
     }
 }

@@ -196,7 +196,7 @@ where
             return problem(Problem::BodyUnreadable);
         }
     };
-    let fingerprint = match (config.fingerprint)(&parts, &body) {
+    let fingerprint = match config.fingerprint.of(&derived, &parts, &body) {
         Ok(fingerprint) => fingerprint,
         Err(err) => {
             tracing::info!(error = %err, "the request could not be fingerprinted: answered 400");
