@@ -61,21 +61,20 @@ enum Seen {
 }
 
 impl Seen {
-    /// Whether `body` is this one; `digest` computes a large body's digest once.
-    fn is(&self, body: &[u8], digest: &mut Option<[u8; 32]>) -> bool {
-        match self {
-            Self::Bytes(seen) => **seen == *body,
-            Self::Digest(seen) => {
-                *seen == *digest.get_or_insert_with(|| Sha256::digest(body).into())
-            }
+    /// What the memo keeps of `body`; `digest` is its SHA-256 if it is a large one.
+    fn of(body: &[u8], digest: Option<[u8; 32]>) -> Self {
+        match digest {
+            Some(digest) => Self::Digest(digest),
+            None => Self::Bytes(body.into()),
         }
     }
 
-    fn of(body: &[u8], digest: Option<[u8; 32]>) -> Self {
-        if body.len() <= MEMO_BODY {
-            Self::Bytes(body.into())
-        } else {
-            Self::Digest(digest.unwrap_or_else(|| Sha256::digest(body).into()))
+    /// Whether `body` (with its digest, if it is a large one) is this one.
+    fn is(&self, body: &[u8], digest: Option<&[u8; 32]>) -> bool {
+        match (self, digest) {
+            (Self::Bytes(seen), None) => **seen == *body,
+            (Self::Digest(seen), Some(digest)) => seen == digest,
+            _ => false,
         }
     }
 }
@@ -109,13 +108,15 @@ impl Memo {
         let [a, b, ..] = *key.as_bytes();
         let slot = &self.slots[usize::from(u16::from_le_bytes([a, b])) % MEMO_SLOTS];
         let target = target(parts);
-        let mut digest = None;
+        // A large body's digest is computed before the slot is locked.
+        let digest: Option<[u8; 32]> =
+            (body.len() > MEMO_BODY).then(|| Sha256::digest(body).into());
         {
             let remembered = slot.lock().unwrap_or_else(PoisonError::into_inner);
             if let Some(seen) = &*remembered {
                 if seen.method == parts.method
                     && *seen.target == *target
-                    && seen.body.is(body, &mut digest)
+                    && seen.body.is(body, digest.as_ref())
                 {
                     return Ok(seen.fingerprint);
                 }
@@ -543,22 +544,32 @@ mod tests {
             (parts, Bytes::copy_from_slice(body.as_bytes()))
         };
         let key = Key::derive("memo", &"again").unwrap();
-        for body in [r#"{"amount": 1}"#, large.as_str()] {
+        // Another body of the same kind: small and kept as it is, or large and kept by its
+        // digest.
+        let other_large = large.replace("1}", "2}");
+        for (body, other) in [
+            (r#"{"amount": 1}"#, r#"{"amount": 2}"#),
+            (large.as_str(), other_large.as_str()),
+        ] {
             let (parts, body) = json_request(body);
             memo.of_request(&key, &parts, &body).unwrap();
             let before = CANONICALISED.get();
             memo.of_request(&key, &parts, &body).unwrap();
             assert_eq!(CANONICALISED.get(), before, "answered from the memo");
             assert!(before > 0);
-            let (parts, other) = json_request(r#"{"amount": 2}"#);
+            let (parts, other) = json_request(other);
             assert_eq!(
                 memo.of_request(&key, &parts, &other).unwrap(),
                 of_request(&parts, &other).unwrap()
             );
-            // Canonicalised twice: by the memo, and by `of_request` above.
+            assert_ne!(
+                of_request(&parts, &other).unwrap(),
+                of_request(&parts, &body).unwrap()
+            );
+            // Canonicalised four times: by the memo, and by `of_request` three times above.
             assert_eq!(
                 CANONICALISED.get(),
-                before + 2,
+                before + 4,
                 "another body is canonicalised"
             );
         }
