@@ -180,8 +180,7 @@ pub(crate) fn settled<T>(
 /// first bucket, and reading the clock twice to measure it would cost the replay more than
 /// all of its own work but the key's hash and the cache lookup.
 pub(crate) fn settled_at_once<T>(namespace: &Namespace, result: &Result<T, crate::Error>) {
-    let took = cfg!(feature = "metrics").then_some(Duration::ZERO);
-    report(namespace, took, decided(result, |_| true));
+    report(namespace, Some(Duration::ZERO), decided(result, |_| true));
 }
 
 /// The event a settled claim decided, if it decided one.

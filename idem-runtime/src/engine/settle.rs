@@ -18,10 +18,15 @@ impl Settings {
     /// subscriber takes still cost a memory replay a tenth of its time.
     pub(crate) fn span(&self, key: &Key) -> tracing::Span {
         if traced() {
-            tracing::debug_span!("idempotent", namespace = %&*self.namespace, key = %key.short())
+            self.traced_span(key)
         } else {
             tracing::Span::none()
         }
+    }
+
+    /// The span itself, for a caller that asked [`traced`] already.
+    fn traced_span(&self, key: &Key) -> tracing::Span {
+        tracing::debug_span!("idempotent", namespace = %&*self.namespace, key = %key.short())
     }
 
     /// The record to replay, if the store has it at hand (in memory) and no call of the key
@@ -50,7 +55,7 @@ impl Settings {
                 _ => return None,
             },
         };
-        let _entered = traced().then(|| self.span(key).entered());
+        let _entered = traced().then(|| self.traced_span(key).entered());
         let replay = replayable(value, recorded.as_ref(), fingerprint);
         meter::settled_at_once(&self.namespace, &replay);
         Some(replay.map(|value| (value, typed)))
@@ -234,7 +239,6 @@ impl Settled {
     }
 }
 
-/// A completed record, if its fingerprint is this call's.
 /// Whether a call's span can be seen: a subscriber may take debug spans, or, with no
 /// subscriber, a `log` logger may take debug records (`tracing`'s `log` feature writes
 /// spans to it). Two atomic loads; the span macro checks its callsite's interest after.
@@ -244,6 +248,7 @@ fn traced() -> bool {
         || log::max_level() >= log::LevelFilter::Debug
 }
 
+/// A completed record, if its fingerprint is this call's.
 fn replayable(
     value: Bytes,
     recorded: Option<&Fingerprint>,
