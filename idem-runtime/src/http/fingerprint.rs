@@ -105,8 +105,7 @@ impl Memo {
         if !is_json(parts) {
             return of_request(parts, body);
         }
-        let [a, b, ..] = *key.as_bytes();
-        let slot = &self.slots[usize::from(u16::from_le_bytes([a, b])) % MEMO_SLOTS];
+        let slot = self.slot(key);
         let target = target(parts);
         // A large body's digest is computed before the slot is locked.
         let digest: Option<[u8; 32]> =
@@ -131,6 +130,12 @@ impl Memo {
         };
         *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(remembered);
         Ok(fingerprint)
+    }
+
+    /// The slot of requests sent with `key`.
+    fn slot(&self, key: &Key) -> &Mutex<Option<Remembered>> {
+        let [a, b, ..] = *key.as_bytes();
+        &self.slots[usize::from(u16::from_le_bytes([a, b])) % MEMO_SLOTS]
     }
 }
 
@@ -580,6 +585,27 @@ mod tests {
         // The guide: "about 100 bytes per slot", besides the body and the target kept.
         let slot = std::mem::size_of::<Mutex<Option<Remembered>>>();
         assert!((64..=128).contains(&slot), "{slot} bytes");
+        // And "at most 8 MiB of bodies": a body is kept as it is up to 4 KiB, beyond that
+        // by its digest.
+        assert_eq!(MEMO_SLOTS * MEMO_BODY, 8 << 20);
+        let memo = Memo::new();
+        for len in [MEMO_BODY - 2, MEMO_BODY + 1] {
+            let body = format!("\"{}\"", "x".repeat(len - 2));
+            let (parts, ()) = Request::builder()
+                .method("POST")
+                .uri("/pay")
+                .header(CONTENT_TYPE, "application/json")
+                .body(())
+                .unwrap()
+                .into_parts();
+            let key = Key::derive("memo", &len).unwrap();
+            memo.of_request(&key, &parts, &Bytes::from(body)).unwrap();
+            let kept = memo.slot(&key).lock().unwrap();
+            match &kept.as_ref().expect("remembered").body {
+                Seen::Bytes(bytes) => assert!(len <= MEMO_BODY, "{} bytes kept", bytes.len()),
+                Seen::Digest(_) => assert!(len > MEMO_BODY, "a {len}-byte body as a digest"),
+            }
+        }
     }
 
     #[test]
