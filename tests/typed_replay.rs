@@ -1,7 +1,8 @@
 //! A replay from the memory store, or from a memory tier's copy of a result completed in
 //! this process, hands the caller the recorded value itself, cloned, when the
 //! `#[idempotent]` function's success type is `Clone`: nothing is decoded. Every other
-//! replay decodes the record, and every one checks the fingerprint first.
+//! replay decodes the record, and every one checks the fingerprint first. Such a replay
+//! takes nothing of its store but the record: not even a handle.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -176,4 +177,96 @@ async fn a_memory_tier_replays_a_result_completed_here_without_decoding() {
 
 fn tiered_key(id: u64) -> idem_runtime::Key {
     Operation::new("typed.tiered").key(&id).unwrap()
+}
+
+/// A memory store whose handles count their clones: the handle a call takes of its store.
+#[derive(Default)]
+struct Handles {
+    store: MemoryStore,
+    clones: std::sync::Arc<AtomicUsize>,
+}
+
+impl Clone for Handles {
+    fn clone(&self) -> Self {
+        self.clones.fetch_add(1, Ordering::SeqCst);
+        Self {
+            store: self.store.clone(),
+            clones: self.clones.clone(),
+        }
+    }
+}
+
+#[idem_runtime::async_trait]
+impl Store for Handles {
+    async fn claim(
+        &self,
+        key: &idem_runtime::Key,
+        fingerprint: Option<&idem_runtime::Fingerprint>,
+        lease: std::time::Duration,
+    ) -> Result<idem_runtime::Claim, Error> {
+        self.store.claim(key, fingerprint, lease).await
+    }
+    async fn complete(
+        &self,
+        key: &idem_runtime::Key,
+        token: idem_runtime::Token,
+        value: idem_runtime::Bytes,
+        ttl: std::time::Duration,
+    ) -> Result<bool, Error> {
+        self.store.complete(key, token, value, ttl).await
+    }
+    async fn release(
+        &self,
+        key: &idem_runtime::Key,
+        token: idem_runtime::Token,
+    ) -> Result<bool, Error> {
+        self.store.release(key, token).await
+    }
+    async fn renew(
+        &self,
+        key: &idem_runtime::Key,
+        token: idem_runtime::Token,
+        lease: std::time::Duration,
+    ) -> Result<bool, Error> {
+        self.store.renew(key, token, lease).await
+    }
+    async fn fence(
+        &self,
+        key: &idem_runtime::Key,
+        token: idem_runtime::Token,
+    ) -> Result<Option<idem_runtime::Token>, Error> {
+        self.store.fence(key, token).await
+    }
+    async fn remove(&self, key: &idem_runtime::Key) -> Result<bool, Error> {
+        self.store.remove(key).await
+    }
+    fn peek(&self, key: &idem_runtime::Key) -> Option<idem_runtime::Claim> {
+        self.store.peek(key)
+    }
+    fn flights(&self) -> Option<&idem_runtime::Flights> {
+        self.store.flights()
+    }
+}
+
+#[idempotent(key = id, store = store, namespace = "typed.handles")]
+async fn with_handles(store: &Handles, id: u64) -> Result<Cloned, Error> {
+    Ok(Cloned::new(id))
+}
+
+#[tokio::test]
+async fn a_replay_from_memory_takes_no_handle_of_its_store() {
+    let store = Handles::default();
+    assert_eq!(with_handles(&store, 3).await.unwrap(), Cloned::new(3));
+    // A first execution takes handles of its own: one to run in (the body may move what the
+    // store expression borrowed), one its claim's guard shares.
+    let first = store.clones.load(Ordering::SeqCst);
+    assert!(first >= 1, "a first execution runs in a handle of its own");
+    for _ in 0..3 {
+        assert_eq!(with_handles(&store, 3).await.unwrap(), Cloned::new(3));
+    }
+    assert_eq!(
+        store.clones.load(Ordering::SeqCst),
+        first,
+        "a replay answered from memory cloned its store"
+    );
 }

@@ -133,15 +133,30 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
         }
         None => quote!(::core::option::Option::None),
     };
-    let (store_value, store_arg) = match &args.store {
-        Some(value) => (
+    // A plain call (no transaction, no `on_cancel`) looks for its record in the store
+    // first: a record at hand is answered before the call's future exists, and without an
+    // owned handle to the store (`look`); other calls take the handle at once.
+    let looks = args.transaction.is_none() && args.on_cancel != Some(OnCancel::Complete);
+    let (store_value, store_arg) = match (&args.store, looks) {
+        (Some(value), true) => (
+            quote_spanned!(value.span()=> {
+                use #private::StoreArg as _;
+                #private::look(&#op, (#value).__idem_store(), &#key, &#fingerprint)
+            }),
+            quote!(#store),
+        ),
+        (None, true) => (
+            quote!(#private::look_default(&#op, &#key, &#fingerprint)),
+            quote!(#store),
+        ),
+        (Some(value), false) => (
             quote_spanned!(value.span()=> {
                 use #private::StoreArg as _;
                 #private::owned_store((#value).__idem_store())
             }),
             quote!(&#store),
         ),
-        None => (quote!(#private::default_store()), quote!(#store)),
+        (None, false) => (quote!(#private::default_store()), quote!(#store)),
     };
     // The return type as the runtime's entry points are given it, every token at the span
     // of its first one, as the entry point's own path: a bound on `T` or `E` that fails is
@@ -190,8 +205,17 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
             } else {
                 let run = respan(quote!(#private::run), output.span());
                 let typing = typing(output, &private);
+                // Answered at once if the store's look found the record. (Bound first: a
+                // temporary in the tail of the body would outlive the operation.)
+                let started = local("__idem_started");
                 quote_spanned! {output.span()=>
-                    #run::<_, _, #returned, _, _>(&#op, #store_arg, #key, #fingerprint, async move #block, #typing).await
+                    {
+                        let #started = #run::<_, _, #returned, _, _>(&#op, #store_arg, #key, #fingerprint, async move #block, #typing);
+                        match #started {
+                            #private::Started::Now(answered) => answered,
+                            #private::Started::Later(call) => call.await,
+                        }
+                    }
                 }
             }
         }
@@ -517,6 +541,7 @@ mod tests {
             "__idem_order",
             "__idem_key",
             "__idem_typing",
+            "__idem_started",
         ];
         assert!(!generated.is_empty());
         assert!(

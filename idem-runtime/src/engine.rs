@@ -21,9 +21,10 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 pub(crate) use self::call::Derived;
-pub use self::call::Typing;
 use self::call::{Answer, Call};
+pub use self::call::{Started, Typing};
 use self::held::Held;
+pub(crate) use self::settle::AtOnce;
 use crate::codec::{self, ErrorPolicy, Json, ReleaseErrors, ValueCodec};
 use crate::expansion::IdemResult;
 use crate::namespace::Namespace;
@@ -306,10 +307,11 @@ impl<P> Operation<P> {
         S: Store + Clone,
         R: IdemResult,
     {
-        self.call_typed(store, derived, body, answer, None)
+        Call::new(self, store, derived, body, answer, None, false)
     }
 
-    /// [`call`](Self::call), taking a replay's typed value where `typing` says how.
+    /// [`call`](Self::call), taking a replay's typed value where `typing` says how; `looked`
+    /// if [`at_once`](Self::at_once) found no record of the key just before.
     pub(crate) fn call_typed<'a, C, S, R, F, O>(
         &'a self,
         store: &'a S,
@@ -317,12 +319,39 @@ impl<P> Operation<P> {
         body: F,
         answer: Answer<R, O>,
         typing: Option<Typing<R::Ok>>,
+        looked: bool,
     ) -> Call<'a, C, P, R, F, O>
     where
         S: Store + Clone,
         R: IdemResult,
     {
-        Call::new(self, store, derived, body, answer, typing)
+        Call::new(self, store, derived, body, answer, typing, looked)
+    }
+
+    /// The record of `key` if `store` has it at hand (in memory) and no call of the key runs
+    /// here, checked against `fingerprint`: a call answered by it needs no future.
+    pub(crate) fn at_once(
+        &self,
+        store: &dyn Store,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Option<Result<AtOnce, Error>> {
+        self.settings.replay_at_once(store, key, fingerprint)
+    }
+
+    /// The outcome of a call [`at_once`](Self::at_once) answered.
+    pub(crate) fn answer_at_once<C, R>(
+        &self,
+        found: Result<AtOnce, Error>,
+        typing: Option<Typing<R::Ok>>,
+    ) -> Result<Outcome<R::Ok>, R::Err>
+    where
+        C: ValueCodec<R::Ok>,
+        R: IdemResult,
+        R::Err: From<Error>,
+        P: ErrorPolicy<R::Err>,
+    {
+        call::replayed::<C, P, R>(self, &found?, typing)
     }
 
     /// Like [`run`](Self::run), but if this future is dropped mid-body, the body runs to the
@@ -382,9 +411,9 @@ impl<P> Operation<P> {
         let runtime = spawner()?;
         let begun = match self
             .settings
-            .replay_at_once(store, &key, fingerprint.as_ref(), false)
+            .replay_at_once(store, &key, fingerprint.as_ref())
         {
-            Some(replay) => replay.map(|(record, _)| Begun::Replay(record)),
+            Some(replay) => replay.map(|found| Begun::Replay(found.record().clone())),
             None => self.settings.begin(store, key, fingerprint).await,
         };
         let held = match begun? {

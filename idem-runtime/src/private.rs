@@ -9,7 +9,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::codec::Json;
-pub use crate::engine::Typing;
+use crate::engine::AtOnce;
+pub use crate::engine::{Started, Typing};
 use crate::{Error, Fingerprint, Key, Store};
 pub use crate::{ErrorPolicy, InFlight, Operation};
 
@@ -250,17 +251,18 @@ impl<T> IntoTyping<T> for Typing<T> {
 }
 
 /// `Operation::run`, after the key and fingerprint were derived (before the body borrowed
-/// its arguments), returning the bare value. Generic over the function's return type, so that
-/// a return type that is not a `Result` fails one bound, with its own message. `typing` says
-/// whether a replay from a store in this process may hand back the value itself.
+/// its arguments): the answer at once when the store has the record at hand, or the call to
+/// await. Generic over the function's return type, so that a return type that is not a
+/// `Result` fails one bound, with its own message. `typing` says whether a replay from a
+/// store in this process may hand back the value itself.
 pub fn run<'a, P, S, R, F, Y>(
     operation: &'a Operation<P>,
-    store: &'a S,
+    store: Looked<S>,
     key: Result<Option<Key>, Error>,
     fingerprint: Option<Result<Fingerprint, Error>>,
     body: F,
     typing: Y,
-) -> impl Future<Output = Answered<R>> + use<'a, P, S, R, F, Y>
+) -> Started<Answered<R>, impl Future<Output = Answered<R>> + use<'a, P, S, R, F, Y>>
 where
     R: IdemResult,
     R::Ok: Recordable,
@@ -270,14 +272,68 @@ where
     F: Future<Output = R>,
     Y: IntoTyping<R::Ok>,
 {
+    let typing = typing.into_typing();
+    let (store, looked) = match store.0 {
+        Look::Found(found) => {
+            return Started::Now(operation.answer_at_once::<Json, R>(found, typing));
+        }
+        Look::Store(store, looked) => (store, looked),
+    };
     let derived = derived(key, fingerprint);
-    operation.call_typed::<Json, S, R, F, Answered<R>>(
-        store,
-        derived,
-        body,
-        answered::<R>,
-        typing.into_typing(),
-    )
+    Started::Later(async move {
+        let call = operation.call_typed::<Json, S, R, F, Answered<R>>(
+            &store,
+            derived,
+            body,
+            answered::<R>,
+            typing,
+            looked,
+        );
+        call.await
+    })
+}
+
+/// A call's store after its look for the call's record ([`look`]).
+pub struct Looked<S>(Look<S>);
+
+enum Look<S> {
+    /// The record, at hand: the call is answered by it.
+    Found(Result<AtOnce, Error>),
+    /// An owned handle to the store to run the call in; whether the look was made.
+    Store(S, bool),
+}
+
+/// The store of a `store = <expr>` value, looked at first: the record of the call's key, if
+/// the store has it at hand (a replay from memory then takes nothing else of the store),
+/// else an owned handle to it, so that the body may still move or mutably borrow what the
+/// store expression borrowed (`self`). Stores are cheap handles: this is an `Arc` clone.
+pub fn look<P, S: StoreValue>(
+    operation: &Operation<P>,
+    store: &S,
+    key: &Result<Option<Key>, Error>,
+    fingerprint: &Option<Result<Fingerprint, Error>>,
+) -> Looked<S> {
+    // A call without a key, or with a derivation error, is answered by the call itself.
+    let at = match (key, fingerprint) {
+        (Ok(Some(key)), None) => Some((key, None)),
+        (Ok(Some(key)), Some(Ok(fingerprint))) => Some((key, Some(fingerprint))),
+        _ => None,
+    };
+    if let Some((key, fingerprint)) = at {
+        if let Some(found) = operation.at_once(store, key, fingerprint) {
+            return Looked(Look::Found(found));
+        }
+    }
+    Looked(Look::Store(store.clone(), at.is_some()))
+}
+
+/// [`look`], in the default store.
+pub fn look_default<P>(
+    operation: &Operation<P>,
+    key: &Result<Option<Key>, Error>,
+    fingerprint: &Option<Result<Fingerprint, Error>>,
+) -> Looked<Arc<dyn Store>> {
+    look(operation, default_store(), key, fingerprint)
 }
 
 /// `Operation::run_to_completion`, as [`run`].

@@ -453,9 +453,20 @@ pub trait TypedStore: Send + Sync {
         typed: Typed,
     ) -> TypedCompletion<'a>;
 
-    /// As [`Store::peek`], with the typed value kept beside a live completed record, if any:
-    /// the value, the encoding and the fingerprint. `None`: no live completed record.
-    fn peek_typed(&self, key: &Key) -> Option<(Option<Typed>, Bytes, Option<Fingerprint>)>;
+    /// As [`Store::peek`], with the typed value kept beside a live completed record, if any.
+    /// `None`: no live completed record.
+    fn peek_typed(&self, key: &Key) -> Option<Arc<Kept>>;
+}
+
+/// Not part of the public API: a completed record as a store in this process keeps it,
+/// shared by every replay that finds it (one reference count, not one per part).
+#[doc(hidden)]
+pub struct Kept {
+    /// The encoding.
+    pub(crate) value: Bytes,
+    /// The value itself, when the call that recorded it could keep it.
+    pub(crate) typed: Option<Typed>,
+    pub(crate) fingerprint: Option<Fingerprint>,
 }
 
 /// What [`TypedStore::complete_typed`] answers: whether the claim was held, now or once the

@@ -14,11 +14,11 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
-use bytes::Bytes;
 use pin_project_lite::pin_project;
 
 use super::attempt;
 use super::held::{Beat, Ending, Held, Verdict};
+use super::settle::AtOnce;
 use super::{Begun, Handle, Operation, Outcome, Settings};
 use crate::codec::{self, ErrorPolicy, ValueCodec};
 use crate::expansion::IdemResult;
@@ -61,6 +61,16 @@ impl<T: Clone + Send + Sync + 'static> Typing<T> {
     }
 }
 
+/// How a call begins: answered at once (a record in memory, replayed without a future),
+/// or a future to await. An `#[idempotent]` function matches on it before it awaits, so that
+/// a replay never builds, moves or polls the call's future.
+pub enum Started<A, F> {
+    /// The answer, at once.
+    Now(A),
+    /// The call, to await.
+    Later(F),
+}
+
 pin_project! {
     /// The future of one call.
     pub(crate) struct Call<'a, C, P, R, F, O>
@@ -87,8 +97,14 @@ impl<'a, C, P, R: IdemResult, F, O> Call<'a, C, P, R, F, O> {
         body: F,
         answer: Answer<R, O>,
         typing: Option<Typing<R::Ok>>,
+        looked: bool,
     ) -> Self {
-        let mut call = Self::at(operation, Phase::Start { store, derived }, body, answer);
+        let start = Phase::Start {
+            store,
+            derived,
+            looked,
+        };
+        let mut call = Self::at(operation, start, body, answer);
         call.typing = typing;
         call
     }
@@ -139,16 +155,7 @@ where
         };
         let step = ready!(this.phase.advance(&operation.settings, cx, &mut slot));
         let outcome = match step {
-            Step::Replay(record, typed) => {
-                let taken = typed
-                    .zip(typing)
-                    .and_then(|(typed, typing)| (typing.take)(&typed));
-                match taken {
-                    Some(value) => Ok(Outcome::Replayed(value)),
-                    // Kept by a call of another type, or not kept: decoded.
-                    None => operation.replay::<C, _, _>(&record),
-                }
-            }
+            Step::Replay(found) => replayed::<C, P, R>(operation, &found, typing),
             Step::Failed(err) => Err(err.into()),
             Step::Executed => match this.output.take() {
                 Some(output) => output.map(Outcome::Executed),
@@ -156,6 +163,30 @@ where
             },
         };
         Poll::Ready((this.answer)(outcome))
+    }
+}
+
+/// The outcome of a replay: the value the store kept, if the call takes it, or the record
+/// decoded.
+pub(super) fn replayed<C, P, R>(
+    operation: &Operation<P>,
+    found: &AtOnce,
+    typing: Option<Typing<R::Ok>>,
+) -> Result<Outcome<R::Ok>, R::Err>
+where
+    C: ValueCodec<R::Ok>,
+    R: IdemResult,
+    R::Err: From<Error>,
+    P: ErrorPolicy<R::Err>,
+{
+    let taken = found
+        .typed()
+        .zip(typing)
+        .and_then(|(typed, typing)| (typing.take)(typed));
+    match taken {
+        Some(value) => Ok(Outcome::Replayed(value)),
+        // Kept by a call of another type, or not kept: decoded.
+        None => operation.replay::<C, _, _>(found.record()),
     }
 }
 
@@ -168,9 +199,6 @@ pub(crate) trait Body {
     /// What the kept output asks of the record; with the value itself if `keep_typed` (the
     /// store keeps it) and the call can keep it.
     fn ending(&self, keep_typed: bool) -> Ending;
-
-    /// Whether the call can take a replay's typed value instead of decoding it.
-    fn takes_typed(&self) -> bool;
 }
 
 struct Slot<'s, C, P, R: IdemResult, F> {
@@ -212,18 +240,15 @@ where
             None => Ending::Error(None),
         }
     }
-
-    fn takes_typed(&self) -> bool {
-        self.typing.is_some()
-    }
 }
 
 /// Where a call is, apart from its types.
 pub(crate) enum Phase<'a> {
-    /// Not polled yet.
+    /// Not polled yet; `looked` if the caller looked for a record at hand already.
     Start {
         store: &'a dyn Handle,
         derived: Derived,
+        looked: bool,
     },
     /// Settling the claim: waiting for a concurrent call, or for the store.
     Begin(Pin<Box<dyn Future<Output = Result<Begun, Error>> + Send + 'a>>),
@@ -239,8 +264,8 @@ pub(crate) enum Phase<'a> {
 
 /// Where a phase ended: the call's answer, short of its types.
 enum Step {
-    /// A record to replay, and its typed value if the store kept one and the call takes it.
-    Replay(Bytes, Option<Typed>),
+    /// A record to replay, with its typed value if the store kept one and the call takes it.
+    Replay(AtOnce),
     Failed(Error),
     /// The body ran; its output is in the call.
     Executed,
@@ -257,7 +282,11 @@ impl<'a> Phase<'a> {
     ) -> Poll<Step> {
         loop {
             match mem::replace(self, Phase::Done) {
-                Phase::Start { store, derived } => match derived {
+                Phase::Start {
+                    store,
+                    derived,
+                    looked,
+                } => match derived {
                     Err(err) => return Poll::Ready(Step::Failed(err)),
                     Ok(None) => {
                         super::unkeyed();
@@ -265,16 +294,11 @@ impl<'a> Phase<'a> {
                     }
                     // A record in memory is replayed at once: no future, no allocation.
                     Ok(Some((key, fingerprint))) => {
-                        let typed = body.takes_typed();
-                        match settings.replay_at_once(
-                            store.get(),
-                            &key,
-                            fingerprint.as_ref(),
-                            typed,
-                        ) {
-                            Some(Ok((record, typed))) => {
-                                return Poll::Ready(Step::Replay(record, typed))
-                            }
+                        let at_once = (!looked).then(|| {
+                            settings.replay_at_once(store.get(), &key, fingerprint.as_ref())
+                        });
+                        match at_once.flatten() {
+                            Some(Ok(found)) => return Poll::Ready(Step::Replay(found)),
                             Some(Err(err)) => return Poll::Ready(Step::Failed(err)),
                             None => {
                                 let begin = settings.begin(store, key, fingerprint);
@@ -290,7 +314,7 @@ impl<'a> Phase<'a> {
                     }
                     Poll::Ready(Ok(Begun::Run(held))) => *self = Phase::Running(held, None),
                     Poll::Ready(Ok(Begun::Replay(record))) => {
-                        return Poll::Ready(Step::Replay(record, None))
+                        return Poll::Ready(Step::Replay(AtOnce::Encoded(record, None)))
                     }
                     Poll::Ready(Err(err)) => return Poll::Ready(Step::Failed(err)),
                 },
@@ -317,7 +341,7 @@ impl<'a> Phase<'a> {
                     }
                     Poll::Ready(Verdict::Own) => return Poll::Ready(Step::Executed),
                     Poll::Ready(Verdict::Other(record)) => {
-                        return Poll::Ready(Step::Replay(record, None))
+                        return Poll::Ready(Step::Replay(AtOnce::Encoded(record, None)))
                     }
                     Poll::Ready(Verdict::Failed(err)) => return Poll::Ready(Step::Failed(err)),
                 },

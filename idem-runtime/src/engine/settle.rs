@@ -2,6 +2,8 @@
 //! or in another process), and what a claim ends with: a record to replay, or a token to run
 //! under.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -9,7 +11,7 @@ use tracing::Instrument;
 use super::held::Held;
 use super::{attempt, backoff, Begun, Handle, InFlight, Settings};
 use crate::flights::Landing;
-use crate::store::Typed;
+use crate::store::{Kept, Typed};
 use crate::{limits, meter, Claim, Error, Fingerprint, Key, Store, Token};
 
 impl Settings {
@@ -36,8 +38,7 @@ impl Settings {
         store: &dyn Store,
         key: &Key,
         fingerprint: Option<&Fingerprint>,
-        typed: bool,
-    ) -> Option<Result<(Bytes, Option<Typed>), Error>> {
+    ) -> Option<Result<AtOnce, Error>> {
         if let Err(err) = limits::check(self.ttl, self.lease, self.wait_timeout) {
             return Some(Err(err));
         }
@@ -47,18 +48,19 @@ impl Settings {
         {
             return None;
         }
-        // With the value itself kept beside the record, when the call can take it: one look.
-        let (typed, value, recorded) = match store.typed().filter(|_| typed) {
-            Some(keeps) => keeps.peek_typed(key)?,
+        // With the value itself kept beside the record, where the store keeps it: one look.
+        let found = match store.typed() {
+            Some(keeps) => AtOnce::Kept(keeps.peek_typed(key)?),
             None => match store.peek(key)? {
-                Claim::Completed { value, fingerprint } => (None, value, fingerprint),
+                Claim::Completed { value, fingerprint } => AtOnce::Encoded(value, fingerprint),
                 _ => return None,
             },
         };
         let _entered = traced().then(|| self.traced_span(key).entered());
-        let replay = replayable(value, recorded.as_ref(), fingerprint);
+        let recorded = found.fingerprint();
+        let replay = replayable(found, recorded.as_ref(), fingerprint);
         meter::settled_at_once(&self.namespace, &replay);
-        Some(replay.map(|value| (value, typed)))
+        Some(replay)
     }
 
     /// [`settle`](Self::settle), in the call's span: the record to replay, or the claim,
@@ -248,12 +250,44 @@ fn traced() -> bool {
         || log::max_level() >= log::LevelFilter::Debug
 }
 
+/// A record found at once, in a store in this process: the store's own record (with the
+/// value itself beside the encoding, if it kept it), or the encoding and its fingerprint.
+pub(crate) enum AtOnce {
+    Kept(Arc<Kept>),
+    Encoded(Bytes, Option<Fingerprint>),
+}
+
+impl AtOnce {
+    fn fingerprint(&self) -> Option<Fingerprint> {
+        match self {
+            Self::Kept(kept) => kept.fingerprint,
+            Self::Encoded(_, fingerprint) => *fingerprint,
+        }
+    }
+
+    /// The typed value, if the store kept one.
+    pub(crate) fn typed(&self) -> Option<&Typed> {
+        match self {
+            Self::Kept(kept) => kept.typed.as_ref(),
+            Self::Encoded(..) => None,
+        }
+    }
+
+    /// The encoding.
+    pub(crate) fn record(&self) -> &Bytes {
+        match self {
+            Self::Kept(kept) => &kept.value,
+            Self::Encoded(value, _) => value,
+        }
+    }
+}
+
 /// A completed record, if its fingerprint is this call's.
-fn replayable(
-    value: Bytes,
+fn replayable<T>(
+    value: T,
     recorded: Option<&Fingerprint>,
     ours: Option<&Fingerprint>,
-) -> Result<Bytes, Error> {
+) -> Result<T, Error> {
     check_fingerprint(recorded, ours)?;
     tracing::debug!(outcome = "replayed");
     Ok(value)

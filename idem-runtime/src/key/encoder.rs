@@ -20,6 +20,7 @@ pub(super) struct Sink {
 }
 
 impl Sink {
+    #[inline]
     pub(super) fn new() -> Self {
         Self {
             hasher: None,
@@ -33,7 +34,7 @@ impl Sink {
         let end = self.len + bytes.len();
         match self.buffer.get_mut(self.len..end) {
             Some(room) => {
-                room.copy_from_slice(bytes);
+                copy_short(room, bytes);
                 self.len = end;
             }
             None => self.spill(bytes),
@@ -106,6 +107,7 @@ impl Sink {
         self.len = 0;
     }
 
+    #[inline]
     pub(super) fn finish(self) -> [u8; 32] {
         let gathered = &self.buffer[..self.len];
         match self.hasher {
@@ -118,7 +120,41 @@ impl Sink {
     }
 }
 
+/// `room.copy_from_slice(bytes)` (of the same length) without a call to `memcpy` for up to
+/// 16 bytes, the length of most names and identifiers in a key: two overlapping copies of a
+/// fixed size each, which compile to moves (a call was a tenth of a key's derivation).
+#[inline]
+fn copy_short(room: &mut [u8], bytes: &[u8]) {
+    let n = bytes.len();
+    debug_assert_eq!(room.len(), n);
+    match n {
+        0 => {}
+        1..=3 => {
+            room[0] = bytes[0];
+            room[n / 2] = bytes[n / 2];
+            room[n - 1] = bytes[n - 1];
+        }
+        4..=7 => {
+            copy_fixed::<4>(&mut room[..4], &bytes[..4]);
+            copy_fixed::<4>(&mut room[n - 4..], &bytes[n - 4..]);
+        }
+        8..=16 => {
+            copy_fixed::<8>(&mut room[..8], &bytes[..8]);
+            copy_fixed::<8>(&mut room[n - 8..], &bytes[n - 8..]);
+        }
+        _ => room.copy_from_slice(bytes),
+    }
+}
+
+/// Copies `N` bytes: both slices are `N` long.
+#[inline(always)]
+fn copy_fixed<const N: usize>(room: &mut [u8], bytes: &[u8]) {
+    let bytes: [u8; N] = bytes.try_into().expect("N bytes");
+    room.copy_from_slice(&bytes);
+}
+
 /// Encodes `value` into `sink`.
+#[inline]
 pub(super) fn encode<V: Serialize + ?Sized>(sink: &mut Sink, value: &V) -> Result<(), Error> {
     value
         .serialize(Encoder { out: sink })
@@ -191,14 +227,17 @@ struct Encoder<'h> {
 }
 
 impl Encoder<'_> {
+    #[inline]
     fn reborrow(&mut self) -> Encoder<'_> {
         Encoder { out: self.out }
     }
 
+    #[inline]
     fn tag(&mut self, tag: u8) {
         self.out.byte(tag);
     }
 
+    #[inline]
     fn variant(&mut self, tag: u8, name: &str) {
         self.tag(tag);
         write_str(self.out, name);
@@ -218,57 +257,68 @@ impl<'h> ser::Serializer for Encoder<'h> {
     type SerializeStruct = Self;
     type SerializeStructVariant = Self;
 
+    #[inline]
     fn serialize_bool(mut self, v: bool) -> Result {
         self.tag(b'B');
         self.tag(u8::from(v));
         Ok(())
     }
 
+    #[inline]
     fn serialize_i8(self, v: i8) -> Result {
         write_i64(self.out, v.into());
         Ok(())
     }
 
+    #[inline]
     fn serialize_i16(self, v: i16) -> Result {
         write_i64(self.out, v.into());
         Ok(())
     }
 
+    #[inline]
     fn serialize_i32(self, v: i32) -> Result {
         write_i64(self.out, v.into());
         Ok(())
     }
 
+    #[inline]
     fn serialize_i64(self, v: i64) -> Result {
         write_i64(self.out, v);
         Ok(())
     }
 
+    #[inline]
     fn serialize_i128(self, v: i128) -> Result {
         write_int(self.out, v);
         Ok(())
     }
 
+    #[inline]
     fn serialize_u8(self, v: u8) -> Result {
         write_u64(self.out, v.into());
         Ok(())
     }
 
+    #[inline]
     fn serialize_u16(self, v: u16) -> Result {
         write_u64(self.out, v.into());
         Ok(())
     }
 
+    #[inline]
     fn serialize_u32(self, v: u32) -> Result {
         write_u64(self.out, v.into());
         Ok(())
     }
 
+    #[inline]
     fn serialize_u64(self, v: u64) -> Result {
         write_u64(self.out, v);
         Ok(())
     }
 
+    #[inline]
     fn serialize_u128(mut self, v: u128) -> Result {
         // The same form as every other non-negative integer, for values above i128::MAX too.
         self.tag(b'U');
@@ -276,10 +326,12 @@ impl<'h> ser::Serializer for Encoder<'h> {
         Ok(())
     }
 
+    #[inline]
     fn serialize_f32(self, v: f32) -> Result {
         self.serialize_f64(v.into())
     }
 
+    #[inline]
     fn serialize_f64(mut self, v: f64) -> Result {
         if v.is_nan() {
             return Err(KeyError(
@@ -293,48 +345,58 @@ impl<'h> ser::Serializer for Encoder<'h> {
         Ok(())
     }
 
+    #[inline]
     fn serialize_char(self, v: char) -> Result {
         self.serialize_str(v.encode_utf8(&mut [0; 4]))
     }
 
+    #[inline]
     fn serialize_str(self, v: &str) -> Result {
         write_str(self.out, v);
         Ok(())
     }
 
+    #[inline]
     fn serialize_bytes(self, v: &[u8]) -> Result {
         write_bytes(self.out, b'b', v);
         Ok(())
     }
 
+    #[inline]
     fn serialize_none(mut self) -> Result {
         self.tag(b'N');
         Ok(())
     }
 
+    #[inline]
     fn serialize_some<T: Serialize + ?Sized>(mut self, value: &T) -> Result {
         self.tag(b'S');
         value.serialize(self)
     }
 
+    #[inline]
     fn serialize_unit(mut self) -> Result {
         self.tag(b'0');
         Ok(())
     }
 
+    #[inline]
     fn serialize_unit_struct(self, _name: &'static str) -> Result {
         self.serialize_unit()
     }
 
+    #[inline]
     fn serialize_unit_variant(mut self, _: &'static str, _: u32, variant: &'static str) -> Result {
         self.variant(b'V', variant);
         Ok(())
     }
 
+    #[inline]
     fn serialize_newtype_struct<T: Serialize + ?Sized>(self, _: &'static str, value: &T) -> Result {
         value.serialize(self)
     }
 
+    #[inline]
     fn serialize_newtype_variant<T: Serialize + ?Sized>(
         mut self,
         _: &'static str,
@@ -346,19 +408,23 @@ impl<'h> ser::Serializer for Encoder<'h> {
         value.serialize(self)
     }
 
+    #[inline]
     fn serialize_seq(mut self, _len: Option<usize>) -> Result<Self> {
         self.tag(b'[');
         Ok(self)
     }
 
+    #[inline]
     fn serialize_tuple(self, len: usize) -> Result<Self> {
         self.serialize_seq(Some(len))
     }
 
+    #[inline]
     fn serialize_tuple_struct(self, _: &'static str, len: usize) -> Result<Self> {
         self.serialize_seq(Some(len))
     }
 
+    #[inline]
     fn serialize_tuple_variant(
         mut self,
         _: &'static str,
@@ -371,6 +437,7 @@ impl<'h> ser::Serializer for Encoder<'h> {
         Ok(self)
     }
 
+    #[inline]
     fn serialize_map(self, len: Option<usize>) -> Result<MapEncoder<'h>> {
         Ok(MapEncoder {
             out: self.out,
@@ -379,11 +446,13 @@ impl<'h> ser::Serializer for Encoder<'h> {
         })
     }
 
+    #[inline]
     fn serialize_struct(mut self, _: &'static str, _len: usize) -> Result<Self> {
         self.tag(b'{');
         Ok(self)
     }
 
+    #[inline]
     fn serialize_struct_variant(
         mut self,
         _: &'static str,
@@ -401,10 +470,12 @@ impl ser::SerializeSeq for Encoder<'_> {
     type Ok = ();
     type Error = KeyError;
 
+    #[inline]
     fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result {
         value.serialize(self.reborrow())
     }
 
+    #[inline]
     fn end(mut self) -> Result {
         self.tag(b']');
         Ok(())
@@ -415,10 +486,12 @@ impl ser::SerializeTuple for Encoder<'_> {
     type Ok = ();
     type Error = KeyError;
 
+    #[inline]
     fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result {
         ser::SerializeSeq::serialize_element(self, value)
     }
 
+    #[inline]
     fn end(self) -> Result {
         ser::SerializeSeq::end(self)
     }
@@ -428,10 +501,12 @@ impl ser::SerializeTupleStruct for Encoder<'_> {
     type Ok = ();
     type Error = KeyError;
 
+    #[inline]
     fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Result {
         ser::SerializeSeq::serialize_element(self, value)
     }
 
+    #[inline]
     fn end(self) -> Result {
         ser::SerializeSeq::end(self)
     }
@@ -441,10 +516,12 @@ impl ser::SerializeTupleVariant for Encoder<'_> {
     type Ok = ();
     type Error = KeyError;
 
+    #[inline]
     fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Result {
         ser::SerializeSeq::serialize_element(self, value)
     }
 
+    #[inline]
     fn end(self) -> Result {
         ser::SerializeSeq::end(self)
     }
@@ -454,11 +531,13 @@ impl ser::SerializeStruct for Encoder<'_> {
     type Ok = ();
     type Error = KeyError;
 
+    #[inline]
     fn serialize_field<T: Serialize + ?Sized>(&mut self, name: &'static str, value: &T) -> Result {
         write_str(self.out, name);
         value.serialize(self.reborrow())
     }
 
+    #[inline]
     fn end(mut self) -> Result {
         self.tag(b'}');
         Ok(())
@@ -469,10 +548,12 @@ impl ser::SerializeStructVariant for Encoder<'_> {
     type Ok = ();
     type Error = KeyError;
 
+    #[inline]
     fn serialize_field<T: Serialize + ?Sized>(&mut self, name: &'static str, value: &T) -> Result {
         ser::SerializeStruct::serialize_field(self, name, value)
     }
 
+    #[inline]
     fn end(self) -> Result {
         ser::SerializeStruct::end(self)
     }

@@ -14,7 +14,7 @@ use moka::Expiry;
 use tokio::time::Instant;
 
 use crate::key::KeyHasher;
-use crate::store::{Recorded, Typed, TypedCompletion, TypedStore};
+use crate::store::{Kept, Recorded, Typed, TypedCompletion, TypedStore};
 use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
 mod marks;
@@ -151,30 +151,32 @@ struct ClaimRecord {
     until: Instant,
 }
 
+/// A completed result: what a replay takes, shared, and how long it lives.
 #[derive(Clone)]
 struct ResultRecord {
-    value: Bytes,
-    /// The value itself, when the call that recorded it could keep it.
-    typed: Option<Typed>,
-    fingerprint: Option<Fingerprint>,
+    kept: Arc<Kept>,
     ttl: Duration,
 }
 
 impl ResultRecord {
-    /// What the record weighs against [`MemoryStoreBuilder::max_bytes`]: its encoding, and
-    /// as much again for a typed value kept beside it (its heap size is not known; the
-    /// encoding's length stands for it).
+    /// What the record weighs against [`MemoryStoreBuilder::max_bytes`].
     fn bytes(&self) -> u64 {
-        let copies = if self.typed.is_some() { 2 } else { 1 };
-        self.value.len() as u64 * copies + ENTRY_OVERHEAD
+        weight(&self.kept.value, self.kept.typed.is_some())
     }
 
     fn into_claim(self) -> Claim {
         Claim::Completed {
-            value: self.value,
-            fingerprint: self.fingerprint,
+            value: self.kept.value.clone(),
+            fingerprint: self.kept.fingerprint,
         }
     }
+}
+
+/// What a result weighs: its encoding, and as much again for a typed value kept beside it
+/// (its heap size is not known; the encoding's length stands for it).
+fn weight(value: &Bytes, typed: bool) -> u64 {
+    let copies = if typed { 2 } else { 1 };
+    value.len() as u64 * copies + ENTRY_OVERHEAD
 }
 
 /// How long moka keeps a result: its TTL. Moka never returns an expired entry, so this is
@@ -247,23 +249,23 @@ impl MemoryStore {
         let Some(claim) = claims.held(key, token, now) else {
             return false;
         };
-        let mut record = ResultRecord {
-            value,
-            typed,
-            fingerprint: claim.fingerprint,
+        // Kept encoded only if both copies do not fit: the one copy may, its replays decode.
+        let typed = typed.filter(|_| weight(&value, true) <= self.inner.max_bytes);
+        let record = ResultRecord {
+            kept: Arc::new(Kept {
+                value,
+                typed,
+                fingerprint: claim.fingerprint,
+            }),
             ttl: limits::clamp(ttl),
         };
-        if record.bytes() > self.inner.max_bytes {
-            // Kept encoded only, the one copy may fit: its replays then decode.
-            record.typed = None;
-        }
         // The mark first: from here on the key answers, whatever becomes of its result.
         let mut marked = false;
         if let Some(bound) = self.inner.marks_bound {
             let until = now + record.ttl;
             let kept = self
                 .marks()
-                .insert(*key, record.fingerprint, until, bound, now);
+                .insert(*key, record.kept.fingerprint, until, bound, now);
             marked = kept == Marked::Kept;
             if !marked {
                 let total = self.inner.marks_dropped.fetch_add(1, Ordering::Relaxed) + 1;
@@ -529,7 +531,7 @@ impl Store for MemoryStore {
     async fn lookup(&self, key: &Key) -> Result<Option<Recorded>, Error> {
         Ok(self
             .live_result(key)
-            .map(|record| Recorded::new(record.value, record.fingerprint, None)))
+            .map(|record| Recorded::new(record.kept.value.clone(), record.kept.fingerprint, None)))
     }
 
     async fn lease_left(&self, key: &Key) -> Result<Option<Duration>, Error> {
@@ -567,9 +569,8 @@ impl TypedStore for MemoryStore {
         TypedCompletion::Done(self.record(key, token, value, Some(typed), ttl))
     }
 
-    fn peek_typed(&self, key: &Key) -> Option<(Option<Typed>, Bytes, Option<Fingerprint>)> {
-        let record = self.live_result(key)?;
-        Some((record.typed, record.value, record.fingerprint))
+    fn peek_typed(&self, key: &Key) -> Option<Arc<Kept>> {
+        self.live_result(key).map(|record| record.kept)
     }
 }
 
@@ -609,14 +610,14 @@ mod tests {
             kept.push(store.peek_typed(key).expect("recorded"));
         }
         assert!(
-            kept[0].0.is_some(),
+            kept[0].typed.is_some(),
             "70 bytes twice fit in 150: the value is kept"
         );
         assert!(
-            kept[1].0.is_none(),
+            kept[1].typed.is_none(),
             "100 bytes twice do not fit in 150: encoded only"
         );
-        assert_eq!(kept[1].1.len(), 100, "and the encoding is recorded");
+        assert_eq!(kept[1].value.len(), 100, "and the encoding is recorded");
     }
 
     #[test]

@@ -15,7 +15,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::{Recorded, Typed, TypedCompletion, TypedStore};
+use super::{Kept, Recorded, Typed, TypedCompletion, TypedStore};
 use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
 /// The lease of the claim through which a record is copied into the fast tier. The claim is
@@ -440,7 +440,7 @@ impl<F: Store, D: Store> TypedStore for TieredStore<F, D> {
         )))
     }
 
-    fn peek_typed(&self, key: &Key) -> Option<(Option<Typed>, Bytes, Option<Fingerprint>)> {
+    fn peek_typed(&self, key: &Key) -> Option<Arc<Kept>> {
         self.fast.typed()?.peek_typed(key)
     }
 }
