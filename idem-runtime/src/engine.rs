@@ -311,7 +311,7 @@ impl<P> Operation<P> {
     }
 
     /// [`call`](Self::call), taking a replay's typed value where `typing` says how; `looked`
-    /// if [`at_once`](Self::at_once) found no record of the key just before.
+    /// if a look for the key's record at hand found none just before.
     pub(crate) fn call_typed<'a, C, S, R, F, O>(
         &'a self,
         store: &'a S,
@@ -328,18 +328,8 @@ impl<P> Operation<P> {
         Call::new(self, store, derived, body, answer, typing, looked)
     }
 
-    /// The record of `key` if `store` has it at hand (in memory) and no call of the key runs
-    /// here, checked against `fingerprint`: a call answered by it needs no future.
-    pub(crate) fn at_once(
-        &self,
-        store: &dyn Store,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-    ) -> Option<Result<AtOnce, Error>> {
-        self.settings.replay_at_once(store, key, fingerprint)
-    }
-
-    /// The outcome of a call [`at_once`](Self::at_once) answered.
+    /// The outcome of a call answered by a record found at once: the value the store kept, if
+    /// the call takes it, or the record decoded.
     pub(crate) fn answer_at_once<C, R>(
         &self,
         found: Result<AtOnce, Error>,
@@ -351,7 +341,16 @@ impl<P> Operation<P> {
         R::Err: From<Error>,
         P: ErrorPolicy<R::Err>,
     {
-        call::replayed::<C, P, R>(self, &found?, typing)
+        let found = found?;
+        let taken = found
+            .typed()
+            .zip(typing)
+            .and_then(|(typed, typing)| typing.taken(typed));
+        match taken {
+            Some(value) => Ok(Outcome::Replayed(value)),
+            // Kept by a call of another type, or not kept: decoded.
+            None => self.replay::<C, _, _>(found.record()),
+        }
     }
 
     /// Like [`run`](Self::run), but if this future is dropped mid-body, the body runs to the

@@ -320,7 +320,7 @@ pub fn look<P, S: StoreValue>(
         _ => None,
     };
     if let Some((key, fingerprint)) = at {
-        if let Some(found) = operation.at_once(store, key, fingerprint) {
+        if let Some(found) = operation.settings.replay_at_once(store, key, fingerprint) {
             return Looked(Look::Found(found));
         }
     }

@@ -51,6 +51,13 @@ impl<T> Clone for Typing<T> {
 
 impl<T> Copy for Typing<T> {}
 
+impl<T> Typing<T> {
+    /// The value kept beside a record, if it is a `T`.
+    pub(super) fn taken(self, typed: &Typed) -> Option<T> {
+        (self.take)(typed)
+    }
+}
+
 impl<T: Clone + Send + Sync + 'static> Typing<T> {
     /// The typing of a `Clone` value: kept as an `Arc` of a clone, taken back by cloning.
     pub(crate) fn cloned() -> Self {
@@ -155,7 +162,7 @@ where
         };
         let step = ready!(this.phase.advance(&operation.settings, cx, &mut slot));
         let outcome = match step {
-            Step::Replay(found) => replayed::<C, P, R>(operation, &found, typing),
+            Step::Replay(found) => operation.answer_at_once::<C, R>(Ok(found), typing),
             Step::Failed(err) => Err(err.into()),
             Step::Executed => match this.output.take() {
                 Some(output) => output.map(Outcome::Executed),
@@ -163,30 +170,6 @@ where
             },
         };
         Poll::Ready((this.answer)(outcome))
-    }
-}
-
-/// The outcome of a replay: the value the store kept, if the call takes it, or the record
-/// decoded.
-pub(super) fn replayed<C, P, R>(
-    operation: &Operation<P>,
-    found: &AtOnce,
-    typing: Option<Typing<R::Ok>>,
-) -> Result<Outcome<R::Ok>, R::Err>
-where
-    C: ValueCodec<R::Ok>,
-    R: IdemResult,
-    R::Err: From<Error>,
-    P: ErrorPolicy<R::Err>,
-{
-    let taken = found
-        .typed()
-        .zip(typing)
-        .and_then(|(typed, typing)| (typing.take)(typed));
-    match taken {
-        Some(value) => Ok(Outcome::Replayed(value)),
-        // Kept by a call of another type, or not kept: decoded.
-        None => operation.replay::<C, _, _>(found.record()),
     }
 }
 
