@@ -141,12 +141,12 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
         (Some(value), true) => (
             quote_spanned!(value.span()=> {
                 use #private::StoreArg as _;
-                #private::look(&#op, (#value).__idem_store(), &#key, &#fingerprint)
+                #private::look(&#op, (#value).__idem_store(), #key, #fingerprint)
             }),
             quote!(#store),
         ),
         (None, true) => (
-            quote!(#private::look_default(&#op, &#key, &#fingerprint)),
+            quote!(#private::look_default(&#op, #key, #fingerprint)),
             quote!(#store),
         ),
         (Some(value), false) => (
@@ -210,7 +210,7 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
                 let started = local("__idem_started");
                 quote_spanned! {output.span()=>
                     {
-                        let #started = #run::<_, _, #returned, _, _>(&#op, #store_arg, #key, #fingerprint, async move #block, #typing);
+                        let #started = #run::<_, _, #returned, _, _>(&#op, #store_arg, async move #block, #typing);
                         match #started {
                             #private::Started::Now(answered) => answered,
                             #private::Started::Later(call) => call.await,

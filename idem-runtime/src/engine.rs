@@ -24,7 +24,7 @@ pub(crate) use self::call::Derived;
 use self::call::{Answer, Call};
 pub use self::call::{Started, Typing};
 use self::held::Held;
-pub(crate) use self::settle::AtOnce;
+pub(crate) use self::settle::Found;
 use crate::codec::{self, ErrorPolicy, Json, ReleaseErrors, ValueCodec};
 use crate::expansion::IdemResult;
 use crate::namespace::Namespace;
@@ -291,28 +291,15 @@ impl<P> Operation<P> {
         P: ErrorPolicy<E>,
         F: Future<Output = Result<T, E>>,
     {
-        self.call::<Json, S, _, _, _>(store, Ok(Some((*key, fingerprint.copied()))), body, |o| o)
+        let derived = Ok(Some((*key, fingerprint.copied())));
+        self.call::<Json, S, _, _, _>(store, derived, body, |o| o, None, false)
     }
 
     /// The call of `body` under `derived` in `store`, answered by `answer`: what
-    /// [`run`](Self::run) and every `#[idempotent]` function without `on_cancel` are.
+    /// [`run`](Self::run) and every `#[idempotent]` function without `on_cancel` are. A
+    /// replay takes the value the store kept where `typing` says how; `looked` if a look
+    /// for the key's record at hand found none just before.
     pub(crate) fn call<'a, C, S, R, F, O>(
-        &'a self,
-        store: &'a S,
-        derived: Derived,
-        body: F,
-        answer: Answer<R, O>,
-    ) -> Call<'a, C, P, R, F, O>
-    where
-        S: Store + Clone,
-        R: IdemResult,
-    {
-        Call::new(self, store, derived, body, answer, None, false)
-    }
-
-    /// [`call`](Self::call), taking a replay's typed value where `typing` says how; `looked`
-    /// if a look for the key's record at hand found none just before.
-    pub(crate) fn call_typed<'a, C, S, R, F, O>(
         &'a self,
         store: &'a S,
         derived: Derived,
@@ -328,11 +315,11 @@ impl<P> Operation<P> {
         Call::new(self, store, derived, body, answer, typing, looked)
     }
 
-    /// The outcome of a call answered by a record found at once: the value the store kept, if
-    /// the call takes it, or the record decoded.
-    pub(crate) fn answer_at_once<C, R>(
+    /// The outcome of a call answered by a record: the value the store kept, if the call
+    /// takes it, or the record decoded.
+    pub(crate) fn replayed<C, R>(
         &self,
-        found: Result<AtOnce, Error>,
+        found: &Found,
         typing: Option<Typing<R::Ok>>,
     ) -> Result<Outcome<R::Ok>, R::Err>
     where
@@ -341,7 +328,6 @@ impl<P> Operation<P> {
         R::Err: From<Error>,
         P: ErrorPolicy<R::Err>,
     {
-        let found = found?;
         let taken = found
             .typed()
             .zip(typing)

@@ -9,7 +9,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::codec::Json;
-use crate::engine::AtOnce;
+use crate::engine::Found;
 pub use crate::engine::{Started, Typing};
 use crate::{Error, Fingerprint, Key, Store};
 pub use crate::{ErrorPolicy, InFlight, Operation};
@@ -258,8 +258,6 @@ impl<T> IntoTyping<T> for Typing<T> {
 pub fn run<'a, P, S, R, F, Y>(
     operation: &'a Operation<P>,
     store: Looked<S>,
-    key: Result<Option<Key>, Error>,
-    fingerprint: Option<Result<Fingerprint, Error>>,
     body: F,
     typing: Y,
 ) -> Started<Answered<R>, impl Future<Output = Answered<R>> + use<'a, P, S, R, F, Y>>
@@ -273,21 +271,22 @@ where
     Y: IntoTyping<R::Ok>,
 {
     let typing = typing.into_typing();
-    let (store, looked) = match store.0 {
-        Look::Found(found) => {
-            return Started::Now(operation.answer_at_once::<Json, R>(found, typing));
+    let (store, derived) = match store.0 {
+        Look::Found(Ok(found)) => {
+            return Started::Now(operation.replayed::<Json, R>(&found, typing));
         }
-        Look::Store(store, looked) => (store, looked),
+        Look::Found(Err(err)) => return Started::Now(Err(err.into())),
+        Look::Store(store, derived) => (store, derived),
     };
-    let derived = derived(key, fingerprint);
+    // The future owns the store's handle, which the call borrows.
     Started::Later(async move {
-        let call = operation.call_typed::<Json, S, R, F, Answered<R>>(
+        let call = operation.call::<Json, S, R, F, Answered<R>>(
             &store,
             derived,
             body,
             answered::<R>,
             typing,
-            looked,
+            true,
         );
         call.await
     })
@@ -298,9 +297,10 @@ pub struct Looked<S>(Look<S>);
 
 enum Look<S> {
     /// The record, at hand: the call is answered by it.
-    Found(Result<AtOnce, Error>),
-    /// An owned handle to the store to run the call in; whether the look was made.
-    Store(S, bool),
+    Found(Result<Found, Error>),
+    /// No record at hand (or no key to look for): an owned handle to the store to run the
+    /// call in, and the call's key and fingerprint.
+    Store(S, crate::engine::Derived),
 }
 
 /// The store of a `store = <expr>` value, looked at first: the record of the call's key, if
@@ -310,28 +310,27 @@ enum Look<S> {
 pub fn look<P, S: StoreValue>(
     operation: &Operation<P>,
     store: &S,
-    key: &Result<Option<Key>, Error>,
-    fingerprint: &Option<Result<Fingerprint, Error>>,
+    key: Result<Option<Key>, Error>,
+    fingerprint: Option<Result<Fingerprint, Error>>,
 ) -> Looked<S> {
+    let derived = derived(key, fingerprint);
     // A call without a key, or with a derivation error, is answered by the call itself.
-    let at = match (key, fingerprint) {
-        (Ok(Some(key)), None) => Some((key, None)),
-        (Ok(Some(key)), Some(Ok(fingerprint))) => Some((key, Some(fingerprint))),
-        _ => None,
-    };
-    if let Some((key, fingerprint)) = at {
-        if let Some(found) = operation.settings.replay_at_once(store, key, fingerprint) {
+    if let Ok(Some((key, fingerprint))) = &derived {
+        if let Some(found) = operation
+            .settings
+            .replay_at_once(store, key, fingerprint.as_ref())
+        {
             return Looked(Look::Found(found));
         }
     }
-    Looked(Look::Store(store.clone(), at.is_some()))
+    Looked(Look::Store(store.clone(), derived))
 }
 
 /// [`look`], in the default store.
 pub fn look_default<P>(
     operation: &Operation<P>,
-    key: &Result<Option<Key>, Error>,
-    fingerprint: &Option<Result<Fingerprint, Error>>,
+    key: Result<Option<Key>, Error>,
+    fingerprint: Option<Result<Fingerprint, Error>>,
 ) -> Looked<Arc<dyn Store>> {
     look(operation, default_store(), key, fingerprint)
 }

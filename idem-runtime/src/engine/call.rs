@@ -18,7 +18,7 @@ use pin_project_lite::pin_project;
 
 use super::attempt;
 use super::held::{Beat, Ending, Held, Verdict};
-use super::settle::AtOnce;
+use super::settle::Found;
 use super::{Begun, Handle, Operation, Outcome, Settings};
 use crate::codec::{self, ErrorPolicy, ValueCodec};
 use crate::expansion::IdemResult;
@@ -162,7 +162,7 @@ where
         };
         let step = ready!(this.phase.advance(&operation.settings, cx, &mut slot));
         let outcome = match step {
-            Step::Replay(found) => operation.answer_at_once::<C, R>(Ok(found), typing),
+            Step::Replay(found) => operation.replayed::<C, R>(&found, typing),
             Step::Failed(err) => Err(err.into()),
             Step::Executed => match this.output.take() {
                 Some(output) => output.map(Outcome::Executed),
@@ -248,7 +248,7 @@ pub(crate) enum Phase<'a> {
 /// Where a phase ended: the call's answer, short of its types.
 enum Step {
     /// A record to replay, with its typed value if the store kept one and the call takes it.
-    Replay(AtOnce),
+    Replay(Found),
     Failed(Error),
     /// The body ran; its output is in the call.
     Executed,
@@ -297,7 +297,7 @@ impl<'a> Phase<'a> {
                     }
                     Poll::Ready(Ok(Begun::Run(held))) => *self = Phase::Running(held, None),
                     Poll::Ready(Ok(Begun::Replay(record))) => {
-                        return Poll::Ready(Step::Replay(AtOnce::Encoded(record, None)))
+                        return Poll::Ready(Step::Replay(Found::Encoded(record, None)))
                     }
                     Poll::Ready(Err(err)) => return Poll::Ready(Step::Failed(err)),
                 },
@@ -324,7 +324,7 @@ impl<'a> Phase<'a> {
                     }
                     Poll::Ready(Verdict::Own) => return Poll::Ready(Step::Executed),
                     Poll::Ready(Verdict::Other(record)) => {
-                        return Poll::Ready(Step::Replay(AtOnce::Encoded(record, None)))
+                        return Poll::Ready(Step::Replay(Found::Encoded(record, None)))
                     }
                     Poll::Ready(Verdict::Failed(err)) => return Poll::Ready(Step::Failed(err)),
                 },

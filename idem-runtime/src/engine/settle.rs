@@ -38,7 +38,7 @@ impl Settings {
         store: &dyn Store,
         key: &Key,
         fingerprint: Option<&Fingerprint>,
-    ) -> Option<Result<AtOnce, Error>> {
+    ) -> Option<Result<Found, Error>> {
         if let Err(err) = limits::check(self.ttl, self.lease, self.wait_timeout) {
             return Some(Err(err));
         }
@@ -50,9 +50,9 @@ impl Settings {
         }
         // With the value itself kept beside the record, where the store keeps it: one look.
         let found = match store.typed() {
-            Some(keeps) => AtOnce::Kept(keeps.peek_typed(key)?),
+            Some(keeps) => Found::Kept(keeps.peek_typed(key)?),
             None => match store.peek(key)? {
-                Claim::Completed { value, fingerprint } => AtOnce::Encoded(value, fingerprint),
+                Claim::Completed { value, fingerprint } => Found::Encoded(value, fingerprint),
                 _ => return None,
             },
         };
@@ -250,14 +250,14 @@ fn traced() -> bool {
         || log::max_level() >= log::LevelFilter::Debug
 }
 
-/// A record found at once, in a store in this process: the store's own record (with the
-/// value itself beside the encoding, if it kept it), or the encoding and its fingerprint.
-pub(crate) enum AtOnce {
+/// A completed record found for a call: the store's own shared record (with the value itself
+/// beside the encoding, if it kept it), or an encoding and its fingerprint.
+pub(crate) enum Found {
     Kept(Arc<Kept>),
     Encoded(Bytes, Option<Fingerprint>),
 }
 
-impl AtOnce {
+impl Found {
     fn fingerprint(&self) -> Option<Fingerprint> {
         match self {
             Self::Kept(kept) => kept.fingerprint,
