@@ -193,3 +193,38 @@ async fn with_run_to_completion_a_panic_still_reaches_the_caller_and_releases() 
     let next = soon(op.run(&store, &key, None, async { Ok::<_, Error>(2_u32) })).await;
     assert_eq!(next.unwrap(), Outcome::Executed(2));
 }
+
+#[idem_runtime::idempotent(
+    key = id,
+    store = store,
+    namespace = "cancel.outside",
+    on_cancel = "complete"
+)]
+async fn completing(store: MemoryStore, id: u64) -> Result<u64, Error> {
+    Ok(id)
+}
+
+/// `on_cancel = "complete"` finishes a dropped body on the runtime the call started in: a
+/// call polled outside one is refused with a configuration error, before its claim, and a
+/// replay the same, so that the mistake shows on the first test, not in production.
+#[test]
+fn a_completing_call_outside_a_runtime_is_refused_replay_or_not() {
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+
+    let store = MemoryStore::new();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    assert_eq!(runtime.block_on(completing(store.clone(), 1)).unwrap(), 1);
+    for id in [1, 2] {
+        let mut call = std::pin::pin!(completing(store.clone(), id));
+        let polled = call.as_mut().poll(&mut Context::from_waker(Waker::noop()));
+        assert!(
+            matches!(polled, Poll::Ready(Err(Error::Config(_)))),
+            "key {id} outside a runtime: {polled:?}"
+        );
+    }
+    // The refused first call claimed nothing: inside a runtime, it runs.
+    assert_eq!(runtime.block_on(completing(store, 2)).unwrap(), 2);
+}

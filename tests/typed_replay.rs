@@ -253,6 +253,16 @@ async fn with_handles(store: &Handles, id: u64) -> Result<Cloned, Error> {
     Ok(Cloned::new(id))
 }
 
+#[idempotent(
+    key = id,
+    store = store,
+    namespace = "typed.handles.complete",
+    on_cancel = "complete"
+)]
+async fn completing_with_handles(store: Handles, id: u64) -> Result<Cloned, Error> {
+    Ok(Cloned::new(id))
+}
+
 #[tokio::test]
 async fn a_replay_from_memory_takes_no_handle_of_its_store() {
     let store = Handles::default();
@@ -269,4 +279,20 @@ async fn a_replay_from_memory_takes_no_handle_of_its_store() {
         first,
         "a replay answered from memory cloned its store"
     );
+
+    // The same with `on_cancel = "complete"`, whose store is an owned argument: its clone,
+    // made here, is the caller's.
+    let argument = store.clone();
+    completing_with_handles(argument, 4).await.unwrap();
+    for _ in 0..3 {
+        let argument = store.clone();
+        let before = store.clones.load(Ordering::SeqCst);
+        let replayed = completing_with_handles(argument, 4).await.unwrap();
+        assert_eq!(replayed, Cloned::new(4));
+        assert_eq!(
+            store.clones.load(Ordering::SeqCst),
+            before,
+            "a completing replay answered from memory cloned its store"
+        );
+    }
 }

@@ -133,10 +133,10 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
         }
         None => quote!(::core::option::Option::None),
     };
-    // A plain call (no transaction, no `on_cancel`) looks for its record in the store
-    // first: a record at hand is answered before the call's future exists, and without an
-    // owned handle to the store (`look`); other calls take the handle at once.
-    let looks = args.transaction.is_none() && args.on_cancel != Some(OnCancel::Complete);
+    // A call outside a transaction looks for its record in the store first: a record at
+    // hand is answered before the call's future exists, and without an owned handle to
+    // the store (`look`); a call in a transaction takes the handle at once.
+    let looks = args.transaction.is_none();
     let (store_value, store_arg) = match (&args.store, looks) {
         (Some(value), true) => (
             quote_spanned!(value.span()=> {
@@ -200,7 +200,7 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
             if args.on_cancel == Some(OnCancel::Complete) {
                 let run = respan(quote!(#private::run_to_completion), output.span());
                 quote_spanned! {output.span()=>
-                    #run::<_, _, #returned, _>(&#op, #store_arg, #key, #fingerprint, async move #block).await
+                    #run::<_, _, #returned, _>(&#op, #store_arg, async move #block).await
                 }
             } else {
                 let run = respan(quote!(#private::run), output.span());

@@ -363,17 +363,19 @@ impl<P> Operation<P> {
         F: Future<Output = Result<T, E>> + Send + 'static,
     {
         let derived = Ok(Some((*key, fingerprint.copied())));
-        self.run_to_completion_as::<Json, S, _, _>(store, derived, body)
+        self.run_to_completion_as::<Json, S, _, _>(store, derived, body, false)
             .await
     }
 
     /// [`run_to_completion`](Self::run_to_completion) under `derived`, with values recorded
-    /// by `C`: the HTTP layer records responses in a format of its own through it.
+    /// by `C`: the HTTP layer records responses in a format of its own through it. `looked`
+    /// if a look for the key's record at hand found none just before.
     pub(crate) async fn run_to_completion_as<C, S, R, F>(
         &self,
         store: &S,
         derived: Derived,
         body: F,
+        looked: bool,
     ) -> Result<Outcome<R::Ok>, R::Err>
     where
         C: ValueCodec<R::Ok> + 'static,
@@ -394,10 +396,11 @@ impl<P> Operation<P> {
             Err(err) => return Err(err.into()),
         };
         let runtime = spawner()?;
-        let begun = match self
-            .settings
-            .replay_at_once(store, &key, fingerprint.as_ref())
-        {
+        let at_once = (!looked).then(|| {
+            self.settings
+                .replay_at_once(store, &key, fingerprint.as_ref())
+        });
+        let begun = match at_once.flatten() {
             Some(replay) => replay.map(|found| Begun::Replay(found.record().clone())),
             None => self.settings.begin(store, key, fingerprint).await,
         };
@@ -459,7 +462,7 @@ enum Begun {
 
 /// The runtime an `on_cancel = "complete"` body goes on in when its caller drops it,
 /// checked before the claim: without one the body could not go on.
-fn spawner() -> Result<tokio::runtime::Handle, Error> {
+pub(crate) fn spawner() -> Result<tokio::runtime::Handle, Error> {
     tokio::runtime::Handle::try_current().map_err(|_| {
         Error::config("`on_cancel = \"complete\"` finishes a dropped body on the runtime: call it inside a tokio runtime")
     })

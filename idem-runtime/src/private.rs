@@ -338,9 +338,7 @@ pub fn look_default<P>(
 /// `Operation::run_to_completion`, as [`run`].
 pub async fn run_to_completion<P, S, R, F>(
     operation: &Operation<P>,
-    store: &S,
-    key: Result<Option<Key>, Error>,
-    fingerprint: Option<Result<Fingerprint, Error>>,
+    store: Looked<S>,
     body: F,
 ) -> Answered<R>
 where
@@ -351,9 +349,18 @@ where
     S: StoreValue,
     F: Future<Output = R> + Send + 'static,
 {
-    operation
-        .run_to_completion_as::<Json, S, R, F>(store, derived(key, fingerprint), body)
-        .await
+    match store.0 {
+        Look::Found(found) => {
+            // Refused outside a tokio runtime, as a call that runs is: replay or not.
+            crate::engine::spawner()?;
+            operation.replayed::<Json, R>(&found?, None)
+        }
+        Look::Store(store, derived) => {
+            operation
+                .run_to_completion_as::<Json, S, R, F>(&store, derived, body, true)
+                .await
+        }
+    }
 }
 
 /// `Operation::run_in_transaction`, as [`run`]: `transaction = tx`.

@@ -224,6 +224,7 @@ where
                     &config.store,
                     Ok(Some((derived, Some(fingerprint)))),
                     handler,
+                    false,
                 )
                 .await
         }
