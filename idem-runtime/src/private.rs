@@ -250,9 +250,8 @@ impl<T> IntoTyping<T> for Typing<T> {
     }
 }
 
-/// `Operation::run`, after the key and fingerprint were derived (before the body borrowed
-/// its arguments): the answer at once when the store has the record at hand, or the call to
-/// await. Generic over the function's return type, so that a return type that is not a
+/// `Operation::run`, after [`look`] (made before the body borrowed its arguments): the
+/// answer at once when the look found the record, or the call to await. Generic over the function's return type, so that a return type that is not a
 /// `Result` fails one bound, with its own message. `typing` says whether a replay from a
 /// store in this process may hand back the value itself.
 pub fn run<'a, P, S, R, F, Y>(
