@@ -234,6 +234,39 @@ impl MemoryStore {
         self.inner.results.get(key)
     }
 
+    /// Claims `key`: its record, the claim in progress, its mark, or a new claim. No
+    /// look outside the lock first: every call through the engine has just looked for a
+    /// record at hand ([`Store::peek`], [`TypedStore::peek_typed`]), so a key that comes
+    /// here is all but always new.
+    fn take(&self, key: &Key, fingerprint: Option<&Fingerprint>, lease: Duration) -> Claim {
+        let now = Instant::now();
+        let mut claims = self.claims(key);
+        // Under the lock: `complete` moves a claim to the results under the same lock, so a
+        // result that landed since the caller looked is seen here.
+        if self.inner.results.contains_key(key) {
+            if let Some(done) = self.live_result(key) {
+                return done.into_claim();
+            }
+        }
+        if let Some(claim) = claims.live.get(key).filter(|claim| claim.until > now) {
+            return Claim::InProgress {
+                fingerprint: claim.fingerprint,
+            };
+        }
+        // Completed within its TTL, but its result is gone: never run again.
+        if let Some(mark) = self.marks().get(key, now) {
+            return mark.into_claim();
+        }
+        let token = Token::new(self.inner.tokens.fetch_add(1, Ordering::Relaxed) + 1);
+        let claim = ClaimRecord {
+            token,
+            fingerprint: fingerprint.copied(),
+            until: now + limits::clamp(lease),
+        };
+        claims.insert(*key, claim, now);
+        Claim::Acquired { token }
+    }
+
     /// Completes the claim `token` of `key` with `value` (and its typed value): whether the
     /// claim was held.
     fn record(
@@ -423,36 +456,19 @@ impl Store for MemoryStore {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
     ) -> Result<Claim, Error> {
-        // Fast path for replays: no lock, no clock.
-        if let Some(done) = self.live_result(key) {
-            return Ok(done.into_claim());
-        }
-        let now = Instant::now();
-        let mut claims = self.claims(key);
-        // Under the lock: `complete` moves a claim to the results under the same lock, so a
-        // result that landed since the fast path is seen here.
-        if self.inner.results.contains_key(key) {
-            if let Some(done) = self.live_result(key) {
-                return Ok(done.into_claim());
-            }
-        }
-        if let Some(claim) = claims.live.get(key).filter(|claim| claim.until > now) {
-            return Ok(Claim::InProgress {
-                fingerprint: claim.fingerprint,
-            });
-        }
-        // Completed within its TTL, but its result is gone: never run again.
-        if let Some(mark) = self.marks().get(key, now) {
-            return Ok(mark.into_claim());
-        }
-        let token = Token::new(self.inner.tokens.fetch_add(1, Ordering::Relaxed) + 1);
-        let claim = ClaimRecord {
-            token,
-            fingerprint: fingerprint.copied(),
-            until: now + limits::clamp(lease),
-        };
-        claims.insert(*key, claim, now);
-        Ok(Claim::Acquired { token })
+        Ok(self.take(key, fingerprint, lease))
+    }
+
+    /// The claim's own: a claim in this process never loses its reply, so the nonce is not
+    /// needed. One future where the default would box two.
+    async fn claim_with_nonce(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+        _: u64,
+    ) -> Result<Claim, Error> {
+        Ok(self.take(key, fingerprint, lease))
     }
 
     async fn complete(
