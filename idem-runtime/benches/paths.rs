@@ -67,6 +67,86 @@ async fn charge_memory(store: &MemoryStore, order_id: u64) -> Result<Receipt, Be
     Ok(receipt(order_id))
 }
 
+/// The least a first execution in memory costs under idem's guarantees, by hand (P2f): the
+/// claim in a map of claims in progress, which nothing evicts (a cache could drop a claim
+/// and let a duplicate run); the result encoded and decoded once, so that what is recorded
+/// is known to replay; the result kept for its own TTL, within a bound of bytes, least
+/// recently used first; and a mark of the key that outlives an eviction of its result, so
+/// that the key answers `Gone` instead of running again. No engine: no flights, no
+/// fingerprint, no metrics, no span, no lease.
+struct FirstFloor {
+    claims: std::sync::Mutex<std::collections::HashMap<[u8; 32], u64>>,
+    results: moka::sync::Cache<[u8; 32], FloorRecord>,
+    marks: std::sync::Mutex<FloorMarks>,
+    tokens: AtomicU64,
+}
+
+/// A result as `FirstFloor` keeps it: the encoding, the value, the TTL.
+type FloorRecord = Arc<(Bytes, Receipt, Duration)>;
+
+/// `FirstFloor`'s marks: each key's end, and the keys in the order they were marked.
+type FloorMarks = (
+    std::collections::HashMap<[u8; 32], Instant>,
+    std::collections::VecDeque<[u8; 32]>,
+);
+
+/// `FirstFloor`'s expiry: each result's own TTL.
+struct OwnTtl;
+
+impl moka::Expiry<[u8; 32], FloorRecord> for OwnTtl {
+    fn expire_after_create(
+        &self,
+        _: &[u8; 32],
+        record: &FloorRecord,
+        _: Instant,
+    ) -> Option<Duration> {
+        Some(record.2)
+    }
+}
+
+impl FirstFloor {
+    const MARKS: usize = 262_144;
+
+    fn new() -> Self {
+        Self {
+            claims: Default::default(),
+            results: moka::sync::Cache::builder()
+                .max_capacity(256 * 1024 * 1024)
+                .weigher(|_, record: &FloorRecord| (record.0.len() as u32 * 2 + 160).max(2684))
+                .eviction_policy(moka::policy::EvictionPolicy::lru())
+                .expire_after(OwnTtl)
+                .build(),
+            marks: Default::default(),
+            tokens: AtomicU64::new(0),
+        }
+    }
+
+    fn first(&self, id: u64) -> Receipt {
+        let key = hand_key(id, "cus_0042", 0);
+        let token = self.tokens.fetch_add(1, Ordering::Relaxed);
+        self.claims.lock().unwrap().insert(key, token);
+        let value = receipt(id);
+        let json = Bytes::from(serde_json::to_vec(&value).unwrap());
+        serde_json::from_slice::<Receipt>(&json).unwrap();
+        let ttl = Duration::from_secs(86_400);
+        let mut claims = self.claims.lock().unwrap();
+        {
+            let (marks, order) = &mut *self.marks.lock().unwrap();
+            if marks.len() >= Self::MARKS {
+                if let Some(oldest) = order.pop_front() {
+                    marks.remove(&oldest);
+                }
+            }
+            marks.insert(key, Instant::now() + ttl);
+            order.push_back(key);
+        }
+        self.results
+            .insert(key, Arc::new((json, value.clone(), ttl)));
+        claims.remove(&key);
+        value
+    }
+}
+
 // ---- P1, P1b, P2, P3: the in-memory store ----------------------------------------------
 
 fn memory(paths: &mut Paths, rt: &Runtime) {
@@ -109,18 +189,29 @@ fn memory(paths: &mut Paths, rt: &Runtime) {
         on(rt, || cached_charge(black_box(7), "cus_0042".to_string())),
     );
 
+    // P2's baseline, and P2f's: a claim and a record as two bare moka inserts.
+    let two_inserts = || async {
+        let id = fresh();
+        let key = hand_key(id, "cus_0042", 0);
+        raw.insert(key, bytes::Bytes::from_static(b"claimed")).await;
+        let value = serde_json::to_vec(&receipt(id)).unwrap();
+        raw.insert(key, bytes::Bytes::from(value)).await;
+    };
     paths.pair(
         "P2 first execution, memory",
         on(rt, || async {
             charge(&store, fresh(), "cus_0042").await.unwrap()
         }),
-        on(rt, || async {
-            let id = fresh();
-            let key = hand_key(id, "cus_0042", 0);
-            raw.insert(key, bytes::Bytes::from_static(b"claimed")).await;
-            let value = serde_json::to_vec(&receipt(id)).unwrap();
-            raw.insert(key, bytes::Bytes::from(value)).await;
-        }),
+        on(rt, two_inserts),
+    );
+
+    // The floor of P2: what a first execution in memory does to keep idem's guarantees,
+    // written by hand against the same baseline (`FirstFloor`, below).
+    let floor = FirstFloor::new();
+    paths.pair(
+        "P2f floor of a first execution in memory",
+        on(rt, || async { floor.first(fresh()) }),
+        on(rt, two_inserts),
     );
 
     let ours = |key| {

@@ -126,12 +126,16 @@ impl Paths {
 // ---- the ratio table ----------------------------------------------------------------------
 
 /// (group, target ratio) of every path: issue 49's targets, where a floor bounds a path its
-/// floor + 10 % (P6, P8a, P8b, P12a; `BENCHMARKS.md`, "What each floor means").
+/// floor + 10 % (P6, P8a, P8b, P12a; `BENCHMARKS.md`, "What each floor means"). P12a's is
+/// set on P12g, the floor that writes the record, not on P12f's two empty round trips,
+/// which no design that records anything reaches. P2 keeps the issue's 1.3, which its
+/// floor P2f measures to be about the floor itself.
 const PATHS: &[(&str, f64)] = &[
     ("P1 replay, memory", 1.2),
     ("P1b replay vs cached", 2.0),
     ("P1f the floor of a replay vs cached", 2.0),
     ("P2 first execution, memory", 1.3),
+    ("P2f floor of a first execution in memory", 1.3),
     ("P3 1000 callers, one key, 20 ms body", 1.2),
     ("P5 replay, redis", 1.1),
     ("P6 first execution, redis", 2.4),
@@ -154,7 +158,7 @@ const PATHS: &[(&str, f64)] = &[
     ("P10b HTTP replay, fingerprint without the body", 2.0),
     ("P10c HTTP replay, against a body-hashing baseline", 1.5),
     ("P11 HTTP first execution, memory, 1 KiB JSON", 2.0),
-    ("P12a transfer in a transaction, postgres", 1.45),
+    ("P12a transfer in a transaction, postgres", 2.3),
     ("P12b same, against the non-transactional store", 1.0),
     ("P13a replay through a memory tier vs a memory replay", 1.2),
     (
@@ -164,6 +168,10 @@ const PATHS: &[(&str, f64)] = &[
     (
         "P12f floor: the transaction with two empty round trips vs without",
         1.4,
+    ),
+    (
+        "P12g floor: the transaction with a savepoint, an INSERT and an UPDATE vs without",
+        2.3,
     ),
 ];
 

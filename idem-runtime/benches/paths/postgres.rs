@@ -151,7 +151,7 @@ pub(super) fn postgres(paths: &mut Paths, rt: &Runtime) {
         }),
         on(rt, raw_select),
     );
-    transfers(paths, rt, &store, &pool);
+    transfers(paths, rt, &store, &pool, &json);
     rt.block_on(async {
         let _ = store.purge_expired().await;
         let _ = sqlx::query("DELETE FROM idem_bench_raw")
@@ -178,7 +178,13 @@ async fn transfer(tx: &mut sqlx::PgConnection) -> Result<u64, Error> {
     Ok(1)
 }
 
-fn transfers(paths: &mut Paths, rt: &Runtime, store: &PostgresStore, pool: &sqlx::PgPool) {
+fn transfers(
+    paths: &mut Paths,
+    rt: &Runtime,
+    store: &PostgresStore,
+    pool: &sqlx::PgPool,
+    json: &[u8],
+) {
     rt.block_on(async {
         sqlx::query("CREATE TABLE IF NOT EXISTS idem_bench_ledger (id int PRIMARY KEY, balance bigint NOT NULL)")
             .execute(pool)
@@ -201,15 +207,17 @@ fn transfers(paths: &mut Paths, rt: &Runtime, store: &PostgresStore, pool: &sqlx
         tx.commit().await.unwrap();
         outcome
     };
+    // The baseline of P12a and of its floors: the transfer in a bare transaction.
+    let bare = || async {
+        let mut tx = pool.begin().await.unwrap();
+        let moved = transfer(&mut tx).await.unwrap();
+        tx.commit().await.unwrap();
+        moved
+    };
     paths.pair(
         "P12a transfer in a transaction, postgres",
         on(rt, in_transaction),
-        on(rt, || async {
-            let mut tx = pool.begin().await.unwrap();
-            let moved = transfer(&mut tx).await.unwrap();
-            tx.commit().await.unwrap();
-            moved
-        }),
+        on(rt, bare),
     );
     // The floor of P12a: a claim must reach the server before the body runs, and the record
     // after it, inside the caller's transaction: two more round trips, here empty ones.
@@ -223,12 +231,39 @@ fn transfers(paths: &mut Paths, rt: &Runtime, store: &PostgresStore, pool: &sqlx
             tx.commit().await.unwrap();
             moved
         }),
+        on(rt, bare),
+    );
+    // The floor with the record written: what the guarantees need inside the transaction. A
+    // savepoint (an `Err` undoes the call's writes, not the caller's earlier ones) and the
+    // claim's row in the message before the body, the result and the savepoint's release in
+    // the message after it, on the baselines' own table: no token, no lock timeout, no
+    // expiry check.
+    paths.pair(
+        "P12g floor: the transaction with a savepoint, an INSERT and an UPDATE vs without",
         on(rt, || async {
+            let key = hex::encode(hand_key(fresh(), "raw", 0));
             let mut tx = pool.begin().await.unwrap();
+            let claim = format!(
+                "SAVEPOINT floor; INSERT INTO idem_bench_raw VALUES (decode('{key}', 'hex'), NULL, \
+                 now() + interval '1 minute') ON CONFLICT DO NOTHING RETURNING key"
+            );
+            sqlx::Executor::fetch_one(&mut *tx, sqlx::raw_sql(&claim))
+                .await
+                .unwrap();
             let moved = transfer(&mut tx).await.unwrap();
+            let record = format!(
+                "UPDATE idem_bench_raw SET value = decode('{}', 'hex'), \
+                 expires_at = now() + interval '1 hour' WHERE key = decode('{key}', 'hex') RETURNING true; \
+                 RELEASE SAVEPOINT floor",
+                hex::encode(json)
+            );
+            sqlx::Executor::fetch_all(&mut *tx, sqlx::raw_sql(&record))
+                .await
+                .unwrap();
             tx.commit().await.unwrap();
             moved
         }),
+        on(rt, bare),
     );
     // The same transfer through the store's own claims: claim, the transaction, complete.
     paths.pair(

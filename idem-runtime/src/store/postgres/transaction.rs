@@ -104,6 +104,14 @@ impl Statements {
     /// The body of the claim function (see [`function`](Self::function)): the store's claim
     /// with the transaction's clock (`clock_timestamp()`, as `now()` is when the
     /// transaction began), under the `lock_timeout` it is handed.
+    ///
+    /// A key without a row, as almost every key a transaction claims, is taken by a plain
+    /// `INSERT … ON CONFLICT DO NOTHING` first, cheaper on the server than the whole claim
+    /// (`BENCHMARKS.md`, P12a). Like the whole claim's insert, it waits for a concurrent
+    /// transaction that inserted the key to end. A key with a row of any kind (live,
+    /// completed, or expired and to be taken over) inserts nothing there and goes through
+    /// the whole claim, whose own statement sees a row committed meanwhile. The token is
+    /// drawn even when nothing is inserted: tokens only have to grow.
     pub(super) fn function_source(table: &str, sequence: &str) -> String {
         let claim = super::claim_query(
             table,
@@ -114,8 +122,17 @@ impl Statements {
         );
         format!(
             "\n#variable_conflict use_column\n\
+             DECLARE taken bigint;\n\
              BEGIN\n\
                  PERFORM set_config('lock_timeout', p_lock_timeout, true);\n\
+                 INSERT INTO {table} (key, token, completed, fingerprint, value, expires_at) \
+                     VALUES (p_key, nextval('{sequence}'), false, p_fingerprint, NULL, \
+                     clock_timestamp() + p_lease * interval '1 millisecond') \
+                     ON CONFLICT (key) DO NOTHING RETURNING token INTO taken;\n\
+                 IF taken IS NOT NULL THEN\n\
+                     RETURN QUERY SELECT true, taken, false, p_fingerprint, NULL::bytea;\n\
+                     RETURN;\n\
+                 END IF;\n\
                  FOR attempt IN 1..1000 LOOP\n\
                      RETURN QUERY {claim};\n\
                      IF FOUND THEN RETURN; END IF;\n\
