@@ -251,8 +251,9 @@ impl<T> IntoTyping<T> for Typing<T> {
 }
 
 /// `Operation::run`, after [`look`] (made before the body borrowed its arguments): the
-/// answer at once when the look found the record, or the call to await. Generic over the function's return type, so that a return type that is not a
-/// `Result` fails one bound, with its own message. `typing` says whether a replay from a
+/// answer at once when the look found the record, or the call to await. Generic over the
+/// function's return type, so that a return type that is not a `Result` fails one bound,
+/// with its own message. `typing` says whether a replay from a
 /// store in this process may hand back the value itself.
 pub fn run<'a, P, S, R, F, Y>(
     operation: &'a Operation<P>,
