@@ -1,0 +1,9 @@
+\set k random(1, 9000000000000000000)
+BEGIN;
+SAVEPOINT s;
+INSERT INTO pgb_raw VALUES (sha256(int8send(:k)), NULL, now() + interval '1 minute') ON CONFLICT DO NOTHING RETURNING key;
+UPDATE pgb_ledger SET balance = balance - 1 WHERE id = 1;
+UPDATE pgb_ledger SET balance = balance + 1 WHERE id = 2;
+UPDATE pgb_raw SET value = decode('7b226964223a372c22637573746f6d6572223a226375735f30303432222c2263656e7473223a343939397d7b226964223a372c22637573746f6d6572223a226375735f30303432222c2263656e7473223a343939397d','hex'), expires_at = now() + interval '1 hour' WHERE key = sha256(int8send(:k)) RETURNING true;
+RELEASE SAVEPOINT s;
+COMMIT;
