@@ -15,6 +15,7 @@ use bytes::Bytes;
 use criterion::Criterion;
 use http_body_util::{BodyExt, Full};
 use idem_runtime::http::IdempotencyLayer;
+use idem_runtime::store::memory;
 use idem_runtime::{
     idempotent, Error, MemoryStore, Operation, PostgresStore, RedisStore, TieredStore,
 };
@@ -105,14 +106,20 @@ impl moka::Expiry<[u8; 32], FloorRecord> for OwnTtl {
 }
 
 impl FirstFloor {
-    const MARKS: usize = 262_144;
+    /// The memory store's default bound on marks.
+    const MARKS: usize = (memory::DEFAULT_MAX_MARK_BYTES / memory::MARK_BYTES) as usize;
 
     fn new() -> Self {
+        // As the store weighs a result by default: twice its encoding (the value is kept
+        // beside it) and the entry's 160 bytes, at least a `DEFAULT_CAPACITY`th of the bound.
+        let least = (memory::DEFAULT_MAX_BYTES / memory::DEFAULT_CAPACITY) as u32;
         Self {
             claims: Default::default(),
             results: moka::sync::Cache::builder()
-                .max_capacity(256 * 1024 * 1024)
-                .weigher(|_, record: &FloorRecord| (record.0.len() as u32 * 2 + 160).max(2684))
+                .max_capacity(memory::DEFAULT_MAX_BYTES)
+                .weigher(move |_, record: &FloorRecord| {
+                    (record.0.len() as u32 * 2 + 160).max(least)
+                })
                 .eviction_policy(moka::policy::EvictionPolicy::lru())
                 .expire_after(OwnTtl)
                 .build(),

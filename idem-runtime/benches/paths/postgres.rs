@@ -219,8 +219,8 @@ fn transfers(
         on(rt, in_transaction),
         on(rt, bare),
     );
-    // The floor of P12a: a claim must reach the server before the body runs, and the record
-    // after it, inside the caller's transaction: two more round trips, here empty ones.
+    // What P12a's two round trips cost alone: a claim must reach the server before the body
+    // runs, and the record after it; here both are empty (P12a's floor is P12g, below).
     paths.pair(
         "P12f floor: the transaction with two empty round trips vs without",
         on(rt, || async {
