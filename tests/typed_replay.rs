@@ -123,6 +123,64 @@ async fn a_type_that_is_not_clone_is_decoded() {
     assert_eq!(UNCLONED_DECODES.load(Ordering::SeqCst), recorded + 1);
 }
 
+/// A value with a field its encoding leaves out: what its first call returns and what
+/// any replay of its record returns differ.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Annotated {
+    id: u64,
+    #[serde(skip)]
+    note: String,
+}
+
+#[idempotent(key = id, store = store, namespace = "typed.annotated")]
+async fn annotated(store: &MemoryStore, id: u64) -> Result<Annotated, Error> {
+    Ok(Annotated {
+        id,
+        note: "known to the first call only".into(),
+    })
+}
+
+#[idempotent(key = id, store = store, namespace = "typed.annotated")]
+async fn annotated_durably(store: &SqliteStore, id: u64) -> Result<Annotated, Error> {
+    Ok(Annotated {
+        id,
+        note: "known to the first call only".into(),
+    })
+}
+
+#[tokio::test]
+async fn a_replay_from_memory_is_what_a_replay_from_the_record_is() {
+    let memory = MemoryStore::new();
+    let first = annotated(&memory, 3).await.unwrap();
+    assert_eq!(
+        first.note, "known to the first call only",
+        "the caller gets its value"
+    );
+    let from_memory = annotated(&memory, 3).await.unwrap();
+
+    let path = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("typed-annotated-{}.db", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let durable = SqliteStore::open(&path).await.unwrap();
+    durable.migrate().await.unwrap();
+    annotated_durably(&durable, 3).await.unwrap();
+    let from_the_record = annotated_durably(&durable, 3).await.unwrap();
+
+    assert_eq!(
+        from_the_record,
+        Annotated {
+            id: 3,
+            note: String::new()
+        },
+        "a decoded replay has the skipped field's default"
+    );
+    assert_eq!(
+        from_memory, from_the_record,
+        "the value kept in memory is the record's, not a clone of the first call's"
+    );
+    let _ = std::fs::remove_file(&path);
+}
+
 counted!(Tiered, TIERED_DECODES, Clone);
 
 #[idempotent(key = id, fingerprint = amount, store = store, namespace = "typed.tiered")]

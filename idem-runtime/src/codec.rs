@@ -40,6 +40,12 @@ pub(crate) trait ValueCodec<T> {
     fn record(value: &T) -> Result<Bytes, Error> {
         encode_value::<Self, T>(value)
     }
+
+    /// [`record`](Self::record), with the value its replays decode to where making the
+    /// record decoded it anyway (`None` where it did not).
+    fn record_decoded(value: &T) -> (Result<Bytes, Error>, Option<T>) {
+        (Self::record(value), None)
+    }
 }
 
 /// Values as `serde_json`: the format of every operation but the HTTP layer's.
@@ -63,21 +69,31 @@ impl<T: Serialize + DeserializeOwned> ValueCodec<T> for Json {
     /// replayed until its TTL. (`Some(None)` encodes as `None` does and decodes as `None`:
     /// no check at run time can see it; the attribute refuses such a type.)
     fn record(value: &T) -> Result<Bytes, Error> {
+        Self::record_decoded(value).0
+    }
+
+    /// The decoding that checks the record is its replays' value: a store that keeps values
+    /// beside their records keeps this one, so that a replay in memory is what a replay
+    /// from the record is (a field `serde` skips comes back as its default in both).
+    fn record_decoded(value: &T) -> (Result<Bytes, Error>, Option<T>) {
         let faithful =
             encode_value::<Self, T>(value).and_then(|record| {
                 match serde_json::from_slice::<T>(&record[1..]) {
-                    Ok(_) => Ok(record),
+                    Ok(decoded) => Ok((record, decoded)),
                     Err(err) => Err(Error::codec(UnfaithfulError(err))),
                 }
             });
-        Ok(faithful.unwrap_or_else(|err| {
-            tracing::error!(
-                outcome = "gone",
-                error = %err,
-                "the result cannot be recorded as itself: its key is recorded as gone, and retries get `Error::Gone`"
-            );
-            Bytes::from_static(GONE)
-        }))
+        match faithful {
+            Ok((record, decoded)) => (Ok(record), Some(decoded)),
+            Err(err) => {
+                tracing::error!(
+                    outcome = "gone",
+                    error = %err,
+                    "the result cannot be recorded as itself: its key is recorded as gone, and retries get `Error::Gone`"
+                );
+                (Ok(Bytes::from_static(GONE)), None)
+            }
+        }
     }
 }
 

@@ -40,6 +40,7 @@ pub(crate) type Answer<R, O> =
 /// decodes.
 pub struct Typing<T> {
     keep: fn(&T) -> Typed,
+    keep_owned: fn(T) -> Typed,
     take: fn(&Typed) -> Option<T>,
 }
 
@@ -56,13 +57,24 @@ impl<T> Typing<T> {
     pub(super) fn taken(self, typed: &Typed) -> Option<T> {
         (self.take)(typed)
     }
+
+    /// The value to keep beside the record of `value`: `decoded`, the record's own
+    /// decoding, where making the record decoded it; else a clone of `value`.
+    fn kept(self, value: &T, decoded: Option<T>) -> Typed {
+        match decoded {
+            Some(decoded) => (self.keep_owned)(decoded),
+            None => (self.keep)(value),
+        }
+    }
 }
 
 impl<T: Clone + Send + Sync + 'static> Typing<T> {
-    /// The typing of a `Clone` value: kept as an `Arc` of a clone, taken back by cloning.
+    /// The typing of a `Clone` value: kept in an `Arc` (the record's decoding where there
+    /// is one, else a clone), taken back by cloning.
     pub(crate) fn cloned() -> Self {
         Self {
             keep: |value| Arc::new(value.clone()),
+            keep_owned: |value| Arc::new(value),
             take: |typed| typed.downcast_ref::<T>().cloned(),
         }
     }
@@ -210,10 +222,10 @@ where
     fn ending(&self, keep_typed: bool) -> Ending {
         match &*self.output {
             Some(Ok(value)) => {
-                let encoded = C::record(value);
+                let (encoded, decoded) = C::record_decoded(value);
                 let kept = matches!(&encoded, Ok(record) if record[..] != *codec::GONE);
                 let typed = match self.typing {
-                    Some(typing) if keep_typed && kept => Some((typing.keep)(value)),
+                    Some(typing) if keep_typed && kept => Some(typing.kept(value, decoded)),
                     _ => None,
                 };
                 Ending::Value(encoded, typed)

@@ -139,8 +139,10 @@ impl Held {
     ) -> Self {
         let lease = settings.lease;
         // Read after the claim returned: later than the store's own start of the lease, so
-        // this errs towards trying too long, which the token makes harmless.
-        let expires = Instant::now() + lease;
+        // this errs towards trying too long, which the token makes harmless. The body starts
+        // now too: one clock read for the three.
+        let now = Instant::now();
+        let expires = now + lease;
         let flight = store
             .flights()
             .map(|flights| flights.start(key, fingerprint, expires));
@@ -154,7 +156,7 @@ impl Held {
             flight: flight.clone(),
             lost: AtomicBool::new(false),
             polling: AtomicU64::new(0),
-            born: Instant::now(),
+            born: now,
             retries_end: Mutex::new(None),
         });
         let journal = Journal::new(key, settings, fingerprint, Some(Arc::clone(&claim)));
@@ -166,7 +168,7 @@ impl Held {
             owed: Owed::Release,
             detached: false,
             failures: AtomicU32::new(0),
-            started: Instant::now(),
+            started: now,
             span,
             namespace: settings.namespace.clone(),
             counted: false,

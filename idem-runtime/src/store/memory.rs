@@ -78,8 +78,11 @@ pub const MARK_BYTES: u64 = 256;
 ///
 /// A result recorded by an `#[idempotent]` function whose success type is `Clone` is kept
 /// twice: encoded, as every store keeps it, and as the value itself, so that a replay hands
-/// back a clone instead of decoding. Both are made from one value in one step, and the bytes
-/// bound counts such a result twice (the encoding's length standing for the value's).
+/// back a clone instead of decoding. The value kept is the encoding decoded (which recording
+/// does anyway, to check that the result replays as itself), so a replay from memory is
+/// exactly what a replay from the encoding is, down to a field `serde` skips. Both are kept
+/// in one step, and the bytes bound counts such a result twice (the encoding's length
+/// standing for the value's).
 ///
 /// Cloning is cheap and every clone shares the same records.
 ///
