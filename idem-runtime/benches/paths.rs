@@ -196,6 +196,20 @@ fn memory(paths: &mut Paths, rt: &Runtime) {
         on(rt, || cached_charge(black_box(7), "cus_0042".to_string())),
     );
 
+    // The same floor from a cache configured as the memory store's (each entry expiring
+    // after its own TTL, least recently used evicted first, weighed in bytes): a replay
+    // there reads the clock and records the read for the LRU order, as the store's does.
+    let kept = FirstFloor::new();
+    kept.first(7);
+    paths.pair(
+        "P1g floor of a replay from the store's cache vs cached",
+        on(rt, || async {
+            let key = hand_key(black_box(7), black_box("cus_0042"), 0);
+            Receipt::clone(&kept.results.get(&key).unwrap().1)
+        }),
+        on(rt, || cached_charge(black_box(7), "cus_0042".to_string())),
+    );
+
     // P2's baseline, and P2f's: a claim and a record as two bare moka inserts.
     let two_inserts = || async {
         let id = fresh();

@@ -129,11 +129,16 @@ impl Paths {
 /// floor + 10 % (P6, P8a, P8b, P12a; `BENCHMARKS.md`, "What each floor means"). P12a's is
 /// set on P12g, the floor that writes the record, not on P12f's two empty round trips,
 /// which no design that records anything reaches. P2 keeps the 1.3, which its
-/// floor P2f measures to be about the floor itself.
+/// floor P2f measures to be about the floor itself. P1f and P1g are P1b's floors, from a
+/// plain moka cache and from one configured as the memory store's.
 const PATHS: &[(&str, f64)] = &[
     ("P1 replay, memory", 1.2),
     ("P1b replay vs cached", 2.0),
     ("P1f the floor of a replay vs cached", 2.0),
+    (
+        "P1g floor of a replay from the store's cache vs cached",
+        2.0,
+    ),
     ("P2 first execution, memory", 1.3),
     ("P2f floor of a first execution in memory", 1.3),
     ("P3 1000 callers, one key, 20 ms body", 1.2),
