@@ -120,8 +120,66 @@ impl Paths {
                 format!("{:.2} – {:.2}", r.low, r.high),
             );
         }
+        self.print_floors();
+    }
+
+    /// Each path against its floor measured in the same run: a target set on a floor's ratio
+    /// holds on the host where it was measured, this quotient on any.
+    fn print_floors(&self) {
+        let ratio = |group: &str| {
+            self.measured
+                .iter()
+                .find(|m| m.group == group)
+                .map(|m| m.interleaved.median)
+        };
+        println!(
+            "\n{:<48} {:>6} {:>6} {:>8} {:>6}",
+            "path against its floor, this run", "ratio", "floor", "÷ floor", "bound"
+        );
+        for (group, floor) in FLOORS {
+            let Some((ours, least)) = ratio(group).zip(ratio(floor)) else {
+                continue;
+            };
+            let over = ours / least;
+            let verdict = if over <= FLOOR_BOUND { "ok" } else { "MISSED" };
+            println!(
+                "{group:<48} {ours:>6.2} {least:>6.2} {over:>8.2} {FLOOR_BOUND:>6.2} {verdict}"
+            );
+        }
     }
 }
+
+/// How far over its floor a path may be: issue 49's floor + 10 %.
+const FLOOR_BOUND: f64 = 1.1;
+
+/// (path, its floor): the least any design that keeps idem's guarantees costs against the
+/// same baseline (`BENCHMARKS.md`, "What each floor means").
+const FLOORS: &[(&str, &str)] = &[
+    (
+        "P1b replay vs cached",
+        "P1g floor of a replay from the store's cache vs cached",
+    ),
+    (
+        "P2 first execution, memory",
+        "P2f floor of a first execution in memory",
+    ),
+    (
+        "P6 first execution, redis",
+        "P6f floor of a first execution: claim + compare-and-set vs SET",
+    ),
+    (
+        "P8a first execution, postgres",
+        "P8f floor of a first execution: INSERT + UPDATE vs INSERT",
+    ),
+    (
+        "P8b replay, postgres",
+        "P8g floor of a replay: read-or-claim in one statement vs SELECT",
+    ),
+    (
+        "P12a transfer in a transaction, postgres",
+        "P12g floor: the transaction with a savepoint, an INSERT and an UPDATE vs without",
+    ),
+];
 
 // ---- the ratio table ----------------------------------------------------------------------
 
