@@ -39,8 +39,7 @@ pub(crate) type Answer<R, O> =
 /// `Clone` type, so it is chosen where the type is known (the macro's expansion); `None`
 /// decodes.
 pub struct Typing<T> {
-    keep: fn(&T) -> Typed,
-    keep_owned: fn(T) -> Typed,
+    keep: fn(T) -> Typed,
     take: fn(&Typed) -> Option<T>,
 }
 
@@ -58,23 +57,18 @@ impl<T> Typing<T> {
         (self.take)(typed)
     }
 
-    /// The value to keep beside the record of `value`: `decoded`, the record's own
-    /// decoding, where making the record decoded it; else a clone of `value`.
-    fn kept(self, value: &T, decoded: Option<T>) -> Typed {
-        match decoded {
-            Some(decoded) => (self.keep_owned)(decoded),
-            None => (self.keep)(value),
-        }
+    /// The record's own decoding, as it is kept beside the record.
+    fn kept(self, decoded: T) -> Typed {
+        (self.keep)(decoded)
     }
 }
 
 impl<T: Clone + Send + Sync + 'static> Typing<T> {
-    /// The typing of a `Clone` value: kept in an `Arc` (the record's decoding where there
-    /// is one, else a clone), taken back by cloning.
+    /// The typing of a `Clone` value: the record's decoding kept in an `Arc`, taken back
+    /// by cloning.
     pub(crate) fn cloned() -> Self {
         Self {
-            keep: |value| Arc::new(value.clone()),
-            keep_owned: |value| Arc::new(value),
+            keep: |decoded| Arc::new(decoded),
             take: |typed| typed.downcast_ref::<T>().cloned(),
         }
     }
@@ -222,10 +216,14 @@ where
     fn ending(&self, keep_typed: bool) -> Ending {
         match &*self.output {
             Some(Ok(value)) => {
+                // Kept only as the record decodes: a codec that did not decode it keeps
+                // nothing beside it, and its replays decode.
                 let (encoded, decoded) = C::record_decoded(value);
                 let kept = matches!(&encoded, Ok(record) if record[..] != *codec::GONE);
-                let typed = match self.typing {
-                    Some(typing) if keep_typed && kept => Some(typing.kept(value, decoded)),
+                let typed = match (self.typing, decoded) {
+                    (Some(typing), Some(decoded)) if keep_typed && kept => {
+                        Some(typing.kept(decoded))
+                    }
                     _ => None,
                 };
                 Ending::Value(encoded, typed)
