@@ -138,6 +138,7 @@ impl Paths {
         );
         for (group, floor) in FLOORS {
             let Some((ours, least)) = ratio(group).zip(ratio(floor)) else {
+                println!("{group:<48} not run (or its floor not run)");
                 continue;
             };
             let over = ours / least;
