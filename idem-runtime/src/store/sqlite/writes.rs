@@ -6,8 +6,9 @@
 //! connection per waiting write, a renewal could lose that lottery for longer than a lease
 //! while the crowd's writes went through, and its holder's key was taken over. Here a
 //! process is one contender: writes queue in the process, the first to find no transaction
-//! running takes every write queued and commits them together, and the next transaction
-//! takes the ones that came meanwhile. A renewal then waits for at most one transaction of
+//! running takes every write queued and commits them together, in its own task (handed to a
+//! task of its own if that caller stops waiting, so that the others' writes still commit),
+//! and the next transaction takes the ones that came meanwhile. A renewal then waits for at most one transaction of
 //! its own process, and a crowd costs one commit per turn instead of one per call.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,7 +18,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use sqlx::sqlite::{SqlitePool, SqliteRow};
 use sqlx::{Connection, SqliteConnection};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, OwnedMutexGuard};
 use tokio::time::Instant;
 
 use super::{locked_out, lockout, Statements, LOCKED_OUT_FLOOR};
@@ -179,12 +180,14 @@ impl Writes {
         let turn = Arc::clone(&self.turn).lock_owned().await;
         let batch = std::mem::take(&mut *self.queue());
         if !batch.is_empty() {
-            // Spawned, so that a caller that stops waiting does not stop the others' writes.
+            // Run in the caller's task, and handed to a task of its own only if the caller
+            // stops waiting, so that it does not stop the others' writes.
             let writes = Arc::clone(self);
-            tokio::spawn(async move {
-                writes.commit(batch).await;
-                drop(turn);
-            });
+            let runtime = tokio::runtime::Handle::current();
+            crate::background::finish_if_dropped(runtime, async move {
+                writes.commit(batch, turn).await;
+            })
+            .await;
         }
         answered.await.unwrap_or(Err(sqlx::Error::WorkerCrashed))
     }
@@ -201,10 +204,15 @@ impl Writes {
     /// process whose writes keep coming would take it again the moment it let go, before
     /// the writes of other processes, asleep in their busy handlers, look again; under load
     /// a live holder there could then miss its renewals for a whole lease.
-    async fn commit(&self, batch: Vec<Write>) {
+    async fn commit(&self, batch: Vec<Write>, turn: OwnedMutexGuard<()>) {
         self.settle(batch).await;
         if self.found_held.swap(false, Ordering::Relaxed) {
-            tokio::time::sleep(HANDOFF).await;
+            // The turn is held through the pause by a task of its own: the batch's callers
+            // have their answers already, and need not wait for it.
+            tokio::spawn(async move {
+                tokio::time::sleep(HANDOFF).await;
+                drop(turn);
+            });
         }
     }
 
@@ -670,7 +678,8 @@ mod tests {
                 deadline: later(),
             },
         ];
-        store.writes.commit(batch).await;
+        let turn = Arc::clone(&store.writes.turn).lock_owned().await;
+        store.writes.commit(batch, turn).await;
         let bad = bad_answer.await.unwrap();
         assert!(
             bad.as_ref()
@@ -680,6 +689,73 @@ mod tests {
         assert!(
             good_answer.await.unwrap().unwrap(),
             "the good renewal landed"
+        );
+    }
+
+    /// The caller that took the turn commits the whole batch in its own task: when it stops
+    /// waiting mid-commit, the writes of the others in its batch still commit and are
+    /// answered (the commit goes on in a task of its own), and its own is left out.
+    #[tokio::test]
+    async fn a_caller_that_stops_waiting_mid_commit_keeps_the_others_writes() {
+        let (store, file) = store("dropped-mid-commit").await;
+        // Another connection holds the file's write lock: the batch's commit waits for it.
+        let mut other = SqliteConnection::connect(&format!("sqlite://{}", file.0.display()))
+            .await
+            .unwrap();
+        sqlx::query("BEGIN IMMEDIATE")
+            .execute(&mut other)
+            .await
+            .unwrap();
+        // Another caller's claim, queued: the next caller with the turn takes it along.
+        let (queued, answered) = Job::take(
+            &Key::from_bytes([4; 32]),
+            None,
+            Duration::from_secs(5),
+            4,
+            Instant::now(),
+        );
+        store.writes.queue().push(Write {
+            job: queued,
+            sql: Arc::clone(&store.sql),
+            deadline: later(),
+        });
+        let writes = Arc::clone(&store.writes);
+        let sql = Arc::clone(&store.sql);
+        let job = Job::take(
+            &Key::from_bytes([5; 32]),
+            None,
+            Duration::from_secs(5),
+            5,
+            Instant::now(),
+        );
+        let caller = tokio::spawn(async move { writes.run(&sql, job, later()).await.is_ok() });
+        // The caller took the batch (both writes) and is committing it, held by the lock.
+        while !store.writes.queue().is_empty() || store.writes.turn.try_lock().is_ok() {
+            tokio::task::yield_now().await;
+        }
+        caller.abort();
+        assert!(caller.await.unwrap_err().is_cancelled());
+        sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
+        assert!(
+            matches!(answered.await.unwrap(), Ok(Ok(_))),
+            "the other caller's claim committed"
+        );
+        assert!(store
+            .lease_left(&Key::from_bytes([4; 32]))
+            .await
+            .unwrap()
+            .is_some());
+        // The turn comes back once that commit is over: a write after it goes through.
+        let later_key = Key::from_bytes([6; 32]);
+        let after = store.claim(&later_key, None, Duration::from_secs(5)).await;
+        assert!(
+            matches!(after, Ok(crate::Claim::Acquired { .. })),
+            "a later claim is taken"
+        );
+        assert_eq!(
+            store.lease_left(&Key::from_bytes([5; 32])).await.unwrap(),
+            None,
+            "the claim of the caller that stopped waiting is not taken"
         );
     }
 
@@ -706,7 +782,8 @@ mod tests {
             sql: Arc::clone(&store.sql),
             deadline: later(),
         });
-        store.writes.commit(batch.into()).await;
+        let turn = Arc::clone(&store.writes.turn).lock_owned().await;
+        store.writes.commit(batch.into(), turn).await;
         assert!(matches!(answered.await.unwrap(), Ok(Ok(_))));
         assert_eq!(
             store.lease_left(&Key::from_bytes([2; 32])).await.unwrap(),
