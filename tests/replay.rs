@@ -525,3 +525,48 @@ async fn a_completion_that_lands_on_a_retry_answers_the_caller_then() {
     assert_eq!(call(2).await.unwrap(), Outcome::Replayed(1));
     assert_eq!(runs.count(), 1);
 }
+
+/// A payload whose second form cannot be encoded: its fingerprint fails to derive.
+#[derive(Clone, Copy)]
+enum Payload {
+    Fine(u64),
+    Unencodable,
+}
+
+impl Serialize for Payload {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Payload::Fine(cents) => serializer.serialize_u64(*cents),
+            Payload::Unencodable => {
+                Err(serde::ser::Error::custom("this payload cannot be encoded"))
+            }
+        }
+    }
+}
+
+#[idem_runtime::idempotent(key = id, fingerprint = payload, ignore = runs, store = store, namespace = "replay.unencodable")]
+async fn charge_payload(
+    store: &MemoryStore,
+    runs: &Runs,
+    id: u64,
+    payload: Payload,
+) -> Result<u64, Error> {
+    runs.hit();
+    Ok(id)
+}
+
+/// A call whose fingerprint cannot be derived is refused with the derivation's error, even
+/// when its key has a record at hand: the memory store's look before the call must not
+/// replay a record it cannot tell is for the same payload.
+#[tokio::test]
+async fn a_fingerprint_that_cannot_be_derived_is_refused_not_replayed() {
+    let store = MemoryStore::new();
+    let runs = Runs::default();
+    let recorded = charge_payload_outcome(&store, &runs, 7, Payload::Fine(100)).await;
+    assert_eq!(recorded.unwrap(), Outcome::Executed(7));
+    let again = charge_payload_outcome(&store, &runs, 7, Payload::Unencodable).await;
+    assert!(matches!(again, Err(Error::Key(_))), "{again:?}");
+    assert_eq!(runs.count(), 1, "the body did not run again");
+    let replayed = charge_payload_outcome(&store, &runs, 7, Payload::Fine(100)).await;
+    assert_eq!(replayed.unwrap(), Outcome::Replayed(7));
+}

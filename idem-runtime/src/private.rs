@@ -313,17 +313,21 @@ pub fn look<P, S: StoreValue>(
     key: Result<Option<Key>, Error>,
     fingerprint: Option<Result<Fingerprint, Error>>,
 ) -> Looked<S> {
-    let derived = derived(key, fingerprint);
-    // A call without a key, or with a derivation error, is answered by the call itself.
-    if let Ok(Some((key, fingerprint))) = &derived {
-        if let Some(found) = operation
-            .settings
-            .replay_at_once(store, key, fingerprint.as_ref())
-        {
-            return Looked(Look::Found(found));
+    // A call without a key, or with a derivation error, is answered by the call itself. The
+    // look borrows the key and the fingerprint where they are: a replay moves neither.
+    if let Ok(Some(key)) = &key {
+        let fingerprint = match &fingerprint {
+            None => Ok(None),
+            Some(Ok(fingerprint)) => Ok(Some(fingerprint)),
+            Some(Err(_)) => Err(()),
+        };
+        if let Ok(fingerprint) = fingerprint {
+            if let Some(found) = operation.settings.replay_at_once(store, key, fingerprint) {
+                return Looked(Look::Found(found));
+            }
         }
     }
-    Looked(Look::Store(store.clone(), derived))
+    Looked(Look::Store(store.clone(), derived(key, fingerprint)))
 }
 
 /// [`look`], in the default store.
