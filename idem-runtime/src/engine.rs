@@ -317,6 +317,7 @@ impl<P> Operation<P> {
 
     /// The outcome of a call answered by a record: the value the store kept, if the call
     /// takes it, or the record decoded.
+    #[inline]
     pub(crate) fn replayed<C, R>(
         &self,
         found: &Found,

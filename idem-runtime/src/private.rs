@@ -159,6 +159,7 @@ impl<'a, T: ?Sized> RequiredKey<'a> for &KeyArg<'a, T> {
 }
 
 /// The key of a `key = <expr>` value, `None` for an absent optional key.
+#[inline]
 pub fn key<P, V: Serialize + ?Sized>(
     operation: &Operation<P>,
     value: Option<&V>,
@@ -169,6 +170,7 @@ pub fn key<P, V: Serialize + ?Sized>(
 /// The key and fingerprint an expansion derived: the first error deriving them is the
 /// function's error (the body never runs); an absent optional key runs the body with no
 /// claim.
+#[inline]
 fn derived(
     key: Result<Option<Key>, Error>,
     fingerprint: Option<Result<Fingerprint, Error>>,
@@ -180,6 +182,7 @@ fn derived(
 }
 
 /// The bare return value of an `#[idempotent]` function.
+#[inline]
 pub fn bare<R: IdemResult>(outcome: Result<crate::Outcome<R::Ok>, R::Err>) -> R {
     R::from_result(outcome.map(crate::Outcome::into_inner))
 }
@@ -255,6 +258,7 @@ impl<T> IntoTyping<T> for Typing<T> {
 /// function's return type, so that a return type that is not a `Result` fails one bound,
 /// with its own message. `typing` says whether a replay from a
 /// store in this process may hand back the value itself.
+#[inline]
 pub fn run<'a, P, S, R, F, Y>(
     operation: &'a Operation<P>,
     store: Looked<S>,
@@ -307,6 +311,7 @@ enum Look<S> {
 /// the store has it at hand (a replay from memory then takes nothing else of the store),
 /// else an owned handle to it, so that the body may still move or mutably borrow what the
 /// store expression borrowed (`self`). Stores are cheap handles: this is an `Arc` clone.
+#[inline]
 pub fn look<P, S: StoreValue>(
     operation: &Operation<P>,
     store: &S,

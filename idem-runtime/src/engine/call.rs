@@ -53,6 +53,7 @@ impl<T> Copy for Typing<T> {}
 
 impl<T> Typing<T> {
     /// The value kept beside a record, if it is a `T`.
+    #[inline]
     pub(super) fn taken(self, typed: &Typed) -> Option<T> {
         (self.take)(typed)
     }
