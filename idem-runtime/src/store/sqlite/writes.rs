@@ -6,10 +6,14 @@
 //! connection per waiting write, a renewal could lose that lottery for longer than a lease
 //! while the crowd's writes went through, and its holder's key was taken over. Here a
 //! process is one contender: writes queue in the process, the first to find no transaction
-//! running takes every write queued and commits them together, in its own task (handed to a
-//! task of its own if that caller stops waiting, so that the others' writes still commit),
-//! and the next transaction takes the ones that came meanwhile. A renewal then waits for at most one transaction of
+//! running takes every write queued and commits them together, and the next transaction
+//! takes the ones that came meanwhile. A renewal then waits for at most one transaction of
 //! its own process, and a crowd costs one commit per turn instead of one per call.
+//!
+//! A claim or a completion commits in its caller's task, which awaits nothing else of its
+//! call (a task of its own takes the commit over if the caller stops waiting, so that the
+//! others' writes in the batch still commit). A renewal or a step's record, made beside a
+//! body that may keep its task's thread busy, commits in a task of its own.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -172,6 +176,7 @@ impl Writes {
         (job, answered): (Job, Answered<T>),
         deadline: Instant,
     ) -> Result<T, sqlx::Error> {
+        let beside_a_body = job.beside_a_body();
         self.queue().push(Write {
             job,
             sql: Arc::clone(sql),
@@ -180,14 +185,18 @@ impl Writes {
         let turn = Arc::clone(&self.turn).lock_owned().await;
         let batch = std::mem::take(&mut *self.queue());
         if !batch.is_empty() {
-            // Run in the caller's task, and handed to a task of its own only if the caller
-            // stops waiting, so that it does not stop the others' writes.
             let writes = Arc::clone(self);
-            let runtime = tokio::runtime::Handle::current();
-            crate::background::finish_if_dropped(runtime, async move {
-                writes.commit(batch, turn).await;
-            })
-            .await;
+            let commit = async move { writes.commit(batch, turn).await };
+            if beside_a_body {
+                // Its task may be busy with the body: the others' writes must not wait on it.
+                tokio::spawn(commit);
+            } else {
+                // Run in the caller's task, which awaits nothing else of the call, and handed
+                // to a task of its own only if the caller stops waiting, so that it does not
+                // stop the others' writes: no hand-off between tasks otherwise.
+                let runtime = tokio::runtime::Handle::current();
+                crate::background::finish_if_dropped(runtime, commit).await;
+            }
         }
         answered.await.unwrap_or(Err(sqlx::Error::WorkerCrashed))
     }
@@ -520,6 +529,20 @@ impl Job {
         Ok(true)
     }
 
+    /// Whether the write is made beside a running body, in the body's task: a renewal (the
+    /// heartbeat is polled beside the body) or a step's record (made from inside it). A
+    /// body may keep its thread busy for seconds; a commit polled in its task would wait
+    /// as long, and every write queued behind the turn with it.
+    fn beside_a_body(&self) -> bool {
+        matches!(
+            self,
+            Job::Fenced {
+                statement: Fence::Renew | Fence::RecordStep(_),
+                ..
+            }
+        )
+    }
+
     /// Whether the write is one statement, which needs no transaction of its own.
     fn is_one_statement(&self) -> bool {
         matches!(self, Job::Fenced { .. } | Job::Remove { .. })
@@ -757,6 +780,48 @@ mod tests {
             None,
             "the claim of the caller that stopped waiting is not taken"
         );
+    }
+
+    /// A renewal is made beside its body, in the body's task. When that body keeps its
+    /// thread busy right after the renewal took the turn, another task's claim still
+    /// commits: the renewal's commit runs in a task of its own.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_renewal_beside_a_busy_body_does_not_hold_up_the_others_writes() {
+        let (store, _file) = store("renewal-beside-busy-body").await;
+        let held = Key::from_bytes([7; 32]);
+        let Ok(crate::Claim::Acquired { token }) =
+            store.claim(&held, None, Duration::from_secs(5)).await
+        else {
+            panic!("a fresh key is free");
+        };
+        let (landed, heard) = std::sync::mpsc::channel();
+        let other = store.clone();
+        let body = tokio::spawn(async move {
+            let mut renewal = store.renew(&held, token, Duration::from_secs(5));
+            // Polled once: the renewal holds the turn, its statement under way.
+            let pending = std::future::poll_fn(|cx| {
+                std::task::Poll::Ready(renewal.as_mut().poll(cx).is_pending())
+            });
+            assert!(pending.await, "a renewal waits for SQLite's thread");
+            // The task yields once, as a body's task does between its polls (a task spawned
+            // here is polled then), and the body then keeps this task's thread until the
+            // other task's claim has landed. (The bound only ends a run that would
+            // otherwise never finish.)
+            tokio::task::yield_now().await;
+            heard
+                .recv_timeout(Duration::from_secs(120))
+                .expect("the other task's claim landed while this body held its thread");
+            renewal.await
+        });
+        let fresh = Key::from_bytes([8; 32]);
+        let claimed = other.claim(&fresh, None, Duration::from_secs(5)).await;
+        landed.send(()).unwrap();
+        assert!(
+            matches!(claimed, Ok(crate::Claim::Acquired { .. })),
+            "{:?}",
+            claimed.as_ref().err()
+        );
+        assert!(body.await.unwrap().unwrap(), "the renewal landed too");
     }
 
     #[tokio::test]
