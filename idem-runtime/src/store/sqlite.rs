@@ -122,7 +122,7 @@ const ACQUIRE_BOUND: Duration = Duration::from_secs(3600);
 /// network could have closed; the pool pings it anyway when a write gives it back, and
 /// closes it then if its thread died. A ping before every write was a round trip to that
 /// thread for nothing, a tenth of a claim.
-const UNTESTED: bool = false;
+const PING_BEFORE_WRITE: bool = false;
 
 /// The shortest wait for the file's write lock that a claim takes as a lockout (see
 /// [`locked_out`]).
@@ -462,7 +462,7 @@ impl SqliteStore {
         let writes = SqlitePoolOptions::new()
             .max_connections(1)
             .acquire_timeout(ACQUIRE_BOUND)
-            .test_before_acquire(UNTESTED)
+            .test_before_acquire(PING_BEFORE_WRITE)
             .connect_lazy_with((*pool.connect_options()).clone().busy_timeout(writes::POLL));
         Self {
             pool,
