@@ -77,15 +77,31 @@ impl Child {
     }
 
     /// SIGKILL: no destructor runs, nothing is released. Returns how many of the lines it
-    /// printed that the test has not read contain `what`.
+    /// printed that the test has not read contain `what`: every one of them, read to the end
+    /// of its output (a line still in the pipe when the child died is counted too, however
+    /// late the thread that reads the pipe runs). Panics if its output has not ended a
+    /// minute after its death.
     pub fn kill(&mut self, what: &str) -> usize {
+        use tokio::sync::mpsc::error::TryRecvError;
+
         let _ = self.process.kill();
         let _ = self.process.wait();
+        let stalled = std::time::Instant::now() + Duration::from_secs(60);
         let mut count = 0;
-        while let Ok(line) = self.lines.try_recv() {
-            count += usize::from(line.contains(what));
+        loop {
+            match self.lines.try_recv() {
+                Ok(line) => count += usize::from(line.contains(what)),
+                // The reader saw the end of the pipe: every line is in.
+                Err(TryRecvError::Disconnected) => return count,
+                Err(TryRecvError::Empty) => {
+                    assert!(
+                        std::time::Instant::now() < stalled,
+                        "the dead child's output did not end"
+                    );
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
         }
-        count
     }
 }
 
