@@ -62,7 +62,11 @@ pub struct Probe<S> {
     /// How many of the next claims are applied by the store and then fail, their reply
     /// lost.
     lost_claim_replies: Arc<AtomicUsize>,
+    /// How long after the store applied a claim its reply arrives.
+    late_claim_replies: Option<Duration>,
     claims: Runs,
+    /// `renew` calls.
+    renewals: Runs,
     /// `complete` calls.
     completes: Runs,
     /// Holds every `record_step` until the test opens it.
@@ -164,8 +168,10 @@ impl<S> Probe<S> {
             failing_renewals: Arc::default(),
             failing_completes: Arc::default(),
             lost_claim_replies: Arc::default(),
+            late_claim_replies: None,
             completes: Runs::default(),
             claims: Runs::default(),
+            renewals: Runs::default(),
             step_gate: None,
             steps_gate: None,
             trips: Runs::default(),
@@ -272,6 +278,20 @@ impl<S> Probe<S> {
         probe
     }
 
+    /// A store whose claims' replies arrive `late` after the store applied them (a slow
+    /// network, a busy process): the lease began before the caller hears of it.
+    pub fn answers_claims_late(inner: S, late: Duration) -> Self {
+        Self {
+            late_claim_replies: Some(late),
+            ..Self::new(inner)
+        }
+    }
+
+    /// How many `renew` calls reached the probe.
+    pub fn renewals(&self) -> usize {
+        self.renewals.count()
+    }
+
     /// A store whose next `n` renewals fail, as a store that is briefly unreachable.
     pub fn renewals_fail(inner: S, n: usize) -> Self {
         let probe = Self::new(inner);
@@ -375,6 +395,9 @@ impl<S: Store + Clone> Store for Probe<S> {
         let claimed = self
             .apply(self.inner.claim_with_nonce(key, fp, lease, nonce))
             .await;
+        if let Some(late) = self.late_claim_replies {
+            tokio::time::sleep(late).await;
+        }
         let failing = |n: usize| n.checked_sub(1);
         if self
             .lost_claim_replies
@@ -419,6 +442,7 @@ impl<S: Store + Clone> Store for Probe<S> {
     }
 
     async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
+        self.renewals.hit();
         if !self.renews {
             return Ok(true); // so the holder does not notice it lost the lease
         }

@@ -134,3 +134,27 @@ async fn zombie_start(name: &str, store: Arc<dyn Store>) {
     assert_eq!(b, Outcome::Executed("one:1".to_string()), "{name}");
     assert_eq!(one.runs(), 1, "{name}: the zombie never started the step");
 }
+
+/// The claim's reply arrives late, after most of the lease the store started when it applied
+/// the claim: the holder counts its lease from when it sent the claim, not from the reply,
+/// so before the first step it cannot vouch for the lease by its own clock and asks the
+/// store first (a renewal), rather than start the step on time it may no longer have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_is_counted_from_the_claims_sending_not_its_late_reply() {
+    let lease = Duration::from_secs(2);
+    let op = Operation::new(namespace("steps_late_claim_reply")).lease(lease);
+    let key = op.key(&"order-3").unwrap();
+    // The reply comes 90 % of the lease after the claim: a step may start only on a lease
+    // with more than a quarter left.
+    let store = Probe::answers_claims_late(idem_runtime::MemoryStore::new(), lease * 9 / 10);
+    let renewed_before_the_step = op
+        .run(&store, &key, None, async {
+            step("one", async { Ok::<_, Error>(store.renewals()) }).await
+        })
+        .await
+        .unwrap();
+    assert!(
+        matches!(renewed_before_the_step, Outcome::Executed(renewals) if renewals >= 1),
+        "{renewed_before_the_step:?}"
+    );
+}

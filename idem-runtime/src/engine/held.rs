@@ -134,15 +134,16 @@ impl Held {
         key: Key,
         fingerprint: Option<Fingerprint>,
         token: Token,
+        sent: Instant,
         settings: &Settings,
         span: tracing::Span,
     ) -> Self {
         let lease = settings.lease;
-        // Read after the claim returned: later than the store's own start of the lease, so
-        // this errs towards trying too long, which the token makes harmless. The body starts
-        // now too: one clock read for the three.
+        // Counted from when the claim was sent, before the store started the lease: this
+        // process never believes its lease lasts longer than the store's, however late the
+        // claim's answer came (a step starts on that belief, by this clock).
+        let expires = sent + lease;
         let now = Instant::now();
-        let expires = now + lease;
         let flight = store
             .flights()
             .map(|flights| flights.start(key, fingerprint, expires));

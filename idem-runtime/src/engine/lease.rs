@@ -167,8 +167,8 @@ impl Lease {
 
     /// Whether this process cannot vouch for the claim without asking the store: a renewal
     /// found it taken over, or two renewals in a row were missed, so that the lease is
-    /// within a quarter of running out (a margin for this process's clock reading of the
-    /// lease's start, taken after the store's).
+    /// within a quarter of running out (a margin for renewals late or lost; the lease is
+    /// counted from before the store started it).
     pub(super) fn in_doubt(&self) -> bool {
         self.lost.load(Ordering::Relaxed)
             || Instant::now() + self.lease / RENEWALS_PER_LEASE >= self.expires()

@@ -82,11 +82,13 @@ impl Settings {
         });
         Ok(match settled? {
             Settled::Replay(record) => Begun::Replay(record),
-            Settled::Run(token) => Begun::Run(Held::new(
+            Settled::Run(token, sent) => Begun::Run(Held::new(
                 store.shared(),
                 key,
                 fingerprint,
                 token,
+                // Only a claim acquires (`sent` is always there); `now` is later still.
+                sent.unwrap_or_else(Instant::now),
                 self,
                 span,
             )),
@@ -142,18 +144,19 @@ impl Settings {
             } else {
                 store.peek(key)
             };
-            let claim = match at_hand {
-                Some(completed @ Claim::Completed { .. }) => completed,
+            let (claim, sent) = match at_hand {
+                Some(completed @ Claim::Completed { .. }) => (completed, None),
                 _ => {
                     // The enclosing call's claim may be uncommitted in its transaction, where
                     // a claim would wait for the very call that waits for it.
                     attempt::refuse_recursion(store, key)?;
                     let nonce = *nonce.get_or_insert_with(crate::store::nonce);
-                    self.claim(store, key, fingerprint, nonce).await?
+                    let (claim, sent) = self.claim(store, key, fingerprint, nonce).await?;
+                    (claim, Some(sent))
                 }
             };
             match claim {
-                Claim::Acquired { token } => return Ok(Settled::Run(token)),
+                Claim::Acquired { token } => return Ok(Settled::Run(token, sent)),
                 Claim::Completed {
                     value,
                     fingerprint: recorded,
@@ -179,10 +182,13 @@ impl Settings {
         key: &Key,
         fingerprint: Option<&Fingerprint>,
         nonce: u64,
-    ) -> Result<Claim, Error> {
-        // The first try is bounded by the store itself; the clock is read only for a store
-        // that bounds its claims, and a try sent again must end by the same deadline.
-        let deadline = store.claim_timeout().map(|bound| Instant::now() + bound);
+    ) -> Result<(Claim, Instant), Error> {
+        // When the try that answers was sent: the store's lease starts after it, so a
+        // holder that counts its lease from here never believes it has more than the store
+        // gave it (a step starts by that belief). A try sent again must end by the
+        // first's deadline, if the store bounds its claims.
+        let mut sent = Instant::now();
+        let deadline = store.claim_timeout().map(|bound| sent + bound);
         let mut failures = 0;
         let mut claimed = store
             .claim_with_nonce(key, fingerprint, self.lease, nonce)
@@ -198,15 +204,16 @@ impl Settings {
                     tracing::debug!(error = %err, failures, "the claim failed; claiming again with its nonce");
                     // Boxed: the slow path's timers stay out of the state of every call.
                     Box::pin(tokio::time::sleep_until(again)).await;
-                    let sent = store.claim_with_nonce(key, fingerprint, self.lease, nonce);
+                    sent = Instant::now();
+                    let again = store.claim_with_nonce(key, fingerprint, self.lease, nonce);
                     claimed = match deadline {
-                        Some(deadline) => Box::pin(tokio::time::timeout_at(deadline, sent))
+                        Some(deadline) => Box::pin(tokio::time::timeout_at(deadline, again))
                             .await
                             .unwrap_or_else(|_| Err(claim_timed_out(store))),
-                        None => sent.await,
+                        None => again.await,
                     };
                 }
-                claimed => return claimed,
+                claimed => return claimed.map(|claim| (claim, sent)),
             }
         }
     }
@@ -311,7 +318,9 @@ const CLAIM_TRIES: u32 = 3;
 /// What settling a claim ended with: a record to replay, or the claim's token to run under.
 pub(crate) enum Settled {
     Replay(Bytes),
-    Run(Token),
+    /// The claim's token, and when the claim that took it was sent (a claim in the
+    /// caller's transaction holds no lease, and reads no clock).
+    Run(Token, Option<Instant>),
 }
 
 fn check_fingerprint(

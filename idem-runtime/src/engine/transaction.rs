@@ -112,7 +112,7 @@ impl<P> Operation<P> {
             };
             let token = match self.settings.settle_in(store, connection, &call).await? {
                 Settled::Replay(record) => return self.replay::<Json, _, _>(&record),
-                Settled::Run(token) => token,
+                Settled::Run(token, _) => token,
             };
             let journal = Journal::in_transaction(*key, &self.settings, fingerprint.copied());
             let attempt = Attempt::enter_fenced(store, *key, token, journal);
@@ -220,7 +220,7 @@ impl Settings {
         let mut polls = 0;
         loop {
             let settled = match store.__claim_in(connection, call, polls == 0).await? {
-                Claim::Acquired { token } => return Ok(Settled::Run(token)),
+                Claim::Acquired { token } => return Ok(Settled::Run(token, None)),
                 Claim::Completed {
                     value,
                     fingerprint: recorded,
