@@ -321,12 +321,7 @@ pub fn look<P, S: StoreValue>(
     // A call without a key, or with a derivation error, is answered by the call itself. The
     // look borrows the key and the fingerprint where they are: a replay moves neither.
     if let Ok(Some(key)) = &key {
-        let fingerprint = match &fingerprint {
-            None => Ok(None),
-            Some(Ok(fingerprint)) => Ok(Some(fingerprint)),
-            Some(Err(_)) => Err(()),
-        };
-        if let Ok(fingerprint) = fingerprint {
+        if let Ok(fingerprint) = fingerprint.as_ref().map(Result::as_ref).transpose() {
             if let Some(found) = operation.settings.replay_at_once(store, key, fingerprint) {
                 return Looked(Look::Found(found));
             }

@@ -87,8 +87,7 @@ impl Settings {
                 key,
                 fingerprint,
                 token,
-                // Only a claim acquires (`sent` is always there); `now` is later still.
-                sent.unwrap_or_else(Instant::now),
+                sent,
                 self,
                 span,
             )),
@@ -144,17 +143,18 @@ impl Settings {
             } else {
                 store.peek(key)
             };
-            let (claim, sent) = match at_hand {
-                Some(completed @ Claim::Completed { .. }) => (completed, None),
-                _ => {
-                    // The enclosing call's claim may be uncommitted in its transaction, where
-                    // a claim would wait for the very call that waits for it.
-                    attempt::refuse_recursion(store, key)?;
-                    let nonce = *nonce.get_or_insert_with(crate::store::nonce);
-                    let (claim, sent) = self.claim(store, key, fingerprint, nonce).await?;
-                    (claim, Some(sent))
-                }
-            };
+            if let Some(Claim::Completed {
+                value,
+                fingerprint: recorded,
+            }) = at_hand
+            {
+                return Settled::replay(value, recorded.as_ref(), fingerprint);
+            }
+            // The enclosing call's claim may be uncommitted in its transaction, where a claim
+            // would wait for the very call that waits for it.
+            attempt::refuse_recursion(store, key)?;
+            let nonce = *nonce.get_or_insert_with(crate::store::nonce);
+            let (claim, sent) = self.claim(store, key, fingerprint, nonce).await?;
             match claim {
                 Claim::Acquired { token } => return Ok(Settled::Run(token, sent)),
                 Claim::Completed {
@@ -318,9 +318,9 @@ const CLAIM_TRIES: u32 = 3;
 /// What settling a claim ended with: a record to replay, or the claim's token to run under.
 pub(crate) enum Settled {
     Replay(Bytes),
-    /// The claim's token, and when the claim that took it was sent (a claim in the
-    /// caller's transaction holds no lease, and reads no clock).
-    Run(Token, Option<Instant>),
+    /// The claim's token, and when the claim that took it was sent: the store's lease
+    /// began after it.
+    Run(Token, Instant),
 }
 
 fn check_fingerprint(

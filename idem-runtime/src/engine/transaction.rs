@@ -219,8 +219,9 @@ impl Settings {
         let deadline = Instant::now() + self.wait_timeout.unwrap_or(self.lease);
         let mut polls = 0;
         loop {
+            let sent = Instant::now();
             let settled = match store.__claim_in(connection, call, polls == 0).await? {
-                Claim::Acquired { token } => return Ok(Settled::Run(token, None)),
+                Claim::Acquired { token } => return Ok(Settled::Run(token, sent)),
                 Claim::Completed {
                     value,
                     fingerprint: recorded,
