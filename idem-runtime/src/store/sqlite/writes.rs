@@ -672,6 +672,33 @@ mod tests {
         (store, file)
     }
 
+    /// A claim of the key made of `byte`, its nonce `byte` too, begun now.
+    fn take(byte: u8) -> (Job, Answered<Result<Token, SqliteRow>>) {
+        let key = Key::from_bytes([byte; 32]);
+        Job::take(
+            &key,
+            None,
+            Duration::from_secs(5),
+            byte.into(),
+            Instant::now(),
+        )
+    }
+
+    /// `job` as it waits in the store's queue.
+    fn queued(store: &SqliteStore, job: Job) -> Write {
+        Write {
+            job,
+            sql: Arc::clone(&store.sql),
+            deadline: later(),
+        }
+    }
+
+    /// Whether a live claim holds the key made of `byte`.
+    async fn held(store: &SqliteStore, byte: u8) -> bool {
+        let key = Key::from_bytes([byte; 32]);
+        store.lease_left(&key).await.unwrap().is_some()
+    }
+
     fn later() -> Instant {
         Instant::now() + Duration::from_secs(10)
     }
@@ -695,11 +722,7 @@ mod tests {
                 sql: missing,
                 deadline: later(),
             },
-            Write {
-                job: good,
-                sql: Arc::clone(&store.sql),
-                deadline: later(),
-            },
+            queued(&store, good),
         ];
         let turn = Arc::clone(&store.writes.turn).lock_owned().await;
         store.writes.commit(batch, turn).await;
@@ -730,27 +753,11 @@ mod tests {
             .await
             .unwrap();
         // Another caller's claim, queued: the next caller with the turn takes it along.
-        let (queued, answered) = Job::take(
-            &Key::from_bytes([4; 32]),
-            None,
-            Duration::from_secs(5),
-            4,
-            Instant::now(),
-        );
-        store.writes.queue().push(Write {
-            job: queued,
-            sql: Arc::clone(&store.sql),
-            deadline: later(),
-        });
+        let (other_claim, answered) = take(4);
+        store.writes.queue().push(queued(&store, other_claim));
         let writes = Arc::clone(&store.writes);
         let sql = Arc::clone(&store.sql);
-        let job = Job::take(
-            &Key::from_bytes([5; 32]),
-            None,
-            Duration::from_secs(5),
-            5,
-            Instant::now(),
-        );
+        let job = take(5);
         let caller = tokio::spawn(async move { writes.run(&sql, job, later()).await.is_ok() });
         // The caller took the batch (both writes) and is committing it, held by the lock.
         while !store.writes.queue().is_empty() || store.writes.turn.try_lock().is_ok() {
@@ -763,11 +770,7 @@ mod tests {
             matches!(answered.await.unwrap(), Ok(Ok(_))),
             "the other caller's claim committed"
         );
-        assert!(store
-            .lease_left(&Key::from_bytes([4; 32]))
-            .await
-            .unwrap()
-            .is_some());
+        assert!(held(&store, 4).await);
         // The turn comes back once that commit is over: a write after it goes through.
         let later_key = Key::from_bytes([6; 32]);
         let after = store.claim(&later_key, None, Duration::from_secs(5)).await;
@@ -775,9 +778,8 @@ mod tests {
             matches!(after, Ok(crate::Claim::Acquired { .. })),
             "a later claim is taken"
         );
-        assert_eq!(
-            store.lease_left(&Key::from_bytes([5; 32])).await.unwrap(),
-            None,
+        assert!(
+            !held(&store, 5).await,
             "the claim of the caller that stopped waiting is not taken"
         );
     }
@@ -827,38 +829,17 @@ mod tests {
     #[tokio::test]
     async fn a_claim_whose_caller_stopped_waiting_is_not_taken() {
         let (store, _file) = store("abandoned").await;
-        let (abandoned, answer) = Job::take(
-            &Key::from_bytes([2; 32]),
-            None,
-            Duration::from_secs(5),
-            1,
-            Instant::now(),
-        );
+        let (abandoned, answer) = take(2);
         drop(answer);
-        let (waited, answered) = Job::take(
-            &Key::from_bytes([3; 32]),
-            None,
-            Duration::from_secs(5),
-            2,
-            Instant::now(),
-        );
-        let batch = [abandoned, waited].map(|job| Write {
-            job,
-            sql: Arc::clone(&store.sql),
-            deadline: later(),
-        });
+        let (waited, answered) = take(3);
+        let batch = [abandoned, waited].map(|job| queued(&store, job));
         let turn = Arc::clone(&store.writes.turn).lock_owned().await;
         store.writes.commit(batch.into(), turn).await;
         assert!(matches!(answered.await.unwrap(), Ok(Ok(_))));
-        assert_eq!(
-            store.lease_left(&Key::from_bytes([2; 32])).await.unwrap(),
-            None,
+        assert!(
+            !held(&store, 2).await,
             "nobody holds the abandoned claim's key"
         );
-        assert!(store
-            .lease_left(&Key::from_bytes([3; 32]))
-            .await
-            .unwrap()
-            .is_some());
+        assert!(held(&store, 3).await);
     }
 }
