@@ -784,12 +784,26 @@ mod tests {
         );
     }
 
-    /// A renewal is made beside its body, in the body's task. When that body keeps its
-    /// thread busy right after the renewal took the turn, another task's claim still
-    /// commits: the renewal's commit runs in a task of its own.
+    /// A renewal is made beside its body, in the body's task, and a step's record from
+    /// inside it. When that body keeps its thread busy right after such a write took the
+    /// turn, another task's claim still commits: the write's commit runs in a task of its
+    /// own.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_renewal_beside_a_busy_body_does_not_hold_up_the_others_writes() {
-        let (store, _file) = store("renewal-beside-busy-body").await;
+        beside_a_busy_body("renewal-beside-busy-body", false).await;
+    }
+
+    /// [`a_renewal_beside_a_busy_body_does_not_hold_up_the_others_writes`], for a step's
+    /// record.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_step_record_beside_a_busy_body_does_not_hold_up_the_others_writes() {
+        beside_a_busy_body("step-beside-busy-body", true).await;
+    }
+
+    /// A renewal (or, with `step`, a step's record) made in a task that then keeps its
+    /// thread until another task's claim has landed.
+    async fn beside_a_busy_body(test: &str, step: bool) {
+        let (store, _file) = store(test).await;
         let held = Key::from_bytes([7; 32]);
         let Ok(crate::Claim::Acquired { token }) =
             store.claim(&held, None, Duration::from_secs(5)).await
@@ -799,12 +813,18 @@ mod tests {
         let (landed, heard) = std::sync::mpsc::channel();
         let other = store.clone();
         let body = tokio::spawn(async move {
-            let mut renewal = store.renew(&held, token, Duration::from_secs(5));
-            // Polled once: the renewal holds the turn, its statement under way.
+            let step_key = Key::from_bytes([9; 32]);
+            let lease = Duration::from_secs(5);
+            let mut write = if step {
+                store.record_step(&held, token, &step_key, Bytes::from_static(b"1"), lease)
+            } else {
+                store.renew(&held, token, lease)
+            };
+            // Polled once: the write holds the turn, its statement under way.
             let pending = std::future::poll_fn(|cx| {
-                std::task::Poll::Ready(renewal.as_mut().poll(cx).is_pending())
+                std::task::Poll::Ready(write.as_mut().poll(cx).is_pending())
             });
-            assert!(pending.await, "a renewal waits for SQLite's thread");
+            assert!(pending.await, "a write waits for SQLite's thread");
             // The task yields once, as a body's task does between its polls (a task spawned
             // here is polled then), and the body then keeps this task's thread until the
             // other task's claim has landed. (The bound only ends a run that would
@@ -813,7 +833,7 @@ mod tests {
             heard
                 .recv_timeout(Duration::from_secs(120))
                 .expect("the other task's claim landed while this body held its thread");
-            renewal.await
+            write.await
         });
         let fresh = Key::from_bytes([8; 32]);
         let claimed = other.claim(&fresh, None, Duration::from_secs(5)).await;
@@ -823,7 +843,7 @@ mod tests {
             "{:?}",
             claimed.as_ref().err()
         );
-        assert!(body.await.unwrap().unwrap(), "the renewal landed too");
+        assert!(body.await.unwrap().unwrap(), "the write landed too");
     }
 
     #[tokio::test]
