@@ -119,6 +119,7 @@ impl Statements {
             "clock_timestamp()",
             ["p_key", "p_fingerprint", "p_lease"],
             None,
+            super::Conflict::TakeOver,
         );
         format!(
             "\n#variable_conflict use_column\n\

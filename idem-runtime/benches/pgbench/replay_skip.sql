@@ -1,0 +1,4 @@
+-- See replay_setup.sql.
+\set k random(1, 10000)
+\set n random(1, 1000000000)
+WITH live AS (SELECT token, completed, fingerprint, value FROM rp_idem WHERE key = sha256(int8send(:k)) AND expires_at > now() AND (completed OR value IS DISTINCT FROM int8send(:n))), claimed AS (INSERT INTO rp_idem AS r (key, token, completed, fingerprint, value, expires_at) SELECT sha256(int8send(:k)), nextval('rp_idem_token'), false, NULL, int8send(:n), now() + 60000 * interval '1 millisecond' WHERE NOT EXISTS (SELECT 1 FROM live) AND (SELECT set_config('lock_timeout', '5000'::text, true)) IS NOT NULL ON CONFLICT (key) DO NOTHING RETURNING r.token, r.completed, r.fingerprint, r.value) SELECT true, token, completed, fingerprint, value FROM claimed UNION ALL SELECT false, token, completed, fingerprint, value FROM live;
