@@ -81,6 +81,39 @@ async fn replay_is_one_statement_and_first_execution_two() {
         replayed.keys().all(|q| q.contains("INSERT INTO")),
         "the claim statement: {replayed:#?}"
     );
+    // The claim sent first is the cheaper `DO NOTHING` form: it settles a replay and a
+    // fresh key alone.
+    for (call, statements) in [("replay", &replayed), ("first execution", &executed)] {
+        let claims: Vec<_> = statements
+            .keys()
+            .filter(|q| q.contains("INSERT INTO"))
+            .collect();
+        assert!(
+            !claims.is_empty() && claims.iter().all(|q| q.contains("DO NOTHING")),
+            "{call}: {statements:#?}"
+        );
+    }
+
+    // A key whose row is not live (expired here) takes the whole claim after it: three
+    // statements, and the key is taken over.
+    let key = op.key("k").unwrap();
+    sqlx::query("UPDATE idem_records SET expires_at = now() - interval '1 second' WHERE key = $1")
+        .bind(&key.as_bytes()[..])
+        .execute(&admin)
+        .await
+        .unwrap();
+    reset(&admin).await;
+    assert_eq!(call("k").await.unwrap(), Outcome::Executed(7));
+    let taken_over = statements(&admin).await;
+    assert_eq!(
+        count(&taken_over),
+        3,
+        "an expired key: the fast claim, the whole claim, the completion; {taken_over:#?}"
+    );
+    assert!(
+        taken_over.keys().any(|q| q.contains("DO UPDATE")),
+        "the whole claim: {taken_over:#?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
