@@ -1,11 +1,14 @@
 -- Tables and a function for the replay scripts beside this file (BENCHMARKS.md, throughput,
 -- 2026-11-29): 10 000 completed records in a table shaped as PostgresStore's (rp_idem) and
--- in the throughput bench's baseline table (rp_base). Each script alone, one after another:
+-- in the throughput bench's baseline table (rp_base). Each script alone, one after another,
+-- three rounds:
 --   psql -h 127.0.0.1 -U postgres test -f replay_setup.sql
---   for s in replay_select replay_floor replay_whole replay_skip replay_function; do
---     pgbench -h 127.0.0.1 -U postgres -n -c 16 -j 2 -T 6 -M prepared -f $s.sql test; done
--- The `*_fresh` figures of BENCHMARKS.md ran the same scripts with `random(20000,
--- 9000000000000000000)`: fresh keys.
+--   for round in 1 2 3; do
+--     for s in replay_select replay_floor replay_whole replay_skip replay_function; do
+--       pgbench -h 127.0.0.1 -U postgres -n -c 16 -j 2 -T 5 -M prepared -f $s.sql test; done; done
+-- Fresh claims on one client (BENCHMARKS.md: the function against the whole claim): the
+-- same scripts with `random(1, 10000)` changed to `random(20000, 9000000000000000000)`, run
+-- with `-c 1 -T 4` in place of `-c 16 -j 2 -T 5`.
 DROP TABLE IF EXISTS rp_idem, rp_base;
 DROP SEQUENCE IF EXISTS rp_idem_token;
 CREATE TABLE rp_idem (key bytea PRIMARY KEY, token bigint NOT NULL, completed boolean NOT NULL,

@@ -17,12 +17,13 @@
 //! CREATE SEQUENCE idem_records_token;
 //! ```
 //!
-//! Every operation is one statement; expiry is judged by the database's `now()`. A claim is
-//! one statement that returns the live row if there is one (a replay writes nothing), and
-//! otherwise takes a fresh key with `INSERT … ON CONFLICT DO NOTHING RETURNING`; a key whose
-//! row is not live takes a second statement, `… ON CONFLICT … DO UPDATE … WHERE expires_at
-//! <= now() RETURNING` (`ordinary_claim`). Tokens come from the sequence, so they grow
-//! across rows and restarts.
+//! Every operation is one statement, but the claim of a key whose row is not live, which is
+//! two; expiry is judged by the database's `now()`. A claim is one statement that returns
+//! the live row if there is one (a replay writes nothing), and otherwise takes a fresh key
+//! with `INSERT … ON CONFLICT DO NOTHING RETURNING`; a key whose row is not live (expired)
+//! takes a second statement, `… ON CONFLICT … DO UPDATE … WHERE expires_at <= now()
+//! RETURNING` (`ordinary_claim`). Tokens come from the sequence, so they grow across rows
+//! and restarts.
 //!
 //! A call's steps ([`step`](crate::step())) are completed rows of the same table, keyed by
 //! the step's key, which starts with the call key's first 16 bytes: one range of the
