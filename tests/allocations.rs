@@ -165,3 +165,25 @@ fn a_memory_replay_of_a_clone_type_allocates_only_the_clone() {
     // decoded, and the metric keys were built by the first replay.
     assert_eq!(n, 1, "a memory replay allocated beyond the value's clone");
 }
+
+#[idem_runtime::idempotent(key = id, store = store, namespace = "billing.finished.v1", on_cancel = "complete")]
+async fn finished(store: idem_runtime::MemoryStore, id: u64) -> Result<Named, idem_runtime::Error> {
+    Ok(Named {
+        id,
+        customer: "cus_0042".to_string(),
+    })
+}
+
+/// An `#[idempotent]` function's future holds its arguments and room for its answer: the
+/// call's own state (about a kilobyte) and its body's are boxed by a call that runs, so
+/// that a replay answered at once moves no more than that wherever its future goes (a
+/// task, an outer future). Both were over a kilobyte before the call's state was boxed.
+#[test]
+fn an_idempotent_functions_future_does_not_carry_the_call() {
+    let store = idem_runtime::MemoryStore::new();
+    let bound = 512;
+    let named = std::mem::size_of_val(&named(&store, 42));
+    let finished = std::mem::size_of_val(&finished(store.clone(), 42));
+    assert!(named <= bound, "named's future is {named} bytes");
+    assert!(finished <= bound, "finished's future is {finished} bytes");
+}

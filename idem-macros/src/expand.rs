@@ -197,24 +197,27 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
         None => {
             // The whole call is spanned at the return type: a type error about `T` or `E`
             // points there.
-            if args.on_cancel == Some(OnCancel::Complete) {
+            let started = if args.on_cancel == Some(OnCancel::Complete) {
                 let run = respan(quote!(#private::run_to_completion), output.span());
                 quote_spanned! {output.span()=>
-                    #run::<_, _, #returned, _>(&#op, #store_arg, async move #block).await
+                    #run::<_, _, #returned, _>(&#op, #store_arg, async move #block)
                 }
             } else {
                 let run = respan(quote!(#private::run), output.span());
                 let typing = typing(output, &private);
-                // Answered at once if the store's look found the record. (Bound first: a
-                // temporary in the tail of the body would outlive the operation.)
-                let started = local("__idem_started");
                 quote_spanned! {output.span()=>
-                    {
-                        let #started = #run::<_, _, #returned, _, _>(&#op, #store_arg, async move #block, #typing);
-                        match #started {
-                            #private::Started::Now(answered) => answered,
-                            #private::Started::Later(call) => call.await,
-                        }
+                    #run::<_, _, #returned, _, _>(&#op, #store_arg, async move #block, #typing)
+                }
+            };
+            // Answered at once if the store's look found the record. (Bound first: a
+            // temporary in the tail of the body would outlive the operation.)
+            let bound = local("__idem_started");
+            quote_spanned! {output.span()=>
+                {
+                    let #bound = #started;
+                    match #bound {
+                        #private::Started::Now(answered) => answered,
+                        #private::Started::Later(call) => call.await,
                     }
                 }
             }

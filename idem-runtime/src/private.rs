@@ -3,6 +3,7 @@
 
 use std::future::Future;
 use std::marker::PhantomData;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
@@ -264,7 +265,7 @@ pub fn run<'a, P, S, R, F, Y>(
     store: Looked<S>,
     body: F,
     typing: Y,
-) -> Started<Answered<R>, impl Future<Output = Answered<R>> + use<'a, P, S, R, F, Y>>
+) -> Started<Answered<R>, Pin<Box<impl Future<Output = Answered<R>> + use<'a, P, S, R, F, Y>>>>
 where
     R: IdemResult,
     R::Ok: Recordable,
@@ -282,8 +283,10 @@ where
         Look::Found(Err(err)) => return Started::Now(Err(err.into())),
         Look::Store(store, derived) => (store, derived),
     };
-    // The future owns the store's handle, which the call borrows.
-    Started::Later(async move {
+    // The future owns the store's handle, which the call borrows. Boxed: the call's state
+    // (about a kilobyte) would otherwise sit inline in every `#[idempotent]` function's
+    // future, and a replay answered at once would still move it wherever its future goes.
+    Started::Later(Box::pin(async move {
         let call = operation.call::<Json, S, R, F, Answered<R>>(
             &store,
             derived,
@@ -293,7 +296,7 @@ where
             true,
         );
         call.await
-    })
+    }))
 }
 
 /// A call's store after its look for the call's record ([`look`]).
@@ -340,11 +343,12 @@ pub fn look_default<P>(
 }
 
 /// `Operation::run_to_completion`, as [`run`].
-pub async fn run_to_completion<P, S, R, F>(
-    operation: &Operation<P>,
+#[inline]
+pub fn run_to_completion<'a, P, S, R, F>(
+    operation: &'a Operation<P>,
     store: Looked<S>,
     body: F,
-) -> Answered<R>
+) -> Started<Answered<R>, Pin<Box<impl Future<Output = Answered<R>> + use<'a, P, S, R, F>>>>
 where
     R: IdemResult,
     R::Ok: Recordable + Send + 'static,
@@ -353,18 +357,23 @@ where
     S: StoreValue,
     F: Future<Output = R> + Send + 'static,
 {
-    match store.0 {
+    let (store, derived) = match store.0 {
         Look::Found(found) => {
             // Refused outside a tokio runtime, as a call that runs is: replay or not.
-            crate::engine::spawner()?;
-            operation.replayed::<Json, R>(&found?, None)
+            let replayed = crate::engine::spawner()
+                .and(found)
+                .map_err(Into::into)
+                .and_then(|found| operation.replayed::<Json, R>(&found, None));
+            return Started::Now(replayed);
         }
-        Look::Store(store, derived) => {
-            operation
-                .run_to_completion_as::<Json, S, R, F>(&store, derived, body, true)
-                .await
-        }
-    }
+        Look::Store(store, derived) => (store, derived),
+    };
+    // Boxed, as in [`run`].
+    Started::Later(Box::pin(async move {
+        operation
+            .run_to_completion_as::<Json, S, R, F>(&store, derived, body, true)
+            .await
+    }))
 }
 
 /// `Operation::run_in_transaction`, as [`run`]: `transaction = tx`.
