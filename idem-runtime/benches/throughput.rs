@@ -24,8 +24,9 @@
 //! the same rounds: Redis's `INFO cpu` (user + system), and for PostgreSQL the CPU time of
 //! every `postgres` process on this machine (`/proc/<pid>/stat`: backends, WAL writer and
 //! the rest, all of which the calls make work for, and the exited backends the postmaster
-//! reaped). It is steadier than wall time on a shared
-//! machine, and it is what bounds a server shared by many clients.//!
+//! reaped). It is steadier than wall time on a shared machine, and it is what bounds a
+//! server shared by many clients.
+//!
 //! Here: the harness and the table; `throughput/redis.rs` and `throughput/postgres.rs`: each
 //! server's rows.
 
