@@ -2,6 +2,7 @@
 //! server (`pg_stat_statements`), and records that survive a restart of the server.
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::time::Duration;
 
 use idem_runtime::{Error, Operation, Outcome, PostgresStore};
@@ -26,6 +27,13 @@ async fn reset(admin: &PgPool) {
         .execute(admin)
         .await
         .unwrap();
+}
+
+/// What `call` sent, as the server counted it: its output, and the statements it executed.
+async fn sent<T>(admin: &PgPool, call: impl Future<Output = T>) -> (T, BTreeMap<String, i64>) {
+    reset(admin).await;
+    let output = call.await;
+    (output, statements(admin).await)
 }
 
 fn count(statements: &BTreeMap<String, i64>) -> i64 {
@@ -60,18 +68,16 @@ async fn replay_is_one_statement_and_first_execution_two() {
     };
     assert!(!call("warm-up").await.unwrap().is_replayed()); // opens the pool's connection
 
-    reset(&admin).await;
-    assert_eq!(call("k").await.unwrap(), Outcome::Executed(7));
-    let executed = statements(&admin).await;
+    let (outcome, executed) = sent(&admin, call("k")).await;
+    assert_eq!(outcome.unwrap(), Outcome::Executed(7));
     assert_eq!(
         count(&executed),
         2,
         "first execution: claim + complete; {executed:#?}"
     );
 
-    reset(&admin).await;
-    assert_eq!(call("k").await.unwrap(), Outcome::Replayed(7));
-    let replayed = statements(&admin).await;
+    let (outcome, replayed) = sent(&admin, call("k")).await;
+    assert_eq!(outcome.unwrap(), Outcome::Replayed(7));
     assert_eq!(
         count(&replayed),
         1,
@@ -102,9 +108,8 @@ async fn replay_is_one_statement_and_first_execution_two() {
         .execute(&admin)
         .await
         .unwrap();
-    reset(&admin).await;
-    assert_eq!(call("k").await.unwrap(), Outcome::Executed(7));
-    let taken_over = statements(&admin).await;
+    let (outcome, taken_over) = sent(&admin, call("k")).await;
+    assert_eq!(outcome.unwrap(), Outcome::Executed(7));
     assert_eq!(
         count(&taken_over),
         3,

@@ -9,7 +9,10 @@
 -- Fresh claims on one client (BENCHMARKS.md: the function against the whole claim): the
 -- same scripts with `random(1, 10000)` changed to `random(20000, 9000000000000000000)`, run
 -- with `-c 1 -T 4` in place of `-c 16 -j 2 -T 5`.
-DROP TABLE IF EXISTS rp_idem, rp_base;
+-- The floor's key width (BENCHMARKS.md, eighth round): replay_floor_hashed (the floor's
+-- bigint key, the digest computed as the others do) against replay_floor_wide (the floor on
+-- rp_base_wide, keyed by the 32-byte digest as idem is) and replay_skip, with the loop above.
+DROP TABLE IF EXISTS rp_idem, rp_base, rp_base_wide;
 DROP SEQUENCE IF EXISTS rp_idem_token;
 CREATE TABLE rp_idem (key bytea PRIMARY KEY, token bigint NOT NULL, completed boolean NOT NULL,
     fingerprint bytea, value bytea, expires_at timestamptz NOT NULL);
@@ -23,6 +26,12 @@ INSERT INTO rp_idem SELECT sha256(int8send(g)), g, true, NULL,
 INSERT INTO rp_base SELECT g, true,
     convert_to('{"id":7,"customer":"cus_0042","cents":4999}', 'UTF8'), now() + interval '1 day'
     FROM generate_series(1, 10000) g;
+CREATE TABLE rp_base_wide (key bytea PRIMARY KEY, completed boolean NOT NULL, value bytea,
+    expires_at timestamptz NOT NULL);
+INSERT INTO rp_base_wide SELECT sha256(int8send(g)), true,
+    convert_to('{"id":7,"customer":"cus_0042","cents":4999}', 'UTF8'), now() + interval '1 day'
+    FROM generate_series(1, 10000) g;
+VACUUM ANALYZE rp_base_wide;
 VACUUM ANALYZE rp_idem;
 VACUUM ANALYZE rp_base;
 
