@@ -29,6 +29,9 @@ impl Child {
             .args(["--ignored", "--exact", test, "--nocapture"])
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped());
+        if let Some(url) = crate::dynamodb_server::started_dynamodb_url() {
+            command.env("IDEM_DYNAMODB_URL", url);
+        }
         for (name, value) in env {
             command.env(name, value);
         }

@@ -1,6 +1,7 @@
 //! The DynamoDB emulator the tests use: `IDEM_DYNAMODB_URL` (default `http://127.0.0.1:8000`,
-//! where `.ci/run` starts `dynoxide`), started here when it is down and `dynoxide` is on the
-//! `PATH`; and a client of it as a Lambda function's would be, less the TLS.
+//! where `.ci/run` starts `dynoxide`), or, when nothing answers there, a `dynoxide` of the
+//! test process's own that ends with it; and a client of it as a Lambda function's would
+//! be, less the TLS.
 
 use std::time::Duration;
 
@@ -47,53 +48,77 @@ async fn answers(url: &str) -> bool {
     .is_ok_and(|connected| connected.is_ok())
 }
 
-/// Starts `dynoxide` on the default address, in memory, left running for the tests after
-/// this one (as `.ci/run` would have): `false` when it cannot.
-async fn start_dynoxide() -> bool {
-    let started = std::process::Command::new("dynoxide")
-        .args([
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "8000",
-            "--log",
-            "quiet",
-        ])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn();
-    if started.is_err() {
-        return false;
-    }
-    for _ in 0..100 {
-        if answers("http://127.0.0.1:8000").await {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    false
+/// The URL of the emulator this process started, if it started one: its child processes
+/// are sent to it (`IDEM_DYNAMODB_URL`), since they share its tables.
+static STARTED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// The emulator of this process's own, if it started one.
+pub fn started_dynamodb_url() -> Option<&'static str> {
+    STARTED.get().map(String::as_str)
 }
 
-/// The emulator's URL once it answers, or `None` (skipped) when it is down and cannot be
-/// started here.
+/// Starts a `dynoxide` of this test process's own on a free port, in memory: its URL once
+/// it answers, or `None` when it cannot be started. It lives as long as the process: a
+/// shell holds it and the read end of a pipe whose write end only this process holds, so
+/// that when the process ends, however it ends (a SIGKILL too), the shell reads the end of
+/// the pipe and stops the emulator. No test leaves one running.
+async fn start_dynoxide() -> Option<String> {
+    use std::process::{Child, ChildStdin, Command, Stdio};
+    use std::sync::{Mutex, OnceLock};
+    static KEPT: OnceLock<Mutex<Vec<(Child, ChildStdin)>>> = OnceLock::new();
+
+    let port = crate::free_port()?;
+    let script = r#"dynoxide serve --host 127.0.0.1 --port "$1" --log quiet </dev/null >/dev/null 2>&1 &
+server=$!
+read -r _
+kill "$server""#;
+    let mut shell = Command::new("sh")
+        .args(["-c", script, "sh", &port.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    let pipe = shell.stdin.take()?;
+    // Never dropped: the pipe closes when the process does.
+    KEPT.get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .push((shell, pipe));
+    let url = format!("http://127.0.0.1:{port}");
+    for _ in 0..200 {
+        if answers(&url).await {
+            let _ = STARTED.set(url.clone());
+            return Some(url);
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    None
+}
+
+/// The emulator's URL once it answers (`IDEM_DYNAMODB_URL`; by default the one on
+/// 127.0.0.1:8000, or, when nothing answers there, one of this process's own), or `None`
+/// (skipped) when there is none and `dynoxide` cannot be started here.
 pub async fn dynamodb_endpoint() -> Option<String> {
-    static UP: OnceCell<bool> = OnceCell::const_new();
+    static UP: OnceCell<Option<String>> = OnceCell::const_new();
     let url = dynamodb_url();
-    let up = *UP
+    let up = UP
         .get_or_init(|| async {
-            answers(&url).await
-                || (std::env::var_os("IDEM_DYNAMODB_URL").is_none() && start_dynoxide().await)
+            if answers(&url).await {
+                Some(url.clone())
+            } else if std::env::var_os("IDEM_DYNAMODB_URL").is_none() {
+                start_dynoxide().await
+            } else {
+                None
+            }
         })
         .await;
-    if up {
-        Some(url)
-    } else {
-        unavailable(
+    match up {
+        Some(url) => Some(url.clone()),
+        None => unavailable(
             &format!("a DynamoDB endpoint at {url}"),
             "nothing answers there and `dynoxide` could not be started (`cargo install dynoxide-rs`, see README)",
-        )
+        ),
     }
 }
 

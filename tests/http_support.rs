@@ -156,6 +156,7 @@ pub async fn serve(router: Router<()>) -> SocketAddr {
     addr
 }
 
+#[derive(Debug)]
 pub struct Answer {
     pub status: StatusCode,
     pub headers: HeaderMap,

@@ -564,10 +564,25 @@ pub fn unavailable<T>(what: &str, detail: impl std::fmt::Display) -> Option<T> {
         !services_required(),
         "{what} is required (IDEM_REQUIRE_SERVICES=1) but unavailable: {detail}"
     );
-    println!(
-        "skipped: {what} is unavailable ({detail}); set IDEM_REQUIRE_SERVICES=1 to fail instead"
-    );
+    skipped(format_args!(
+        "{what} is unavailable ({detail}); set IDEM_REQUIRE_SERVICES=1 to fail instead"
+    ));
     None
+}
+
+/// Says that the running test skipped something, and why, in the test command's own
+/// output: `skipped: <test> (<n> in this binary): <why>`. Written to the process's
+/// standard error itself, past libtest's capture (which takes only `print!`'s output, and
+/// shows a passing test's only with `--nocapture`), so a passing test that skipped shows.
+pub fn skipped(why: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    static SKIPS: AtomicUsize = AtomicUsize::new(0);
+    let n = SKIPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+    let thread = std::thread::current();
+    let test = thread.name().unwrap_or("a test");
+    let line = format!("skipped: {test} ({n} in this binary): {why}\n");
+    // One write of the whole line, so that lines of tests running beside it do not mix.
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
 }
 
 /// The Redis server of `IDEM_REDIS_URL` (default `redis://127.0.0.1:6379`).

@@ -50,7 +50,7 @@ pub async fn two_stores_200_callers_each<S: Store + Clone>(first: S, second: S) 
 }
 
 /// A holder that stopped renewing (paused past its lease) is taken over; its own
-/// completion is refused and the new owner's result stands.
+/// completion is refused, its caller told `Unrecorded`, and the new owner's result stands.
 pub async fn zombie_cannot_overwrite_the_new_owner<S: Store + Clone>(store: S) {
     let lease = Duration::from_millis(200);
     let op = Operation::new(namespace("zombie")).lease(lease);
@@ -78,12 +78,11 @@ pub async fn zombie_cannot_overwrite_the_new_owner<S: Store + Clone>(store: S) {
     });
     assert_eq!(owner.await.unwrap(), Outcome::Executed("owner".to_string()));
     owner_done.send(()).unwrap();
-    // The zombie's body did run, but its result is not the key's: its caller gets the
-    // owner's record, the one value every caller of the key gets.
-    assert_eq!(
-        zombie.await.unwrap().unwrap(),
-        Outcome::Replayed("owner".to_string())
-    );
+    // The zombie's body did run, but its result is not the key's: its caller is told so
+    // (`Unrecorded`, never a replay that would say its body did not run), and every later
+    // caller gets the owner's record.
+    let err = zombie.await.unwrap().unwrap_err();
+    assert!(matches!(err, Error::Unrecorded(_)), "{err}");
     let replay = op.run(&store, &key, None, async {
         Ok::<_, Error>("third".to_string())
     });
@@ -102,9 +101,9 @@ async fn lapsed<S: Store>(store: &S, key: &Key) {
 
 /// A holder paused past its lease whose body then returns: it never answers a result
 /// that is not the key's. If nobody took the key, its result is recorded and answered;
-/// if another holder runs the key, it gets `InProgress` (and the retry replays the other
-/// holder's record). The case where another holder recorded first is
-/// [`zombie_cannot_overwrite_the_new_owner`].
+/// if another holder runs the key, it gets `Unrecorded`, whose source is `InProgress` (and
+/// the retry replays the other holder's record). The case where another holder recorded
+/// first is [`zombie_cannot_overwrite_the_new_owner`].
 pub async fn a_lapsed_holder_answers_only_what_the_key_records<S: Store + Clone>(store: S) {
     let lease = Duration::from_millis(200);
     let op = Operation::new(namespace("lapsed-holder")).lease(lease);
@@ -139,7 +138,8 @@ pub async fn a_lapsed_holder_answers_only_what_the_key_records<S: Store + Clone>
     });
     assert_eq!(replay.await.unwrap(), Outcome::Replayed("late".to_string()));
 
-    // Another holder runs the key: InProgress, never the late value as if recorded.
+    // Another holder runs the key: `Unrecorded` (the body ran; its result is not recorded),
+    // never the late value as if recorded, nor an error that says the body did not run.
     let key = op.key(&(2, std::process::id())).unwrap();
     let (call, claimed, wake) = paused_past_its_lease(key, "late");
     claimed.await.unwrap();
@@ -162,7 +162,13 @@ pub async fn a_lapsed_holder_answers_only_what_the_key_records<S: Store + Clone>
     owner_claimed.await.unwrap();
     wake.send(()).unwrap();
     let err = call.await.unwrap().unwrap_err();
-    assert!(matches!(err, Error::InProgress), "{err}");
+    let Error::Unrecorded(why) = &err else {
+        panic!("a body that ran is answered {err}, not Unrecorded");
+    };
+    assert!(
+        matches!(why.downcast_ref::<Error>(), Some(Error::InProgress)),
+        "{err}"
+    );
     finish_owner.send(()).unwrap();
     assert_eq!(
         owner.await.unwrap().unwrap(),
@@ -259,10 +265,11 @@ pub async fn zombie_fences_are_refused_downstream<S: Store + Clone>(store: S) {
             Some(true),
             "the zombie's fenced write must be refused"
         );
-        assert_eq!(
-            zombie.await.unwrap().unwrap(),
-            Outcome::Replayed((owner_token, true)),
-            "the zombie answers the owner's record"
+        // Its body ran (its effect was fenced): it is told so, never answered a replay.
+        let err = zombie.await.unwrap().unwrap_err();
+        assert!(
+            matches!(err, Error::Unrecorded(_)),
+            "the zombie is told Unrecorded: {err}"
         );
         assert_eq!(downstream.0.lock().unwrap().1, "owner");
     }

@@ -333,10 +333,10 @@ async fn a_zombie_holders_fenced_write_is_refused() {
         0,
         "the zombie's write is refused by the fence"
     );
-    assert_eq!(
-        zombie.await.unwrap().unwrap(),
-        Outcome::Replayed(1),
-        "the zombie answers the new holder's record"
+    let zombie = zombie.await.unwrap();
+    assert!(
+        matches!(zombie, Err(Error::Unrecorded(_))),
+        "the zombie is told its body ran unrecorded, never a replay: {zombie:?}"
     );
     let note: String = sqlx::query_scalar(&format!(
         "SELECT note FROM {} WHERE id = 1",

@@ -46,6 +46,14 @@ pub(crate) trait ValueCodec<T> {
     fn record_decoded(value: &T) -> (Result<Bytes, Error>, Option<T>) {
         (Self::record(value), None)
     }
+
+    /// What a caller whose body returned `value` is answered when the value could not be
+    /// recorded: `None` (the default), [`Error::Unrecorded`]; or the value itself, marked
+    /// as not recorded (the HTTP layer's responses).
+    fn unrecorded(value: T) -> Option<T> {
+        let _ = value;
+        None
+    }
 }
 
 /// Values as `serde_json`: the format of every operation but the HTTP layer's.

@@ -160,6 +160,10 @@ pub(crate) struct Settings {
     pub(crate) lease: Duration,
     pub(crate) in_flight: InFlight,
     pub(crate) wait_timeout: Option<Duration>,
+    /// How long the caller waits for a completion that failed before it is answered
+    /// [`Error::Unrecorded`] (the guard goes on retrying within the lease without it);
+    /// `None`: until the lease runs out.
+    pub(crate) record_wait: Option<Duration>,
 }
 
 impl Operation {
@@ -173,6 +177,7 @@ impl Operation {
                 lease: DEFAULT_LEASE,
                 in_flight: InFlight::Wait,
                 wait_timeout: None,
+                record_wait: None,
             },
             errors: ReleaseErrors,
         }
@@ -237,6 +242,14 @@ impl<P> Operation<P> {
             settings: self.settings,
             errors,
         }
+    }
+
+    /// The same operation with its callers waiting at most `wait` for a completion that
+    /// failed (see [`Settings::record_wait`]).
+    #[cfg(feature = "http")]
+    pub(crate) fn record_wait(mut self, wait: Duration) -> Self {
+        self.settings.record_wait = Some(wait);
+        self
     }
 
     /// The same operation under another namespace.

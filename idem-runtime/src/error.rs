@@ -76,8 +76,11 @@ pub enum Error {
 
     /// The body **ran**, but its result could not be recorded: the store failed on every
     /// try until the claim's lease ran out (a server gone in a failover that did not come
-    /// back in time, a partition, a full disk). The call is not answered `Executed` with a
-    /// value that a retry would not replay. This process goes on recording the result in the
+    /// back in time, a partition, a full disk), or the lease ran out while the body ran and
+    /// another call took the key (it recorded first, or runs it now: the source says
+    /// which). It is the one error a call answers after its body ran (a step answers it too,
+    /// when the step ran and its record could not be written). The call is not answered
+    /// `Executed` with a value that a retry would not replay. This process goes on recording the result in the
     /// background, for as long as it would be replayed (its TTL): once the store takes it,
     /// every call of the key replays it, and this process's own calls of the key wait for
     /// it meanwhile. A call from another process after the claim lapsed and before the
@@ -130,7 +133,7 @@ impl Error {
 impl Error {
     /// The variant's stable name, as serialized: `in_progress`, `payload_mismatch`, `gone`,
     /// `store`, `codec`, `key`, `config` or `unrecorded`.
-    fn kind(&self) -> &'static str {
+    pub(crate) fn kind(&self) -> &'static str {
         match self {
             Self::InProgress => "in_progress",
             Self::PayloadMismatch => "payload_mismatch",

@@ -37,6 +37,7 @@
 //! | a request body over the limit (default 1 MiB) | `413`; the handler does not run |
 //! | a key retried, or a principal's new keys sent, faster than the [rate limits](IdempotencyLayer::rate_limit) (feature `governor`, off by default) | `429` with `Retry-After`, from memory: the store is not asked, the handler does not run |
 //! | the store is down | `503`; the handler does not run |
+//! | the store fails after the handler answered | the response once it is recorded, retried at most the store's timeout; past that the handler's response, marked `Idempotent-Unrecorded: true` (see [unrecorded](#unrecorded)) |
 //! | the client disconnects while the handler runs | the handler runs to the end and its response is recorded: the retry replays it |
 //!
 //! The key is (namespace, scope, header value), hashed like every idem key. The fingerprint
@@ -100,11 +101,19 @@
 //! response body that failed while it was read.
 //!
 //! ## unrecorded
-//! `500`: the handler ran, and its response could not be recorded: the store failed until
-//! the claim's lease ran out ([`Error::Unrecorded`](crate::Error::Unrecorded)). The service
-//! goes on recording it in the background, and replays it once the store is back; until
-//! then a retry with the same key to another instance may run the handler again once the
-//! claim lapses: check the request's effect first.
+//! `500`: what [`problem()`] makes of an [`Error::Unrecorded`](crate::Error::Unrecorded)
+//! that a service answers itself: the work ran, its answer is not recorded. The layer
+//! sends the handler's own response instead. A handler's response whose record fails
+//! is retried while the request waits, at most the store's timeout
+//! ([`Store::claim_timeout`](crate::Store::claim_timeout), 3 s where the store has none):
+//! once the store answers again, the record lands and the response goes out. If it has not
+//! landed by then, the client gets the handler's own response, marked
+//! `Idempotent-Unrecorded: true` ([`IDEMPOTENT_UNRECORDED`]), rather than a `500` for work
+//! that succeeded; so does a handler whose lease ran out while it ran and whose key another
+//! request took (a retry replays that request's record). The service goes on recording it
+//! in the background, and replays it once the store is back; until then a retry with the
+//! same key to another instance may run the handler again once the claim lapses: check the
+//! request's effect first.
 //!
 //! Services answer their own [`Error`](crate::Error)s the same way with [`problem()`] (and,
 //! with the feature `axum`, by returning the error: it is an `IntoResponse`).
@@ -134,5 +143,5 @@ pub use self::problem::problem;
 #[cfg(feature = "governor")]
 #[cfg_attr(docsrs, doc(cfg(feature = "governor")))]
 pub use self::rate_limit::{RateLimit, DEFAULT_RATE_LIMIT_BYTES, LIMITER_BYTES};
-pub use self::record::IDEMPOTENT_REPLAYED;
+pub use self::record::{IDEMPOTENT_REPLAYED, IDEMPOTENT_UNRECORDED};
 pub use self::service::{IdempotencyService, ResponseFuture};

@@ -14,6 +14,21 @@
 //! }
 //! ```
 //!
+//! Beside it, the contract as a checker over histories ([`histories`], [`History`]): many
+//! concurrent calls through a store whose every operation fails, loses its answer, slows
+//! down or stalls by a seeded schedule ([`Faulty`]), each answer held to the error table
+//! and each key to one value and one run (or a caller told `Unrecorded`):
+//!
+//! ```no_run
+//! # async fn my_store() -> idem_runtime::MemoryStore { idem_runtime::MemoryStore::new() }
+//! #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+//! async fn my_store_keeps_the_error_table_under_faults() {
+//!     let store = my_store().await;
+//!     let report = idem_runtime::testkit::histories(&[store], &idem_runtime::testkit::Plan::new(1)).await;
+//!     println!("{report}");
+//! }
+//! ```
+//!
 //! The suite uses real time (leases and TTLs of a few hundred milliseconds), since a network
 //! store judges expiry by its own clock; it takes about two seconds. Its keys live in a
 //! namespace of their own for each run, so it can run against a shared server. A broken
@@ -25,6 +40,14 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 
 use crate::{step, Claim, Error, Fingerprint, Key, Operation, Outcome, Store, Token};
+
+mod faults;
+mod histories;
+
+pub use self::faults::{Faults, Faulty};
+pub use self::histories::{
+    body_ran, histories, Answer, BodyId, CallId, History, Plan, Report, Violation,
+};
 
 /// A short lease, for the checks that a lease runs out: long enough for a slow server's
 /// round trips, short enough to wait out. A check never needs such a claim to be still held

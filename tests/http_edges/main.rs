@@ -9,6 +9,7 @@
 #[path = "../http_support.rs"]
 mod support;
 
+mod blips;
 mod requests;
 mod responses;
 

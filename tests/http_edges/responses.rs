@@ -333,24 +333,37 @@ async fn a_store_outage_holds_the_response_until_it_is_recorded() {
     assert!(store.completes() >= 2, "the completion was not retried");
 }
 
+/// A response whose record never lands: the client gets the handler's own `201`, marked
+/// `Idempotent-Unrecorded: true`, never a `500` for work that succeeded; after the lease
+/// (shorter here than the store's timeout) or after the store's timeout (shorter than the
+/// lease), whichever ends first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_response_that_cannot_be_recorded_is_a_500_that_says_the_request_was_processed() {
-    let app = App::default();
-    let store = Probe::complete_fails(MemoryStore::new());
-    let layer = layer(store).lease(Duration::from_millis(300));
-    let client = server_with(&app, layer).await;
-    let answer = client.post("/payments", "unrecorded", "{}").await;
-    assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
-    let problem = answer.problem();
-    assert!(
-        problem["type"].as_str().unwrap().ends_with("unrecorded"),
-        "{problem}"
-    );
-    assert!(
-        problem["detail"].as_str().unwrap().contains("processed"),
-        "{problem}"
-    );
-    assert_eq!(app.runs(), 1);
+async fn a_response_that_cannot_be_recorded_is_the_handlers_own_marked_unrecorded() {
+    // The memory store states no timeout: a request waits at most 3 s.
+    let wait = Duration::from_secs(3);
+    for lease in [Duration::from_millis(300), Duration::from_secs(60)] {
+        let app = App::default();
+        let store = Probe::complete_fails(MemoryStore::new());
+        let layer = layer(store).lease(lease);
+        let client = server_with(&app, layer).await;
+        let sent = std::time::Instant::now();
+        let answer = client.post("/payments", "unrecorded", "{}").await;
+        let took = sent.elapsed();
+        assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
+        assert_eq!(
+            answer.headers[idem_runtime::http::IDEMPOTENT_UNRECORDED],
+            "true",
+            "{answer:?}"
+        );
+        assert!(!answer.replayed());
+        assert!(String::from_utf8_lossy(&answer.body).contains("pay_1"));
+        assert_eq!(app.runs(), 1);
+        // Not held for the whole lease (a minute) when the store's timeout is shorter.
+        assert!(
+            took < wait + lease.min(wait) + Duration::from_secs(10),
+            "{took:?}"
+        );
+    }
 }
 
 /// `POST /login`: 201 with a session cookie for whoever asked.

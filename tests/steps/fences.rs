@@ -64,7 +64,8 @@ async fn zombie_record(name: &str, store: Arc<dyn Store>) {
     holds.await.unwrap();
     gate.open();
     let a = a.await.unwrap();
-    assert!(matches!(a, Err(Error::Store(_))), "{name}: {a:?}");
+    // Its step ran, its record refused: `Unrecorded`, never `Store`.
+    assert!(matches!(a, Err(Error::Unrecorded(_))), "{name}: {a:?}");
     proceed.notify_one();
     let b = b.await.unwrap().unwrap();
     assert_eq!(
@@ -128,6 +129,7 @@ async fn zombie_start(name: &str, store: Arc<dyn Store>) {
     zombie.fail_renewals(0);
     gate.open();
     let a = a.await.unwrap();
+    // It did not start its step: `Store`, which says nothing ran.
     assert!(matches!(a, Err(Error::Store(_))), "{name}: {a:?}");
     proceed.notify_one();
     let b = b.await.unwrap().unwrap();

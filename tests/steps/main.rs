@@ -355,7 +355,9 @@ async fn a_holder_whose_key_was_taken_over_cannot_record_the_step_it_ran() {
     assert_eq!(new_holder, Outcome::Executed("new:1".to_string()));
     resume.notify_one();
     let zombie = zombie.await.unwrap();
-    assert!(matches!(zombie, Err(Error::Store(_))), "{zombie:?}");
+    // Its step ran and could not be recorded: `Unrecorded`, never `Store` (which says
+    // nothing ran).
+    assert!(matches!(zombie, Err(Error::Unrecorded(_))), "{zombie:?}");
     assert_eq!(
         charge.runs(),
         2,

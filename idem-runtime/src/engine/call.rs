@@ -170,6 +170,13 @@ where
         let step = ready!(this.phase.advance(&operation.settings, cx, &mut slot));
         let outcome = match step {
             Step::Replay(found) => operation.replayed::<C, R>(&found, typing),
+            Step::Failed(err @ Error::Unrecorded(_)) => match this.output.take() {
+                // A codec whose values say they are not recorded answers with the value.
+                Some(Ok(value)) => C::unrecorded(value)
+                    .map(Outcome::Executed)
+                    .ok_or_else(|| err.into()),
+                _ => Err(err.into()),
+            },
             Step::Failed(err) => Err(err.into()),
             Step::Executed => match this.output.take() {
                 Some(output) => output.map(Outcome::Executed),
@@ -334,9 +341,6 @@ impl<'a> Phase<'a> {
                         return Poll::Pending;
                     }
                     Poll::Ready(Verdict::Own) => return Poll::Ready(Step::Executed),
-                    Poll::Ready(Verdict::Other(record)) => {
-                        return Poll::Ready(Step::Replay(Found::Encoded(record, None)))
-                    }
                     Poll::Ready(Verdict::Failed(err)) => return Poll::Ready(Step::Failed(err)),
                 },
                 Phase::Done => panic!("an idempotent call was polled after it returned"),

@@ -13,7 +13,7 @@
 use std::future::{poll_fn, Future};
 use std::pin::{pin, Pin};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -57,13 +57,15 @@ pub(super) struct Held {
     verdict: Mutex<Option<Verdict>>,
 }
 
+/// The verdict of a body that ran and whose result `why` kept from being recorded.
+fn unrecorded(why: Error) -> Verdict {
+    Verdict::Failed(Error::Unrecorded(Box::new(why)))
+}
+
 /// What a call whose body returned is answered.
 pub(super) enum Verdict {
     /// Its own result, recorded.
     Own,
-    /// Another holder's record: this call's lease was lost, the key taken over and
-    /// completed while its body ran. Every caller of the key gets the one recorded value.
-    Other(Bytes),
     /// No answer the key can stand behind: the result cannot be recorded, or it could not
     /// be settled after the store refused it.
     Failed(Error),
@@ -159,6 +161,8 @@ impl Held {
             polling: AtomicU64::new(0),
             born: now,
             retries_end: Mutex::new(None),
+            record_wait: settings.record_wait,
+            nonce: OnceLock::new(),
         });
         let journal = Journal::new(key, settings, fingerprint, Some(Arc::clone(&claim)));
         let attempt = Attempt::enter(&claim.store, key, token, journal);
@@ -317,8 +321,19 @@ impl Held {
             }
         }
         let end = self.claim.retries_end();
-        if let Some(landing) = self.renewing(self.discharge(end, Duration::ZERO)).await {
+        // A caller that waits less than the lease is answered sooner; the guard's
+        // background half goes on with the retries until their end.
+        let wait = match self.claim.record_wait {
+            Some(wait) if !self.detached => end.min(Instant::now() + wait),
+            _ => end,
+        };
+        if let Some(landing) = self.renewing(self.discharge(wait, Duration::ZERO)).await {
             return self.settled(landing);
+        }
+        if wait < end {
+            // The caller is told (the failed attempts set its `Unrecorded`), and the drop
+            // hands the retries within the lease to the background.
+            return;
         }
         // The retries within the lease are over, for this guard and the background that
         // takes it over: a caller told the result is unrecorded, then the late tries.
@@ -432,7 +447,7 @@ impl Held {
                 Some(self.owed.landing())
             }
             (Ok(false), Owed::Complete { record, ttl, .. }) => {
-                Some(self.after_refusal(record, *ttl).await)
+                self.after_refusal(record, *ttl).await
             }
             (Ok(false), _) if self.failures() > 0 => {
                 // An earlier attempt may have landed before its answer was lost; or the key
@@ -453,40 +468,36 @@ impl Held {
                 // one result every later call will see.
                 Some(Landing::Released)
             }
-            (Err(err), _) => {
-                let attempts = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
-                tracing::warn!(error = %err, attempts, "{what} failed; retrying");
-                if matches!(self.owed, Owed::Complete { .. }) {
-                    // What the caller is told if no retry lands.
-                    let unrecorded = Error::Unrecorded(Box::new(err));
-                    *self.verdict.lock().unwrap_or_else(PoisonError::into_inner) =
-                        Some(Verdict::Failed(unrecorded));
-                }
-                None
-            }
+            (Err(err), _) => self.failed_try(err),
         }
     }
 
     /// Settles a result whose completion the store refused: the claim is no longer held
     /// under this token (the lease ran out, and the key may have been taken over), or an
-    /// earlier attempt landed before its answer was lost. One claim asks the store which:
+    /// earlier attempt landed before its answer was lost. One claim (tagged with this
+    /// holder's nonce, so that a claim of its own whose reply was lost is its own again)
+    /// asks the store which:
     ///
     /// - the key is free: it is claimed again and the result recorded under the new token;
-    /// - a record is there: this call answers it, whether it is this result (an earlier
-    ///   attempt landed) or another holder's (logged: this body's run was superseded), so
-    ///   every caller of the key gets one value; a record of another payload is a
-    ///   [`Error::PayloadMismatch`], a lost one [`Error::Gone`];
-    /// - another holder runs: [`Error::InProgress`], as to any call that finds it running.
+    /// - this result is there (an earlier attempt landed before its answer was lost): the
+    ///   caller gets it;
+    /// - another record is there (another holder's, logged: this body's run was
+    ///   superseded; one of another payload; one that can no longer be replayed): this
+    ///   result is unrecorded for good, and the key's waiters get its record;
+    /// - another holder runs: this result is not recorded yet, and is tried again (that
+    ///   holder may release the key).
     ///
-    /// A store that fails here gives an [`Error::Store`]: the call is never answered as if
-    /// its result were recorded when it was not.
-    async fn after_refusal(&self, record: &Bytes, ttl: Duration) -> Landing {
+    /// `None` is a failed try, as a store that failed is: the owed completion is tried again
+    /// while the retries last, and the caller is told [`Error::Unrecorded`] if none lands.
+    /// The body ran, so no answer from here is an error that says it did not.
+    async fn after_refusal(&self, record: &Bytes, ttl: Duration) -> Option<Landing> {
         let claim = &self.claim;
-        let (landing, verdict) = match claim
+        let nonce = *claim.nonce.get_or_init(crate::store::nonce);
+        let claimed = claim
             .store
-            .claim(&claim.key, claim.fingerprint.as_ref(), claim.lease)
-            .await
-        {
+            .claim_with_nonce(&claim.key, claim.fingerprint.as_ref(), claim.lease, nonce)
+            .await;
+        let (landing, verdict) = match claimed {
             Ok(Claim::Acquired { token }) => {
                 match claim
                     .store
@@ -502,6 +513,8 @@ impl Held {
                         (Landing::Completed(record.clone()), Verdict::Own)
                     }
                     refused => {
+                        // A release that fails leaves the claim to lapse; the next try's
+                        // claim, with the same nonce, finds it as this holder's own.
                         let _ = claim.store.release(&claim.key, token).await;
                         let err = match refused {
                             Err(err) => err,
@@ -509,38 +522,59 @@ impl Held {
                                 "the claim made again to record the result was lost at once",
                             ),
                         };
-                        (Landing::Released, Verdict::Failed(err))
+                        return self.failed_try(err);
                     }
                 }
             }
             Ok(Claim::Completed { value, fingerprint }) => {
                 if fingerprint != claim.fingerprint {
-                    (Landing::Released, Verdict::Failed(Error::PayloadMismatch))
+                    tracing::warn!(
+                        outcome = "lease lost",
+                        token = claim.token.get(),
+                        "the lease ran out while the body ran and the key was recorded for another payload; this result is not recorded"
+                    );
+                    (Landing::Released, unrecorded(Error::PayloadMismatch))
                 } else if value[..] == *crate::codec::GONE {
-                    (Landing::Released, Verdict::Failed(Error::Gone))
+                    (Landing::Released, unrecorded(Error::Gone))
                 } else if value == *record {
                     (Landing::Completed(value), Verdict::Own)
                 } else {
                     tracing::warn!(
                         outcome = "lease lost",
                         token = claim.token.get(),
-                        "the lease ran out while the body ran and another holder recorded its result first; this call answers that record"
+                        "the lease ran out while the body ran and another holder recorded its result first; this result is not recorded"
                     );
-                    (Landing::Completed(value.clone()), Verdict::Other(value))
+                    // The key's waiters get its one record; this caller is told that its
+                    // body ran and its result is not that record.
+                    let why = "the lease ran out while the body ran, and another holder recorded its result first (a retry replays that record)";
+                    let verdict = Verdict::Failed(Error::Unrecorded(why.into()));
+                    (Landing::Completed(value), verdict)
                 }
             }
             Ok(Claim::InProgress { .. }) => {
                 tracing::warn!(
                     outcome = "lease lost",
                     token = claim.token.get(),
-                    "the lease ran out while the body ran and another holder runs the key now; its result is not recorded"
+                    "the lease ran out while the body ran and another holder runs the key now; its result is not recorded yet"
                 );
-                (Landing::Released, Verdict::Failed(Error::InProgress))
+                return self.failed_try(Error::InProgress);
             }
-            Err(err) => (Landing::Released, Verdict::Failed(err)),
+            Err(err) => return self.failed_try(err),
         };
         *self.verdict.lock().unwrap_or_else(PoisonError::into_inner) = Some(verdict);
-        landing
+        Some(landing)
+    }
+
+    /// Counts a try at the owed step that did not land (`err`: why), and, for a
+    /// completion, sets what the caller is told if no retry lands: the body ran, its result
+    /// is [`Error::Unrecorded`].
+    fn failed_try(&self, err: Error) -> Option<Landing> {
+        let attempts = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
+        tracing::warn!(error = %err, attempts, "{} failed; retrying", self.owed.what());
+        if matches!(self.owed, Owed::Complete { .. }) {
+            *self.verdict.lock().unwrap_or_else(PoisonError::into_inner) = Some(unrecorded(err));
+        }
+        None
     }
 
     fn land(&mut self, landing: Landing) {

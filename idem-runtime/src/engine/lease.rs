@@ -2,7 +2,7 @@
 //! for before a step starts, and presented (its token) with every step's record.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -49,6 +49,12 @@ pub(super) struct Lease {
     /// Where the retries of the holder's owed step within the lease end (see
     /// [`retries_end`](Self::retries_end)).
     pub(super) retries_end: Mutex<Option<Instant>>,
+    /// How long the holder's caller waits for a completion that failed
+    /// ([`Settings::record_wait`](super::Settings)).
+    pub(super) record_wait: Option<Duration>,
+    /// The nonce of the claims made again to record a refused completion, drawn by the
+    /// first of them: a retry's claim finds a claim of its own whose reply was lost.
+    pub(super) nonce: OnceLock<u64>,
 }
 
 impl Lease {

@@ -117,8 +117,9 @@ fn step_key(
 /// - **Fenced by construction.** A step's record is one conditional write
 ///   ([`Store::record_step`](crate::Store::record_step)) that lands only while the call's
 ///   claim is held under this holder's token with a live lease, by the store's clock. A
-///   holder whose key was taken over (or whose lease lapsed) gets an [`Error::Store`]
-///   instead, and the new holder never replays what it ran. Before a step's future is
+///   holder whose key was taken over (or whose lease lapsed) gets an
+///   [`Error::Unrecorded`] instead (its step ran; its record is not written), and the new
+///   holder never replays what it ran. Before a step's future is
 ///   first polled, the holder checks its lease by its own clock, after every round trip
 ///   that came before: with less than a quarter of it left, it renews first, and does not
 ///   start the step if the store does not confirm in time.
@@ -152,7 +153,9 @@ fn step_key(
 ///
 /// `future`'s own errors, and [`Error`]s converted with `E: From<Error>`: [`Error::Config`]
 /// outside an idempotent call or on a store without step records, [`Error::Store`] when
-/// the store fails or the enclosing claim is no longer held, [`Error::Gone`] for a step
+/// the store fails or the enclosing claim is no longer held before the step starts (it did
+/// not run), [`Error::Unrecorded`] when the step ran and its record could not be written
+/// (the claim was lost meanwhile, or the store failed until the lease ran out), [`Error::Gone`] for a step
 /// whose value could not be recorded as itself, and [`Error::Codec`] for a recorded value
 /// that no longer decodes as `T`.
 pub fn step<T, E, F>(name: &str, future: F) -> impl Future<Output = Result<T, E>> + use<T, E, F>
@@ -213,9 +216,11 @@ where
     }
     holder.vouch().await?;
     let value = step.scope(future).await?;
+    // The step ran: a record that cannot be written says so, never that nothing happened.
     holder
         .record_step(&key, <Json as ValueCodec<T>>::record(&value)?, journal.ttl)
-        .await?;
+        .await
+        .map_err(|err| Error::Unrecorded(Box::new(err)))?;
     Ok(value)
 }
 

@@ -75,16 +75,24 @@ impl<St: fmt::Debug, Sc> fmt::Debug for IdempotencyLayer<St, Sc> {
     }
 }
 
+/// How long a request waits for a record that fails, on a store that states no timeout
+/// of its own: the network stores' default timeout.
+const RECORD_WAIT: Duration = Duration::from_secs(3);
+
 impl<St: Store + Clone> IdempotencyLayer<St, ScopeNotChosen> {
     /// A layer over `store`: `POST` and `PATCH` requests with an `Idempotency-Key` run once
     /// per key and TTL (24 h), `2xx` responses are recorded, a duplicate in flight gets `409`.
     pub fn new(store: St) -> Self {
+        // A request waits for a failing record at most its store's timeout, then gets the
+        // handler's response, marked (`Idempotent-Unrecorded`).
+        let record_wait = store.claim_timeout().unwrap_or(RECORD_WAIT);
         Self {
             config: Arc::new(Config {
                 store,
                 scope: ScopeNotChosen,
                 operation: Operation::new(DEFAULT_NAMESPACE)
                     .in_flight(InFlight::Reject)
+                    .record_wait(record_wait)
                     .with_errors(UnkeptPolicy::default()),
                 methods: vec![Method::POST, Method::PATCH],
                 required: false,

@@ -20,6 +20,13 @@ const VERSION: u8 = 1;
 /// The header a replayed response carries (Stripe's name, which clients look for).
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
+/// The header of a response whose handler ran but whose record had not landed when it was
+/// sent (the store failed for as long as the layer waits, its store's timeout): the
+/// handler's own answer, marked. The layer goes on recording it in the background; a retry
+/// with the key replays it once it landed (a retry to another instance before then, once
+/// the claim lapsed, runs the handler again: check the request's effect first).
+pub const IDEMPOTENT_UNRECORDED: &str = "idempotent-unrecorded";
+
 /// Headers that describe one connection, not the response: never recorded (RFC 9110 §7.6.1).
 const HOP_BY_HOP: [&str; 9] = [
     "connection",
@@ -144,6 +151,16 @@ impl ValueCodec<Recorded> for HttpRecord {
         }
         buf.extend_from_slice(&value.body);
         Ok(())
+    }
+
+    /// The handler's own response, marked `Idempotent-Unrecorded: true` (sent to this
+    /// caller only, like every header kept off the record).
+    fn unrecorded(mut value: Recorded) -> Option<Recorded> {
+        value.unrecorded.insert(
+            HeaderName::from_static(IDEMPOTENT_UNRECORDED),
+            HeaderValue::from_static("true"),
+        );
+        Some(value)
     }
 
     fn decode(payload: &Bytes) -> Result<Recorded, Error> {

@@ -1,0 +1,781 @@
+//! The contract as a checker over histories: what every call answered, and what every
+//! body did, judged against the error table.
+//!
+//! A [`History`] records, for every call, its key, when it started and ended, its
+//! [`Answer`], and every body execution (when it started, whether it finished and with
+//! what). [`History::check`] holds every history to the same rules, whatever made it: the
+//! seeded runs of [`histories`], an HTTP service's requests, processes killed mid-call.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use super::faults::{Faults, Faulty, SplitMix};
+use crate::{step, Error, Fingerprint, Operation, Outcome, Store};
+
+/// What a call answered, as the checker sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Answer {
+    /// `Outcome::Executed(v)`: `v` is the value its body returned (in [`histories`], the
+    /// body's [`BodyId`]).
+    Executed(u64),
+    /// `Outcome::Replayed(v)`.
+    Replayed(u64),
+    /// An [`Error`] of the runtime, by its variant's name: `in_progress`,
+    /// `payload_mismatch`, `gone`, `store`, `codec`, `key`, `config`, `unrecorded`.
+    Failed(&'static str),
+    /// The body's own error: its body ran and returned it.
+    BodyFailed,
+}
+
+impl Answer {
+    /// The answer of a call's result, where the body's own errors are `body` and the
+    /// runtime's are converted into `E` (`idem` is how to tell one back).
+    pub fn of<E>(result: &Result<Outcome<u64>, E>, idem: impl Fn(&E) -> Option<&Error>) -> Self {
+        match result {
+            Ok(Outcome::Executed(v)) => Self::Executed(*v),
+            Ok(Outcome::Replayed(v)) => Self::Replayed(*v),
+            Err(err) => match idem(err) {
+                Some(err) => Self::Failed(err.kind()),
+                None => Self::BodyFailed,
+            },
+        }
+    }
+}
+
+/// Whether a call whose answer is `answer` may have run its body, by the README's error
+/// table: `Some(true)` it must have, `Some(false)` it must not have, `None` the answer
+/// says nothing by itself (a value, checked against the body it names).
+pub fn body_ran(answer: &Answer) -> Option<bool> {
+    match answer {
+        Answer::Executed(_) | Answer::BodyFailed => Some(true),
+        Answer::Replayed(_) => Some(false),
+        Answer::Failed("unrecorded") => Some(true),
+        // `in_progress`, `payload_mismatch`, `gone`, `store`, `codec` (a record that does
+        // not decode; the values of a history always encode), `key`, `config`.
+        Answer::Failed(_) => Some(false),
+    }
+}
+
+/// A call in a [`History`].
+pub type CallId = usize;
+/// A body execution in a [`History`].
+pub type BodyId = u64;
+
+#[derive(Clone, Debug)]
+struct CallEntry {
+    key: u64,
+    started: Duration,
+    ended: Option<Duration>,
+    bound: Duration,
+    answer: Option<Answer>,
+    /// The fingerprint the call sent (histories vary it to reach `payload_mismatch`).
+    payload: u64,
+}
+
+#[derive(Clone, Debug)]
+struct BodyEntry {
+    call: CallId,
+    key: u64,
+    started: Duration,
+    ended: Option<(Duration, Result<u64, ()>)>,
+    /// Steps this execution ran to their end (each by its index), recorded or not.
+    steps: Vec<u32>,
+    /// Whether a step of this execution was answered `Unrecorded`.
+    step_unrecorded: bool,
+}
+
+#[derive(Default, Debug)]
+struct Entries {
+    calls: Vec<CallEntry>,
+    bodies: Vec<BodyEntry>,
+}
+
+/// The record of a run: every call and every body execution. Cheap to clone (shared).
+///
+/// ```
+/// use idem_runtime::testkit::{Answer, History};
+/// use std::time::Duration;
+///
+/// let history = History::new();
+/// let call = history.begin(1, 0, Duration::from_secs(5));
+/// let body = history.body_started(call);
+/// history.body_ended(body, Ok(body));
+/// history.end(call, Answer::Executed(body));
+/// let replay = history.begin(1, 0, Duration::from_secs(5));
+/// history.end(replay, Answer::Replayed(body));
+/// assert!(history.check().is_ok());
+/// ```
+#[derive(Clone, Debug)]
+pub struct History {
+    epoch: Instant,
+    entries: Arc<Mutex<Entries>>,
+}
+
+impl Default for History {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl History {
+    /// An empty history, its clock starting now.
+    pub fn new() -> Self {
+        Self {
+            epoch: Instant::now(),
+            entries: Arc::default(),
+        }
+    }
+
+    fn entries(&self) -> std::sync::MutexGuard<'_, Entries> {
+        self.entries.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A call of `key` with the fingerprint `payload` starts; it must end within `bound`.
+    pub fn begin(&self, key: u64, payload: u64, bound: Duration) -> CallId {
+        let started = self.epoch.elapsed();
+        let mut entries = self.entries();
+        entries.calls.push(CallEntry {
+            key,
+            started,
+            ended: None,
+            bound,
+            answer: None,
+            payload,
+        });
+        entries.calls.len() - 1
+    }
+
+    /// The call `call` ended with `answer`.
+    pub fn end(&self, call: CallId, answer: Answer) {
+        let ended = self.epoch.elapsed();
+        let mut entries = self.entries();
+        let entry = &mut entries.calls[call];
+        entry.ended = Some(ended);
+        entry.answer = Some(answer);
+    }
+
+    /// The body of `call` starts: its id, which a body in [`histories`] returns as its
+    /// value, so that every value names the execution that made it.
+    pub fn body_started(&self, call: CallId) -> BodyId {
+        let started = self.epoch.elapsed();
+        let mut entries = self.entries();
+        let key = entries.calls[call].key;
+        entries.bodies.push(BodyEntry {
+            call,
+            key,
+            started,
+            ended: None,
+            steps: Vec::new(),
+            step_unrecorded: false,
+        });
+        (entries.bodies.len() - 1) as BodyId
+    }
+
+    /// The body `body` returned: `Ok(value)` or an error.
+    pub fn body_ended(&self, body: BodyId, result: Result<u64, ()>) {
+        let ended = self.epoch.elapsed();
+        self.entries().bodies[body as usize].ended = Some((ended, result));
+    }
+
+    /// The body `body` ran its step `index` to its end (whether or not it was recorded).
+    pub fn step_ran(&self, body: BodyId, index: u32) {
+        self.entries().bodies[body as usize].steps.push(index);
+    }
+
+    /// A step of the body `body` was answered `Unrecorded`: it ran, its record was not
+    /// written.
+    pub fn step_unrecorded(&self, body: BodyId) {
+        self.entries().bodies[body as usize].step_unrecorded = true;
+    }
+
+    /// Holds the history to every rule; the first broken one, with the history of its key.
+    ///
+    /// - each answer's "body ran?" column of the error table ([`body_ran`]), exactly: a
+    ///   call answered an error that says its body did not run has no execution, and one
+    ///   answered `Unrecorded` or the body's own error has one that finished;
+    /// - `Executed(v)`: this call's own body ran and returned `Ok(v)`;
+    /// - every `Executed(v)` and `Replayed(v)` of a key is the one value of that key, a
+    ///   value some body of that key returned (the TTL of a history outlasts it);
+    /// - at most one body of a key returns `Ok`, and at most one execution of each step of
+    ///   a key and payload runs to its end (a step's key holds its call's fingerprint),
+    ///   except for keys where some caller or step was told
+    ///   `Unrecorded` or `Gone` (counted in the [`Report`]);
+    /// - every call ended, within its bound.
+    ///
+    /// # Errors
+    ///
+    /// The [`Violation`]: the rule, the key, and that key's calls and bodies in order.
+    pub fn check(&self) -> Result<Report, Violation> {
+        let entries = self.entries();
+        let mut report = Report::default();
+        let mut keys: BTreeMap<u64, (Vec<CallId>, Vec<BodyId>)> = BTreeMap::new();
+        for (id, call) in entries.calls.iter().enumerate() {
+            keys.entry(call.key).or_default().0.push(id);
+        }
+        for (id, body) in entries.bodies.iter().enumerate() {
+            keys.entry(body.key).or_default().1.push(id as BodyId);
+        }
+        for (&key, (calls, bodies)) in &keys {
+            let violation = |rule: String| Violation::of(&entries, key, rule);
+            let mut values = BTreeSet::new();
+            let mut excused = false;
+            for &id in calls {
+                let call = &entries.calls[id];
+                report.calls += 1;
+                let (Some(answer), Some(ended)) = (&call.answer, call.ended) else {
+                    return Err(violation(format!("call {id} never ended")));
+                };
+                *report.answers.entry(answer.label()).or_default() += 1;
+                if ended - call.started > call.bound {
+                    return Err(violation(format!(
+                        "call {id} took {:?}, past its bound of {:?}",
+                        ended - call.started,
+                        call.bound
+                    )));
+                }
+                let own: Vec<&BodyEntry> = bodies
+                    .iter()
+                    .map(|&b| &entries.bodies[b as usize])
+                    .filter(|b| b.call == id)
+                    .collect();
+                let finished = |ok: bool| {
+                    own.iter()
+                        .any(|b| matches!(b.ended, Some((_, ref r)) if r.is_ok() == ok))
+                };
+                match body_ran(answer) {
+                    Some(false) if !own.is_empty() => {
+                        return Err(violation(format!(
+                            "call {id} answered {answer:?}, which says its body did not run, but it ran"
+                        )));
+                    }
+                    Some(true) if !matches!(answer, Answer::Executed(_)) => {
+                        let ended_as = matches!(answer, Answer::Failed(_));
+                        if !finished(ended_as) {
+                            return Err(violation(format!(
+                                "call {id} answered {answer:?}, which says its body ran and {}, but it did not",
+                                if ended_as { "returned a value" } else { "failed" }
+                            )));
+                        }
+                    }
+                    _ => {}
+                }
+                match answer {
+                    Answer::Executed(v) => {
+                        let body = entries.bodies.get(*v as usize);
+                        if !body.is_some_and(|b| {
+                            b.call == id && b.ended.as_ref().is_some_and(|(_, r)| *r == Ok(*v))
+                        }) {
+                            return Err(violation(format!(
+                                "call {id} answered Executed({v}), but its own body did not return Ok({v})"
+                            )));
+                        }
+                        values.insert(*v);
+                    }
+                    Answer::Replayed(v) => {
+                        let from_key = bodies.iter().any(|&b| {
+                            entries.bodies[b as usize]
+                                .ended
+                                .as_ref()
+                                .is_some_and(|(_, r)| *r == Ok(*v))
+                        });
+                        if !from_key {
+                            return Err(violation(format!(
+                                "call {id} answered Replayed({v}), which no body of this key returned"
+                            )));
+                        }
+                        values.insert(*v);
+                    }
+                    Answer::Failed("unrecorded" | "gone") => excused = true,
+                    _ => {}
+                }
+            }
+            if values.len() > 1 {
+                return Err(violation(format!(
+                    "the key answered {} values: {values:?}",
+                    values.len()
+                )));
+            }
+            // A step is one per payload: the call's fingerprint is part of its key.
+            let mut steps: BTreeMap<(u64, u32), usize> = BTreeMap::new();
+            let mut ok = 0;
+            for &b in bodies {
+                let body = &entries.bodies[b as usize];
+                report.bodies += 1;
+                excused |= body.step_unrecorded;
+                ok += usize::from(matches!(body.ended, Some((_, Ok(_)))));
+                let payload = entries.calls[body.call].payload;
+                for &index in &body.steps {
+                    *steps.entry((payload, index)).or_default() += 1;
+                }
+            }
+            let twice = ok > 1 || steps.values().any(|&n| n > 1);
+            if twice && !excused {
+                return Err(violation(format!(
+                    "the key ran {ok} bodies to a value (steps run, by payload and step: {steps:?}), and no caller was told Unrecorded or Gone"
+                )));
+            }
+            report.keys += 1;
+            if twice {
+                report.excused += 1;
+            }
+        }
+        Ok(report)
+    }
+}
+
+impl Answer {
+    fn label(&self) -> &'static str {
+        match self {
+            Self::Executed(_) => "executed",
+            Self::Replayed(_) => "replayed",
+            Self::Failed(kind) => kind,
+            Self::BodyFailed => "body failed",
+        }
+    }
+}
+
+/// What a history that kept every rule holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Report {
+    /// Calls.
+    pub calls: usize,
+    /// Body executions.
+    pub bodies: usize,
+    /// Keys called.
+    pub keys: usize,
+    /// Keys whose body (or a step) ran more than once, each with a caller told
+    /// `Unrecorded` or `Gone`: the runs the contract allows, counted so they show.
+    pub excused: usize,
+    /// Answers by kind: `executed`, `replayed`, `body failed`, and each error's name.
+    pub answers: BTreeMap<&'static str, usize>,
+    /// Faults injected ([`histories`] fills it in).
+    pub faults: usize,
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} calls, {} bodies, {} keys, {} faults injected; keys run twice with an Unrecorded or Gone said: {}; answers:",
+            self.calls, self.bodies, self.keys, self.faults, self.excused
+        )?;
+        for (kind, n) in &self.answers {
+            write!(f, " {kind} {n},")?;
+        }
+        Ok(())
+    }
+}
+
+/// A broken rule: which, and the shortest history that shows it (the calls and bodies of
+/// its key alone, in the order they started).
+#[derive(Clone, Debug)]
+pub struct Violation {
+    /// The rule, as broken.
+    pub rule: String,
+    /// The key's events, one a line.
+    pub history: Vec<String>,
+}
+
+impl Violation {
+    fn of(entries: &Entries, key: u64, rule: String) -> Self {
+        let mut events: Vec<(Duration, String)> = Vec::new();
+        for (id, call) in entries
+            .calls
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.key == key)
+        {
+            events.push((
+                call.started,
+                format!(
+                    "call {id} (payload {}) starts; ends after {:?} with {:?}",
+                    call.payload,
+                    call.ended.map(|e| e - call.started),
+                    call.answer
+                ),
+            ));
+        }
+        for (id, body) in entries
+            .bodies
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.key == key)
+        {
+            events.push((
+                body.started,
+                format!(
+                    "body {id} of call {} starts; steps run {:?}{}; ends {:?}",
+                    body.call,
+                    body.steps,
+                    if body.step_unrecorded {
+                        " (a step unrecorded)"
+                    } else {
+                        ""
+                    },
+                    body.ended.as_ref().map(|(at, r)| (*at - body.started, r))
+                ),
+            ));
+        }
+        events.sort_by_key(|(at, _)| *at);
+        let history = events
+            .into_iter()
+            .map(|(at, event)| format!("{at:>12.3?}  {event}"))
+            .collect();
+        Self {
+            rule: format!("key {key}: {rule}"),
+            history,
+        }
+    }
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "{}", self.rule)?;
+        for line in &self.history {
+            writeln!(f, "  {line}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for Violation {}
+
+/// A seeded run for [`histories`]: how many calls, on how many keys, with which faults.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Plan {
+    /// The seed of the calls (keys, payloads, bodies) and of each store's faults.
+    pub seed: u64,
+    /// Calls in all.
+    pub calls: usize,
+    /// Concurrent callers; caller `i` calls through store handle `i % handles`.
+    pub callers: usize,
+    /// Keys the calls are spread over.
+    pub keys: u64,
+    /// The operation's lease.
+    pub lease: Duration,
+    /// The faults of every store operation.
+    pub faults: Faults,
+    /// The share of bodies that fail (their error releases the key).
+    pub body_errors: f64,
+    /// The share of calls sent with another fingerprint than their key's.
+    pub other_payloads: f64,
+    /// Whether each body runs two steps (`step`) before it returns.
+    pub steps: bool,
+    /// What a call may take past its bound (the store's timeout, the wait, the completion's
+    /// retries and the stalls): time a loaded machine adds.
+    pub slack: Duration,
+}
+
+impl Plan {
+    /// 2 000 calls of 50 callers on 200 keys, 10 % faults ([`Faults::ten_percent`]), a
+    /// 300 ms lease, 5 % of bodies failing, 2 % of calls with another payload, no steps.
+    pub fn new(seed: u64) -> Self {
+        Self {
+            seed,
+            calls: 2_000,
+            callers: 50,
+            keys: 200,
+            lease: Duration::from_millis(300),
+            faults: Faults::ten_percent(),
+            body_errors: 0.05,
+            other_payloads: 0.02,
+            steps: false,
+            slack: Duration::from_secs(10),
+        }
+    }
+
+    /// This plan with `calls` calls on `keys` keys.
+    #[must_use]
+    pub fn calls(mut self, calls: usize, keys: u64) -> Self {
+        self.calls = calls;
+        self.keys = keys;
+        self
+    }
+
+    /// This plan with other faults.
+    #[must_use]
+    pub fn faults(mut self, faults: Faults) -> Self {
+        self.faults = faults;
+        self
+    }
+
+    /// This plan with another lease.
+    #[must_use]
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// This plan with bodies that run two steps each.
+    #[must_use]
+    pub fn with_steps(mut self) -> Self {
+        self.steps = true;
+        self
+    }
+}
+
+/// The error of a call in [`histories`]: the runtime's, or the body's own.
+#[derive(Debug)]
+enum Failure {
+    Idem(Error),
+    Body,
+}
+
+impl From<Error> for Failure {
+    fn from(err: Error) -> Self {
+        Self::Idem(err)
+    }
+}
+
+/// Runs `plan` against `stores` (handles of one storage: two handles are two processes,
+/// in effect), each behind a [`Faulty`] store seeded from the plan, records the history,
+/// and checks it ([`History::check`]). Panics with the seed and the shortest history that
+/// shows a broken rule; returns the report otherwise.
+///
+/// ```no_run
+/// # async fn my_store() -> idem_runtime::MemoryStore { idem_runtime::MemoryStore::new() }
+/// #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// async fn my_store_keeps_the_error_table_under_faults() {
+///     let store = my_store().await;
+///     let plan = idem_runtime::testkit::Plan::new(1);
+///     let report = idem_runtime::testkit::histories(&[store.clone(), store], &plan).await;
+///     println!("{report}");
+/// }
+/// ```
+pub async fn histories<S: Store + Clone>(stores: &[S], plan: &Plan) -> Report {
+    let (history, faulty) = record(stores, plan).await;
+    match history.check() {
+        Ok(mut report) => {
+            report.faults = faulty.iter().map(Faulty::injected).sum();
+            report
+        }
+        Err(violation) => panic!(
+            "seed {}: {violation}(replay it with the same plan and seed {})",
+            plan.seed, plan.seed
+        ),
+    }
+}
+
+/// Runs `plan` and returns its history unchecked, with the faulty stores it ran through.
+async fn record<S: Store + Clone>(stores: &[S], plan: &Plan) -> (History, Vec<Faulty<S>>) {
+    assert!(!stores.is_empty(), "histories need a store");
+    let history = History::new();
+    let namespace = format!(
+        "idem.testkit.histories.{}.{}",
+        plan.seed,
+        super::Keys::new().run
+    );
+    let op = Arc::new(
+        Operation::new(namespace)
+            .lease(plan.lease)
+            .ttl(Duration::from_secs(3600)),
+    );
+    let faulty: Vec<Faulty<S>> = stores
+        .iter()
+        .enumerate()
+        .map(|(i, store)| {
+            Faulty::new(
+                store.clone(),
+                plan.seed.wrapping_add(i as u64 + 1),
+                plan.faults,
+            )
+        })
+        .collect();
+    let timeout = stores[0].claim_timeout().unwrap_or(Duration::from_secs(3));
+    let bound = timeout + plan.lease * 3 + plan.faults.stall_for * 2 + plan.slack;
+    let mut tasks = tokio::task::JoinSet::new();
+    let per_caller = plan.calls.div_ceil(plan.callers.max(1));
+    for caller in 0..plan.callers.max(1) {
+        let store = faulty[caller % faulty.len()].clone();
+        let (op, history, plan) = (Arc::clone(&op), history.clone(), plan.clone());
+        let mut rng =
+            SplitMix::new(plan.seed ^ (caller as u64).wrapping_mul(0xA24B_AED4_963E_E407));
+        tasks.spawn(async move {
+            for _ in 0..per_caller {
+                let key = rng.below(plan.keys.max(1));
+                let payload = u64::from(rng.unit() < plan.other_payloads);
+                let fails = rng.unit() < plan.body_errors;
+                let work = Duration::from_micros(rng.below(1_000));
+                let k = op.key(&key).expect("integers always encode");
+                let fp = Fingerprint::of(&payload).expect("integers always encode");
+                let call = history.begin(key, payload, bound);
+                let body = body(&history, call, fails, work, plan.steps);
+                let result = op.run(&store, &k, Some(&fp), body).await;
+                let answer = Answer::of(&result, |f| match f {
+                    Failure::Idem(err) => Some(err),
+                    Failure::Body => None,
+                });
+                history.end(call, answer);
+            }
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        if let Err(err) = done {
+            std::panic::resume_unwind(err.into_panic());
+        }
+    }
+    // What the calls left to finish in the background (completions that failed within the
+    // lease) is not waited for: the history is what the callers saw.
+    (history, faulty)
+}
+
+/// The body of `call`: recorded on the way in and out, two steps if `steps`, `work` long,
+/// failing if `fails`. Its value is its own id.
+fn body(
+    history: &History,
+    call: CallId,
+    fails: bool,
+    work: Duration,
+    steps: bool,
+) -> impl std::future::Future<Output = Result<u64, Failure>> + Send + 'static {
+    let history = history.clone();
+    async move {
+        let id = history.body_started(call);
+        if steps {
+            for index in 0..2_u32 {
+                let ran = step(&format!("step-{index}"), async {
+                    history.step_ran(id, index);
+                    Ok::<_, Failure>(index)
+                })
+                .await;
+                if let Err(err) = ran {
+                    if matches!(err, Failure::Idem(Error::Unrecorded(_))) {
+                        history.step_unrecorded(id);
+                    }
+                    history.body_ended(id, Err(()));
+                    return Err(Failure::Body);
+                }
+            }
+        }
+        tokio::time::sleep(work).await;
+        if fails {
+            history.body_ended(id, Err(()));
+            return Err(Failure::Body);
+        }
+        history.body_ended(id, Ok(id));
+        Ok(id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BOUND: Duration = Duration::from_secs(5);
+
+    fn executed(history: &History, key: u64) -> BodyId {
+        let call = history.begin(key, 0, BOUND);
+        let body = history.body_started(call);
+        history.body_ended(body, Ok(body));
+        history.end(call, Answer::Executed(body));
+        body
+    }
+
+    fn answered(history: &History, key: u64, answer: Answer) {
+        let call = history.begin(key, 0, BOUND);
+        history.end(call, answer);
+    }
+
+    fn broken(history: &History) -> String {
+        history.check().expect_err("a broken rule").rule
+    }
+
+    #[test]
+    fn a_store_error_after_the_body_ran_breaks_the_table() {
+        let history = History::new();
+        let call = history.begin(1, 0, BOUND);
+        let body = history.body_started(call);
+        history.body_ended(body, Ok(body));
+        history.end(call, Answer::Failed("store"));
+        assert!(broken(&history).contains("says its body did not run"));
+    }
+
+    #[test]
+    fn unrecorded_without_a_body_breaks_the_table() {
+        let history = History::new();
+        answered(&history, 1, Answer::Failed("unrecorded"));
+        assert!(broken(&history).contains("says its body ran"));
+    }
+
+    #[test]
+    fn executed_names_its_own_body() {
+        let history = History::new();
+        let first = executed(&history, 1);
+        answered(&history, 1, Answer::Executed(first));
+        assert!(broken(&history).contains("its own body did not return"));
+    }
+
+    #[test]
+    fn a_key_answers_one_value() {
+        let history = History::new();
+        let first = executed(&history, 1);
+        answered(&history, 1, Answer::Replayed(first));
+        assert!(history.check().is_ok());
+        // A second body of the key that returned, with nobody told Unrecorded.
+        let second = executed(&history, 1);
+        answered(&history, 1, Answer::Replayed(second));
+        assert!(broken(&history).contains("values"));
+        // Another key's value is never this key's.
+        let history = History::new();
+        let other = executed(&history, 2);
+        answered(&history, 1, Answer::Replayed(other));
+        assert!(broken(&history).contains("no body of this key"));
+    }
+
+    #[test]
+    fn a_second_run_is_excused_only_by_unrecorded_or_gone() {
+        let history = History::new();
+        let call = history.begin(1, 0, BOUND);
+        let body = history.body_started(call);
+        history.body_ended(body, Ok(body));
+        history.end(call, Answer::BodyFailed);
+        assert!(broken(&history).contains("its body ran and failed"));
+
+        let history = History::new();
+        let call = history.begin(1, 0, BOUND);
+        let body = history.body_started(call);
+        history.body_ended(body, Ok(body));
+        history.end(call, Answer::Failed("unrecorded"));
+        let again = executed(&history, 1);
+        answered(&history, 1, Answer::Replayed(again));
+        let report = history.check().expect("excused");
+        assert_eq!(report.excused, 1);
+
+        let history = History::new();
+        let first = history.begin(1, 0, BOUND);
+        let body = history.body_started(first);
+        history.body_ended(body, Ok(body));
+        history.end(first, Answer::Failed("in_progress"));
+        assert!(broken(&history).contains("says its body did not run"));
+    }
+
+    #[test]
+    fn a_step_run_twice_needs_an_unrecorded() {
+        let history = History::new();
+        for _ in 0..2 {
+            let call = history.begin(1, 0, BOUND);
+            let body = history.body_started(call);
+            history.step_ran(body, 0);
+            history.body_ended(body, Err(()));
+            history.end(call, Answer::BodyFailed);
+        }
+        assert!(broken(&history).contains("steps run"));
+    }
+
+    #[test]
+    fn a_call_past_its_bound_or_unended_is_a_violation() {
+        let history = History::new();
+        history.begin(1, 0, BOUND);
+        assert!(broken(&history).contains("never ended"));
+        let history = History::new();
+        let call = history.begin(1, 0, Duration::ZERO);
+        std::thread::sleep(Duration::from_millis(2));
+        history.end(call, Answer::Failed("store"));
+        assert!(broken(&history).contains("past its bound"));
+    }
+}

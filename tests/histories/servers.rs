@@ -1,0 +1,102 @@
+//! Histories on a Redis server of the test's own while it is frozen (`SIGSTOP`, for longer
+//! than the lease) and thawed, and killed (`SIGKILL`) and restarted on its port, over and
+//! over while the calls run. The server keeps every write on disk before it answers
+//! (`appendfsync always`), so that a kill loses nothing it acknowledged: what the store
+//! promises over a crash of such a server. The calls' store operations fail as in the
+//! other histories on top of that.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use idem_runtime::testkit::{histories, Faults, Plan};
+use idem_runtime::RedisStore;
+use idem_tests::PrivateRedis;
+
+use super::{calls, seeds};
+
+/// What happens to the server while the calls run.
+#[derive(Clone, Copy, Debug)]
+enum Blow {
+    /// `SIGSTOP` for a lease and a half, then `SIGCONT`.
+    Freeze,
+    /// `SIGKILL`, then started again on its port from its append-only file.
+    Kill,
+}
+
+async fn under(blow: Blow, base: u64) {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("histories-redis-{}-{base}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let durable = |dir: &std::path::Path| {
+        ["--appendonly", "yes", "--appendfsync", "always", "--dir"]
+            .into_iter()
+            .map(String::from)
+            .chain([dir.display().to_string()])
+            .collect::<Vec<_>>()
+    };
+    let Some(server) = PrivateRedis::start_with_args(&durable(&dir)) else {
+        return;
+    };
+    let (url, port) = (server.url.clone(), server.port);
+    let server = Arc::new(std::sync::Mutex::new(Some(server)));
+    for seed in seeds(base) {
+        let plan = Plan::new(seed).calls(calls(), (calls() * 2 / 25).max(1) as u64);
+        let lease = plan.lease;
+        let stores = [
+            RedisStore::connect(&url).await.unwrap(),
+            RedisStore::connect(&url).await.unwrap(),
+        ];
+        let done = Arc::new(AtomicBool::new(false));
+        let blows = {
+            let (done, server, dir) = (done.clone(), server.clone(), dir.clone());
+            tokio::spawn(async move {
+                let mut blows = 0;
+                while !done.load(Ordering::Relaxed) {
+                    tokio::time::sleep(lease / 2).await;
+                    let pid = server.lock().unwrap().as_ref().map(PrivateRedis::pid);
+                    let Some(pid) = pid else { break };
+                    match blow {
+                        Blow::Freeze => {
+                            signal("-STOP", pid);
+                            tokio::time::sleep(lease + lease / 2).await;
+                            signal("-CONT", pid);
+                        }
+                        Blow::Kill => {
+                            if let Some(mut old) = server.lock().unwrap().take() {
+                                old.kill();
+                            }
+                            tokio::time::sleep(lease / 2).await;
+                            let back = PrivateRedis::start_on_with_args(port, &durable(&dir));
+                            *server.lock().unwrap() = Some(back.expect("redis back on its port"));
+                        }
+                    }
+                    blows += 1;
+                }
+                blows
+            })
+        };
+        let report = histories(&stores, &plan.faults(Faults::ten_percent())).await;
+        done.store(true, Ordering::Relaxed);
+        let blows = blows.await.unwrap();
+        println!("redis {blow:?} x{blows}: seed {seed}: {report}");
+        assert!(blows > 0, "the server was {blow:?} while the calls ran");
+    }
+}
+
+fn signal(name: &str, pid: u32) {
+    let sent = std::process::Command::new("kill")
+        .args([name, &pid.to_string()])
+        .status();
+    assert!(sent.unwrap().success(), "kill {name} {pid}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_frozen_past_the_lease_again_and_again() {
+    under(Blow::Freeze, 21).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_and_restarted_again_and_again() {
+    under(Blow::Kill, 22).await;
+}
