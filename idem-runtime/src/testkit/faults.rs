@@ -118,12 +118,13 @@ impl SplitMix {
 /// use idem_runtime::{MemoryStore, Operation};
 ///
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() {
+/// # async fn main() -> Result<(), idem_runtime::Error> {
 /// let store = Faulty::new(MemoryStore::new(), 7, Faults::ten_percent());
 /// let op = Operation::new("billing.charge.v1");
-/// let key = op.key(&1).unwrap();
+/// let key = op.key(&1)?;
 /// // Every call fails closed, runs once or says that it ran: never anything else.
 /// let _ = op.run(&store, &key, None, async { Ok::<_, idem_runtime::Error>(1) }).await;
+/// # Ok(())
 /// # }
 /// ```
 #[derive(Clone, Debug)]
