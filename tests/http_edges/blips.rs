@@ -109,3 +109,41 @@ async fn redis_frozen_while_the_handler_answers() {
 async fn redis_frozen_before_the_handler_answers() {
     a_blip_mid_handler(Blip::Frozen, Returns::AfterIt).await;
 }
+
+/// Redis gone for longer than its timeout while the handler answers: the client gets the
+/// handler's own `201` marked `Idempotent-Unrecorded: true` once the store's timeout is
+/// over, not a `500` after the whole lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_gone_past_its_timeout_the_handlers_201_goes_out_marked() {
+    let Some(mut server) = PrivateRedis::start() else {
+        return;
+    };
+    let store = RedisStore::connect(&server.url).await.unwrap();
+    let app = App::default();
+    // A lease far past the store's timeout (3 s): an answer held for it is the bug.
+    let lease = Duration::from_secs(60);
+    let client = server_with(&app, unscoped(store).lease(lease)).await;
+    let first = {
+        let client = client.clone();
+        tokio::spawn(async move { client.post("/slow", "gone-1", "{}").await })
+    };
+    app.entered.notified().await;
+    server.kill();
+    let killed = Instant::now();
+    app.open();
+    let answer = first.await.unwrap();
+    let after = killed.elapsed();
+    assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
+    assert_eq!(
+        answer.headers[idem_runtime::http::IDEMPOTENT_UNRECORDED],
+        "true",
+        "{answer:?}"
+    );
+    assert!(!answer.replayed());
+    assert_eq!(app.runs(), 1);
+    assert!(
+        after < lease / 4,
+        "answered {after:?} after Redis went away (lease {lease:?})"
+    );
+    println!("redis gone: the handler's 201 went out marked unrecorded {after:?} after the kill");
+}
