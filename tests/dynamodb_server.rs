@@ -65,7 +65,7 @@ pub fn started_dynamodb_url() -> Option<&'static str> {
 async fn start_dynoxide() -> Option<String> {
     use std::process::{Child, ChildStdin, Command, Stdio};
     use std::sync::{Mutex, OnceLock};
-    static KEPT: OnceLock<Mutex<Vec<(Child, ChildStdin)>>> = OnceLock::new();
+    static KEPT: OnceLock<Mutex<(Child, ChildStdin)>> = OnceLock::new();
 
     let port = crate::free_port()?;
     let script = r#"dynoxide serve --host 127.0.0.1 --port "$1" --log quiet </dev/null >/dev/null 2>&1 &
@@ -81,12 +81,10 @@ kill "$server""#;
         .ok()?;
     let pipe = shell.stdin.take()?;
     // Never dropped: the pipe closes when the process does.
-    KEPT.get_or_init(Mutex::default)
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .push((shell, pipe));
+    let _ = KEPT.set(Mutex::new((shell, pipe)));
     let url = format!("http://127.0.0.1:{port}");
-    for _ in 0..200 {
+    // Up to 30 s: a loaded machine starts it slowly, and a missing one is a failure in CI.
+    for _ in 0..1_200 {
         if answers(&url).await {
             let _ = STARTED.set(url.clone());
             return Some(url);

@@ -577,7 +577,7 @@ pub fn unavailable<T>(what: &str, detail: impl std::fmt::Display) -> Option<T> {
 pub fn skipped(why: std::fmt::Arguments<'_>) {
     use std::io::Write;
     static SKIPS: AtomicUsize = AtomicUsize::new(0);
-    let n = SKIPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+    let n = SKIPS.fetch_add(1, Ordering::Relaxed) + 1;
     let thread = std::thread::current();
     let test = thread.name().unwrap_or("a test");
     let line = format!("skipped: {test} ({n} in this binary): {why}\n");

@@ -51,9 +51,16 @@ async fn under(blow: Blow, base: u64) {
         let blows = {
             let (done, server, dir) = (done.clone(), server.clone(), dir.clone());
             tokio::spawn(async move {
+                // The first blow comes at once, so that every run has one however fast
+                // its calls end; then one every half lease until they have.
                 let mut blows = 0;
-                while !done.load(Ordering::Relaxed) {
-                    tokio::time::sleep(lease / 2).await;
+                loop {
+                    if blows > 0 {
+                        if done.load(Ordering::Relaxed) {
+                            break;
+                        }
+                        tokio::time::sleep(lease / 2).await;
+                    }
                     let pid = server.lock().unwrap().as_ref().map(PrivateRedis::pid);
                     let Some(pid) = pid else { break };
                     match blow {

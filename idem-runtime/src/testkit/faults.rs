@@ -296,3 +296,35 @@ impl<S: Store + Clone> Store for Faulty<S> {
         self.inner.flights()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MemoryStore;
+
+    /// What a seed promises: the same schedule of faults, draw for draw.
+    #[tokio::test]
+    async fn a_seed_draws_the_same_faults_again() {
+        let faults = Faults::ten_percent().stalling(0.05, Duration::from_millis(1));
+        let drawn = |seed| {
+            let store = Faulty::new(MemoryStore::new(), seed, faults);
+            (0..1_000)
+                .map(|_| match store.draw() {
+                    None => 0,
+                    Some(Fault::Before) => 1,
+                    Some(Fault::After) => 2,
+                    Some(Fault::Stall) => 3,
+                    Some(Fault::Delay(pause)) => 4 + pause.as_nanos(),
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(drawn(7), drawn(7));
+        assert_ne!(drawn(7), drawn(8));
+        // Each kind comes at about its share (10 % fail, 5 % stall, 10 % delay of 1 000).
+        let kinds = drawn(7);
+        let count = |kind: u128| kinds.iter().filter(|k| **k == kind).count();
+        assert!((20..=80).contains(&count(1)), "{}", count(1));
+        assert!((20..=80).contains(&count(2)), "{}", count(2));
+        assert!((20..=80).contains(&count(3)), "{}", count(3));
+    }
+}
