@@ -202,6 +202,77 @@ async fn a_claim_that_waited_out_a_lease_for_the_lock_gives_the_time_back() {
     );
 }
 
+/// The lockout another process saw counts too: a duplicate that comes once the file is free
+/// again, having waited for nothing itself, finds the lapsed claim given its time back,
+/// because the holder's process noted beside the file that its renewals had been waiting
+/// for the lock since before the lease ran out. Here the holder's renewals give up at its
+/// timeout, so that the duplicate is the only writer when the lock comes free: without the
+/// note, it would take the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_after_a_freeze_sees_the_holders_wait_and_takes_nothing() {
+    let path = fresh_file("noted");
+    let holder = open(&path).await.with_timeout(Duration::from_millis(300));
+    let duplicate = open(&path).await.with_timeout(Duration::from_secs(20));
+    let lease = Duration::from_secs(2);
+    let key = Operation::new(namespace("sqlite.noted")).key(&1).unwrap();
+    let Claim::Acquired { token } = holder.claim(&key, None, lease).await.unwrap() else {
+        panic!("a fresh key is free");
+    };
+
+    let writer = lock_the_file(&path).await;
+    let renewal = holder.renew(&key, token, lease).await;
+    assert!(matches!(renewal, Err(Error::Store(_))), "{renewal:?}");
+    idem_tests::until_lapsed(&duplicate, &key).await;
+    let renewal = holder.renew(&key, token, lease).await; // its next renewal, kept out too
+    assert!(matches!(renewal, Err(Error::Store(_))), "{renewal:?}");
+    unlock(writer).await;
+
+    assert_eq!(
+        duplicate.claim(&key, None, lease).await.unwrap(),
+        Claim::InProgress { fingerprint: None },
+        "the lapsed claim was given its time back, not taken over"
+    );
+    assert!(
+        holder.renew(&key, token, lease).await.unwrap(),
+        "its holder renews"
+    );
+}
+
+/// The same with a live holder, as it runs: a writer frozen past the lease, and a duplicate
+/// in another process that comes only as the file comes free, racing the holder's waiting
+/// renewal for the lock. Whoever wins, the duplicate's body does not run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_that_comes_as_a_long_freeze_ends_takes_nothing_from_a_live_holder() {
+    let path = fresh_file("late");
+    let holder_store = open(&path).await.with_timeout(Duration::from_secs(20));
+    let duplicate_store = open(&path).await;
+    let lease = Duration::from_secs(1);
+    let op = Operation::new(namespace("sqlite.late")).lease(lease);
+    let runs = Runs::default();
+    for n in 0..3 {
+        let key = op.key(&n).unwrap();
+        let (holder, finish) = hold(&op, holder_store.clone(), key).await;
+        let writer = lock_the_file(&path).await;
+        idem_tests::until_lapsed(&duplicate_store, &key).await;
+        unlock(writer).await;
+        let answered = op
+            .clone()
+            .in_flight(idem_runtime::InFlight::Reject)
+            .run(&duplicate_store, &key, None, async {
+                runs.hit();
+                Ok::<_, Error>("duplicate".to_string())
+            })
+            .await;
+        assert!(matches!(answered, Err(Error::InProgress)), "{answered:?}");
+        finish.send(()).unwrap();
+        assert_eq!(
+            holder.await.unwrap().unwrap(),
+            Outcome::Executed("holder".to_string())
+        );
+    }
+    assert_eq!(runs.count(), 0, "no duplicate's body ran");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crowd_on_one_file_never_takes_a_key_from_a_live_holder() {
     // 4 pools (processes) × 64 callers, each key called once from every pool, every body

@@ -69,7 +69,9 @@
 //!   token): a renewal or a completion held up past the lease still lands.
 //! - **Time the file was locked out is given back, once.** When a claim finds that this
 //!   process has not got the lock for a quarter of its lease or more (since it began to ask,
-//!   over failed tries too, or the claim's own wait if longer), every claim in progress
+//!   over failed tries too, or the claim's own wait if longer), or that another process on
+//!   the file has not (a process that waits for the lock notes since when in a file beside
+//!   the database, `<file>-idem-dark`, while it waits), every claim in progress
 //!   whose lease ran out within that dark time, or runs out within it, gets a lease that
 //!   ends that long from now (a lease at most), and is marked: it gets no more until its
 //!   holder renews. A live holder, whose renewal waited for the lock too, renews as soon as
@@ -97,8 +99,10 @@ pub use crate::store::sql::Purger;
 use crate::store::sql::{self, is_identifier, millis, LookupRow};
 use crate::store::Recorded;
 use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
+use beacon::Beacon;
 use writes::{Answered, Fence, Job, Writes};
 
+mod beacon;
 mod transaction;
 mod writes;
 
@@ -464,9 +468,10 @@ impl SqliteStore {
             .acquire_timeout(ACQUIRE_BOUND)
             .test_before_acquire(PING_BEFORE_WRITE)
             .connect_lazy_with((*pool.connect_options()).clone().busy_timeout(writes::POLL));
+        let beacon = Beacon::beside(pool.connect_options().get_filename());
         Self {
             pool,
-            writes: Arc::new(Writes::new(writes)),
+            writes: Arc::new(Writes::new(writes, beacon)),
             sql: Arc::new(Statements::of(DEFAULT_TABLE)),
             timeout: DEFAULT_TIMEOUT,
             flights: Arc::default(),

@@ -25,6 +25,7 @@ use sqlx::{Connection, SqliteConnection};
 use tokio::sync::{oneshot, OwnedMutexGuard};
 use tokio::time::Instant;
 
+use super::beacon::Beacon;
 use super::{locked_out, lockout, Statements, LOCKED_OUT_FLOOR};
 use crate::store::sql::millis;
 use crate::{Fingerprint, Key, Token};
@@ -128,17 +129,31 @@ pub(super) struct Writes {
     locked_out: Mutex<Option<Instant>>,
     /// Whether the transaction running now found the lock held at least once.
     found_held: AtomicBool,
+    /// Where this process tells the others on the file how long it has waited for the lock,
+    /// and reads how long they have ([`beacon`](super::beacon)).
+    beacon: Beacon,
+}
+
+/// What a write that finds the file's lock held does besides looking again: notes it for
+/// the pause after its transaction, and for the other processes on the file.
+struct Looks<'a> {
+    found_held: &'a AtomicBool,
+    beacon: &'a Beacon,
+    /// Since when the file has been dark to this process.
+    dark_since: Instant,
 }
 
 impl Writes {
-    /// The queue of writes on `conn`, whose connections' busy handlers wait [`POLL`].
-    pub(super) fn new(conn: SqlitePool) -> Self {
+    /// The queue of writes on `conn`, whose connections' busy handlers wait [`POLL`], and
+    /// which notes its waits with `beacon`.
+    pub(super) fn new(conn: SqlitePool, beacon: Beacon) -> Self {
         Self {
             conn,
             queue: Mutex::default(),
             turn: Arc::default(),
             locked_out: Mutex::default(),
             found_held: AtomicBool::new(false),
+            beacon,
         }
     }
 
@@ -254,6 +269,11 @@ impl Writes {
             .max()
             .unwrap_or_else(Instant::now);
         let asked = Instant::now();
+        let looks = Looks {
+            found_held: &self.found_held,
+            beacon: &self.beacon,
+            dark_since: self.dark_since(asked),
+        };
         // Never past it either, so that the next transaction gets its turn.
         let transaction = async {
             let mut conn = self.conn.acquire().await?;
@@ -269,21 +289,14 @@ impl Writes {
                     loop {
                         let tried = Instant::now();
                         let ran = write.job.run(&write.sql, &mut conn).await;
-                        if !again(&ran, deadline, tried, &self.found_held).await {
+                        if !again(&ran, deadline, tried, &looks).await {
                             return ran;
                         }
                     }
                 }
-                let dark_since = self.dark_since(asked);
                 if write
                     .job
-                    .take_in_time(
-                        &write.sql,
-                        &mut conn,
-                        deadline,
-                        dark_since,
-                        &self.found_held,
-                    )
+                    .take_in_time(&write.sql, &mut conn, deadline, &looks)
                     .await?
                 {
                     return Ok(());
@@ -292,11 +305,11 @@ impl Writes {
             let mut tx = loop {
                 let tried = Instant::now();
                 let begun = conn.begin_with("BEGIN IMMEDIATE").await;
-                if !again(&begun, deadline, tried, &self.found_held).await {
+                if !again(&begun, deadline, tried, &looks).await {
                     break begun?;
                 }
             };
-            give_time_back(&mut tx, batch, self.dark_since(asked).elapsed()).await?;
+            give_time_back(&mut tx, batch, looks.dark_since, &self.beacon).await?;
             for write in batch.iter_mut() {
                 if !write.job.abandoned() {
                     write.job.run(&write.sql, &mut tx).await?;
@@ -335,7 +348,7 @@ fn locked(err: &sqlx::Error) -> bool {
 }
 
 /// Whether a write that began at `tried` and ended with `result` found the file's lock held
-/// (noted in `found_held`) and has time left before `deadline` to look again. SQLite's busy
+/// (noted in `looks`) and has time left before `deadline` to look again. SQLite's busy
 /// handler waited [`POLL`] before it answered busy, except for a write whose snapshot went
 /// stale, which is answered at once: that one waits a millisecond, so that the loop never
 /// spins.
@@ -343,11 +356,12 @@ async fn again<T>(
     result: &Result<T, sqlx::Error>,
     deadline: Instant,
     tried: Instant,
-    found_held: &AtomicBool,
+    looks: &Looks<'_>,
 ) -> bool {
     let busy = matches!(result, Err(err @ sqlx::Error::Database(_)) if locked(err));
     if busy {
-        found_held.store(true, Ordering::Relaxed);
+        looks.found_held.store(true, Ordering::Relaxed);
+        looks.beacon.waiting(looks.dark_since);
     }
     if !busy || Instant::now() >= deadline {
         return false;
@@ -361,16 +375,19 @@ async fn again<T>(
 /// SQLite's primary result code for a lock held by another connection.
 const SQLITE_BUSY: u32 = 5;
 
-/// When the file was dark to this process for a quarter of a lease or more (a writer of
-/// another process paused or slow while it held the lock), the claims in progress get that
-/// time back, once: their holders may not have been able to renew meanwhile either. The
-/// dark time is this process's: since it began to find the lock held without getting it
-/// ([`Writes::dark_since`], over failed tries too), or a claim's own wait if longer. What
-/// another process did before this one asked is not counted: the lock may have been free.
+/// When the file was dark for a quarter of a lease or more (a writer of another process
+/// paused or slow while it held the lock), the claims in progress get that time back, once:
+/// their holders may not have been able to renew meanwhile either. The dark time is the
+/// longest of this process's (since `dark_since`, when it began to find the lock held
+/// without getting it, over failed tries too: [`Writes::dark_since`]), a claim's own wait,
+/// and what another process on the file noted of its own wait and still renews or renewed
+/// lately ([`Beacon::dark_since`]): a duplicate that came late in a freeze, or just after
+/// it, sees the wait of the holder whose renewal is still waiting. A time when nobody
+/// waited for the lock is not counted: the lock may have been free, or nobody wanted it.
 ///
 /// Every claim in progress whose lease runs out within the time given back, or ran out
 /// within the dark time or a quarter of a lease before it (a holder may have been kept
-/// out just before this process noticed), gets a lease that ends that long from now (a
+/// out just before anyone noticed), gets a lease that ends that long from now (a
 /// lease at most), and is marked: a marked claim gets no more until its holder renews
 /// (which clears the mark). A live holder, whose renewal has been waiting for the lock too,
 /// renews, and is covered again at the next lockout, however long the freeze was; a dead
@@ -382,7 +399,8 @@ const SQLITE_BUSY: u32 = 5;
 async fn give_time_back(
     tx: &mut SqliteConnection,
     batch: &[Write],
-    dark: Duration,
+    dark_since: Instant,
+    beacon: &Beacon,
 ) -> Result<(), sqlx::Error> {
     let mut takes: Option<(Duration, Duration)> = None;
     for write in batch {
@@ -394,7 +412,11 @@ async fn give_time_back(
     let Some((waited, lease)) = takes else {
         return Ok(());
     };
-    let dark = dark.max(waited);
+    let noted = beacon.dark_since(lease).map(|since| since.elapsed());
+    let dark = dark_since
+        .elapsed()
+        .max(waited)
+        .max(noted.unwrap_or_default());
     if !locked_out(dark, lease) {
         return Ok(());
     }
@@ -461,17 +483,16 @@ impl Job {
 
     /// Runs a take by itself, outside a transaction, if it holds the file's write lock
     /// before `deadline` (when its caller stops waiting), before it waited
-    /// [`LOCKED_OUT_FLOOR`] for it, and before the file was dark to this process (since
-    /// `dark_since`) for a quarter of the lease ([`lockout`]; leases are then owed time back
-    /// first): whether it took the key. A take
+    /// [`LOCKED_OUT_FLOOR`] for it, and before the file was dark for a quarter of the lease
+    /// ([`lockout`]; leases are then owed time back first), to this process (since
+    /// `looks.dark_since`) or to another that noted it: whether it took the key. A take
     /// that did not (a live row of another caller, a lockout) is left to the transaction.
     async fn take_in_time(
         &mut self,
         sql: &Statements,
         conn: &mut SqliteConnection,
         deadline: Instant,
-        dark_since: Instant,
-        found_held: &AtomicBool,
+        looks: &Looks<'_>,
     ) -> Result<bool, sqlx::Error> {
         let Job::Take {
             key,
@@ -486,6 +507,10 @@ impl Job {
         };
         // Past already (a long wait, or a lockout): straight to the transaction, without
         // taking the lock for a statement that could not write.
+        let dark_since = looks
+            .beacon
+            .dark_since(*lease)
+            .map_or(looks.dark_since, |noted| noted.min(looks.dark_since));
         let Some(left) = LOCKED_OUT_FLOOR
             .checked_sub(started.elapsed())
             .zip(lockout(*lease).checked_sub(dark_since.elapsed()))
@@ -518,7 +543,7 @@ impl Job {
                 .bind(until)
                 .fetch_all(&mut *conn)
                 .await;
-            if !again(&tokens, deadline, tried, found_held).await {
+            if !again(&tokens, deadline, tried, looks).await {
                 break tokens?;
             }
         };
