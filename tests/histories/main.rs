@@ -12,6 +12,7 @@
 
 mod http;
 mod servers;
+mod transactions;
 
 use std::path::PathBuf;
 

@@ -40,6 +40,76 @@ async fn sqlite_outside_a_transaction_the_savepoint_is_the_transaction() {
     assert_eq!(replayed.unwrap(), Outcome::Replayed(1));
 }
 
+/// SQLite: a claim in a transaction on the store's own pool needs no other connection of
+/// it. Callers that held every pooled connection in a transaction used to find the first
+/// claim waiting for one (to check the table once), held by the caller itself or by another
+/// caller waiting for the write lock that transaction holds: every call failed with
+/// `Error::Store` after the timeout (found by the histories in transactions). Here the pool
+/// has one connection, the caller's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_a_claim_on_the_stores_only_connection_needs_no_other() {
+    use idem_runtime::{Error, Operation, Outcome, SqliteStore};
+    use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+
+    let path = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "transactions-one-connection-{}.db",
+        std::process::id()
+    ));
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
+    let options = SqliteConnectOptions::new()
+        .filename(&path)
+        .create_if_missing(true);
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(options)
+        .await
+        .unwrap();
+    let store = SqliteStore::from_pool(pool).with_timeout(std::time::Duration::from_secs(1));
+    store.migrate().await.unwrap();
+    let op = Operation::new(idem_tests::scenarios::namespace("tx.one-connection"));
+    let key = op.key(&"t").unwrap();
+    for expected in [Outcome::Executed(1), Outcome::Replayed(1)] {
+        let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+        let ran = op
+            .run_in_transaction(&store, &mut tx, &key, None, async |_| Ok::<_, Error>(1_i64))
+            .await;
+        assert_eq!(ran.unwrap(), expected);
+        tx.commit().await.unwrap();
+    }
+}
+
+/// MySQL: the same, for its checks of the server and the table, made once per store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_claim_on_the_stores_only_connection_needs_no_other() {
+    use idem_runtime::{Error, MySqlStore, Operation, Outcome};
+
+    let url = idem_tests::mysql_url();
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(std::time::Duration::from_secs(1))
+        .connect(&url)
+        .await;
+    let pool = match pool {
+        Ok(pool) => pool,
+        Err(err) => return idem_tests::unavailable(&format!("mysql at {url}"), err).unwrap_or(()),
+    };
+    let store = MySqlStore::from_pool(pool);
+    store.migrate().await.unwrap();
+    let store = MySqlStore::from_pool(store.pool().clone()); // its checks not made yet
+    let op = Operation::new(idem_tests::scenarios::namespace("tx.my-one-connection"));
+    let key = op.key(&"t").unwrap();
+    for expected in [Outcome::Executed(1), Outcome::Replayed(1)] {
+        let mut tx = store.pool().begin().await.unwrap();
+        let ran = op
+            .run_in_transaction(&store, &mut tx, &key, None, async |_| Ok::<_, Error>(1_i64))
+            .await;
+        assert_eq!(ran.unwrap(), expected);
+        tx.commit().await.unwrap();
+    }
+}
+
 /// SQLite: a deferred transaction that read the file before another transaction recorded
 /// the key cannot take the lock after it; its claim fails closed, saying to retry with
 /// `BEGIN IMMEDIATE`, and the retry replays.

@@ -249,11 +249,36 @@ impl MySqlStore {
     /// claims are refused until [`migrate`](Self::migrate) has upgraded it), and that the
     /// pool's sessions are fit for the store's statements.
     async fn checked(&self) -> Result<Server, Error> {
+        let server = self.server(&self.pool).await?;
         self.sql
-            .checked
+            .sessions
+            .get_or_try_init(|| async {
+                let session = format!(
+                    "SELECT CAST({} AS CHAR), CAST(@@SESSION.autocommit AS SIGNED)",
+                    server.isolation()
+                );
+                let (isolation, autocommit): (String, i64) = self
+                    .within(sqlx::query_as(&session).fetch_one(&self.pool))
+                    .await?;
+                refuse_session(&isolation, autocommit)
+            })
+            .await?;
+        Ok(server)
+    }
+
+    /// The server, and its table checked (see [`checked`](Self::checked)), once, on `on`:
+    /// the pool, or the caller's own connection for a claim in its transaction. One that
+    /// waited for another connection of the pool while it held one could wait for itself
+    /// (callers holding every connection in transactions).
+    async fn server<'c>(
+        &self,
+        on: impl sqlx::Executor<'c, Database = sqlx::MySql>,
+    ) -> Result<Server, Error> {
+        self.sql
+            .server
             .get_or_try_init(|| async {
                 let (version, token): (String, Option<String>) = self
-                    .within(sqlx::query_as(&self.sql.check).fetch_one(&self.pool))
+                    .within(sqlx::query_as(&self.sql.check).fetch_one(on))
                     .await?;
                 refuse_forgetful(&version).map_err(Error::store)?;
                 let table = &self.sql.table;
@@ -266,16 +291,7 @@ impl MySqlStore {
                         "the table {table:?} does not exist: run MySqlStore::migrate()"
                     ))),
                 }
-                let server = Server::of(&version);
-                let session = format!(
-                    "SELECT CAST({} AS CHAR), CAST(@@SESSION.autocommit AS SIGNED)",
-                    server.isolation()
-                );
-                let (isolation, autocommit): (String, i64) = self
-                    .within(sqlx::query_as(&session).fetch_one(&self.pool))
-                    .await?;
-                refuse_session(&isolation, autocommit)?;
-                Ok(server)
+                Ok(Server::of(&version))
             })
             .await
             .copied()

@@ -231,11 +231,17 @@ struct Statements {
 impl Statements {
     /// Checks, once, that the table's token triggers exist: a table made by a version
     /// without them would give every take the same token, so its claims are refused until
-    /// [`migrate`](SqliteStore::migrate) has run.
-    async fn checked(&self, pool: &SqlitePool) -> Result<(), sqlx::Error> {
+    /// [`migrate`](SqliteStore::migrate) has run. `on` is the pool, or the caller's own
+    /// connection for a claim in its transaction: one that waited for another connection of
+    /// the pool while it held one could wait for itself (callers holding every connection
+    /// in transactions, each waiting for the write lock it holds).
+    async fn checked<'c>(
+        &self,
+        on: impl sqlx::Executor<'c, Database = Sqlite>,
+    ) -> Result<(), sqlx::Error> {
         self.checked
             .get_or_try_init(|| async {
-                let found: i64 = sqlx::query_scalar(&self.triggers).fetch_one(pool).await?;
+                let found: i64 = sqlx::query_scalar(&self.triggers).fetch_one(on).await?;
                 if found == 2 {
                     Ok(())
                 } else {

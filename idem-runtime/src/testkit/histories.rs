@@ -28,6 +28,13 @@ pub enum Answer {
     Failed(&'static str),
     /// The body's own error: its body ran and returned it.
     BodyFailed,
+    /// The caller stopped waiting (it dropped the call's future) before the call answered:
+    /// it says nothing of the body.
+    Cancelled,
+    /// The caller's process was killed (SIGKILL) before the call answered: it says nothing
+    /// of the body, which may have returned while its record was not yet written, so its
+    /// key may run again once the claim's lease is over, with nobody told anything.
+    Killed,
 }
 
 impl Answer {
@@ -50,6 +57,7 @@ impl Answer {
 /// says nothing by itself (a value, checked against the body it names).
 pub fn body_ran(answer: &Answer) -> Option<bool> {
     match answer {
+        Answer::Cancelled | Answer::Killed => None,
         Answer::Executed(_) | Answer::BodyFailed => Some(true),
         Answer::Replayed(_) => Some(false),
         Answer::Failed("unrecorded") => Some(true),
@@ -73,6 +81,9 @@ struct CallEntry {
     answer: Option<Answer>,
     /// The fingerprint the call sent (histories vary it to reach `payload_mismatch`).
     payload: u64,
+    /// Whether the caller's transaction rolled back after the call (see
+    /// [`History::rolled_back`]).
+    rolled_back: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -144,8 +155,18 @@ impl History {
             bound,
             answer: None,
             payload,
+            rolled_back: false,
         });
         entries.calls.len() - 1
+    }
+
+    /// The call `call` ran in the caller's transaction (`transaction =`), which then rolled
+    /// back: the caller aborted it, its commit failed, or the call was cancelled and the
+    /// transaction dropped. Its body's writes and its record went with it, so its bodies do
+    /// not count as runs of the key, its `Executed` value is not the key's, and its answer
+    /// says nothing of the body; a `Replayed` value it was given is still checked.
+    pub fn rolled_back(&self, call: CallId) {
+        self.entries().calls[call].rolled_back = true;
     }
 
     /// The call `call` ended with `answer`.
@@ -201,8 +222,9 @@ impl History {
     ///   value some body of that key returned (the TTL of a history outlasts it);
     /// - at most one body of a key returns `Ok`, and at most one execution of each step of
     ///   a key and payload runs to its end (a step's key holds its call's fingerprint),
-    ///   except for keys where some caller or step was told
-    ///   `Unrecorded` or `Gone` (counted in the [`Report`]);
+    ///   except for keys where some caller or step was told `Unrecorded` or `Gone`, or
+    ///   some caller was [`Killed`](Answer::Killed) (counted in the [`Report`]); the bodies
+    ///   of calls whose transaction [rolled back](History::rolled_back) do not count;
     /// - every call ended, within its bound.
     ///
     /// # Errors
@@ -245,7 +267,7 @@ impl History {
                     own.iter()
                         .any(|b| matches!(b.ended, Some((_, ref r)) if r.is_ok() == ok))
                 };
-                match body_ran(answer) {
+                match body_ran(answer).filter(|_| !call.rolled_back) {
                     Some(false) if !own.is_empty() => {
                         return Err(violation(format!(
                             "call {id} answered {answer:?}, which says its body did not run, but it ran"
@@ -272,14 +294,16 @@ impl History {
                                 "call {id} answered Executed({v}), but its own body did not return Ok({v})"
                             )));
                         }
-                        values.insert(*v);
+                        if !call.rolled_back {
+                            values.insert(*v);
+                        }
                     }
                     Answer::Replayed(v) => {
+                        // A value of a body whose transaction rolled back was never recorded.
                         let from_key = bodies.iter().any(|&b| {
-                            entries.bodies[b as usize]
-                                .ended
-                                .as_ref()
-                                .is_some_and(|(_, r)| *r == Ok(*v))
+                            let body = &entries.bodies[b as usize];
+                            !entries.calls[body.call].rolled_back
+                                && body.ended.as_ref().is_some_and(|(_, r)| *r == Ok(*v))
                         });
                         if !from_key {
                             return Err(violation(format!(
@@ -288,7 +312,7 @@ impl History {
                         }
                         values.insert(*v);
                     }
-                    Answer::Failed("unrecorded" | "gone") => excused = true,
+                    Answer::Failed("unrecorded" | "gone") | Answer::Killed => excused = true,
                     _ => {}
                 }
             }
@@ -304,6 +328,9 @@ impl History {
             for &b in bodies {
                 let body = &entries.bodies[b as usize];
                 report.bodies += 1;
+                if entries.calls[body.call].rolled_back {
+                    continue; // its writes went with its transaction
+                }
                 excused |= body.step_unrecorded;
                 ok += usize::from(matches!(body.ended, Some((_, Ok(_)))));
                 let payload = entries.calls[body.call].payload;
@@ -314,7 +341,7 @@ impl History {
             let twice = ok > 1 || steps.values().any(|&n| n > 1);
             if twice && !excused {
                 return Err(violation(format!(
-                    "the key ran {ok} bodies to a value (steps run, by payload and step: {steps:?}), and no caller was told Unrecorded or Gone"
+                    "the key ran {ok} bodies to a value (steps run, by payload and step: {steps:?}), and no caller was told Unrecorded or Gone, or killed"
                 )));
             }
             report.keys += 1;
@@ -333,6 +360,8 @@ impl Answer {
             Self::Replayed(_) => "replayed",
             Self::Failed(kind) => kind,
             Self::BodyFailed => "body failed",
+            Self::Cancelled => "cancelled",
+            Self::Killed => "killed",
         }
     }
 }
@@ -765,6 +794,38 @@ mod tests {
             history.end(call, Answer::BodyFailed);
         }
         assert!(broken(&history).contains("steps run"));
+    }
+
+    #[test]
+    fn a_killed_caller_excuses_a_second_run_and_a_cancelled_one_does_not() {
+        for (answer, excused) in [(Answer::Killed, true), (Answer::Cancelled, false)] {
+            let history = History::new();
+            let call = history.begin(1, 0, BOUND);
+            let body = history.body_started(call);
+            history.body_ended(body, Ok(body)); // returned; its record never written
+            history.end(call, answer.clone());
+            let again = executed(&history, 1);
+            answered(&history, 1, Answer::Replayed(again));
+            assert_eq!(history.check().is_ok(), excused, "{answer:?}");
+        }
+    }
+
+    #[test]
+    fn a_rolled_back_call_is_no_run_and_no_value() {
+        // Executed, then its transaction rolled back; the key runs again and commits.
+        let history = History::new();
+        let call = history.begin(1, 0, BOUND);
+        let body = history.body_started(call);
+        history.body_ended(body, Ok(body));
+        history.end(call, Answer::Executed(body));
+        history.rolled_back(call);
+        let again = executed(&history, 1);
+        answered(&history, 1, Answer::Replayed(again));
+        let report = history.check().expect("one committed run");
+        assert_eq!(report.excused, 0);
+        // A replay of the rolled-back value was never recorded.
+        answered(&history, 1, Answer::Replayed(body));
+        assert!(broken(&history).contains("no body of this key"));
     }
 
     #[test]

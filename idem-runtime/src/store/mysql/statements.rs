@@ -110,9 +110,12 @@ pub(super) struct Statements {
     /// The server's version, and the `token` column's `EXTRA` (`auto_increment` once
     /// migrated; see `MySqlStore::checked`).
     pub(super) check: String,
-    /// The server, once `check` found it and a table that makes tokens grow, and the pool's
-    /// sessions fit for the store (see `MySqlStore::checked`); once per store.
-    pub(super) checked: tokio::sync::OnceCell<Server>,
+    /// The server, once `check` found it and a table that makes tokens grow (see
+    /// `MySqlStore::server`); once per store.
+    pub(super) server: tokio::sync::OnceCell<Server>,
+    /// Set once the pool's sessions were found fit for the store (see
+    /// `MySqlStore::checked`).
+    pub(super) sessions: tokio::sync::OnceCell<()>,
     pub(super) create: String,
     /// Makes an earlier version's `token` column an `AUTO_INCREMENT`, less its start.
     pub(super) upgrade: String,
@@ -245,7 +248,8 @@ impl Statements {
                 "SELECT VERSION(), (SELECT EXTRA FROM information_schema.COLUMNS \
                  WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = '{name}' AND COLUMN_NAME = 'token')"
             ),
-            checked: tokio::sync::OnceCell::new(),
+            server: tokio::sync::OnceCell::new(),
+            sessions: tokio::sync::OnceCell::new(),
             // A token is the next value of the table's AUTO_INCREMENT, taken by the insert
             // (or the REPLACE of a takeover) that writes the row: no statement of its own.
             // The value only grows (InnoDB keeps it across restarts, and after the rows that

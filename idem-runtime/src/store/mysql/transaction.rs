@@ -48,7 +48,9 @@ impl Transactional for MySqlStore {
         call: &Call<'_>,
         first: bool,
     ) -> Result<Claim, Error> {
-        let server = self.checked().await?;
+        // On the caller's connection: the pool's may all be held by callers. Its session is
+        // the caller's, checked below (its isolation) or the caller's to set (autocommit).
+        let server = self.server(&mut *connection).await?;
         let bound = self.timeout + call.wait.unwrap_or_default();
         let savepoint = &call.savepoint;
         let mut look = String::new();

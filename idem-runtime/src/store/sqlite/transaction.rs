@@ -41,7 +41,7 @@ impl Transactional for SqliteStore {
     ) -> Result<Claim, Error> {
         let bound = self.timeout + call.wait.unwrap_or_default();
         let savepoint = &call.savepoint;
-        sql::within("sqlite", self.timeout, self.sql.checked(&self.pool)).await?;
+        sql::within("sqlite", self.timeout, self.sql.checked(&mut *connection)).await?;
         let taken = sql::within("sqlite", bound, async {
             // With the savepoint, the caller's busy timeout is read and the call's set (the
             // take waits for the file's lock up to the call's wait); the caller's is put
