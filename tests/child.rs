@@ -85,17 +85,33 @@ impl Child {
     /// late the thread that reads the pipe runs). Panics if its output has not ended a
     /// minute after its death.
     pub fn kill(&mut self, what: &str) -> usize {
-        use tokio::sync::mpsc::error::TryRecvError;
+        self.kill_reading()
+            .iter()
+            .filter(|line| line.contains(what))
+            .count()
+    }
 
+    /// SIGKILL, as [`kill`](Self::kill): every line it printed that the test has not read,
+    /// to the end of its output.
+    pub fn kill_reading(&mut self) -> Vec<String> {
         let _ = self.process.kill();
         let _ = self.process.wait();
+        self.rest()
+    }
+
+    /// Every line the child printed that the test has not read, to the end of its output:
+    /// for a child that exited or was killed. Panics if its output has not ended a minute
+    /// after.
+    pub fn rest(&mut self) -> Vec<String> {
+        use tokio::sync::mpsc::error::TryRecvError;
+
         let stalled = std::time::Instant::now() + Duration::from_secs(60);
-        let mut count = 0;
+        let mut lines = Vec::new();
         loop {
             match self.lines.try_recv() {
-                Ok(line) => count += usize::from(line.contains(what)),
+                Ok(line) => lines.push(line),
                 // The reader saw the end of the pipe: every line is in.
-                Err(TryRecvError::Disconnected) => return count,
+                Err(TryRecvError::Disconnected) => return lines,
                 Err(TryRecvError::Empty) => {
                     assert!(
                         std::time::Instant::now() < stalled,

@@ -29,6 +29,10 @@
 //! }
 //! ```
 //!
+//! A [`History`] can be written by hand too, for calls [`histories`] does not make: in the
+//! caller's transaction ([`History::rolled_back`] for one that did not commit), or in
+//! processes that are killed ([`Answer::Killed`] for a call its process never finished).
+//!
 //! The suite uses real time (leases and TTLs of a few hundred milliseconds), since a network
 //! store judges expiry by its own clock; it takes about two seconds. Its keys live in a
 //! namespace of their own for each run, so it can run against a shared server. A broken

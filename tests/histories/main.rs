@@ -5,12 +5,17 @@
 //! key, one run a key unless a caller was told `Unrecorded` or `Gone`, every call within its
 //! bound). Each run prints its figures.
 //!
+//! Beside them: calls in the caller's transaction (`transactions.rs`) and processes killed
+//! mid-call (`killed.rs`), through the HTTP layer (`http.rs`), and a Redis server of the
+//! test's own frozen and killed under the calls (`servers.rs`).
+//!
 //! CI runs `IDEM_HISTORY_SEEDS` seeds a store (default 3) of `IDEM_HISTORY_CALLS` calls
 //! (default 2 000). A failing run prints its seed; `IDEM_HISTORY_SEED=<n>` runs that seed
 //! alone. The soak of the README's reliability section:
 //! `IDEM_HISTORY_SEEDS=20 IDEM_HISTORY_CALLS=10000 cargo test -p idem-tests --test histories -- --nocapture`.
 
 mod http;
+mod killed;
 mod servers;
 mod transactions;
 

@@ -377,7 +377,8 @@ pub struct Report {
     /// Keys called.
     pub keys: usize,
     /// Keys whose body (or a step) ran more than once, each with a caller told
-    /// `Unrecorded` or `Gone`: the runs the contract allows, counted so they show.
+    /// `Unrecorded` or `Gone`, or killed: the runs the contract allows, counted so they
+    /// show.
     pub excused: usize,
     /// Answers by kind: `executed`, `replayed`, `body failed`, and each error's name.
     pub answers: BTreeMap<&'static str, usize>,
@@ -389,7 +390,7 @@ impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} calls, {} bodies, {} keys, {} faults injected; keys run twice with an Unrecorded or Gone said: {}; answers:",
+            "{} calls, {} bodies, {} keys, {} faults injected; keys run twice with an Unrecorded or Gone said or a caller killed: {}; answers:",
             self.calls, self.bodies, self.keys, self.faults, self.excused
         )?;
         for (kind, n) in &self.answers {
