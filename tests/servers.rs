@@ -356,6 +356,12 @@ impl PrivatePostgres {
             .expect("stop the private postgresql");
     }
 
+    /// Starts the server again after a [`crash`](Self::crash), on its port and data.
+    pub fn start_again(&self) {
+        self.ctl("start")
+            .expect("start the private postgresql again");
+    }
+
     /// Promotes a standby to a primary, and waits until it is one.
     pub fn promote(&self) {
         let data = self.dir.join("data").display().to_string();

@@ -358,7 +358,7 @@ async fn sqlite_with_processes_killed() {
         .await
         .unwrap();
     let file = file.to_string_lossy().into_owned();
-    for seed in seeds(21) {
+    for seed in seeds(31) {
         killed("sqlite", &[(STORE, "sqlite"), (FILE, &file)], seed).await;
     }
 }
@@ -368,7 +368,7 @@ async fn redis_with_processes_killed() {
     if redis_store().await.is_none() {
         return;
     }
-    for seed in seeds(22) {
+    for seed in seeds(32) {
         killed("redis", &[(STORE, "redis")], seed).await;
     }
 }
@@ -378,7 +378,7 @@ async fn postgres_with_processes_killed() {
     if postgres_store().await.is_none() {
         return;
     }
-    for seed in seeds(23) {
+    for seed in seeds(33) {
         killed("postgres", &[(STORE, "postgres")], seed).await;
     }
 }

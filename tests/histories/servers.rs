@@ -1,16 +1,17 @@
-//! Histories on a Redis server of the test's own while it is frozen (`SIGSTOP`, for longer
+//! Histories on servers of the test's own: a Redis server frozen (`SIGSTOP`, for longer
 //! than the lease) and thawed, and killed (`SIGKILL`) and restarted on its port, over and
-//! over while the calls run. The server keeps every write on disk before it answers
-//! (`appendfsync always`), so that a kill loses nothing it acknowledged: what the store
-//! promises over a crash of such a server. The calls' store operations fail as in the
-//! other histories on top of that.
+//! over while the calls run; a PostgreSQL server crashed (`pg_ctl stop -m immediate`) and
+//! started again the same way. The Redis server keeps every write on disk before it
+//! answers (`appendfsync always`), so that a kill loses nothing it acknowledged: what the
+//! store promises over a crash of such a server. The calls' store operations fail as in
+//! the other histories on top of that.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use idem_runtime::testkit::{histories, Faults, Plan};
-use idem_runtime::RedisStore;
-use idem_tests::PrivateRedis;
+use idem_runtime::{PostgresStore, RedisStore};
+use idem_tests::{PrivatePostgres, PrivateRedis};
 
 use super::{calls, seeds};
 
@@ -106,4 +107,44 @@ async fn redis_frozen_past_the_lease_again_and_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_and_restarted_again_and_again() {
     under(Blow::Kill, 22).await;
+}
+
+/// PostgreSQL crashed and started again, over and over while the calls run: at once, then
+/// every lease once it is back. A claim in flight when it goes down fails closed; a
+/// completion that cannot land is retried, and answered `Unrecorded` past its bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_crashed_and_restarted_again_and_again() {
+    let Some(server) = tokio::task::spawn_blocking(PrivatePostgres::start)
+        .await
+        .unwrap()
+    else {
+        return;
+    };
+    let server = Arc::new(server);
+    let first = PostgresStore::connect(&server.url).await.unwrap();
+    first.migrate().await.unwrap();
+    let stores = [first, PostgresStore::connect(&server.url).await.unwrap()];
+    for seed in seeds(23) {
+        let plan = Plan::new(seed).calls(calls(), (calls() * 2 / 25).max(1) as u64);
+        let lease = plan.lease;
+        let done = Arc::new(AtomicBool::new(false));
+        let crashes = {
+            let (done, server) = (done.clone(), server.clone());
+            tokio::task::spawn_blocking(move || {
+                let mut crashes = 0;
+                while crashes == 0 || !done.load(Ordering::Relaxed) {
+                    server.crash();
+                    std::thread::sleep(lease / 2);
+                    server.start_again();
+                    crashes += 1;
+                    std::thread::sleep(lease);
+                }
+                crashes
+            })
+        };
+        let report = histories(&stores, &plan.faults(Faults::ten_percent())).await;
+        done.store(true, Ordering::Relaxed);
+        let crashes = crashes.await.unwrap();
+        println!("postgres crashed x{crashes}: seed {seed}: {report}");
+    }
 }

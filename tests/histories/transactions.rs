@@ -371,7 +371,7 @@ async fn postgres_in_transactions() {
     let Some(store) = postgres_store().await else {
         return;
     };
-    for seed in seeds(11) {
+    for seed in seeds(41) {
         run("postgres", &store, seed, true).await;
     }
 }
@@ -381,7 +381,7 @@ async fn mysql_in_transactions() {
     let Some(store) = mysql_store().await else {
         return;
     };
-    for seed in seeds(12) {
+    for seed in seeds(42) {
         run("mysql", &store, seed, true).await;
     }
 }
@@ -395,7 +395,7 @@ async fn sqlite_in_transactions() {
     }
     let store = SqliteStore::open(&file).await.unwrap();
     store.migrate().await.unwrap();
-    for seed in seeds(13) {
+    for seed in seeds(43) {
         run("sqlite", &store, seed, false).await;
     }
 }
