@@ -374,16 +374,6 @@ impl<S> Probe<S> {
 
 #[async_trait]
 impl<S: Store + Clone> Store for Probe<S> {
-    async fn claim(
-        &self,
-        key: &Key,
-        fp: Option<&Fingerprint>,
-        lease: Duration,
-    ) -> Result<Claim, Error> {
-        self.claims.hit();
-        self.apply(self.inner.claim(key, fp, lease)).await
-    }
-
     async fn claim_with_nonce(
         &self,
         key: &Key,
@@ -523,7 +513,13 @@ pub struct Down;
 
 #[async_trait]
 impl Store for Down {
-    async fn claim(&self, _: &Key, _: Option<&Fingerprint>, _: Duration) -> Result<Claim, Error> {
+    async fn claim_with_nonce(
+        &self,
+        _: &Key,
+        _: Option<&Fingerprint>,
+        _: Duration,
+        _: u64,
+    ) -> Result<Claim, Error> {
         Err(Error::store(DOWN))
     }
 

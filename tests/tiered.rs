@@ -230,7 +230,13 @@ struct Stalled;
 
 #[idem_runtime::async_trait]
 impl Store for Stalled {
-    async fn claim(&self, _: &Key, _: Option<&Fingerprint>, _: Duration) -> Result<Claim, Error> {
+    async fn claim_with_nonce(
+        &self,
+        _: &Key,
+        _: Option<&Fingerprint>,
+        _: Duration,
+        _: u64,
+    ) -> Result<Claim, Error> {
         std::future::pending().await
     }
     async fn complete(

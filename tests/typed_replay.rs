@@ -256,13 +256,16 @@ impl Clone for Handles {
 
 #[idem_runtime::async_trait]
 impl Store for Handles {
-    async fn claim(
+    async fn claim_with_nonce(
         &self,
         key: &idem_runtime::Key,
         fingerprint: Option<&idem_runtime::Fingerprint>,
         lease: std::time::Duration,
+        nonce: u64,
     ) -> Result<idem_runtime::Claim, Error> {
-        self.store.claim(key, fingerprint, lease).await
+        self.store
+            .claim_with_nonce(key, fingerprint, lease, nonce)
+            .await
     }
     async fn complete(
         &self,

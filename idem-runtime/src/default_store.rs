@@ -67,11 +67,12 @@ mod unset {
 
     #[async_trait::async_trait]
     impl Store for Unset {
-        async fn claim(
+        async fn claim_with_nonce(
             &self,
             _: &Key,
             _: Option<&Fingerprint>,
             _: Duration,
+            _: u64,
         ) -> Result<Claim, Error> {
             Err(unset())
         }

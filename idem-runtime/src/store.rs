@@ -207,6 +207,14 @@ pub trait Store: Send + Sync + 'static {
     /// that differs from every earlier token of this key: [`Claim::Acquired`]. Otherwise
     /// nothing changes and the live record is returned.
     ///
+    /// `nonce` is a number the caller draws once per call (64 random bits) and sends again
+    /// with every retry of the same claim. A key in progress under a claim made with the
+    /// same nonce is the caller's own claim, whose reply was lost (a timeout after the store
+    /// applied it): it is answered [`Claim::Acquired`] with a whole lease (that claim's token
+    /// renewed, or the key taken again under a new token, which fences the old one), instead
+    /// of leaving the caller to wait out its own lease. A store that cannot keep the nonce
+    /// may ignore it: such a key then stays held until its lease lapses.
+    ///
     /// A store whose claim tokens also grow (each larger than any earlier one of the key)
     /// answers [`fence`](Store::fence) with the claim's own token; one whose tokens only
     /// differ (a random nonce, so that a claim needs no clock) takes a fencing token there.
@@ -215,34 +223,28 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// [`Error::Store`] when the store cannot be reached or fails; the caller must then not
     /// run the operation.
-    async fn claim(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-    ) -> Result<Claim, Error>;
-
-    /// [`claim`](Store::claim), tagged with `nonce`: a number the caller draws once per
-    /// call (64 random bits) and sends again with every retry of the same claim. A key in
-    /// progress under a claim made with the same nonce is the caller's own claim, whose
-    /// reply was lost (a timeout after the store applied it): it is answered
-    /// [`Claim::Acquired`] with a whole lease (that claim's token renewed, or the key taken
-    /// again under a new token, which fences the old one), instead of leaving the caller to
-    /// wait out its own lease. The default forgets the nonce: such a key then stays held until
-    /// its lease lapses.
-    ///
-    /// # Errors
-    ///
-    /// As [`claim`](Store::claim).
     async fn claim_with_nonce(
         &self,
         key: &Key,
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
         nonce: u64,
+    ) -> Result<Claim, Error>;
+
+    /// [`claim_with_nonce`](Store::claim_with_nonce) with a nonce of its own: a claim that
+    /// is never sent again.
+    ///
+    /// # Errors
+    ///
+    /// As [`claim_with_nonce`](Store::claim_with_nonce).
+    async fn claim(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
     ) -> Result<Claim, Error> {
-        let _ = nonce;
-        self.claim(key, fingerprint, lease).await
+        self.claim_with_nonce(key, fingerprint, lease, nonce())
+            .await
     }
 
     /// Records `value` as the result of the claim `token`, replayed for `ttl`.

@@ -45,11 +45,12 @@ impl Scripted {
 
 #[async_trait]
 impl Store for Scripted {
-    async fn claim(
+    async fn claim_with_nonce(
         &self,
         key: &Key,
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
+        _: u64,
     ) -> Result<Claim, Error> {
         let n = self.claims.fetch_add(1, Ordering::SeqCst);
         match self.script.get(n) {

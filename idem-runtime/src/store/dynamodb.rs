@@ -380,16 +380,6 @@ impl fmt::Debug for DynamoDbStore {
 
 #[async_trait]
 impl Store for DynamoDbStore {
-    async fn claim(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-    ) -> Result<Claim, Error> {
-        self.claim_with_nonce(key, fingerprint, lease, crate::store::nonce())
-            .await
-    }
-
     /// A claim found in progress under this nonce is this call's own (a reply was lost):
     /// it is taken again under the next token, with a whole lease.
     async fn claim_with_nonce(

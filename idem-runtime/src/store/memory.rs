@@ -453,17 +453,7 @@ impl MemoryStoreBuilder {
 
 #[async_trait]
 impl Store for MemoryStore {
-    async fn claim(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-    ) -> Result<Claim, Error> {
-        Ok(self.take(key, fingerprint, lease))
-    }
-
-    /// The claim's own: a claim in this process never loses its reply, so the nonce is not
-    /// needed. One future where the default would box two.
+    /// A claim in this process never loses its reply, so the nonce is not needed.
     async fn claim_with_nonce(
         &self,
         key: &Key,

@@ -576,16 +576,6 @@ impl fmt::Debug for MySqlStore {
 
 #[async_trait]
 impl Store for MySqlStore {
-    async fn claim(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-    ) -> Result<Claim, Error> {
-        self.claim_with_nonce(key, fingerprint, lease, crate::store::nonce())
-            .await
-    }
-
     /// The nonce is kept in the in-progress row's `value` (the result replaces it); a row in
     /// progress under it is taken again with a new token and a whole lease.
     async fn claim_with_nonce(

@@ -567,16 +567,6 @@ impl fmt::Debug for PostgresStore {
 
 #[async_trait]
 impl Store for PostgresStore {
-    async fn claim(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-    ) -> Result<Claim, Error> {
-        self.claim_with_nonce(key, fingerprint, lease, crate::store::nonce())
-            .await
-    }
-
     /// The nonce is kept in the in-progress row's `value` (empty until it completes); a row
     /// in progress under it is taken again with a new token and a whole lease.
     async fn claim_with_nonce(

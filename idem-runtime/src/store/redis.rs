@@ -460,16 +460,6 @@ impl fmt::Debug for RedisStore {
 
 #[async_trait]
 impl Store for RedisStore {
-    async fn claim(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-    ) -> Result<Claim, Error> {
-        self.claim_with_nonce(key, fingerprint, lease, crate::store::nonce())
-            .await
-    }
-
     /// The nonce is the claim's token: a retry that finds an in-progress record with its
     /// own token finds the claim its lost reply made, and renews it to a whole lease before
     /// answering `Acquired` (a second round trip, on this rare path only).

@@ -262,16 +262,6 @@ async fn within<T>(
 
 #[async_trait]
 impl<F: Store, D: Store> Store for TieredStore<F, D> {
-    async fn claim(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-    ) -> Result<Claim, Error> {
-        self.claim_with_nonce(key, fingerprint, lease, crate::store::nonce())
-            .await
-    }
-
     /// The durable store's, so that a claim whose reply was lost is recognised there.
     async fn claim_with_nonce(
         &self,

@@ -213,15 +213,6 @@ impl<S: Store> Faulty<S> {
 
 #[async_trait]
 impl<S: Store + Clone> Store for Faulty<S> {
-    async fn claim(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-    ) -> Result<Claim, Error> {
-        self.apply(self.inner.claim(key, fingerprint, lease)).await
-    }
-
     async fn claim_with_nonce(
         &self,
         key: &Key,
