@@ -4,7 +4,9 @@ parent or children excepted) is an edge. Prints every cycle; exits 1 if there is
 
 Also the layers' direction: the engine (`engine`, `engine::…`) uses the stores (`store`,
 `store::…`), never the reverse, and the stores use no other layer that uses the engine
-(`http`, `default_store`). A path through the crate root's re-exports counts as an arrow
+(`http`, `default_store`); the engine uses neither the HTTP layer (`http`) nor the macro's
+expansion (`expansion`), which are built on it. A module mounted from another file
+(`#[path = "file.rs"] mod name;` in the crate root) is known by its name. A path through the crate root's re-exports counts as an arrow
 to the module that defines the item; links in comments and docs do not. Prints every arrow
 against it; exits 1 if there is one.
 
@@ -20,6 +22,11 @@ for dp, dn, fn in os.walk(root):
             rel = os.path.relpath(p, root)[:-3].replace(os.sep, '::')
             rel = rel.replace('lib', 'crate') if rel == 'lib' else rel
             mods[rel] = open(p).read()
+# `#[path = "file.rs"] mod name;` in the crate root: the file's module is `name`.
+for file, name in re.findall(r'#\[path\s*=\s*"([\w/]+)\.rs"\]\s*(?:#\[[^\]]*\]\s*)*(?:pub(?:\([^)]*\))?\s+)?mod\s+(\w+)', mods['crate']):
+    file = file.replace('/', '::')
+    if file in mods:
+        mods[name] = mods.pop(file)
 names = set(mods)
 # What the crate root re-exports (`pub use crate::engine::{Operation, …}`), so that a path
 # through the root (`crate::Operation`) is an edge to the module that defines it.
@@ -99,6 +106,8 @@ def under(m, top): return m == top or m.startswith(top + '::')
 above = ('engine', 'http', 'default_store')
 upward = sorted((m, t) for m in names if under(m, 'store')
                 for t in edges[m] if any(under(t, top) for top in above))
+upward += sorted((m, t) for m in names if under(m, 'engine')
+                 for t in edges[m] if under(t, 'http') or under(t, 'expansion'))
 for m, t in upward: print('upward:', m, '->', t)
-print(len(upward), 'imports from the stores into the layers above them')
+print(len(upward), 'imports from a layer into the layers above it')
 sys.exit(1 if out or upward else 0)

@@ -22,11 +22,10 @@ use serde::Serialize;
 
 pub(crate) use self::call::Derived;
 use self::call::{Answer, Call};
-pub use self::call::{Started, Typing};
+pub use self::call::{IdemResult, Started, Typing};
 use self::held::Held;
 pub(crate) use self::settle::Found;
 use crate::codec::{self, ErrorPolicy, Json, ReleaseErrors, ValueCodec};
-use crate::expansion::IdemResult;
 use crate::namespace::Namespace;
 use crate::{background, CacheErrors, Error, Fingerprint, Key, Store};
 
@@ -103,23 +102,6 @@ impl<T> Outcome<T> {
             Self::Executed(value) => Outcome::Executed(f(value)),
             Self::Replayed(value) => Outcome::Replayed(f(value)),
         }
-    }
-}
-
-/// An outcome answers HTTP as its value does; a replay adds `Idempotent-Replayed: true`, as
-/// [`IdempotencyLayer`](crate::http::IdempotencyLayer)'s replays do (feature `axum`).
-#[cfg(feature = "axum")]
-impl<T: axum::response::IntoResponse> axum::response::IntoResponse for Outcome<T> {
-    fn into_response(self) -> axum::response::Response {
-        let replayed = self.is_replayed();
-        let mut response = self.into_inner().into_response();
-        if replayed {
-            response.headers_mut().insert(
-                http::HeaderName::from_static(crate::http::IDEMPOTENT_REPLAYED),
-                http::HeaderValue::from_static("true"),
-            );
-        }
-        response
     }
 }
 

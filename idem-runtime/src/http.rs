@@ -129,6 +129,8 @@ mod config;
 mod fingerprint;
 mod header;
 mod layer;
+#[cfg(feature = "axum")]
+mod outcome;
 mod problem;
 #[cfg(feature = "governor")]
 mod rate_limit;

@@ -54,7 +54,6 @@
 // under a name that reads well where the compiler quotes it ("required by a bound in
 // `idem_runtime::expansion::key`"): a note never sends a user to a module called private.
 #[doc(hidden)]
-#[path = "private.rs"]
 pub mod expansion;
 #[doc(hidden)]
 pub mod __private {

@@ -21,9 +21,38 @@ use super::held::{Beat, Ending, Held, Verdict};
 use super::settle::Found;
 use super::{Begun, Handle, Operation, Outcome, Settings};
 use crate::codec::{self, ErrorPolicy, ValueCodec};
-use crate::expansion::IdemResult;
 use crate::store::Typed;
 use crate::{Error, Fingerprint, Key};
+
+/// The shape every `#[idempotent]` function returns: `Result<T, E>`, or an alias of it.
+#[diagnostic::on_unimplemented(
+    message = "`#[idempotent]` functions must return `Result<T, E>`, not `{Self}`",
+    label = "this must be a `Result`",
+    note = "the `Ok` value is recorded and replayed; an `Err` releases the key, e.g. `-> Result<Receipt, PayError>`"
+)]
+pub trait IdemResult: Sized {
+    /// The recorded value type.
+    type Ok;
+    /// The error type.
+    type Err;
+    /// Into a `Result`.
+    fn into_result(self) -> Result<Self::Ok, Self::Err>;
+    /// From a `Result`.
+    fn from_result(result: Result<Self::Ok, Self::Err>) -> Self;
+}
+
+impl<T, E> IdemResult for Result<T, E> {
+    type Ok = T;
+    type Err = E;
+
+    fn into_result(self) -> Self {
+        self
+    }
+
+    fn from_result(result: Self) -> Self {
+        result
+    }
+}
 
 /// A derived key and fingerprint; `None` for an absent optional key; or the error that
 /// deriving them ended with.
