@@ -495,6 +495,37 @@ mod tests {
     fn expand(attr: &str, item: &str) -> String {
         idempotent(attr.parse().unwrap(), item.parse().unwrap()).to_string()
     }
+    /// The README's "How the macro expands" shows the expansion of its example exactly:
+    /// the code block after that heading, token by token.
+    #[test]
+    fn readme_shows_the_expansion() {
+        let readme = include_str!("../../README.md");
+        let section = readme
+            .split("## How the macro expands")
+            .nth(1)
+            .expect("the README has the section");
+        let shown = section
+            .split("```rust,ignore\n")
+            .nth(1)
+            .and_then(|block| block.split("\n```").next())
+            .expect("the section's code block");
+        let shown: proc_macro2::TokenStream = shown.parse().expect("the block is Rust tokens");
+        let out = expand(
+            r#"key = order.id, fingerprint = order.cents, ignore = gateway, ttl = "24h""#,
+            "async fn charge(order: &Order, gateway: &Gateway) -> Result<Receipt, PayError> { gateway.charge(order).await }",
+        );
+        // Layout aside: the spacing of the tokens' text, and the trailing commas rustfmt
+        // adds to a call's arguments.
+        let plain = |tokens: &str| {
+            let text: String = tokens.chars().filter(|c| !c.is_whitespace()).collect();
+            text.replace(",)", ")")
+        };
+        assert_eq!(
+            plain(&shown.to_string()),
+            plain(&out),
+            "the README's expansion is out of date: paste the macro's output there (rustfmt'd)"
+        );
+    }
 
     #[test]
     fn generated_code_cannot_panic_and_adds_only_the_function_and_its_sibling() {
