@@ -4,6 +4,7 @@ pub(crate) mod attempt;
 mod call;
 mod held;
 mod lease;
+mod settings;
 pub(crate) mod settle;
 pub(crate) mod steps;
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
@@ -24,6 +25,7 @@ pub(crate) use self::call::Derived;
 use self::call::{Answer, Call};
 pub use self::call::{IdemResult, Started, Typing};
 use self::held::Held;
+pub(crate) use self::settings::Settings;
 pub(crate) use self::settle::Found;
 use crate::codec::{self, ErrorPolicy, Json, ReleaseErrors, ValueCodec};
 use crate::namespace::Namespace;
@@ -130,22 +132,6 @@ impl<T> Outcome<T> {
 pub struct Operation<P = ReleaseErrors> {
     pub(crate) settings: Settings,
     pub(crate) errors: P,
-}
-
-/// Everything about an operation but its error policy: what the engine's core needs, so
-/// that the core is compiled once, in this crate, and not once per `#[idempotent]`
-/// function in the user's (`scripts/build_time.py` measures what that saves).
-#[derive(Clone, Debug)]
-pub(crate) struct Settings {
-    pub(crate) namespace: Namespace,
-    pub(crate) ttl: Duration,
-    pub(crate) lease: Duration,
-    pub(crate) in_flight: InFlight,
-    pub(crate) wait_timeout: Option<Duration>,
-    /// How long the caller waits for a completion that failed before it is answered
-    /// [`Error::Unrecorded`] (the guard goes on retrying within the lease without it);
-    /// `None`: until the lease runs out.
-    pub(crate) record_wait: Option<Duration>,
 }
 
 impl Operation {

@@ -14,7 +14,7 @@
 //! }
 //! ```
 //!
-//! Beside it, the contract as a checker over histories ([`histories`], [`History`]): many
+//! Beside it, the contract as a checker over histories ([`histories()`], [`History`]): many
 //! concurrent calls through a store whose every operation fails, loses its answer, slows
 //! down or stalls by a seeded schedule ([`Faulty`]), each answer held to the error table
 //! and each key to one value and one run (or a caller told `Unrecorded`):
@@ -29,7 +29,7 @@
 //! }
 //! ```
 //!
-//! A [`History`] can be written by hand too, for calls [`histories`] does not make: in the
+//! A [`History`] can be written by hand too, for calls [`histories()`] does not make: in the
 //! caller's transaction ([`History::rolled_back`] for one that did not commit), or in
 //! processes that are killed ([`Answer::Killed`] for a call its process never finished).
 //!
@@ -691,7 +691,7 @@ async fn step_records_are_fenced_by_the_calls_claim<S: Store>(store: &S, keys: &
     );
 }
 
-/// The steps of a call ([`step`](crate::step)), recorded in the store: an attempt that
+/// The steps of a call ([`step`](crate::step())), recorded in the store: an attempt that
 /// fails after its first step leaves it recorded, the next attempt replays it and runs the
 /// second, and the call then replays whole. Each step's future runs once.
 async fn steps_resume_where_the_last_attempt_stopped<S: Store + Clone>(store: &S, keys: &Keys) {

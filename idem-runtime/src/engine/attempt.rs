@@ -10,7 +10,7 @@ use bytes::Bytes;
 use tokio::sync::OnceCell;
 
 use super::lease::Lease;
-use super::Settings;
+use super::settings::Settings;
 use crate::key::KeyHasher;
 use crate::{Error, Fingerprint, Flights, Key, Store, Token};
 

@@ -18,8 +18,9 @@ use pin_project_lite::pin_project;
 
 use super::attempt;
 use super::held::{Beat, Ending, Held, Verdict};
+use super::settings::Settings;
 use super::settle::Found;
-use super::{Begun, Handle, Operation, Outcome, Settings};
+use super::{Begun, Handle, Operation, Outcome};
 use crate::codec::{self, ErrorPolicy, ValueCodec};
 use crate::store::Typed;
 use crate::{Error, Fingerprint, Key};

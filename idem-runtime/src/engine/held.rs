@@ -22,8 +22,9 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::attempt::{Attempt, Journal};
+use super::backoff;
 use super::lease::Lease;
-use super::{backoff, Settings};
+use super::settings::Settings;
 use crate::background;
 use crate::flights::{FlightRef, Landing};
 use crate::meter::{self, Event};

@@ -50,7 +50,7 @@ pub(super) struct Lease {
     /// [`retries_end`](Self::retries_end)).
     pub(super) retries_end: Mutex<Option<Instant>>,
     /// How long the holder's caller waits for a completion that failed
-    /// ([`Settings::record_wait`](super::Settings)).
+    /// ([`Settings::record_wait`](super::settings::Settings)).
     pub(super) record_wait: Option<Duration>,
     /// The nonce of the claims made again to record a refused completion, drawn by the
     /// first of them: a retry's claim finds a claim of its own whose reply was lost.

@@ -9,28 +9,15 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::held::Held;
-use super::{attempt, backoff, Begun, Handle, InFlight, Settings};
+use super::settings::{traced, Settings};
+use super::{attempt, backoff, Begun, Handle, InFlight};
 use crate::flights::Landing;
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+use crate::store::{Call, Transactional};
 use crate::store::{Kept, Typed};
 use crate::{limits, meter, Claim, Error, Fingerprint, Key, Store, Token};
 
 impl Settings {
-    /// The span of one call: the namespace and a short digest of the key, never its value.
-    /// A disabled span when nothing could see it: building and entering one that no
-    /// subscriber takes still cost a memory replay a tenth of its time.
-    pub(crate) fn span(&self, key: &Key) -> tracing::Span {
-        if traced() {
-            self.traced_span(key)
-        } else {
-            tracing::Span::none()
-        }
-    }
-
-    /// The span itself, for a caller that asked [`traced`] already.
-    fn traced_span(&self, key: &Key) -> tracing::Span {
-        tracing::debug_span!("idempotent", namespace = %&*self.namespace, key = %key.short())
-    }
-
     /// The record to replay, if the store has it at hand (in memory) and no call of the key
     /// is running here: the first step of [`settle`](Self::settle), taken without a future.
     pub(crate) fn replay_at_once(
@@ -248,15 +235,6 @@ impl Settled {
     }
 }
 
-/// Whether a call's span can be seen: a subscriber may take debug spans, or, with no
-/// subscriber, a `log` logger may take debug records (`tracing`'s `log` feature writes
-/// spans to it). Two atomic loads; the span macro checks its callsite's interest after.
-fn traced() -> bool {
-    use tracing::level_filters::{LevelFilter, STATIC_MAX_LEVEL};
-    (STATIC_MAX_LEVEL >= LevelFilter::DEBUG && LevelFilter::current() >= LevelFilter::DEBUG)
-        || log::max_level() >= log::LevelFilter::Debug
-}
-
 /// A completed record found for a call: the store's own shared record (with the value itself
 /// beside the encoding, if it kept it), or an encoding and its fingerprint.
 pub(crate) enum Found {
@@ -349,6 +327,75 @@ fn claim_timed_out(store: &dyn Store) -> Error {
 fn timed_out() -> Error {
     tracing::debug!(outcome = "rejected", "gave up waiting for the running call");
     Error::InProgress
+}
+
+/// Settling in the caller's transaction (see `transaction.rs`).
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+impl Settings {
+    /// Claims the call's key in the transaction under its savepoint: the record to replay,
+    /// or the token of the claim. Only a claim keeps the savepoint; any other outcome ends
+    /// it (a replay wrote nothing; a refused claim rolls back to it), so that a transaction
+    /// of many calls does not nest one level deeper per call.
+    pub(super) async fn settle_in<S: Transactional>(
+        &self,
+        store: &S,
+        connection: &mut S::Connection,
+        call: &Call<'_>,
+    ) -> Result<Settled, Error> {
+        let started = meter::start();
+        let settled = self.settle_under(store, connection, call).await;
+        meter::settled(&self.namespace, started, &settled, |settled| {
+            matches!(settled, Settled::Replay(_))
+        });
+        settled
+    }
+
+    /// [`settle_in`](Self::settle_in), unmeasured.
+    async fn settle_under<S: Transactional>(
+        &self,
+        store: &S,
+        connection: &mut S::Connection,
+        call: &Call<'_>,
+    ) -> Result<Settled, Error> {
+        limits::check(self.ttl, self.lease, self.wait_timeout)?;
+        // Before any statement: the enclosing call's uncommitted claim would make a claim on
+        // another connection wait for the very transaction that waits for it.
+        attempt::refuse_recursion(store, call.key)?;
+        let deadline = Instant::now() + self.wait_timeout.unwrap_or(self.lease);
+        let mut polls = 0;
+        loop {
+            let sent = Instant::now();
+            let settled = match store.__claim_in(connection, call, polls == 0).await? {
+                Claim::Acquired { token } => return Ok(Settled::Run(token, sent)),
+                Claim::Completed {
+                    value,
+                    fingerprint: recorded,
+                } => Settled::replay(value, recorded.as_ref(), call.fingerprint),
+                // Held by a committed claim of `run` (a lease), not by a transaction: poll.
+                Claim::InProgress {
+                    fingerprint: holder,
+                } => {
+                    let polled = async {
+                        self.found_in_progress(store, call.key, holder.as_ref(), call.fingerprint)?;
+                        if polls == 0 {
+                            store.__before_polling(connection).await?;
+                        }
+                        pause_before_polling(deadline, polls).await
+                    }
+                    .await;
+                    match polled {
+                        Ok(()) => {
+                            polls += 1;
+                            continue;
+                        }
+                        Err(err) => Err(err),
+                    }
+                }
+            };
+            store.__roll_back(connection, call).await;
+            return settled;
+        }
+    }
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //!
 //! A step takes no claim of its own: the call's claim already makes its holder the only
 //! one running the body. A step that runs costs one round trip, its record, written by
-//! [`Store::record_step`] in one conditional write that lands only while the call's claim
+//! [`Store::record_step`](crate::Store::record_step) in one conditional write that lands only while the call's claim
 //! is still this holder's, so a holder that lost the key can never leave a record the new
 //! holder would replay. An attempt reads every step recorded before it in one round trip,
 //! when its first step asks. Before a step's future is first polled, the holder checks its

@@ -12,16 +12,14 @@ use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use tokio::time::Instant;
 use tracing::Instrument;
 
-use super::attempt::{self, Attempt, Journal};
-use super::settle::{pause_before_polling, Settled};
-use super::Settings;
+use super::attempt::{Attempt, Journal};
+use super::settle::Settled;
 use crate::codec::{ErrorPolicy, Json, ValueCodec};
 use crate::meter::{self, Event};
 use crate::store::{Call, Savepoint, Transactional};
-use crate::{limits, Claim, Error, Fingerprint, InFlight, Key, Operation, Outcome, Token};
+use crate::{Error, Fingerprint, InFlight, Key, Operation, Outcome, Token};
 
 impl<P> Operation<P> {
     /// Runs `body` at most once per `key`, inside the caller's transaction on `connection`:
@@ -183,72 +181,5 @@ async fn complete<S: Transactional>(
         Err(Error::store(
             "the claim in this transaction is gone: did the body roll back to a savepoint taken before the call? Roll the transaction back",
         ))
-    }
-}
-
-impl Settings {
-    /// Claims the call's key in the transaction under its savepoint: the record to replay,
-    /// or the token of the claim. Only a claim keeps the savepoint; any other outcome ends
-    /// it (a replay wrote nothing; a refused claim rolls back to it), so that a transaction
-    /// of many calls does not nest one level deeper per call.
-    async fn settle_in<S: Transactional>(
-        &self,
-        store: &S,
-        connection: &mut S::Connection,
-        call: &Call<'_>,
-    ) -> Result<Settled, Error> {
-        let started = meter::start();
-        let settled = self.settle_under(store, connection, call).await;
-        meter::settled(&self.namespace, started, &settled, |settled| {
-            matches!(settled, Settled::Replay(_))
-        });
-        settled
-    }
-
-    /// [`settle_in`](Self::settle_in), unmeasured.
-    async fn settle_under<S: Transactional>(
-        &self,
-        store: &S,
-        connection: &mut S::Connection,
-        call: &Call<'_>,
-    ) -> Result<Settled, Error> {
-        limits::check(self.ttl, self.lease, self.wait_timeout)?;
-        // Before any statement: the enclosing call's uncommitted claim would make a claim on
-        // another connection wait for the very transaction that waits for it.
-        attempt::refuse_recursion(store, call.key)?;
-        let deadline = Instant::now() + self.wait_timeout.unwrap_or(self.lease);
-        let mut polls = 0;
-        loop {
-            let sent = Instant::now();
-            let settled = match store.__claim_in(connection, call, polls == 0).await? {
-                Claim::Acquired { token } => return Ok(Settled::Run(token, sent)),
-                Claim::Completed {
-                    value,
-                    fingerprint: recorded,
-                } => Settled::replay(value, recorded.as_ref(), call.fingerprint),
-                // Held by a committed claim of `run` (a lease), not by a transaction: poll.
-                Claim::InProgress {
-                    fingerprint: holder,
-                } => {
-                    let polled = async {
-                        self.found_in_progress(store, call.key, holder.as_ref(), call.fingerprint)?;
-                        if polls == 0 {
-                            store.__before_polling(connection).await?;
-                        }
-                        pause_before_polling(deadline, polls).await
-                    }
-                    .await;
-                    match polled {
-                        Ok(()) => {
-                            polls += 1;
-                            continue;
-                        }
-                        Err(err) => Err(err),
-                    }
-                }
-            };
-            store.__roll_back(connection, call).await;
-            return settled;
-        }
     }
 }

@@ -8,7 +8,7 @@ use crate::engine::IdemResult;
 use crate::ErrorPolicy;
 use crate::{Error, Fingerprint, Key, Operation};
 
-/// `Operation::run_in_transaction`, as [`run`]: `transaction = tx`.
+/// `Operation::run_in_transaction`, as [`run`](super::run::run): `transaction = tx`.
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 pub async fn run_in_transaction<P, S, R, F>(
     operation: &Operation<P>,

@@ -46,7 +46,7 @@ impl<R> TypedByCodec for &TypeProbe<R> {
     }
 }
 
-/// What [`run`] takes of a probe's answer.
+/// What [`run`](super::run::run) takes of a probe's answer.
 pub trait IntoTyping<T> {
     fn into_typing(self) -> Option<Typing<T>>;
 }

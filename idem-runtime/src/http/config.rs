@@ -119,7 +119,7 @@ impl<St: Clone, Sc: Clone> Clone for Config<St, Sc> {
 }
 
 /// The layer's error policy: a recordable response that could not be kept (over the limit,
-/// trailers, a body that failed) completes its key with the [`GONE`](codec::GONE) record,
+/// trailers, a body that failed) completes its key with the [`GONE`](crate::codec::GONE) record,
 /// so that a retry gets `410` instead of running the handler again, unless the layer was
 /// told to [`release_unrecorded`](super::IdempotencyLayer::release_unrecorded). Every other
 /// failure releases the key.

@@ -207,7 +207,7 @@ impl<St: Clone, Sc: Clone> IdempotencyLayer<St, Sc> {
     }
 
     /// The `Retry-After` of a `409` when the store cannot say how long the holder's lease
-    /// has left (default 1 s); a store that can ([`Store::lease_left`](crate::Store::lease_left))
+    /// has left (default 1 s); a store that can ([`Store::lease_left`])
     /// answers with that, rounded up to whole seconds.
     pub fn retry_after(self, after: Duration) -> Self {
         self.with(|c| c.retry_after = after)

@@ -108,7 +108,7 @@ impl SplitMix {
 }
 
 /// A [`Store`] that forwards to `S` through a seeded schedule of [`Faults`]: what the
-/// history checks ([`histories`](super::histories)) run every store through. Every
+/// history checks ([`histories`](super::histories())) run every store through. Every
 /// operation but [`remove`](Store::remove) (an operator's) draws its fault; the in-process
 /// registry of `S` is kept (a process's own duplicates still coalesce), and a typed value
 /// is not kept beside a record, so that every completion goes through the faults.

@@ -20,7 +20,7 @@
 //! The claim is one call of a function that [`PostgresStore::migrate`] creates beside the
 //! table: it sets `lock_timeout` for its own duration only (the caller's setting is back when
 //! it returns), so that waiting for a concurrent holder's transaction is bounded by the
-//! operation's wait timeout, or, with [`InFlight::Reject`], does not happen. A holder's
+//! operation's wait timeout, or, with [`InFlight::Reject`](crate::InFlight::Reject), does not happen. A holder's
 //! uncommitted claim is invisible to everyone else; a duplicate's `INSERT` waits for the
 //! holder's transaction to end, then sees its committed record (a replay) or nothing (the
 //! holder rolled back: the duplicate claims). A crash needs no lease: the server rolls the
@@ -37,7 +37,7 @@ use super::{millis, parse_claim, PostgresStore};
 use crate::store::transaction::{sealed::Sealed, Call, Savepoint, Transactional};
 use crate::{Claim, Error, Fingerprint, Key, Token};
 
-/// The lock timeout of [`InFlight::Reject`]: long enough for a lock that is free, far too
+/// The lock timeout of [`InFlight::Reject`](crate::InFlight::Reject): long enough for a lock that is free, far too
 /// short for a holder's transaction.
 const REJECT_WITHIN: &str = "1ms";
 
