@@ -50,7 +50,7 @@ mod histories;
 
 pub use self::faults::{Faults, Faulty};
 pub use self::histories::{
-    body_ran, histories, Answer, BodyId, CallId, History, Plan, Report, Violation,
+    body_ran, histories, Answer, BodyId, CallId, Failure, History, Plan, Report, Violation,
 };
 
 /// A short lease, for the checks that a lease runs out: long enough for a slow server's

@@ -52,6 +52,16 @@ impl Answer {
     }
 }
 
+impl Answer {
+    /// The answer of a call whose body's errors are [`Failure`]s.
+    pub fn of_call(result: &Result<Outcome<u64>, Failure>) -> Self {
+        Self::of(result, |failure| match failure {
+            Failure::Idem(err) => Some(err),
+            Failure::Body => None,
+        })
+    }
+}
+
 /// Whether a call whose answer is `answer` may have run its body, by the README's error
 /// table: `Some(true)` it must have, `Some(false)` it must not have, `None` the answer
 /// says nothing by itself (a value, checked against the body it names).
@@ -549,10 +559,13 @@ impl Plan {
     }
 }
 
-/// The error of a call in [`histories`]: the runtime's, or the body's own.
+/// The error of a call in a history: the runtime's, or the body's own (a body that
+/// failed). A history's bodies return it, so that [`Answer::of_call`] tells the two apart.
 #[derive(Debug)]
-enum Failure {
+pub enum Failure {
+    /// The runtime's error.
     Idem(Error),
+    /// The body's own error.
     Body,
 }
 
@@ -636,10 +649,7 @@ async fn record<S: Store + Clone>(stores: &[S], plan: &Plan) -> (History, Vec<Fa
                 let call = history.begin(key, payload, bound);
                 let body = body(&history, call, fails, work, plan.steps);
                 let result = op.run(&store, &k, Some(&fp), body).await;
-                let answer = Answer::of(&result, |f| match f {
-                    Failure::Idem(err) => Some(err),
-                    Failure::Body => None,
-                });
+                let answer = Answer::of_call(&result);
                 history.end(call, answer);
             }
         });

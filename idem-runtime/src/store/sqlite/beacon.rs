@@ -184,6 +184,18 @@ mod tests {
     }
 
     #[test]
+    fn a_note_that_cannot_be_written_is_warned_of_once_and_read_as_none() {
+        let path = file("unwritable").join("no-such-directory").join("idem.db");
+        let beacon = Beacon::beside(&path);
+        beacon.waiting(Instant::now() - Duration::from_secs(1));
+        assert!(
+            beacon.warned.load(Ordering::Relaxed),
+            "the failure is logged"
+        );
+        assert!(beacon.dark_since(Duration::from_secs(2)).is_none());
+    }
+
+    #[test]
     fn a_database_in_memory_has_no_note() {
         let beacon = Beacon::beside(Path::new(":memory:"));
         beacon.waiting(Instant::now() - Duration::from_secs(1));
