@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What the SQLite store's claim costs in SQL alone, without the store around it.
 
-The store's lone claim is one statement (`take_in_time` in `idem-runtime/src/store/sqlite.rs`,
+The store's lone claim is one statement (`take_in_time` in `idem-runtime/src/store/sqlite/statements.rs`,
 written out below as the store writes it for its default table). This runs it, committed by
 itself, on files in WAL mode with `synchronous = FULL` as `SqliteStore::open` sets them,
 interleaved with the baseline of the `databases` bench (an `INSERT` into a plain table) and

@@ -24,7 +24,7 @@ pub mod postgres;
 #[cfg(feature = "redis")]
 pub mod redis;
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
-mod sql;
+pub mod sql;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]

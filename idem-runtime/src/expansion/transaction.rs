@@ -147,7 +147,7 @@ pub fn transactional<S: InTransaction>(store: &S) -> &S::Transactional {
 #[diagnostic::on_unimplemented(
     message = "`transaction =` is a `&mut {Self}`, and a `{S}` cannot claim in it",
     label = "not the connection of the store's database",
-    note = "each store claims in a connection to its own database: a `PostgresStore` in a `&mut sqlx::PgConnection`, a `SqliteStore` in a `&mut sqlx::SqliteConnection`, a `MySqlStore` in a `&mut sqlx::MySqlConnection` (callers pass `&mut transaction`)"
+    note = "each store claims in a connection to its own database: a `PostgresStore` (`SqlStore<Postgres>`) in a `&mut sqlx::PgConnection`, a `SqliteStore` (`SqlStore<Sqlite>`) in a `&mut sqlx::SqliteConnection`, a `MySqlStore` (`SqlStore<MySql>`) in a `&mut sqlx::MySqlConnection` (callers pass `&mut transaction`)"
 )]
 pub trait ConnectionOf<S: crate::store::Transactional> {
     #[doc(hidden)]

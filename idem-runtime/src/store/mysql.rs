@@ -52,31 +52,28 @@
 //! refused ([`Error::Store`], naming `migrate`), as on a server that forgets an
 //! `AUTO_INCREMENT` on restart (checked once per store, whether or not it ran `migrate`).
 
-use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use bytes::Bytes;
 use sqlx::mysql::{MySqlPool, MySqlPoolOptions, MySqlRow};
 use sqlx::Row;
 
 pub use crate::store::sql::Purger;
-use crate::store::sql::{self, millis, LookupRow};
-use crate::store::Recorded;
-use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
+use crate::store::sql::{self, millis, Dialect, Engine, Fenced, Sealed, SqlStore, Table};
+use crate::{Claim, Error, Fingerprint, Key, Token};
 
+mod schema;
 mod statements;
 mod transaction;
 
-use statements::{Bounded, Server, Statements};
+use statements::{Bounded, Statements};
 
 /// The default table name.
-pub const DEFAULT_TABLE: &str = "idem_records";
+pub const DEFAULT_TABLE: &str = sql::DEFAULT_TABLE;
 
 /// The default time an operation may take, waiting for a pooled connection and for row
 /// locks included, before it fails with [`Error::Store`].
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3);
+pub const DEFAULT_TIMEOUT: Duration = sql::DEFAULT_TIMEOUT;
 
 /// How many connections [`MySqlStore::connect`] pools.
 pub const DEFAULT_CONNECTIONS: u32 = 10;
@@ -106,18 +103,19 @@ const CLAIM_LOOKS: usize = 3;
 /// # Ok(())
 /// # }
 /// ```
+pub type MySqlStore = SqlStore<sqlx::MySql>;
+
+/// The MySQL and MariaDB dialect of [`SqlStore`]: its pool and statements.
 #[derive(Clone)]
-pub struct MySqlStore {
+pub struct MySqlEngine {
     pool: MySqlPool,
     sql: Arc<Statements>,
     /// The statements that wait for row locks, bounded for the server and the timeout: made
     /// at the first operation, made again after `with_timeout` or `with_table`.
     bounded: Arc<tokio::sync::OnceCell<Bounded>>,
-    timeout: Duration,
-    flights: Arc<Flights>,
 }
 
-impl MySqlStore {
+impl SqlStore<sqlx::MySql> {
     /// Connects to `url` (`mysql://user:password@host/database`) with a pool of
     /// [`DEFAULT_CONNECTIONS`], using the table [`DEFAULT_TABLE`]. Call
     /// [`migrate`](Self::migrate) before the first use.
@@ -145,45 +143,11 @@ impl MySqlStore {
 
     /// Uses an existing pool.
     pub fn from_pool(pool: MySqlPool) -> Self {
-        Self {
+        Self::of(MySqlEngine {
             pool,
             sql: Arc::new(Statements::of(DEFAULT_TABLE)),
             bounded: Arc::default(),
-            timeout: DEFAULT_TIMEOUT,
-            flights: Arc::default(),
-        }
-    }
-
-    /// Sets how long one operation may take, waiting for a pooled connection and for row
-    /// locks included, before it fails with [`Error::Store`] (default [`DEFAULT_TIMEOUT`]).
-    /// The body never runs after such a failure.
-    #[must_use]
-    pub fn with_timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self.bounded = Arc::default();
-        self
-    }
-
-    /// Uses the table `table` instead of [`DEFAULT_TABLE`].
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Store`] when the name is not a plain identifier: names are checked, never
-    /// quoted into SQL as they come.
-    pub fn with_table(mut self, table: &str) -> Result<Self, Error> {
-        self.sql = Arc::new(Statements::new(table)?);
-        self.bounded = Arc::default();
-        Ok(self)
-    }
-
-    /// The pool this store runs its statements on.
-    pub fn pool(&self) -> &MySqlPool {
-        &self.pool
-    }
-
-    /// The table this store uses.
-    pub fn table(&self) -> &str {
-        &self.sql.table
+        })
     }
 
     /// Creates the table and its indexes if they are absent. Safe to run from several
@@ -200,144 +164,7 @@ impl MySqlStore {
     /// server forgets an `AUTO_INCREMENT` on restart (MySQL before 8.0, MariaDB before
     /// 10.2.4): its fencing tokens could go back, so it is refused.
     pub async fn migrate(&self) -> Result<(), Error> {
-        let (version, lock_mode): (String, i64) = self
-            .within(
-                sqlx::query_as("SELECT VERSION(), CAST(@@innodb_autoinc_lock_mode AS SIGNED)")
-                    .fetch_one(&self.pool),
-            )
-            .await?;
-        refuse_forgetful(&version).map_err(Error::store)?;
-        if lock_mode == 0 {
-            tracing::warn!(
-                table = %self.sql.table,
-                "innodb_autoinc_lock_mode = 0 holds the AUTO_INCREMENT lock to the end of each insert: claims queue behind a claim that waits for a row lock; set it to 1 or 2"
-            );
-        }
-        let mut conn = self.within(self.pool.acquire()).await?;
-        let made = self
-            .within(async {
-                sqlx::query(&self.sql.create).execute(&mut *conn).await?;
-                self.tokens_grow(&mut conn).await
-            })
-            .await?;
-        if made {
-            return Ok(());
-        }
-        // Serialised across processes (a named lock), and looked at again under it.
-        let lock = format!("'idem_migrate_{}'", self.sql.table);
-        let upgraded = async {
-            let locked: Option<i64> = sqlx::query_scalar(&format!("SELECT GET_LOCK({lock}, 60)"))
-                .fetch_one(&mut *conn)
-                .await?;
-            if locked != Some(1) {
-                return Err(sqlx::Error::Protocol(
-                    "another process held the migration's lock for a minute".into(),
-                ));
-            }
-            let upgraded = self.upgrade(&mut conn).await;
-            sqlx::query(&format!("SELECT RELEASE_LOCK({lock})"))
-                .execute(&mut *conn)
-                .await?;
-            upgraded
-        };
-        upgraded.await.map_err(Error::store)
-    }
-
-    /// Checks, once, that the server keeps an `AUTO_INCREMENT` across restarts, that the
-    /// table's tokens come from its own (on a table of an earlier version, whose tokens came
-    /// from a table of their own, an insert would give every claim the token 0, so its
-    /// claims are refused until [`migrate`](Self::migrate) has upgraded it), and that the
-    /// pool's sessions are fit for the store's statements.
-    async fn checked(&self) -> Result<Server, Error> {
-        let server = self.server(&self.pool).await?;
-        self.sql
-            .sessions
-            .get_or_try_init(|| async {
-                let session = format!(
-                    "SELECT CAST({} AS CHAR), CAST(@@SESSION.autocommit AS SIGNED)",
-                    server.isolation()
-                );
-                let (isolation, autocommit): (String, i64) = self
-                    .within(sqlx::query_as(&session).fetch_one(&self.pool))
-                    .await?;
-                refuse_session(&isolation, autocommit)
-            })
-            .await?;
-        Ok(server)
-    }
-
-    /// The server, and its table checked (see [`checked`](Self::checked)), once, on `on`:
-    /// the pool, or the caller's own connection for a claim in its transaction. One that
-    /// waited for another connection of the pool while it held one could wait for itself
-    /// (callers holding every connection in transactions).
-    async fn server<'c>(
-        &self,
-        on: impl sqlx::Executor<'c, Database = sqlx::MySql>,
-    ) -> Result<Server, Error> {
-        self.sql
-            .server
-            .get_or_try_init(|| async {
-                let (version, token): (String, Option<String>) = self
-                    .within(sqlx::query_as(&self.sql.check).fetch_one(on))
-                    .await?;
-                refuse_forgetful(&version).map_err(Error::store)?;
-                let table = &self.sql.table;
-                match token {
-                    Some(extra) if is_auto_increment(&extra) => {}
-                    Some(_) => return Err(Error::store(format!(
-                        "the table {table:?} was made by an earlier version, whose fencing tokens came from a table of their own: run MySqlStore::migrate() to upgrade it"
-                    ))),
-                    None => return Err(Error::store(format!(
-                        "the table {table:?} does not exist: run MySqlStore::migrate()"
-                    ))),
-                }
-                Ok(Server::of(&version))
-            })
-            .await
-            .copied()
-    }
-
-    /// The statements that wait for row locks, bounded for this server and timeout.
-    async fn bounded(&self) -> Result<&Bounded, Error> {
-        let server = self.checked().await?;
-        Ok(self
-            .bounded
-            .get_or_init(|| async { Bounded::of(&self.sql, server, self.timeout) })
-            .await)
-    }
-
-    /// Whether the table's `token` column is the `AUTO_INCREMENT` tokens come from.
-    async fn tokens_grow(&self, conn: &mut sqlx::MySqlConnection) -> Result<bool, sqlx::Error> {
-        let (_, extra): (String, Option<String>) = sqlx::query_as(&self.sql.check)
-            .fetch_one(&mut *conn)
-            .await?;
-        Ok(extra.is_some_and(|extra| is_auto_increment(&extra)))
-    }
-
-    /// Makes an earlier version's `token` column the `AUTO_INCREMENT`, starting above the
-    /// table's tokens and above what its token tables drew (they are left as they are).
-    async fn upgrade(&self, conn: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
-        if self.tokens_grow(conn).await? {
-            return Ok(()); // another process upgraded it first
-        }
-        let mut floor: i64 = sqlx::query_scalar(&self.sql.upgrade_floor)
-            .fetch_one(&mut *conn)
-            .await?;
-        let legacy: Vec<(String, String)> = sqlx::query_as(&self.sql.legacy)
-            .fetch_all(&mut *conn)
-            .await?;
-        for (table, column) in legacy {
-            // Names from `Statements::legacy`: this table's name and a suffix, both checked.
-            let drawn: i64 = sqlx::query_scalar(&format!(
-                "SELECT CAST(COALESCE(MAX(`{column}`), 0) AS SIGNED) FROM `{table}`"
-            ))
-            .fetch_one(&mut *conn)
-            .await?;
-            floor = floor.max(drawn);
-        }
-        let upgrade = format!("{}{}", self.sql.upgrade, floor + 1);
-        sqlx::Executor::execute(&mut *conn, sqlx::raw_sql(&upgrade)).await?;
-        Ok(())
+        self.migrated().await
     }
 
     /// Deletes every expired row (lapsed claims, results past their TTL), in batches of
@@ -351,69 +178,11 @@ impl MySqlStore {
     ///
     /// [`Error::Store`] when the statement fails.
     pub async fn purge_expired(&self) -> Result<u64, Error> {
-        let server = self.checked().await?;
-        let bounded = self.bounded().await?;
-        let mut purged = 0;
-        loop {
-            let keys: Vec<Vec<u8>> = self
-                .within(sqlx::query_scalar(&self.sql.expired).fetch_all(&self.pool))
-                .await?;
-            if keys.is_empty() {
-                return Ok(purged);
-            }
-            let batch = keys.len();
-            let listed = key_list(&keys);
-            let skip = if server.skips_locked {
-                " SKIP LOCKED"
-            } else {
-                ""
-            };
-            let lock = format!("{}{listed} FOR UPDATE{skip}", bounded.lock_expired);
-            let deleted = self
-                .within(async {
-                    let mut tx = self.pool.begin().await?;
-                    let locked: Vec<Vec<u8>> =
-                        sqlx::query_scalar(&lock).fetch_all(&mut *tx).await?;
-                    if locked.is_empty() {
-                        return Ok(0);
-                    }
-                    let delete = format!("{}{}", self.sql.delete_expired, key_list(&locked));
-                    let done = sqlx::Executor::execute(&mut *tx, sqlx::raw_sql(&delete)).await?;
-                    tx.commit().await?;
-                    Ok(done.rows_affected())
-                })
-                .await;
-            match deleted {
-                Ok(deleted) => purged += deleted,
-                // A row an open transaction holds, on a server that cannot skip it.
-                Err(err) if waited_out(&err) => return Ok(purged),
-                Err(err) => return Err(err),
-            }
-            if batch < PURGE_BATCH as usize {
-                return Ok(purged);
-            }
-        }
+        self.purged().await
     }
+}
 
-    /// Runs [`purge_expired`](Self::purge_expired) every `interval` on the current tokio
-    /// runtime, until the returned guard is dropped. A failed purge is logged and retried at
-    /// the next interval.
-    pub fn purge_every(&self, interval: Duration) -> Purger {
-        let store = self.clone();
-        Purger::every(interval, self.table().to_string(), move || {
-            let store = store.clone();
-            async move { store.purge_expired().await }
-        })
-    }
-
-    /// Runs one operation under the timeout.
-    async fn within<T>(
-        &self,
-        operation: impl std::future::Future<Output = Result<T, sqlx::Error>>,
-    ) -> Result<T, Error> {
-        sql::within("mysql", self.timeout, operation).await
-    }
-
+impl MySqlEngine {
     /// Takes the key if no live row holds it (or a row of the caller's own lost claim).
     async fn take(
         &self,
@@ -464,13 +233,182 @@ impl MySqlStore {
             "the key's row kept vanishing while it was claimed".into(),
         ))
     }
+}
+
+impl Sealed for sqlx::MySql {}
+
+impl Dialect for sqlx::MySql {
+    type Engine = MySqlEngine;
+}
+
+impl Engine for MySqlEngine {
+    type Database = sqlx::MySql;
+
+    const NAME: &'static str = "mysql";
+
+    const STORE: &'static str = "MySqlStore";
+
+    fn pool(&self) -> &MySqlPool {
+        &self.pool
+    }
+
+    fn table(&self) -> &Table {
+        &self.sql.table
+    }
+
+    fn set_table(&mut self, table: &str) -> Result<(), Error> {
+        self.sql = Arc::new(Statements::new(table)?);
+        self.bounded = Arc::default();
+        Ok(())
+    }
+
+    fn retimed(&mut self) {
+        self.bounded = Arc::default();
+    }
+
+    async fn claim(
+        &self,
+        timeout: Duration,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+        nonce: u64,
+    ) -> Result<Claim, Error> {
+        let bounded = self.bounded(timeout).await?;
+        let claimed = sql::within("mysql", timeout, async {
+            // A replay, or a key someone holds: answered by a read, which locks nothing.
+            let live = sqlx::query(&self.sql.live)
+                .bind(&key.as_bytes()[..])
+                .fetch_optional(&self.pool)
+                .await?;
+            match live {
+                Some(row) if !sql::is_ours(&row, nonce) => Ok(Err(row)),
+                _ => self.take(bounded, key, fingerprint, lease, nonce).await,
+            }
+        })
+        .await;
+        match claimed {
+            Ok(claimed) => {
+                claimed.map_or_else(|row| sql::held(&row), |token| Ok(Claim::Acquired { token }))
+            }
+            Err(err) if waited_out(&err) => {
+                // Another transaction (a claim in a caller's transaction) holds the key's
+                // row: in progress, as a committed claim would answer.
+                tracing::debug!(outcome = "rejected", "a transaction holds the key");
+                Err(Error::InProgress)
+            }
+            Err(err) => Err(err),
+        }
+    }
 
     async fn fenced(
         &self,
-        query: sqlx::query::Query<'_, sqlx::MySql, sqlx::mysql::MySqlArguments>,
+        timeout: Duration,
+        key: &Key,
+        token: Token,
+        write: Fenced<'_>,
     ) -> Result<bool, Error> {
-        let done = self.within(query.execute(&self.pool)).await?;
-        Ok(done.rows_affected() == 1)
+        let bounded = self.bounded(timeout).await?;
+        let key = &key.as_bytes()[..];
+        let query = match &write {
+            Fenced::Complete { value, ttl } => sqlx::query(&bounded.complete)
+                .bind(&value[..])
+                .bind(millis(*ttl))
+                .bind(key)
+                .bind(token),
+            Fenced::Release => sqlx::query(&bounded.release).bind(key).bind(token),
+            Fenced::Renew { lease } => sqlx::query(&bounded.renew)
+                .bind(millis(*lease))
+                .bind(key)
+                .bind(token),
+            Fenced::Step { step, value, ttl } => sqlx::query(&bounded.record_step)
+                .bind(&step.as_bytes()[..])
+                .bind(&value[..])
+                .bind(millis(*ttl))
+                .bind(key)
+                .bind(token),
+        };
+        let done = sql::within(Self::NAME, timeout, query.execute(&self.pool)).await?;
+        Ok(match write {
+            // 1: inserted; 2: an earlier record of the step replaced.
+            Fenced::Step { .. } => done.rows_affected() > 0,
+            _ => done.rows_affected() == 1,
+        })
+    }
+
+    async fn remove(&self, timeout: Duration, key: &Key) -> Result<bool, Error> {
+        let bounded = self.bounded(timeout).await?;
+        sql::within(Self::NAME, timeout, async {
+            let mut tx = self.pool.begin().await?;
+            let live: Option<i64> = sqlx::query_scalar(&bounded.remove_lock)
+                .bind(&key.as_bytes()[..])
+                .fetch_optional(&mut *tx)
+                .await?;
+            sqlx::query(&bounded.remove)
+                .bind(&key.as_bytes()[..])
+                .execute(&mut *tx)
+                .await?;
+            let (first, last) = sql::steps_range(key);
+            sqlx::query(&bounded.remove_steps)
+                .bind(&first[..])
+                .bind(&last[..])
+                .bind(&key.as_bytes()[..])
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            Ok(live.is_some_and(|live| live != 0))
+        })
+        .await
+    }
+
+    async fn purge(&self, timeout: Duration) -> Result<u64, Error> {
+        let server = self.checked(timeout).await?;
+        let bounded = self.bounded(timeout).await?;
+        let mut purged = 0;
+        loop {
+            let keys: Vec<Vec<u8>> = sql::within(
+                Self::NAME,
+                timeout,
+                sqlx::query_scalar(&self.sql.expired).fetch_all(&self.pool),
+            )
+            .await?;
+            if keys.is_empty() {
+                return Ok(purged);
+            }
+            let batch = keys.len();
+            let listed = key_list(&keys);
+            let skip = if server.skips_locked {
+                " SKIP LOCKED"
+            } else {
+                ""
+            };
+            let lock = format!("{}{listed} FOR UPDATE{skip}", bounded.lock_expired);
+            let deleted = sql::within(Self::NAME, timeout, async {
+                let mut tx = self.pool.begin().await?;
+                let locked: Vec<Vec<u8>> = sqlx::query_scalar(&lock).fetch_all(&mut *tx).await?;
+                if locked.is_empty() {
+                    return Ok(0);
+                }
+                let delete = format!("{}{}", self.sql.delete_expired, key_list(&locked));
+                let done = sqlx::Executor::execute(&mut *tx, sqlx::raw_sql(&delete)).await?;
+                tx.commit().await?;
+                Ok(done.rows_affected())
+            })
+            .await;
+            match deleted {
+                Ok(deleted) => purged += deleted,
+                // A row an open transaction holds, on a server that cannot skip it.
+                Err(err) if waited_out(&err) => return Ok(purged),
+                Err(err) => return Err(err),
+            }
+            if batch < PURGE_BATCH as usize {
+                return Ok(purged);
+            }
+        }
+    }
+
+    async fn migrate(&self, timeout: Duration) -> Result<(), Error> {
+        self.migrate_table(timeout).await
     }
 }
 
@@ -509,239 +447,6 @@ fn given(id: u64) -> Result<Token, sqlx::Error> {
     Ok(Token::new(id))
 }
 
-/// Whether a column's `EXTRA` in `information_schema` says it is an `AUTO_INCREMENT`.
-fn is_auto_increment(extra: &str) -> bool {
-    extra.to_ascii_lowercase().contains("auto_increment")
-}
-
-/// Refuses a server of `version` that forgets an `AUTO_INCREMENT` on restart.
-fn refuse_forgetful(version: &str) -> Result<(), sqlx::Error> {
-    if keeps_auto_increment(version) {
-        return Ok(());
-    }
-    Err(sqlx::Error::Configuration(
-        format!("MySQL {version} forgets an AUTO_INCREMENT on restart, so fencing tokens could go back: use MySQL 8.0 or MariaDB 10.2.4 or later").into(),
-    ))
-}
-
-/// Refuses a pool whose sessions the store's statements cannot rely on: at `READ
-/// UNCOMMITTED` a read sees a result whose transaction may still roll back, and would
-/// replay it; without `autocommit` a claim and its record are never committed.
-fn refuse_session(isolation: &str, autocommit: i64) -> Result<(), Error> {
-    if isolation.eq_ignore_ascii_case("READ-UNCOMMITTED") {
-        return Err(Error::config(
-            "the pool's sessions run at READ UNCOMMITTED: the store would replay results whose transaction has not committed; connect the store's pool at READ COMMITTED or above (MySqlStore::connect does)",
-        ));
-    }
-    if autocommit == 0 {
-        return Err(Error::config(
-            "the pool's sessions run with autocommit = 0: the store's claims and records would never commit; give the store a pool in autocommit (MySqlStore::connect does)",
-        ));
-    }
-    Ok(())
-}
-
-/// Whether a server of `version` (`SELECT VERSION()`: `8.0.36`, `10.11.6-MariaDB-0+deb12u1`)
-/// keeps a table's `AUTO_INCREMENT` across restarts: MySQL from 8.0, MariaDB from 10.2.4.
-fn keeps_auto_increment(version: &str) -> bool {
-    at_least(version, [10, 2, 4], [8, 0, 0])
-}
-
-/// Whether a server of `version` is at least `mariadb` (a MariaDB) or `mysql` (a MySQL).
-fn at_least(version: &str, mariadb: [u32; 3], mysql: [u32; 3]) -> bool {
-    let maria = version.contains("MariaDB");
-    // MariaDB's handshake (and some proxies) prefix its version with `5.5.5-`.
-    let version = match version.strip_prefix("5.5.5-") {
-        Some(rest) if maria => rest,
-        _ => version,
-    };
-    let numbers: Vec<u32> = version
-        .split(|c: char| !c.is_ascii_digit())
-        .take(3)
-        .map(|n| n.parse().unwrap_or(0))
-        .collect();
-    let least = if maria { mariadb } else { mysql };
-    numbers.as_slice() >= &least[..]
-}
-
-impl fmt::Debug for MySqlStore {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MySqlStore")
-            .field("table", &self.sql.table)
-            .field("timeout", &self.timeout)
-            .field("pool_size", &self.pool.size())
-            .finish()
-    }
-}
-
-#[async_trait]
-impl Store for MySqlStore {
-    /// The nonce is kept in the in-progress row's `value` (the result replaces it); a row in
-    /// progress under it is taken again with a new token and a whole lease.
-    async fn claim_with_nonce(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-    ) -> Result<Claim, Error> {
-        let bounded = self.bounded().await?;
-        let claimed = sql::within("mysql", self.timeout, async {
-            // A replay, or a key someone holds: answered by a read, which locks nothing.
-            let live = sqlx::query(&self.sql.live)
-                .bind(&key.as_bytes()[..])
-                .fetch_optional(&self.pool)
-                .await?;
-            match live {
-                Some(row) if !sql::is_ours(&row, nonce) => Ok(Err(row)),
-                _ => self.take(bounded, key, fingerprint, lease, nonce).await,
-            }
-        })
-        .await;
-        match claimed {
-            Ok(claimed) => {
-                claimed.map_or_else(|row| sql::held(&row), |token| Ok(Claim::Acquired { token }))
-            }
-            Err(err) if waited_out(&err) => {
-                // Another transaction (a claim in a caller's transaction) holds the key's
-                // row: in progress, as a committed claim would answer.
-                tracing::debug!(outcome = "rejected", "a transaction holds the key");
-                Err(Error::InProgress)
-            }
-            Err(err) => Err(err),
-        }
-    }
-
-    async fn complete(
-        &self,
-        key: &Key,
-        token: Token,
-        value: Bytes,
-        ttl: Duration,
-    ) -> Result<bool, Error> {
-        let bounded = self.bounded().await?;
-        self.fenced(
-            sqlx::query(&bounded.complete)
-                .bind(&value[..])
-                .bind(millis(ttl))
-                .bind(&key.as_bytes()[..])
-                .bind(token),
-        )
-        .await
-    }
-
-    async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
-        let bounded = self.bounded().await?;
-        self.fenced(
-            sqlx::query(&bounded.release)
-                .bind(&key.as_bytes()[..])
-                .bind(token),
-        )
-        .await
-    }
-
-    async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
-        let bounded = self.bounded().await?;
-        self.fenced(
-            sqlx::query(&bounded.renew)
-                .bind(millis(lease))
-                .bind(&key.as_bytes()[..])
-                .bind(token),
-        )
-        .await
-    }
-
-    /// Claim tokens already grow here (they are the table's `AUTO_INCREMENT`):
-    /// the claim's own token is its fencing token.
-    async fn fence(&self, _: &Key, token: Token) -> Result<Option<Token>, Error> {
-        Ok(Some(token))
-    }
-
-    async fn record_step(
-        &self,
-        call: &Key,
-        token: Token,
-        step: &Key,
-        value: Bytes,
-        ttl: Duration,
-    ) -> Result<bool, Error> {
-        let bounded = self.bounded().await?;
-        let done = self
-            .within(
-                sqlx::query(&bounded.record_step)
-                    .bind(&step.as_bytes()[..])
-                    .bind(&value[..])
-                    .bind(millis(ttl))
-                    .bind(&call.as_bytes()[..])
-                    .bind(token)
-                    .execute(&self.pool),
-            )
-            .await?;
-        // 1: inserted; 2: an earlier record of the step replaced.
-        Ok(done.rows_affected() > 0)
-    }
-
-    async fn steps(&self, call: &Key) -> Result<Vec<(Key, Bytes)>, Error> {
-        self.within(sql::read_steps(&self.pool, &self.sql.steps, call))
-            .await
-    }
-
-    async fn remove(&self, key: &Key) -> Result<bool, Error> {
-        let bounded = self.bounded().await?;
-        self.within(async {
-            let mut tx = self.pool.begin().await?;
-            let live: Option<i64> = sqlx::query_scalar(&bounded.remove_lock)
-                .bind(&key.as_bytes()[..])
-                .fetch_optional(&mut *tx)
-                .await?;
-            sqlx::query(&bounded.remove)
-                .bind(&key.as_bytes()[..])
-                .execute(&mut *tx)
-                .await?;
-            let (first, last) = sql::steps_range(key);
-            sqlx::query(&bounded.remove_steps)
-                .bind(&first[..])
-                .bind(&last[..])
-                .bind(&key.as_bytes()[..])
-                .execute(&mut *tx)
-                .await?;
-            tx.commit().await?;
-            Ok(live.is_some_and(|live| live != 0))
-        })
-        .await
-    }
-
-    async fn lookup(&self, key: &Key) -> Result<Option<Recorded>, Error> {
-        let row: Option<LookupRow> = self
-            .within(
-                sqlx::query_as(&self.sql.lookup)
-                    .bind(&key.as_bytes()[..])
-                    .fetch_optional(&self.pool),
-            )
-            .await?;
-        sql::recorded(row)
-    }
-
-    async fn lease_left(&self, key: &Key) -> Result<Option<Duration>, Error> {
-        let left: Option<i64> = self
-            .within(
-                sqlx::query_scalar(&self.sql.lease_left)
-                    .bind(&key.as_bytes()[..])
-                    .fetch_optional(&self.pool),
-            )
-            .await?;
-        Ok(sql::left(left))
-    }
-
-    fn claim_timeout(&self) -> Option<Duration> {
-        Some(self.timeout)
-    }
-
-    fn flights(&self) -> Option<&Flights> {
-        Some(&self.flights)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -751,30 +456,6 @@ mod tests {
         assert!(Statements::new(DEFAULT_TABLE).is_ok());
         for bad in ["", "1table", "idem records", "t`; DROP TABLE x; --", "db.t"] {
             assert!(Statements::new(bad).is_err(), "{bad:?} was accepted");
-        }
-    }
-
-    #[test]
-    fn servers_that_forget_auto_increment_on_restart_are_known() {
-        for kept in [
-            "8.0.36",
-            "8.4.0",
-            "9.1.0-commercial",
-            "10.2.4-MariaDB",
-            "10.11.6-MariaDB-0+deb12u1",
-            "11.4.2-MariaDB-ubu2404",
-            "5.5.5-10.11.6-MariaDB",
-        ] {
-            assert!(keeps_auto_increment(kept), "{kept}");
-        }
-        for forgotten in [
-            "5.7.44",
-            "5.7.44-log",
-            "10.2.3-MariaDB",
-            "10.1.48-MariaDB",
-            "5.5.5-10.1.2-MariaDB",
-        ] {
-            assert!(!keeps_auto_increment(forgotten), "{forgotten}");
         }
     }
 }

@@ -1,154 +1,280 @@
-//! What the SQL stores share (features `postgres`, `sqlite` and `mysql`): table names,
-//! durations and fingerprints as columns, the reading of a live row, timeouts, and the
-//! purge task.
+//! The SQL stores' core (features `postgres`, `sqlite`, `mysql`): one store, [`SqlStore`],
+//! whose [`Dialect`] says how its statements are written and run.
+//! [`PostgresStore`](crate::PostgresStore), [`MySqlStore`](crate::MySqlStore) and
+//! [`SqliteStore`](crate::SqliteStore) are its three kinds.
+//!
+//! The core holds what the three share, written once: the [`Store`] implementation, the
+//! store's timeout, the reads (a result, a lease, a call's steps), fencing by the claim's
+//! token, the registry of running calls and the purge task. A dialect brings its pool, its
+//! statements, and the operations whose locking differs: the claim (PostgreSQL: one
+//! statement; MySQL: a read, then an insert or a locked takeover; SQLite: the store's queue
+//! of writes), the holder's writes, removal, purging and migration.
+//!
+//! Each dialect's folder has the same files: `<dialect>.rs` (the dialect and its
+//! constructors), `statements.rs`, `schema.rs` (migration and the checks of the table), and
+//! `transaction.rs` (claims in the caller's transaction,
+//! [`Transactional`](crate::store::Transactional)).
 
+use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
+use async_trait::async_trait;
 use bytes::Bytes;
 
-#[cfg(any(feature = "sqlite", feature = "mysql"))]
-use sqlx::{ColumnIndex, Decode, Row, Type};
+mod dialect;
+mod purger;
+mod rows;
 
+pub(crate) use self::dialect::{Engine, Fenced, Sealed};
+pub use self::purger::Purger;
+#[cfg(feature = "postgres")]
+pub(crate) use self::rows::fingerprint;
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
+pub(crate) use self::rows::{held, is_ours};
+pub(crate) use self::rows::{is_identifier, millis, steps_range, Database, Table};
 use crate::store::Recorded;
-#[cfg(any(feature = "sqlite", feature = "mysql"))]
-use crate::Claim;
-use crate::{limits, Error, Fingerprint, Key};
+use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
-/// A table or schema name: a plain identifier, so that it can never inject SQL.
-pub(crate) fn is_identifier(identifier: &str) -> bool {
-    let mut chars = identifier.chars();
-    identifier.len() <= 50
-        && chars
-            .next()
-            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+/// The default table name of every SQL store.
+pub(crate) const DEFAULT_TABLE: &str = "idem_records";
+
+/// The default time an operation of a SQL store may take.
+pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// A SQL database a [`SqlStore`] runs on: `sqlx`'s [`Postgres`](sqlx::Postgres),
+/// [`MySql`](sqlx::MySql) or [`Sqlite`](sqlx::Sqlite), each with its feature.
+///
+/// Sealed: a dialect's statements and locking are the runtime's own. A store for another
+/// database implements [`Store`] itself.
+pub trait Dialect: Database + dialect::Sealed {
+    /// What the store keeps of this database: its pools and statements.
+    type Engine: Engine<Database = Self>;
 }
 
-/// A duration in milliseconds, clamped to the runtime's limit: `now + duration` must not
-/// overflow.
-pub(crate) fn millis(duration: Duration) -> i64 {
-    i64::try_from(limits::clamp(duration).as_millis())
-        .unwrap_or(i64::MAX)
-        .max(1)
+/// A store in one table of a SQL database, shared by every process that uses it, and kept
+/// across restarts. Use it by the name of its dialect: [`PostgresStore`](crate::PostgresStore),
+/// [`MySqlStore`](crate::MySqlStore), [`SqliteStore`](crate::SqliteStore).
+///
+/// Cloning is cheap; clones share the pool and the in-process registry of running calls.
+pub struct SqlStore<D: Dialect> {
+    dialect: D::Engine,
+    timeout: Duration,
+    flights: Arc<Flights>,
 }
 
-/// The keys a call's steps can have, first and last (a step's key starts with its call's
-/// first 16 bytes): the range every SQL store reads a call's steps from. The call's own
-/// key is in it too, and is left out by the statements.
-pub(crate) fn steps_range(call: &Key) -> ([u8; 32], [u8; 32]) {
-    let (mut first, mut last) = ([0; 32], [0xff; 32]);
-    first[..16].copy_from_slice(&call.as_bytes()[..16]);
-    last[..16].copy_from_slice(&call.as_bytes()[..16]);
-    (first, last)
-}
-
-/// A call's step records, read by `statement` (whose parameters are the call's key, then the
-/// first and last key of [`steps_range`]; its columns the step's key and value) on
-/// `executor`: what every SQL store's [`Store::steps`](crate::Store::steps) is.
-pub(crate) async fn read_steps<'e, DB, E>(
-    executor: E,
-    statement: &str,
-    call: &Key,
-) -> Result<Vec<(Key, Bytes)>, sqlx::Error>
-where
-    DB: sqlx::Database,
-    E: sqlx::Executor<'e, Database = DB>,
-    for<'q> &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
-    for<'q> <DB as sqlx::Database>::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
-    for<'r> (Vec<u8>, Option<Vec<u8>>): sqlx::FromRow<'r, DB::Row>,
-{
-    let (first, last) = steps_range(call);
-    let rows: Vec<(Vec<u8>, Option<Vec<u8>>)> = sqlx::query_as(statement)
-        .bind(&call.as_bytes()[..])
-        .bind(&first[..])
-        .bind(&last[..])
-        .fetch_all(executor)
-        .await?;
-    rows.into_iter()
-        .map(|(key, value)| {
-            let key: [u8; 32] = key
-                .try_into()
-                .map_err(|_| sqlx::Error::Protocol("a step's key is not 32 bytes".into()))?;
-            Ok((Key::from_bytes(key), Bytes::from(value.unwrap_or_default())))
-        })
-        .collect()
-}
-
-/// A fingerprint column: 32 bytes, or NULL.
-pub(crate) fn fingerprint(raw: Option<Vec<u8>>) -> Result<Option<Fingerprint>, Error> {
-    raw.map(|raw| {
-        let raw: [u8; 32] = raw.try_into().map_err(|raw: Vec<u8>| {
-            Error::store(format!(
-                "a stored fingerprint has {} bytes, not 32",
-                raw.len()
-            ))
-        })?;
-        Ok(Fingerprint::from_bytes(raw))
-    })
-    .transpose()
-}
-
-/// The claim a live row answers (columns: token, completed, fingerprint, value): the key is
-/// held or completed.
-#[cfg(any(feature = "sqlite", feature = "mysql"))]
-pub(crate) fn held<R>(row: &R) -> Result<Claim, Error>
-where
-    R: Row,
-    usize: ColumnIndex<R>,
-    for<'r> bool: Decode<'r, R::Database> + Type<R::Database>,
-    for<'r> Vec<u8>: Decode<'r, R::Database> + Type<R::Database>,
-{
-    let completed: bool = row.try_get(1).map_err(Error::store)?;
-    let fp = fingerprint(row.try_get(2).map_err(Error::store)?)?;
-    Ok(if completed {
-        let value: Option<Vec<u8>> = row.try_get(3).map_err(Error::store)?;
-        Claim::Completed {
-            value: Bytes::from(value.unwrap_or_default()),
-            fingerprint: fp,
+impl<D: Dialect> Clone for SqlStore<D> {
+    fn clone(&self) -> Self {
+        Self {
+            dialect: self.dialect.clone(),
+            timeout: self.timeout,
+            flights: Arc::clone(&self.flights),
         }
-    } else {
-        Claim::InProgress { fingerprint: fp }
-    })
+    }
 }
 
-/// Whether a live row is in progress under `nonce`: the caller's own claim, made by a try
-/// whose reply was lost. An in-progress row keeps its claim's nonce in `value`.
-#[cfg(any(feature = "sqlite", feature = "mysql"))]
-pub(crate) fn is_ours<R>(row: &R, nonce: u64) -> bool
-where
-    R: Row,
-    usize: ColumnIndex<R>,
-    for<'r> bool: Decode<'r, R::Database> + Type<R::Database>,
-    for<'r> Vec<u8>: Decode<'r, R::Database> + Type<R::Database>,
-{
-    let completed: bool = row.try_get(1).unwrap_or(true);
-    let value: Option<Vec<u8>> = row.try_get(3).unwrap_or(None);
-    // SQLite marks a claim given time back with a ninth byte after the nonce.
-    let held = value.as_deref().filter(|value| value.len() <= 9);
-    !completed && held.and_then(|value| value.get(..8)) == Some(&nonce.to_be_bytes()[..])
+impl<D: Dialect> SqlStore<D> {
+    /// The store of `dialect`, with the default timeout.
+    pub(crate) fn of(dialect: D::Engine) -> Self {
+        Self {
+            dialect,
+            timeout: DEFAULT_TIMEOUT,
+            flights: Arc::default(),
+        }
+    }
+
+    /// Sets how long one operation may take before it fails with [`Error::Store`] (default 3
+    /// s): waiting for a pooled connection included, and for a row lock (PostgreSQL, MySQL)
+    /// or the file's write lock (SQLite). A locked table or a stalled server then costs a
+    /// call this long, never more; the body never runs after such a failure.
+    ///
+    /// The bound is the client's: on PostgreSQL a statement already sent may still run on
+    /// the server later (each is fenced by its token, so a late one changes nothing it
+    /// should not); set `statement_timeout` or `lock_timeout` for the role the pool
+    /// connects as to have the server give up too. MySQL's statements carry the bound to
+    /// the server themselves.
+    #[must_use]
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self.dialect.retimed();
+        self
+    }
+
+    /// Uses the table `table` instead of the default `idem_records` (on PostgreSQL, `name`
+    /// or `schema.name`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the name is not a plain identifier: names are checked, never
+    /// quoted into SQL as they come.
+    pub fn with_table(mut self, table: &str) -> Result<Self, Error> {
+        self.dialect.set_table(table)?;
+        Ok(self)
+    }
+
+    /// The pool this store runs its statements on: begin the transactions of
+    /// [`Operation::run_in_transaction`](crate::Operation::run_in_transaction) on it, or on
+    /// any pool of the same database.
+    pub fn pool(&self) -> &sqlx::Pool<D> {
+        self.dialect.pool()
+    }
+
+    /// The table this store uses.
+    pub fn table(&self) -> &str {
+        &self.dialect.table().name
+    }
+
+    /// Runs `purge_expired` every `interval` on the current tokio runtime, until the
+    /// returned guard is dropped. A failed purge is logged and retried at the next interval.
+    pub fn purge_every(&self, interval: Duration) -> Purger {
+        let store = self.clone();
+        Purger::every(interval, self.table().to_string(), move || {
+            let store = store.clone();
+            async move { store.purged().await }
+        })
+    }
+
+    /// The dialect's state.
+    pub(crate) fn dialect(&self) -> &D::Engine {
+        &self.dialect
+    }
+
+    /// How long one operation may take.
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Deletes the expired rows: what every dialect's `purge_expired` is.
+    pub(crate) async fn purged(&self) -> Result<u64, Error> {
+        self.watched(self.dialect.purge(self.timeout)).await
+    }
+
+    /// Creates the table: what every dialect's `migrate` is.
+    pub(crate) async fn migrated(&self) -> Result<(), Error> {
+        self.watched(self.dialect.migrate(self.timeout)).await
+    }
+
+    /// `operation`, whose failure the dialect is told of.
+    async fn watched<T>(
+        &self,
+        operation: impl Future<Output = Result<T, Error>>,
+    ) -> Result<T, Error> {
+        let done = operation.await;
+        if let Err(err) = &done {
+            self.dialect.failed(err, self.timeout);
+        }
+        done
+    }
+
+    /// A read of `sqlx` under the timeout, whose failure the dialect is told of.
+    async fn read<T>(
+        &self,
+        operation: impl Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<T, Error> {
+        self.watched(within(D::Engine::NAME, self.timeout, operation))
+            .await
+    }
+
+    async fn fenced(&self, key: &Key, token: Token, write: Fenced<'_>) -> Result<bool, Error> {
+        self.watched(self.dialect.fenced(self.timeout, key, token, write))
+            .await
+    }
 }
 
-/// The row of a `lookup` statement (fingerprint, value, milliseconds left) as a [`Recorded`].
-pub(crate) type LookupRow = (Option<Vec<u8>>, Option<Vec<u8>>, i64);
-
-pub(crate) fn recorded(row: Option<LookupRow>) -> Result<Option<Recorded>, Error> {
-    let Some((fp, value, left)) = row else {
-        return Ok(None);
-    };
-    Ok(Some(Recorded::new(
-        Bytes::from(value.unwrap_or_default()),
-        fingerprint(fp)?,
-        Some(Duration::from_millis(u64::try_from(left).unwrap_or(0))),
-    )))
+impl<D: Dialect> fmt::Debug for SqlStore<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct(D::Engine::STORE)
+            .field("table", &self.table())
+            .field("timeout", &self.timeout)
+            .field("pool_size", &self.pool().size())
+            .finish()
+    }
 }
 
-/// The milliseconds a `lease_left` statement read, as a duration; none for no live claim.
-pub(crate) fn left(millis: Option<i64>) -> Option<Duration> {
-    millis
-        .and_then(|millis| u64::try_from(millis).ok())
-        .filter(|millis| *millis > 0)
-        .map(Duration::from_millis)
+#[async_trait]
+impl<D: Dialect> Store for SqlStore<D> {
+    /// The nonce is kept in the in-progress row's `value` (the result replaces it); a row in
+    /// progress under it is taken again with a new token and a whole lease.
+    async fn claim_with_nonce(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+        nonce: u64,
+    ) -> Result<Claim, Error> {
+        self.watched(
+            self.dialect
+                .claim(self.timeout, key, fingerprint, lease, nonce),
+        )
+        .await
+    }
+
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        self.fenced(key, token, Fenced::Complete { value, ttl })
+            .await
+    }
+
+    async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
+        self.fenced(key, token, Fenced::Release).await
+    }
+
+    async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
+        self.fenced(key, token, Fenced::Renew { lease }).await
+    }
+
+    /// Claim tokens already grow here (a sequence on PostgreSQL, the table's
+    /// `AUTO_INCREMENT` on MySQL, a counter table on SQLite): the claim's own token is its
+    /// fencing token.
+    async fn fence(&self, _: &Key, token: Token) -> Result<Option<Token>, Error> {
+        Ok(Some(token))
+    }
+
+    async fn record_step(
+        &self,
+        call: &Key,
+        token: Token,
+        step: &Key,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        self.fenced(call, token, Fenced::Step { step, value, ttl })
+            .await
+    }
+
+    async fn steps(&self, call: &Key) -> Result<Vec<(Key, Bytes)>, Error> {
+        let table = self.dialect.table();
+        self.read(D::steps(self.pool(), table, call)).await
+    }
+
+    async fn remove(&self, key: &Key) -> Result<bool, Error> {
+        self.watched(self.dialect.remove(self.timeout, key)).await
+    }
+
+    async fn lookup(&self, key: &Key) -> Result<Option<Recorded>, Error> {
+        let table = self.dialect.table();
+        let row = self.read(D::lookup(self.pool(), table, key)).await?;
+        rows::recorded(row)
+    }
+
+    async fn lease_left(&self, key: &Key) -> Result<Option<Duration>, Error> {
+        let table = self.dialect.table();
+        self.read(D::lease_left(self.pool(), table, key)).await
+    }
+
+    fn claim_timeout(&self) -> Option<Duration> {
+        Some(self.timeout)
+    }
+
+    fn flights(&self) -> Option<&Flights> {
+        Some(&self.flights)
+    }
 }
 
 /// Runs one operation of `database` under `timeout`.
@@ -162,40 +288,5 @@ pub(crate) async fn within<T>(
         Err(_) => Err(Error::store(format!(
             "{database} did not answer within {timeout:?}"
         ))),
-    }
-}
-
-/// Stops the purge task of a store's `purge_every` when dropped.
-#[derive(Debug)]
-#[must_use = "the purge task stops when this guard is dropped"]
-pub struct Purger(tokio::task::JoinHandle<()>);
-
-impl Purger {
-    /// Runs `purge` of `table` every `interval` on the current tokio runtime; a failed
-    /// purge is logged and retried at the next interval.
-    pub(crate) fn every<F, Fut>(interval: Duration, table: String, purge: F) -> Self
-    where
-        F: Fn() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<u64, Error>> + Send,
-    {
-        Self(tokio::spawn(async move {
-            let mut ticks = tokio::time::interval(interval);
-            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                ticks.tick().await;
-                match purge().await {
-                    Ok(purged) => tracing::debug!(purged, table, "purged expired records"),
-                    Err(err) => {
-                        tracing::warn!(error = %err, table, "purging expired records failed")
-                    }
-                }
-            }
-        }))
-    }
-}
-
-impl Drop for Purger {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }

@@ -42,7 +42,7 @@
 //! the lock before its caller stopped waiting and before leases were owed time back (the
 //! statement itself checks, by SQLite's clock), and in that transaction otherwise. Expired
 //! rows are deleted by [`purge_expired`](SqliteStore::purge_expired) or the task of
-//! [`purge_every`](SqliteStore::purge_every); until then an expired row counts as absent.
+//! [`purge_every`](SqlStore::purge_every); until then an expired row counts as absent.
 //!
 //! Commits are durable (`synchronous = FULL` with [`open`](SqliteStore::open)): a result the
 //! caller was given survives a power loss, so its retry replays it.
@@ -52,7 +52,7 @@
 //! Writers take turns on one lock per file, across every process on it. So:
 //!
 //! - **The store's timeout bounds every wait**: a write looks for the lock again until what
-//!   is left of [`with_timeout`](SqliteStore::with_timeout), and the pool's wait for a
+//!   is left of [`with_timeout`](SqlStore::with_timeout), and the pool's wait for a
 //!   connection counts against it too.
 //! - **A lock free for milliseconds is found.** SQLite's own busy handler sleeps longer each
 //!   time (up to 100 ms) and misses a gap shorter than that: beside a process that holds the
@@ -81,37 +81,36 @@
 //!   whose lock nobody waited for, gives nothing back: a dead holder's key frees a lease
 //!   after its last renewal.
 
-use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use bytes::Bytes;
 use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
-use sqlx::{Connection, Sqlite};
+use sqlx::Sqlite as Database;
 use tokio::time::Instant;
 
 pub use crate::store::sql::Purger;
-use crate::store::sql::{self, is_identifier, millis, LookupRow};
-use crate::store::Recorded;
-use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
+use crate::store::sql::{self, millis, Dialect, Engine, Fenced, Sealed, SqlStore, Table};
+use crate::{Claim, Error, Fingerprint, Key, Token};
 use beacon::Beacon;
+use statements::Statements;
 use writes::{Answered, Fence, Job, Writes};
 
 mod beacon;
+mod schema;
+mod statements;
 mod transaction;
 mod writes;
 
 /// The default table name.
-pub const DEFAULT_TABLE: &str = "idem_records";
+pub const DEFAULT_TABLE: &str = sql::DEFAULT_TABLE;
 
 /// The default time an operation may take, waiting for the file's write lock and for a
 /// pooled connection included, before it fails with [`Error::Store`].
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3);
+pub const DEFAULT_TIMEOUT: Duration = sql::DEFAULT_TIMEOUT;
 
 /// How many connections [`SqliteStore::open`] pools: readers run side by side in WAL mode,
 /// writers take turns on the file's lock.
@@ -189,204 +188,16 @@ const NOW: &str = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)"
 ///   the lock.
 /// - Inside the body, call other idempotent functions with `transaction =` on the same
 ///   connection: an ordinary call on the same file would wait for this transaction's lock.
+pub type SqliteStore = SqlStore<sqlx::Sqlite>;
+
+/// The SQLite dialect of [`SqlStore`]: its pool, its queue of writes and its statements.
 #[derive(Clone)]
-pub struct SqliteStore {
+pub struct SqliteEngine {
     pool: SqlitePool,
     /// The queue of this store's writes, committed together on a connection of their own
     /// ([`writes`]).
     writes: Arc<Writes>,
     sql: Arc<Statements>,
-    timeout: Duration,
-    flights: Arc<Flights>,
-}
-
-/// The statements of one table, written once.
-struct Statements {
-    table: String,
-    create: [String; 6],
-    /// How many of the triggers that keep the token counter ahead of every row exist.
-    triggers: String,
-    /// Whether `triggers` found both, once per store (see [`Statements::checked`]).
-    checked: tokio::sync::OnceCell<()>,
-    live: String,
-    /// The key's row, whatever its expiry: the one a take left as it was.
-    held: String,
-    take: String,
-    /// `take` for a claim that runs by itself, outside a transaction: only before a moment
-    /// (see [`Statements::of`]).
-    take_in_time: String,
-    complete: String,
-    release: String,
-    renew: String,
-    record_step: String,
-    steps: String,
-    credit: String,
-    remove_steps: String,
-    remove: String,
-    lookup: String,
-    lease_left: String,
-    purge: String,
-}
-
-impl Statements {
-    /// Checks, once, that the table's token triggers exist: a table made by a version
-    /// without them would give every take the same token, so its claims are refused until
-    /// [`migrate`](SqliteStore::migrate) has run. `on` is the pool, or the caller's own
-    /// connection for a claim in its transaction: one that waited for another connection of
-    /// the pool while it held one could wait for itself (callers holding every connection
-    /// in transactions, each waiting for the write lock it holds).
-    async fn checked<'c>(
-        &self,
-        on: impl sqlx::Executor<'c, Database = Sqlite>,
-    ) -> Result<(), sqlx::Error> {
-        self.checked
-            .get_or_try_init(|| async {
-                let found: i64 = sqlx::query_scalar(&self.triggers).fetch_one(on).await?;
-                if found == 2 {
-                    Ok(())
-                } else {
-                    Err(sqlx::Error::Configuration(
-                        format!(
-                            "the table {:?} lacks the triggers that make its fencing tokens grow: run SqliteStore::migrate()",
-                            self.table
-                        )
-                        .into(),
-                    ))
-                }
-            })
-            .await
-            .map(|_| ())
-    }
-
-    /// The statements of `table`, after checking the name.
-    fn new(table: &str) -> Result<Self, Error> {
-        Ok(Self::of(validate(table)?))
-    }
-
-    /// The statements of a checked table name.
-    fn of(name: &str) -> Self {
-        let t = format!("\"{name}\"");
-        let counter = format!("\"{name}_token\"");
-        let index = format!("\"{name}_expires_at\"");
-        // One statement: the token is the counter's next (the triggers move the counter up
-        // to it), and a row is taken over when it lapsed or is the caller's own claim (its
-        // nonce in `value`); a live row of another caller is left as it is, and nothing is
-        // returned. `row` is where the new row's values come from.
-        let take = |row: &str| {
-            format!(
-                "INSERT INTO {t} (key, token, completed, fingerprint, value, expires_at) {row} \
-                 ON CONFLICT (key) DO UPDATE SET token = excluded.token, completed = 0, \
-                 fingerprint = excluded.fingerprint, value = excluded.value, expires_at = excluded.expires_at \
-                 WHERE {t}.expires_at <= {NOW} \
-                    OR (NOT {t}.completed AND substr({t}.value, 1, 8) = excluded.value) \
-                 RETURNING token"
-            )
-        };
-        let values =
-            format!("?1, (SELECT last + 1 FROM {counter} WHERE id = 1), 0, ?2, ?4, {NOW} + ?3");
-        let insert_trigger = format!("\"{name}_token_inserted\"");
-        let update_trigger = format!("\"{name}_token_updated\"");
-        Self {
-            table: name.to_string(),
-            create: [
-                format!(
-                    "CREATE TABLE IF NOT EXISTS {t} (\
-                        key BLOB PRIMARY KEY NOT NULL, \
-                        token INTEGER NOT NULL, \
-                        completed INTEGER NOT NULL, \
-                        fingerprint BLOB, \
-                        value BLOB, \
-                        expires_at INTEGER NOT NULL) WITHOUT ROWID"
-                ),
-                format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (expires_at)"),
-                format!(
-                    "CREATE TABLE IF NOT EXISTS {counter} (\
-                        id INTEGER PRIMARY KEY CHECK (id = 1), last INTEGER NOT NULL)"
-                ),
-                format!("INSERT OR IGNORE INTO {counter} (id, last) VALUES (1, 0)"),
-                // A take draws its token from the counter in its own statement; these move the
-                // counter up to every token a row is given, inside that statement.
-                format!(
-                    "CREATE TRIGGER IF NOT EXISTS {insert_trigger} AFTER INSERT ON {t} BEGIN \
-                     UPDATE {counter} SET last = NEW.token WHERE id = 1 AND last < NEW.token; END"
-                ),
-                format!(
-                    "CREATE TRIGGER IF NOT EXISTS {update_trigger} AFTER UPDATE OF token ON {t} BEGIN \
-                     UPDATE {counter} SET last = NEW.token WHERE id = 1 AND last < NEW.token; END"
-                ),
-            ],
-            // SQLite's names are case-insensitive: `IDEM_RECORDS` is `idem_records`, whose
-            // triggers a migrate of either name made.
-            triggers: format!(
-                "SELECT count(*) FROM sqlite_master WHERE type = 'trigger' \
-                 AND tbl_name = '{name}' COLLATE NOCASE \
-                 AND name COLLATE NOCASE IN ('{name}_token_inserted', '{name}_token_updated')"
-            ),
-            checked: tokio::sync::OnceCell::new(),
-            live: format!(
-                "SELECT token, completed, fingerprint, value FROM {t} \
-                 WHERE key = ?1 AND expires_at > {NOW}"
-            ),
-            held: format!("SELECT token, completed, fingerprint, value FROM {t} WHERE key = ?1"),
-            take: take(&format!("VALUES ({values})")),
-            // `NOW` is read once the statement holds the file's write lock: it writes
-            // nothing unless that is before `?5`, when its caller stops waiting or would
-            // have waited long enough that leases get time back first (see `writes.rs`).
-            take_in_time: take(&format!("SELECT {values} WHERE {NOW} < ?5")),
-            // The holder's own statements ask for its token in the row, not for a live lease:
-            // a lease that ran out while nobody took the key over is still the holder's (a
-            // takeover writes another token), so a renewal or a completion that was held up
-            // past the lease still lands.
-            complete: format!(
-                "UPDATE {t} SET completed = 1, value = ?3, expires_at = {NOW} + ?4 \
-                 WHERE key = ?1 AND token = ?2 AND NOT completed"
-            ),
-            release: format!("DELETE FROM {t} WHERE key = ?1 AND token = ?2 AND NOT completed"),
-            // A renewal clears the mark of time given back (see `credit`): the holder is alive.
-            renew: format!(
-                "UPDATE {t} SET expires_at = {NOW} + ?3, value = substr(value, 1, 8) \
-                 WHERE key = ?1 AND token = ?2 AND NOT completed"
-            ),
-            // Like `complete`, it asks for the holder's token in the call's row, not for a
-            // live lease: a takeover writes another token.
-            record_step: format!(
-                "INSERT INTO {t} (key, token, completed, fingerprint, value, expires_at) \
-                 SELECT ?5, token, 1, NULL, ?3, {NOW} + ?4 FROM {t} \
-                 WHERE key = ?1 AND token = ?2 AND NOT completed \
-                 ON CONFLICT (key) DO UPDATE SET token = excluded.token, completed = 1, \
-                 fingerprint = NULL, value = excluded.value, expires_at = excluded.expires_at"
-            ),
-            steps: format!(
-                "SELECT key, value FROM {t} \
-                 WHERE key BETWEEN ?2 AND ?3 AND key <> ?1 AND completed AND expires_at > {NOW}"
-            ),
-            // The dark time `?1` given back to the claims in progress whose lease ran out
-            // within it or runs out within a lease `?2`, to a lease from now at most, once: a
-            // claim's value is its nonce (8 bytes), and a ninth byte marks it as given time
-            // back until its holder renews.
-            credit: format!(
-                "UPDATE {t} SET expires_at = {NOW} + ?1, value = value || X'01' \
-                 WHERE NOT completed AND length(value) = 8 \
-                 AND expires_at > {NOW} - ?2 AND expires_at < {NOW} + ?1"
-            ),
-            remove_steps: format!("DELETE FROM {t} WHERE key BETWEEN ?2 AND ?3 AND key <> ?1"),
-            remove: format!("DELETE FROM {t} WHERE key = ?1 RETURNING expires_at > {NOW}"),
-            // Rounded down: `NOW` truncates to the millisecond, so the difference could be a
-            // fraction over what is left, and a copy must never outlive the row.
-            lookup: format!(
-                "SELECT fingerprint, value, expires_at - {NOW} - 1 FROM {t} \
-                 WHERE key = ?1 AND completed AND expires_at > {NOW}"
-            ),
-            lease_left: format!(
-                "SELECT expires_at - {NOW} FROM {t} \
-                 WHERE key = ?1 AND NOT completed AND expires_at > {NOW}"
-            ),
-            purge: format!(
-                "DELETE FROM {t} WHERE key IN \
-                 (SELECT key FROM {t} WHERE expires_at <= {NOW} LIMIT ?1)"
-            ),
-        }
-    }
 }
 
 /// A connection of `pool` for a write, whose busy handler waits for the file's write lock at
@@ -395,7 +206,7 @@ impl Statements {
 async fn writer(
     pool: &SqlitePool,
     deadline: Instant,
-) -> Result<PoolConnection<Sqlite>, sqlx::Error> {
+) -> Result<PoolConnection<Database>, sqlx::Error> {
     let mut conn = pool.acquire().await?;
     let left = deadline
         .saturating_duration_since(Instant::now())
@@ -408,17 +219,6 @@ async fn writer(
     Ok(conn)
 }
 
-/// A table name: a plain identifier, so that it can never inject SQL.
-fn validate(identifier: &str) -> Result<&str, Error> {
-    if is_identifier(identifier) {
-        Ok(identifier)
-    } else {
-        Err(Error::store(format!(
-            "invalid table name {identifier:?}: use letters, digits and `_` (at most 50, not starting with a digit)"
-        )))
-    }
-}
-
 /// Whether `path` names an in-memory database (`:memory:`, an empty path, or a `file:` URI
 /// in memory mode), which SQLite opens anew for every connection.
 fn in_memory(path: &Path) -> bool {
@@ -429,7 +229,7 @@ fn in_memory(path: &Path) -> bool {
             && (text.contains(":memory:") || text.contains("mode=memory")))
 }
 
-impl SqliteStore {
+impl SqlStore<sqlx::Sqlite> {
     /// Opens (creating it if absent) the SQLite file at `path`, in WAL mode with durable
     /// commits, with a pool of [`DEFAULT_CONNECTIONS`], using the table [`DEFAULT_TABLE`].
     /// Call [`migrate`](Self::migrate) before the first use.
@@ -475,43 +275,11 @@ impl SqliteStore {
             .test_before_acquire(PING_BEFORE_WRITE)
             .connect_lazy_with((*pool.connect_options()).clone().busy_timeout(writes::POLL));
         let beacon = Beacon::beside(pool.connect_options().get_filename());
-        Self {
+        Self::of(SqliteEngine {
             pool,
             writes: Arc::new(Writes::new(writes, beacon)),
             sql: Arc::new(Statements::of(DEFAULT_TABLE)),
-            timeout: DEFAULT_TIMEOUT,
-            flights: Arc::default(),
-        }
-    }
-
-    /// Sets how long one operation may take, waiting for the file's write lock and for a
-    /// pooled connection included, before it fails with [`Error::Store`] (default
-    /// [`DEFAULT_TIMEOUT`]). The body never runs after such a failure.
-    #[must_use]
-    pub fn with_timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
-    }
-
-    /// Uses the table `table` instead of [`DEFAULT_TABLE`].
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Store`] when the name is not a plain identifier: names are checked, never
-    /// quoted into SQL as they come.
-    pub fn with_table(mut self, table: &str) -> Result<Self, Error> {
-        self.sql = Arc::new(Statements::new(table)?);
-        Ok(self)
-    }
-
-    /// The pool this store runs its statements on.
-    pub fn pool(&self) -> &SqlitePool {
-        &self.pool
-    }
-
-    /// The table this store uses.
-    pub fn table(&self) -> &str {
-        &self.sql.table
+        })
     }
 
     /// Switches the file to WAL, and creates the table, its index, its token counter and the
@@ -523,19 +291,7 @@ impl SqliteStore {
     ///
     /// [`Error::Store`] when the file cannot be written.
     pub async fn migrate(&self) -> Result<(), Error> {
-        let deadline = Instant::now() + self.timeout;
-        self.within(async {
-            let mut conn = writer(&self.pool, deadline).await?;
-            sqlx::query("PRAGMA journal_mode = WAL")
-                .execute(&mut *conn)
-                .await?;
-            let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-            for statement in &self.sql.create {
-                sqlx::query(statement).execute(&mut *tx).await?;
-            }
-            tx.commit().await
-        })
-        .await
+        self.migrated().await
     }
 
     /// Deletes every expired row (lapsed claims, results past their TTL), in batches of
@@ -545,89 +301,55 @@ impl SqliteStore {
     ///
     /// [`Error::Store`] when the file cannot be written.
     pub async fn purge_expired(&self) -> Result<u64, Error> {
-        let mut purged = 0;
-        loop {
-            let deadline = Instant::now() + self.timeout;
-            let done = self
-                .within(async {
-                    let mut conn = writer(&self.pool, deadline).await?;
-                    sqlx::query(&self.sql.purge)
-                        .bind(PURGE_BATCH)
-                        .execute(&mut *conn)
-                        .await
-                })
-                .await?;
-            purged += done.rows_affected();
-            if done.rows_affected() < PURGE_BATCH as u64 {
-                return Ok(purged);
-            }
-        }
+        self.purged().await
     }
+}
 
-    /// Runs [`purge_expired`](Self::purge_expired) every `interval` on the current tokio
-    /// runtime, until the returned guard is dropped. A failed purge is logged and retried at
-    /// the next interval.
-    pub fn purge_every(&self, interval: Duration) -> Purger {
-        let store = self.clone();
-        Purger::every(interval, self.table().to_string(), move || {
-            let store = store.clone();
-            async move { store.purge_expired().await }
-        })
-    }
-
-    /// Runs one operation under the timeout.
-    async fn within<T>(
-        &self,
-        operation: impl std::future::Future<Output = Result<T, sqlx::Error>>,
-    ) -> Result<T, Error> {
-        sql::within("sqlite", self.timeout, operation).await
-    }
-
+impl SqliteEngine {
     /// Runs a write in the store's next transaction of queued writes ([`writes`]), waiting
     /// for the file's lock until `deadline`.
     async fn write<T>(&self, job: (Job, Answered<T>), deadline: Instant) -> Result<T, sqlx::Error> {
         self.writes.run(&self.sql, job, deadline).await
     }
-
-    /// A holder's statement, which finds its row by its token: whether it did.
-    async fn fenced(
-        &self,
-        statement: Fence,
-        key: &Key,
-        token: Token,
-        value: Option<Bytes>,
-        millis: Option<i64>,
-    ) -> Result<bool, Error> {
-        let job = Job::fenced(statement, key, token, value, millis);
-        self.within(self.write(job, Instant::now() + self.timeout))
-            .await
-    }
 }
 
-impl fmt::Debug for SqliteStore {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SqliteStore")
-            .field("table", &self.sql.table)
-            .field("timeout", &self.timeout)
-            .field("pool_size", &self.pool.size())
-            .finish()
-    }
+impl Sealed for sqlx::Sqlite {}
+
+impl Dialect for sqlx::Sqlite {
+    type Engine = SqliteEngine;
 }
 
-#[async_trait]
-impl Store for SqliteStore {
-    /// The nonce is kept in the in-progress row's `value` (empty until it completes); a row
-    /// in progress under it is taken again with a new token and a whole lease.
-    async fn claim_with_nonce(
+impl Engine for SqliteEngine {
+    type Database = Database;
+
+    const NAME: &'static str = "sqlite";
+
+    const STORE: &'static str = "SqliteStore";
+
+    fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    fn table(&self) -> &Table {
+        &self.sql.table
+    }
+
+    fn set_table(&mut self, table: &str) -> Result<(), Error> {
+        self.sql = Arc::new(Statements::new(table)?);
+        Ok(())
+    }
+
+    async fn claim(
         &self,
+        timeout: Duration,
         key: &Key,
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
         nonce: u64,
     ) -> Result<Claim, Error> {
         let started = Instant::now();
-        let deadline = started + self.timeout;
-        self.within(async {
+        let deadline = started + timeout;
+        sql::within(Self::NAME, timeout, async {
             // A replay, or a key someone holds: answered by a read, which waits for no writer.
             let live = sqlx::query(&self.sql.live)
                 .bind(&key.as_bytes()[..])
@@ -646,108 +368,62 @@ impl Store for SqliteStore {
         .map_or_else(|row| sql::held(&row), |token| Ok(Claim::Acquired { token }))
     }
 
-    async fn complete(
+    async fn fenced(
         &self,
+        timeout: Duration,
         key: &Key,
         token: Token,
-        value: Bytes,
-        ttl: Duration,
+        write: Fenced<'_>,
     ) -> Result<bool, Error> {
-        self.fenced(Fence::Complete, key, token, Some(value), Some(millis(ttl)))
-            .await
-    }
-
-    async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
-        self.fenced(Fence::Release, key, token, None, None).await
-    }
-
-    async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
-        self.fenced(Fence::Renew, key, token, None, Some(millis(lease)))
-            .await
-    }
-
-    /// Claim tokens already grow here (they come from the counter table): the claim's own
-    /// token is its fencing token.
-    async fn fence(&self, _: &Key, token: Token) -> Result<Option<Token>, Error> {
-        Ok(Some(token))
-    }
-
-    async fn record_step(
-        &self,
-        call: &Key,
-        token: Token,
-        step: &Key,
-        value: Bytes,
-        ttl: Duration,
-    ) -> Result<bool, Error> {
-        self.fenced(
-            Fence::RecordStep(*step),
-            call,
-            token,
-            Some(value),
-            Some(millis(ttl)),
+        let (statement, value, millis) = match write {
+            Fenced::Complete { value, ttl } => (Fence::Complete, Some(value), Some(millis(ttl))),
+            Fenced::Release => (Fence::Release, None, None),
+            Fenced::Renew { lease } => (Fence::Renew, None, Some(millis(lease))),
+            Fenced::Step { step, value, ttl } => {
+                (Fence::RecordStep(*step), Some(value), Some(millis(ttl)))
+            }
+        };
+        let job = Job::fenced(statement, key, token, value, millis);
+        sql::within(
+            Self::NAME,
+            timeout,
+            self.write(job, Instant::now() + timeout),
         )
         .await
     }
 
-    async fn steps(&self, call: &Key) -> Result<Vec<(Key, Bytes)>, Error> {
-        self.within(sql::read_steps(&self.pool, &self.sql.steps, call))
-            .await
-    }
-
-    async fn remove(&self, key: &Key) -> Result<bool, Error> {
-        let deadline = Instant::now() + self.timeout;
-        let live = self.within(self.write(Job::remove(key), deadline)).await?;
+    async fn remove(&self, timeout: Duration, key: &Key) -> Result<bool, Error> {
+        let deadline = Instant::now() + timeout;
+        let live = sql::within(Self::NAME, timeout, self.write(Job::remove(key), deadline)).await?;
         Ok(live.unwrap_or(false))
     }
 
-    async fn lookup(&self, key: &Key) -> Result<Option<Recorded>, Error> {
-        let row: Option<LookupRow> = self
-            .within(
-                sqlx::query_as(&self.sql.lookup)
-                    .bind(&key.as_bytes()[..])
-                    .fetch_optional(&self.pool),
-            )
+    async fn purge(&self, timeout: Duration) -> Result<u64, Error> {
+        let mut purged = 0;
+        loop {
+            let deadline = Instant::now() + timeout;
+            let done = sql::within(Self::NAME, timeout, async {
+                let mut conn = writer(&self.pool, deadline).await?;
+                sqlx::query(&self.sql.purge)
+                    .bind(PURGE_BATCH)
+                    .execute(&mut *conn)
+                    .await
+            })
             .await?;
-        sql::recorded(row)
-    }
-
-    async fn lease_left(&self, key: &Key) -> Result<Option<Duration>, Error> {
-        let left: Option<i64> = self
-            .within(
-                sqlx::query_scalar(&self.sql.lease_left)
-                    .bind(&key.as_bytes()[..])
-                    .fetch_optional(&self.pool),
-            )
-            .await?;
-        Ok(sql::left(left))
-    }
-
-    fn claim_timeout(&self) -> Option<Duration> {
-        Some(self.timeout)
-    }
-
-    fn flights(&self) -> Option<&Flights> {
-        Some(&self.flights)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn table_names_are_identifiers_only() {
-        assert!(Statements::new(DEFAULT_TABLE).is_ok());
-        for bad in [
-            "",
-            "1table",
-            "idem records",
-            "t\"; DROP TABLE x; --",
-            "main.t",
-            &"x".repeat(51),
-        ] {
-            assert!(Statements::new(bad).is_err(), "{bad:?} was accepted");
+            purged += done.rows_affected();
+            if done.rows_affected() < PURGE_BATCH as u64 {
+                return Ok(purged);
+            }
         }
+    }
+
+    async fn migrate(&self, timeout: Duration) -> Result<(), Error> {
+        let deadline = Instant::now() + timeout;
+        sql::within(
+            Self::NAME,
+            timeout,
+            schema::migrate(&self.pool, &self.sql, deadline),
+        )
+        .await
     }
 }

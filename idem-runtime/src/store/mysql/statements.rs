@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use super::PURGE_BATCH;
-use crate::store::sql::{is_identifier, millis};
+use crate::store::sql::{is_identifier, millis, Table};
 use crate::{Error, Fingerprint, Key, Token};
 
 /// The server's clock in Unix milliseconds, independent of the session's time zone.
@@ -25,7 +25,7 @@ impl Server {
     pub(super) fn of(version: &str) -> Self {
         Self {
             mariadb: version.contains("MariaDB"),
-            skips_locked: super::at_least(version, [10, 6, 0], [8, 0, 1]),
+            skips_locked: at_least(version, [10, 6, 0], [8, 0, 1]),
         }
     }
 
@@ -58,6 +58,23 @@ impl Server {
             format!("{verb} /*+ SET_VAR(innodb_lock_wait_timeout = {lock_wait}) */ {rest}")
         }
     }
+}
+
+/// Whether a server of `version` is at least `mariadb` (a MariaDB) or `mysql` (a MySQL).
+pub(super) fn at_least(version: &str, mariadb: [u32; 3], mysql: [u32; 3]) -> bool {
+    let maria = version.contains("MariaDB");
+    // MariaDB's handshake (and some proxies) prefix its version with `5.5.5-`.
+    let version = match version.strip_prefix("5.5.5-") {
+        Some(rest) if maria => rest,
+        _ => version,
+    };
+    let numbers: Vec<u32> = version
+        .split(|c: char| !c.is_ascii_digit())
+        .take(3)
+        .map(|n| n.parse().unwrap_or(0))
+        .collect();
+    let least = if maria { mariadb } else { mysql };
+    numbers.as_slice() >= &least[..]
 }
 
 /// The statements that may wait for a row lock, bounded for one server and timeout (see
@@ -106,7 +123,6 @@ impl Bounded {
 
 /// The statements of one table, written once.
 pub(super) struct Statements {
-    pub(super) table: String,
     /// The server's version, and the `token` column's `EXTRA` (`auto_increment` once
     /// migrated; see `MySqlStore::checked`).
     pub(super) check: String,
@@ -138,12 +154,12 @@ pub(super) struct Statements {
     pub(super) release: String,
     pub(super) renew: String,
     pub(super) record_step: String,
-    pub(super) steps: String,
+    /// The table's name, and the reads the core runs itself: a result, a lease, a call's
+    /// steps.
+    pub(super) table: Table,
     pub(super) remove_lock: String,
     pub(super) remove_steps: String,
     pub(super) remove: String,
-    pub(super) lookup: String,
-    pub(super) lease_left: String,
     /// A batch of expired rows' keys, and the start of the statement that deletes them.
     pub(super) expired: String,
     pub(super) delete_expired: String,
@@ -159,7 +175,7 @@ impl Statements {
         format!(
             "SELECT token, completed, fingerprint, value FROM `{}` \
              WHERE `key` = X'{}' AND expires_at > {NOW}",
-            self.table,
+            self.table.name,
             hex::encode(key.as_bytes())
         )
     }
@@ -199,7 +215,7 @@ impl Statements {
         format!(
             "{verb} INTO `{}` (`key`, completed, fingerprint, value, expires_at) \
              VALUES (X'{}', FALSE, {}, NULL, {NOW} + {})",
-            self.table,
+            self.table.name,
             hex::encode(key.as_bytes()),
             fingerprint_literal(fingerprint),
             millis(lease)
@@ -218,7 +234,7 @@ impl Statements {
         format!(
             "UPDATE `{}` SET completed = TRUE, value = X'{}', expires_at = {NOW} + {ttl} \
              WHERE `key` = X'{}' AND token + 0 = {} AND NOT completed",
-            self.table,
+            self.table.name,
             hex::encode(record),
             hex::encode(key.as_bytes()),
             token.get()
@@ -243,7 +259,6 @@ impl Statements {
         let token_index = format!("`{name}_token`");
         let live_row = format!("`key` = ? AND expires_at > {NOW}");
         Self {
-            table: name.to_string(),
             check: format!(
                 "SELECT VERSION(), (SELECT EXTRA FROM information_schema.COLUMNS \
                  WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = '{name}' AND COLUMN_NAME = 'token')"
@@ -325,22 +340,25 @@ impl Statements {
                  WHERE `key` = ? AND token + 0 = ? AND NOT completed AND expires_at > {NOW} \
                  LOCK IN SHARE MODE"
             ),
-            steps: format!(
-                "SELECT `key`, value FROM {t} \
-                 WHERE `key` <> ? AND `key` BETWEEN ? AND ? AND completed AND expires_at > {NOW}"
-            ),
+            table: Table {
+                name: name.to_string(),
+                steps: format!(
+                    "SELECT `key`, value FROM {t} \
+                     WHERE `key` <> ? AND `key` BETWEEN ? AND ? AND completed AND expires_at > {NOW}"
+                ),
+                // Rounded down by a millisecond: `NOW` truncates, and a copy in a fast tier must
+                // never outlive the row.
+                lookup: format!(
+                    "SELECT fingerprint, value, expires_at - {NOW} - 1 FROM {t} \
+                     WHERE {live_row} AND completed"
+                ),
+                lease_left: format!(
+                    "SELECT expires_at - {NOW} FROM {t} WHERE {live_row} AND NOT completed"
+                ),
+            },
             remove_lock: format!("SELECT expires_at > {NOW} FROM {t} WHERE `key` = ? FOR UPDATE"),
             remove_steps: format!("DELETE FROM {t} WHERE `key` BETWEEN ? AND ? AND `key` <> ?"),
             remove: format!("DELETE FROM {t} WHERE `key` = ?"),
-            // Rounded down by a millisecond: `NOW` truncates, and a copy in a fast tier must
-            // never outlive the row.
-            lookup: format!(
-                "SELECT fingerprint, value, expires_at - {NOW} - 1 FROM {t} \
-                 WHERE {live_row} AND completed"
-            ),
-            lease_left: format!(
-                "SELECT expires_at - {NOW} FROM {t} WHERE {live_row} AND NOT completed"
-            ),
             // A purge reads what to delete without locking, then deletes it by primary key:
             // a locking range scan would wait for the first row past the range when an open
             // transaction holds it (a claim in a caller's transaction), and hold a gap that

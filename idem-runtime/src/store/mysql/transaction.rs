@@ -50,8 +50,11 @@ impl Transactional for MySqlStore {
     ) -> Result<Claim, Error> {
         // On the caller's connection: the pool's may all be held by callers. Its session is
         // the caller's, checked below (its isolation) or the caller's to set (autocommit).
-        let server = self.server(&mut *connection).await?;
-        let bound = self.timeout + call.wait.unwrap_or_default();
+        let server = self
+            .dialect()
+            .server(self.timeout(), &mut *connection)
+            .await?;
+        let bound = self.timeout() + call.wait.unwrap_or_default();
         let savepoint = &call.savepoint;
         let mut look = String::new();
         if first {
@@ -61,8 +64,8 @@ impl Transactional for MySqlStore {
         }
         // The transaction's isolation level, a row of one column before the key's rows.
         look += &format!("SELECT CAST({} AS CHAR); ", server.isolation());
-        look += &self.sql.live_literal(call.key);
-        let seen = sql::within("mysql", self.timeout, async {
+        look += &self.dialect().sql.live_literal(call.key);
+        let seen = sql::within("mysql", self.timeout(), async {
             sqlx::Executor::fetch_all(&mut *connection, sqlx::raw_sql(&look)).await
         })
         .await;
@@ -123,16 +126,17 @@ impl Transactional for MySqlStore {
         ttl: Duration,
     ) -> Result<bool, Error> {
         let release = format!("RELEASE SAVEPOINT {}", call.savepoint);
-        let done = sql::within("mysql", self.timeout, async {
+        let done = sql::within("mysql", self.timeout(), async {
             if record.len() <= INLINE_RECORD {
                 let message = format!(
                     "{}; {release}",
-                    self.sql
+                    self.dialect()
+                        .sql
                         .complete_literal(call.key, token, record, millis(ttl)),
                 );
                 return sqlx::Executor::execute(&mut *connection, sqlx::raw_sql(&message)).await;
             }
-            let done = sqlx::query(&self.sql.complete_in)
+            let done = sqlx::query(&self.dialect().sql.complete_in)
                 .bind(record)
                 .bind(millis(ttl))
                 .bind(&call.key.as_bytes()[..])
@@ -170,6 +174,7 @@ impl MySqlStore {
         );
         let restore = "SET SESSION innodb_lock_wait_timeout = @idem_lock_wait";
         let insert = self
+            .dialect()
             .sql
             .insert_literal(call.key, call.fingerprint, call.lease);
         let message = format!("{set_wait}; {insert}; {restore}");
@@ -205,7 +210,7 @@ impl MySqlStore {
         connection: &mut MySqlConnection,
         call: &Call<'_>,
     ) -> Result<Option<Claim>, sqlx::Error> {
-        let row: Option<MySqlRow> = sqlx::query(&self.sql.share)
+        let row: Option<MySqlRow> = sqlx::query(&self.dialect().sql.share)
             .bind(&call.key.as_bytes()[..])
             .fetch_optional(&mut *connection)
             .await?;
@@ -217,6 +222,7 @@ impl MySqlStore {
             return sql::held(&row).map(Some).map_err(decode);
         }
         let take = self
+            .dialect()
             .sql
             .take_literal(call.key, call.fingerprint, call.lease);
         let taken = sqlx::Executor::execute(&mut *connection, sqlx::raw_sql(&take)).await?;
@@ -276,7 +282,7 @@ async fn end_savepoint(
     connection: &mut MySqlConnection,
     savepoint: &Savepoint,
 ) {
-    let ended = sql::within("mysql", store.timeout, async {
+    let ended = sql::within("mysql", store.timeout(), async {
         raw(connection, &format!("ROLLBACK TO SAVEPOINT {savepoint}")).await?;
         raw(connection, &format!("RELEASE SAVEPOINT {savepoint}")).await
     })

@@ -4,48 +4,10 @@
 
 use sqlx::PgPool;
 
-use super::transaction;
+use super::statements::{InTransaction, Schema};
 use crate::Error;
 
-/// The names of one store's objects, quoted and qualified as statements use them, and the
-/// statements that create them.
-pub(super) struct Schema {
-    /// The table as the user named it (`name` or `schema.name`), for messages.
-    pub(super) table: String,
-    /// The table, quoted.
-    pub(super) quoted: String,
-    pub(super) sequence: String,
-    index: String,
-    pub(super) function: String,
-    /// The claim function's source, as `migrate` creates it: a function whose source
-    /// differs is replaced.
-    function_source: String,
-}
-
 impl Schema {
-    pub(super) fn new(schema: Option<&str>, name: &str) -> Self {
-        let table = match schema {
-            Some(schema) => format!("{schema}.{name}"),
-            None => name.to_string(),
-        };
-        let qualify = |object: &str| match schema {
-            Some(schema) => format!("\"{schema}\".\"{object}\""),
-            None => format!("\"{object}\""),
-        };
-        let quoted = qualify(name);
-        let sequence = qualify(&format!("{name}_token"));
-        let function = qualify(&format!("{name}_claim_in_transaction"));
-        let function_source = transaction::Statements::function_source(&quoted, &sequence);
-        Self {
-            table,
-            quoted,
-            sequence,
-            index: qualify(&format!("{name}_expires_at")),
-            function,
-            function_source,
-        }
-    }
-
     /// What is there of the store's objects: the kind of each relation its names name
     /// (`r` table, `S` sequence, `i` index, …), and the claim function's source. Catalog
     /// reads only, which take no lock that a claim could wait behind.
@@ -131,7 +93,7 @@ impl Schema {
             statements.push(format!("CREATE SEQUENCE IF NOT EXISTS {}", self.sequence));
         }
         if !found.current_function {
-            statements.push(transaction::Statements::function(
+            statements.push(InTransaction::function(
                 &self.function,
                 &self.function_source,
             ));

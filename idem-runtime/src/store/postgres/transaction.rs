@@ -35,127 +35,11 @@ use sqlx::PgConnection;
 
 use super::{millis, parse_claim, PostgresStore};
 use crate::store::transaction::{sealed::Sealed, Call, Savepoint, Transactional};
-use crate::{Claim, Error, Fingerprint, Key, Token};
+use crate::{Claim, Error, Token};
 
 /// The lock timeout of [`InFlight::Reject`](crate::InFlight::Reject): long enough for a lock that is free, far too
 /// short for a holder's transaction.
 const REJECT_WITHIN: &str = "1ms";
-
-/// The statements of claims in a transaction, for one table.
-pub(in crate::store) struct Statements {
-    function: String,
-    claim: String,
-    table: String,
-}
-
-impl Statements {
-    /// The statements for `table`, whose claim function is `function`.
-    pub(super) fn new(function: &str, table: &str) -> Self {
-        Self {
-            function: function.to_string(),
-            claim: format!("SELECT * FROM {function}($1, $2, $3, $4)"),
-            table: table.to_string(),
-        }
-    }
-
-    /// The completion, and the release of the call's savepoint, in one message: the row is
-    /// this transaction's own, invisible to others until commit, so there is no expiry to
-    /// check; the TTL starts at the completion. Released, the savepoint's work joins the
-    /// enclosing level, so that calls after it do not nest one level deeper each.
-    fn complete_and_release(
-        &self,
-        savepoint: &Savepoint,
-        key: &Key,
-        token: i64,
-        record: &[u8],
-        ttl: i64,
-    ) -> String {
-        format!(
-            "UPDATE {} SET completed = true, value = decode('{}', 'hex'), \
-             expires_at = clock_timestamp() + {ttl} * interval '1 millisecond' \
-             WHERE key = decode('{}', 'hex') AND token = {token} AND NOT completed RETURNING true; \
-             RELEASE SAVEPOINT {savepoint}",
-            self.table,
-            hex::encode(record),
-            hex::encode(key.as_bytes()),
-        )
-    }
-
-    /// The first claim of a call: its savepoint, then the claim, in one message. The
-    /// arguments are literals: the key and the fingerprint in hex, the numbers as digits.
-    fn savepoint_and_claim(
-        &self,
-        savepoint: &Savepoint,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: i64,
-        lock_timeout: &str,
-    ) -> String {
-        let fingerprint = fingerprint.map_or("NULL".to_string(), |f| {
-            format!("decode('{}', 'hex')", hex::encode(f.as_bytes()))
-        });
-        format!(
-            "SAVEPOINT {savepoint}; SELECT * FROM {}(decode('{}', 'hex'), {fingerprint}, {lease}, '{lock_timeout}')",
-            self.function,
-            hex::encode(key.as_bytes()),
-        )
-    }
-
-    /// The body of the claim function (see [`function`](Self::function)): the store's claim
-    /// with the transaction's clock (`clock_timestamp()`, as `now()` is when the
-    /// transaction began), under the `lock_timeout` it is handed.
-    ///
-    /// A key without a row, as almost every key a transaction claims, is taken by a plain
-    /// `INSERT … ON CONFLICT DO NOTHING` first, cheaper on the server than the whole claim
-    /// (`BENCHMARKS.md`, P12a). Like the whole claim's insert, it waits for a concurrent
-    /// transaction that inserted the key to end. A key with a row of any kind (live,
-    /// completed, or expired and to be taken over) inserts nothing there and goes through
-    /// the whole claim, whose own statement sees a row committed meanwhile. The token is
-    /// drawn even when nothing is inserted: tokens only have to grow.
-    pub(super) fn function_source(table: &str, sequence: &str) -> String {
-        let claim = super::claim_query(
-            table,
-            sequence,
-            "clock_timestamp()",
-            ["p_key", "p_fingerprint", "p_lease"],
-            None,
-            super::Conflict::TakeOver,
-        );
-        format!(
-            "\n#variable_conflict use_column\n\
-             DECLARE taken bigint;\n\
-             BEGIN\n\
-                 PERFORM set_config('lock_timeout', p_lock_timeout, true);\n\
-                 INSERT INTO {table} (key, token, completed, fingerprint, value, expires_at) \
-                     VALUES (p_key, nextval('{sequence}'), false, p_fingerprint, NULL, \
-                     clock_timestamp() + p_lease * interval '1 millisecond') \
-                     ON CONFLICT (key) DO NOTHING RETURNING token INTO taken;\n\
-                 IF taken IS NOT NULL THEN\n\
-                     RETURN QUERY SELECT true, taken, false, p_fingerprint, NULL::bytea;\n\
-                     RETURN;\n\
-                 END IF;\n\
-                 FOR attempt IN 1..1000 LOOP\n\
-                     RETURN QUERY {claim};\n\
-                     IF FOUND THEN RETURN; END IF;\n\
-                 END LOOP;\n\
-                 RAISE EXCEPTION 'idem: the claim of a key did not settle after 1000 attempts';\n\
-             END\n"
-        )
-    }
-
-    /// The claim function, of `source`. Its own `SET` clause puts the caller's
-    /// `lock_timeout` back when it returns. A lock wait that runs out fails the statement
-    /// (`lock_not_available`), and the caller rolls back to the savepoint the claim was sent
-    /// after.
-    pub(super) fn function(function: &str, source: &str) -> String {
-        format!(
-            "CREATE OR REPLACE FUNCTION {function}(\
-                p_key bytea, p_fingerprint bytea, p_lease bigint, p_lock_timeout text) \
-             RETURNS TABLE (acquired boolean, token bigint, completed boolean, fingerprint bytea, value bytea) \
-             LANGUAGE plpgsql SET lock_timeout = 0 AS $idem${source}$idem$"
-        )
-    }
-}
 
 impl Sealed for PostgresStore {}
 
@@ -169,8 +53,8 @@ impl Transactional for PostgresStore {
         first: bool,
     ) -> Result<Claim, Error> {
         let lock_timeout = call.wait.map_or(REJECT_WITHIN.to_string(), lock_timeout);
-        let bound = self.timeout + call.wait.unwrap_or_default();
-        let statements = &self.sql.transaction;
+        let bound = self.timeout() + call.wait.unwrap_or_default();
+        let statements = &self.dialect().sql.transaction;
         let claimed = if first {
             let first = statements.savepoint_and_claim(
                 &call.savepoint,
@@ -221,7 +105,7 @@ impl Transactional for PostgresStore {
         record: &[u8],
         ttl: Duration,
     ) -> Result<bool, Error> {
-        let statements = self.sql.transaction.complete_and_release(
+        let statements = self.dialect().sql.transaction.complete_and_release(
             &call.savepoint,
             call.key,
             i64::try_from(token.get())
@@ -230,7 +114,7 @@ impl Transactional for PostgresStore {
             millis(ttl),
         );
         let done = within(
-            self.timeout,
+            self.timeout(),
             sqlx::Executor::fetch_all(&mut *connection, sqlx::raw_sql(&statements)),
         )
         .await
@@ -252,7 +136,7 @@ async fn refuse_a_snapshot_that_cannot_see_the_end(
     connection: &mut PgConnection,
 ) -> Result<(), Error> {
     let isolation: String = within(
-        store.timeout,
+        store.timeout(),
         sqlx::query_scalar("SELECT current_setting('transaction_isolation')")
             .fetch_one(&mut *connection),
     )
@@ -285,7 +169,7 @@ async fn end_savepoint(
 ) {
     let statements = format!("ROLLBACK TO SAVEPOINT {savepoint}; RELEASE SAVEPOINT {savepoint}");
     let ended = within(
-        store.timeout,
+        store.timeout(),
         sqlx::Executor::execute(&mut *connection, sqlx::raw_sql(&statements)),
     )
     .await;

@@ -39,9 +39,14 @@ impl Transactional for SqliteStore {
         call: &Call<'_>,
         _first: bool,
     ) -> Result<Claim, Error> {
-        let bound = self.timeout + call.wait.unwrap_or_default();
+        let bound = self.timeout() + call.wait.unwrap_or_default();
         let savepoint = &call.savepoint;
-        sql::within("sqlite", self.timeout, self.sql.checked(&mut *connection)).await?;
+        sql::within(
+            "sqlite",
+            self.timeout(),
+            self.dialect().sql.checked(&mut *connection),
+        )
+        .await?;
         let taken = sql::within("sqlite", bound, async {
             // With the savepoint, the caller's busy timeout is read and the call's set (the
             // take waits for the file's lock up to the call's wait); the caller's is put
@@ -52,7 +57,7 @@ impl Transactional for SqliteStore {
             // All of it: a stream read to its first row would leave the last statement unrun.
             let read = sqlx::Executor::fetch_all(&mut *connection, sqlx::raw_sql(&opened)).await?;
             let caller: i64 = read.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0)?;
-            let claimed = claim(&self.sql, connection, call, caller).await;
+            let claimed = claim(&self.dialect().sql, connection, call, caller).await;
             if claimed.is_err() {
                 set_busy_timeout(connection, caller).await?;
             }
@@ -88,8 +93,8 @@ impl Transactional for SqliteStore {
         ttl: Duration,
     ) -> Result<bool, Error> {
         let savepoint = &call.savepoint;
-        sql::within("sqlite", self.timeout, async {
-            let done = sqlx::query(&self.sql.complete)
+        sql::within("sqlite", self.timeout(), async {
+            let done = sqlx::query(&self.dialect().sql.complete)
                 .bind(&call.key.as_bytes()[..])
                 .bind(token)
                 .bind(record)
@@ -164,7 +169,7 @@ async fn end_savepoint(
     savepoint: &Savepoint,
 ) {
     let statements = format!("ROLLBACK TO SAVEPOINT {savepoint}; RELEASE SAVEPOINT {savepoint}");
-    let ended = sql::within("sqlite", store.timeout, async {
+    let ended = sql::within("sqlite", store.timeout(), async {
         sqlx::Executor::execute(&mut *connection, sqlx::raw_sql(&statements)).await
     })
     .await;

@@ -26,7 +26,8 @@ use tokio::sync::{oneshot, OwnedMutexGuard};
 use tokio::time::Instant;
 
 use super::beacon::Beacon;
-use super::{locked_out, lockout, Statements, LOCKED_OUT_FLOOR};
+use super::statements::Statements;
+use super::{locked_out, lockout, LOCKED_OUT_FLOOR};
 use crate::store::sql::millis;
 use crate::{Fingerprint, Key, Token};
 
@@ -713,7 +714,7 @@ mod tests {
     fn queued(store: &SqliteStore, job: Job) -> Write {
         Write {
             job,
-            sql: Arc::clone(&store.sql),
+            sql: Arc::clone(&store.dialect().sql),
             deadline: later(),
         }
     }
@@ -749,8 +750,8 @@ mod tests {
             },
             queued(&store, good),
         ];
-        let turn = Arc::clone(&store.writes.turn).lock_owned().await;
-        store.writes.commit(batch, turn).await;
+        let turn = Arc::clone(&store.dialect().writes.turn).lock_owned().await;
+        store.dialect().writes.commit(batch, turn).await;
         let bad = bad_answer.await.unwrap();
         assert!(
             bad.as_ref()
@@ -779,13 +780,19 @@ mod tests {
             .unwrap();
         // Another caller's claim, queued: the next caller with the turn takes it along.
         let (other_claim, answered) = take(4);
-        store.writes.queue().push(queued(&store, other_claim));
-        let writes = Arc::clone(&store.writes);
-        let sql = Arc::clone(&store.sql);
+        store
+            .dialect()
+            .writes
+            .queue()
+            .push(queued(&store, other_claim));
+        let writes = Arc::clone(&store.dialect().writes);
+        let sql = Arc::clone(&store.dialect().sql);
         let job = take(5);
         let caller = tokio::spawn(async move { writes.run(&sql, job, later()).await.is_ok() });
         // The caller took the batch (both writes) and is committing it, held by the lock.
-        while !store.writes.queue().is_empty() || store.writes.turn.try_lock().is_ok() {
+        while !store.dialect().writes.queue().is_empty()
+            || store.dialect().writes.turn.try_lock().is_ok()
+        {
             tokio::task::yield_now().await;
         }
         caller.abort();
@@ -878,8 +885,8 @@ mod tests {
         drop(answer);
         let (waited, answered) = take(3);
         let batch = [abandoned, waited].map(|job| queued(&store, job));
-        let turn = Arc::clone(&store.writes.turn).lock_owned().await;
-        store.writes.commit(batch.into(), turn).await;
+        let turn = Arc::clone(&store.dialect().writes.turn).lock_owned().await;
+        store.dialect().writes.commit(batch.into(), turn).await;
         assert!(matches!(answered.await.unwrap(), Ok(Ok(_))));
         assert!(
             !held(&store, 2).await,
