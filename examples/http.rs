@@ -114,7 +114,7 @@ async fn main() -> Result<(), BoxError> {
     Ok(())
 }
 
-/// The README's curl session, against this server on a free port.
+/// The HTTP guide's curl session, against this server on a free port.
 async fn demo(router: Router, charges: Arc<AtomicU64>) -> Result<(), BoxError> {
     use bytes::Bytes;
     use http_body_util::{BodyExt, Full};

@@ -115,7 +115,7 @@ pub async fn dynamodb_endpoint() -> Option<String> {
         Some(url) => Some(url.clone()),
         None => unavailable(
             &format!("a DynamoDB endpoint at {url}"),
-            "nothing answers there and `dynoxide` could not be started (`cargo install dynoxide-rs`, see README)",
+            "nothing answers there and `dynoxide` could not be started (`cargo install dynoxide-rs`, see CONTRIBUTING.md)",
         ),
     }
 }

@@ -495,16 +495,12 @@ mod tests {
     fn expand(attr: &str, item: &str) -> String {
         idempotent(attr.parse().unwrap(), item.parse().unwrap()).to_string()
     }
-    /// The README's "How the macro expands" shows the expansion of its example exactly:
-    /// the code block after that heading, token by token.
+    /// The guide's page on the expansion (`idem_runtime::guide::expansion`) shows the
+    /// expansion of its example exactly: its first code block, token by token.
     #[test]
-    fn readme_shows_the_expansion() {
-        let readme = include_str!("../../README.md");
-        let section = readme
-            .split("## How the macro expands")
-            .nth(1)
-            .expect("the README has the section");
-        let shown = section
+    fn the_guide_shows_the_expansion() {
+        let page = include_str!("../../idem-runtime/guide/expansion.md");
+        let shown = page
             .split("```rust,ignore\n")
             .nth(1)
             .and_then(|block| block.split("\n```").next())
@@ -523,7 +519,7 @@ mod tests {
         assert_eq!(
             plain(&shown.to_string()),
             plain(&out),
-            "the README's expansion is out of date: paste the macro's output there (rustfmt'd)"
+            "the guide's expansion (idem-runtime/guide/expansion.md) is out of date: paste the macro's output there (rustfmt'd)"
         );
     }
 

@@ -9,42 +9,63 @@
 //!   fencing downstream writes with the attempt's token.
 //! - [`http`]: the `Idempotency-Key` header on the server.
 //! - [`client`]: the client's half: keys, retries and their budget.
+//! - [`steps`]: a body that resumes where a crash left off.
+//! - [`queues`]: consumers of at-least-once brokers, and how long a record must last.
 //! - [`what_happens_when`]: a body fails, a caller is cancelled, a process crashes, a
 //!   completion is refused, a store goes away.
 //! - [`failure_model`]: what each store promises when things break, measured: crashes,
 //!   restarts, failovers, partitions between hosts.
 //! - [`guarantees`]: every guarantee, and the test that fails if it breaks.
+//! - [`reliability`]: the error table checked on histories of calls under seeded faults, and
+//!   the soak's figures.
+//! - [`expansion`]: what `#[idempotent]` writes, exactly.
 //! - [`decisions`]: where the design had to choose, and why it chose as it did.
 //!
 //! Every figure here comes with the command that reproduces it; the benchmarks, with their
 //! baselines and floors, are in the repository's `BENCHMARKS.md`.
+//!
+//! The pages' examples use the crates of every feature (axum, hyper, reqwest, the AWS SDK):
+//! they are compiled as doctests of the `idem-examples` crate, which has them all, and not
+//! here (`cfg(doctest)` leaves the pages out of this crate's doctests).
 
-#[doc = include_str!("../guide/keys.md")]
+#[cfg_attr(not(doctest), doc = include_str!("../guide/keys.md"))]
 pub mod keys {}
 
-#[doc = include_str!("../guide/leases.md")]
+#[cfg_attr(not(doctest), doc = include_str!("../guide/leases.md"))]
 pub mod leases {}
 
-#[doc = include_str!("../guide/stores.md")]
+#[cfg_attr(not(doctest), doc = include_str!("../guide/stores.md"))]
 pub mod stores {}
 
-#[doc = include_str!("../guide/transactions.md")]
+#[cfg_attr(not(doctest), doc = include_str!("../guide/transactions.md"))]
 pub mod transactions {}
 
-#[doc = include_str!("../guide/http.md")]
+#[cfg_attr(not(doctest), doc = include_str!("../guide/http.md"))]
 pub mod http {}
 
-#[doc = include_str!("../guide/client.md")]
+#[cfg_attr(not(doctest), doc = include_str!("../guide/client.md"))]
 pub mod client {}
 
-#[doc = include_str!("../guide/what-happens-when.md")]
+#[cfg_attr(not(doctest), doc = include_str!("../guide/steps.md"))]
+pub mod steps {}
+
+#[cfg_attr(not(doctest), doc = include_str!("../guide/queues.md"))]
+pub mod queues {}
+
+#[cfg_attr(not(doctest), doc = include_str!("../guide/what-happens-when.md"))]
 pub mod what_happens_when {}
 
-#[doc = include_str!("../guide/failure-model.md")]
+#[cfg_attr(not(doctest), doc = include_str!("../guide/failure-model.md"))]
 pub mod failure_model {}
 
-#[doc = include_str!("../guide/guarantees.md")]
+#[cfg_attr(not(doctest), doc = include_str!("../guide/guarantees.md"))]
 pub mod guarantees {}
 
-#[doc = include_str!("../guide/decisions.md")]
+#[cfg_attr(not(doctest), doc = include_str!("../guide/reliability.md"))]
+pub mod reliability {}
+
+#[cfg_attr(not(doctest), doc = include_str!("../guide/expansion.md"))]
+pub mod expansion {}
+
+#[cfg_attr(not(doctest), doc = include_str!("../guide/decisions.md"))]
 pub mod decisions {}

@@ -19,8 +19,8 @@ pub const MAX_KEY_LEN: usize = 255;
 /// one, `400` problem+json (`key-missing`, `key-malformed`) before it runs; one that takes
 /// `Option<IdempotencyKey>` runs without a key and refuses only a malformed one. That is
 /// the shape of an endpoint whose effect is a write in the same database: the key's claim,
-/// the write and the answer commit in one transaction (`transaction =`; see the README's
-/// "One request, one transaction").
+/// the write and the answer commit in one transaction (`transaction =`; see the
+/// [HTTP guide](crate::guide::http)'s "One request, one transaction").
 ///
 /// ```
 /// # #[cfg(feature = "axum")] {
