@@ -290,7 +290,7 @@ fn string_literal(value: &Expr) -> Option<&LitStr> {
 }
 
 /// The runtime's limits (`idem_runtime::MIN_LEASE`, `MAX_DURATION`), checked here for
-/// literals so that they fail at compile time; `tests/limits.rs` keeps the two in step.
+/// literals so that they fail at compile time; `tests/calls/limits.rs` keeps the two in step.
 const MIN_LEASE_MS: u64 = 100;
 const MAX_MS: u64 = 365 * 86_400_000;
 /// The runtime's `DEFAULT_LEASE`, for a literal `ttl` without a `lease`.

@@ -6,7 +6,7 @@
 //! crashed transaction frees its key at once.
 //!
 //! PostgreSQL's own behaviours beyond these (isolation levels, statement counts, a killed
-//! server connection) are in `tests/transaction.rs`.//!
+//! server connection) are in `tests/transactions/transaction.rs`.//!
 //! The suite is `suite.rs`; the behaviours that differ between the databases are
 //! `dialects.rs`; the connections each store's tests use are here.
 

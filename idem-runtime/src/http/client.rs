@@ -87,7 +87,7 @@
 //! `IdempotencyKeyMiddleware` is the same keys, retries, errors and [`Delivery`] as a
 //! middleware, through the same loop of attempts (the two differ only in how one attempt
 //! is sent). Both pass the same end-to-end test: 1000 payments through a proxy that loses
-//! answers, cuts, refuses and stalls, each run once (`tests/client_network.rs`).
+//! answers, cuts, refuses and stalls, each run once (`tests/client/network.rs`).
 
 use std::collections::hash_map::RandomState;
 use std::fmt;

@@ -16,7 +16,7 @@ use crate::Key;
 
 /// What one remembered key or principal is counted for against [`RateLimit::max_bytes`]:
 /// the key, its limiter and the cache's entry, measured at 322 heap bytes
-/// (`tests/rate_limit.rs::limiters_are_within_the_bytes_their_bound_counts`).
+/// (`tests/http/rate_limit.rs::limiters_are_within_the_bytes_their_bound_counts`).
 pub const LIMITER_BYTES: u64 = 512;
 
 /// The default bound on the memory of a layer's limiters: 16 MiB, about 32 000 keys and

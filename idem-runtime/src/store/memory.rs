@@ -40,7 +40,7 @@ pub const DEFAULT_MAX_MARK_BYTES: u64 = 64 * 1024 * 1024;
 /// What the mark of a completed key is counted for against
 /// [`max_mark_bytes`](MemoryStoreBuilder::max_mark_bytes): its key, fingerprint and end in
 /// its shard's map and its place in the shard's order, measured at 224 heap bytes
-/// (`tests/gone.rs::bytes_of_marks`).
+/// (`tests/calls/gone.rs::bytes_of_marks`).
 pub const MARK_BYTES: u64 = 256;
 
 /// An in-process store: claims and results live in this process's memory.

@@ -5,6 +5,8 @@
 
 use std::time::Duration;
 
+use sqlx::Row;
+
 use super::statements::{at_least, Bounded, Server};
 use super::MySqlEngine;
 use crate::store::sql::{self, Engine};
@@ -63,7 +65,13 @@ impl MySqlEngine {
     /// claims are refused until [`migrate`](super::MySqlStore::migrate) has upgraded it), and that the
     /// pool's sessions are fit for the store's statements.
     pub(super) async fn checked(&self, timeout: Duration) -> Result<Server, Error> {
-        let server = self.server(timeout, &self.pool).await?;
+        let server = match self.sql.server.get() {
+            Some(server) => *server,
+            None => {
+                let mut conn = sql::within(Self::NAME, timeout, self.pool.acquire()).await?;
+                self.server(timeout, &mut conn).await?
+            }
+        };
         self.sql
             .sessions
             .get_or_try_init(|| async {
@@ -87,16 +95,19 @@ impl MySqlEngine {
     /// the pool, or the caller's own connection for a claim in its transaction. One that
     /// waited for another connection of the pool while it held one could wait for itself
     /// (callers holding every connection in transactions).
-    pub(super) async fn server<'c>(
+    pub(super) async fn server(
         &self,
         timeout: Duration,
-        on: impl sqlx::Executor<'c, Database = sqlx::MySql>,
+        on: &mut sqlx::MySqlConnection,
     ) -> Result<Server, Error> {
         self.sql
             .server
             .get_or_try_init(|| async {
-                let (version, token): (String, Option<String>) = sql::within(Self::NAME, timeout, sqlx::query_as(&self.sql.check).fetch_one(on))
+                // The text protocol, as every statement a claim sends on a caller's connection.
+                let row = sql::within(Self::NAME, timeout, sqlx::Executor::fetch_one(on, sqlx::raw_sql(&self.sql.check)))
                     .await?;
+                let version: String = row.try_get(0).map_err(Error::store)?;
+                let token: Option<String> = row.try_get(1).map_err(Error::store)?;
                 refuse_forgetful(&version).map_err(Error::store)?;
                 let table = &self.sql.table.name;
                 match token {

@@ -144,8 +144,6 @@ pub(super) struct Statements {
     pub(super) live: String,
     pub(super) insert: String,
     pub(super) lock: String,
-    /// The key's row under a shared lock, for claims in the caller's transaction.
-    pub(super) share: String,
     pub(super) take: String,
     pub(super) complete: String,
     /// The completion of a claim in the caller's transaction, with its value bound: its own
@@ -175,6 +173,17 @@ impl Statements {
         format!(
             "SELECT token, completed, fingerprint, value FROM `{}` \
              WHERE `key` = X'{}' AND expires_at > {NOW}",
+            self.table.name,
+            hex::encode(key.as_bytes())
+        )
+    }
+
+    /// The key's row under a shared lock, with its key written in, for claims in the
+    /// caller's transaction: its latest committed version, and whether it is live.
+    pub(super) fn share_literal(&self, key: &Key) -> String {
+        format!(
+            "SELECT token, completed, fingerprint, value, expires_at > {NOW} FROM `{}` \
+             WHERE `key` = X'{}' LOCK IN SHARE MODE",
             self.table.name,
             hex::encode(key.as_bytes())
         )
@@ -301,10 +310,6 @@ impl Statements {
             lock: format!(
                 "SELECT token, completed, fingerprint, value, expires_at > {NOW} FROM {t} \
                  WHERE `key` = ? FOR UPDATE"
-            ),
-            share: format!(
-                "SELECT token, completed, fingerprint, value, expires_at > {NOW} FROM {t} \
-                 WHERE `key` = ? LOCK IN SHARE MODE"
             ),
             // The row replaced by a new one, which takes the next token.
             take: format!(

@@ -210,10 +210,9 @@ impl MySqlStore {
         connection: &mut MySqlConnection,
         call: &Call<'_>,
     ) -> Result<Option<Claim>, sqlx::Error> {
-        let row: Option<MySqlRow> = sqlx::query(&self.dialect().sql.share)
-            .bind(&call.key.as_bytes()[..])
-            .fetch_optional(&mut *connection)
-            .await?;
+        let share = self.dialect().sql.share_literal(call.key);
+        let row: Option<MySqlRow> =
+            sqlx::Executor::fetch_optional(&mut *connection, sqlx::raw_sql(&share)).await?;
         let Some(row) = row else {
             return Ok(None); // purged since the insert found it: insert again
         };

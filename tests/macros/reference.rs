@@ -3,8 +3,8 @@
 
 #[test]
 fn the_readme_s_argument_table_is_the_attribute_s() {
-    let readme = include_str!("../README.md");
-    let reference = include_str!("../idem-macros/src/reference.md");
+    let readme = include_str!("../../README.md");
+    let reference = include_str!("../../idem-macros/src/reference.md");
     let start = "<!-- reference:start -->\n";
     let end = "<!-- reference:end -->";
     let from = readme
@@ -26,8 +26,8 @@ fn the_readme_s_argument_table_is_the_attribute_s() {
 /// marks the default ones, and names every crate each one pulls in.
 #[test]
 fn the_readme_s_feature_table_is_the_manifest_s() {
-    let readme = include_str!("../README.md");
-    let manifest = include_str!("../idem-runtime/Cargo.toml");
+    let readme = include_str!("../../README.md");
+    let manifest = include_str!("../../idem-runtime/Cargo.toml");
     let table = between(readme, "<!-- features:start -->\n", "<!-- features:end -->");
     let mut rows = std::collections::BTreeMap::new();
     for row in table.lines().skip(2) {

@@ -20,7 +20,7 @@ use idem_tests::{postgres_store, redis_store};
 
 use super::{calls, seeds};
 
-#[path = "../http_support.rs"]
+#[path = "../../http/support.rs"]
 #[allow(unused_imports)]
 mod support;
 

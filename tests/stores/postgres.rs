@@ -1,5 +1,8 @@
 //! `PostgresStore` against the real PostgreSQL server: the store contract, cross-process
 //! exclusivity, crashes, zombies, an unreachable database, table names.
+//!
+//! Over the suite's 600 lines for a reason: one store's whole behaviour, like each store's file;
+//! the private server's tests (crashes, statement counts) are `postgres_server.rs`.
 
 use std::sync::Arc;
 use std::time::Duration;

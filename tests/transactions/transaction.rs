@@ -3,7 +3,7 @@
 //! together or not at all, duplicates wait or are rejected, crashes need no lease, and the
 //! statements sent are counted.
 
-#[path = "transaction_support.rs"]
+#[path = "support.rs"]
 mod support;
 
 use std::sync::Arc;

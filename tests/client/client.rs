@@ -1,8 +1,11 @@
 //! The client's half: `IdempotencyKeyLayer` in front of an in-process service that answers
 //! from a script (what is retried, with which key and body). End to end over real sockets:
-//! `client_network.rs`.
+//! `network.rs`.
+//!
+//! Over the suite's 600 lines for a reason: one scripted service answers every test here, each
+//! a row of what is retried; the network's own tests are `network.rs`.
 
-#[path = "client_support.rs"]
+#[path = "support.rs"]
 mod client_support;
 
 use std::collections::VecDeque;

@@ -2,6 +2,10 @@
 //! contract, one body for a crowd across two processes' stores, a SIGKILLed holder, zombies
 //! and their fences, requests dropped before and after the emulator acted, and items an
 //! operator can read.
+//!
+//! Over the suite's 600 lines for a reason: it is one store's whole behaviour, 37 short tests
+//! sharing this file's helpers (the emulator's client, the items as an operator reads them),
+//! like each store's file; split by concern, those helpers would move to a module for nothing.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

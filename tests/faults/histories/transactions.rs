@@ -3,8 +3,9 @@
 //! keys, and a seeded schedule of what goes wrong around each call: the body fails (its
 //! savepoint rolls back and the caller commits the rest), the caller aborts its transaction
 //! after the call answered, the call is cancelled at a random point (its transaction
-//! dropped), and, on PostgreSQL, the caller's connection is killed by the server
-//! (`pg_terminate_backend`) at a random point of the call or its commit.
+//! dropped), and the caller's connection is killed by the server (`pg_terminate_backend`,
+//! `KILL`) at a random point of the call or its commit. A commit whose answer was lost with
+//! its session is judged by the effects table: it landed if the body's row is there.
 //!
 //! It found that the first claim in a transaction on SQLite or MySQL waited for another
 //! connection of the store's pool (to check the table, once), which callers holding every
@@ -43,6 +44,12 @@ trait Effects: Transactional {
 
     fn rollback(tx: Self::Tx) -> impl Future<Output = ()> + Send;
 
+    /// Gives up a transaction whose call was cancelled mid-statement: rolled back, as a
+    /// caller's transaction dropped after a timeout is.
+    fn abandon(tx: Self::Tx) -> impl Future<Output = ()> + Send {
+        Self::rollback(tx)
+    }
+
     /// Runs `sql` on the pool.
     fn execute(&self, sql: String) -> impl Future<Output = ()> + Send;
 
@@ -66,22 +73,16 @@ trait Effects: Transactional {
 
     /// Every key's committed effects: how many, and the first body's value.
     fn effects(&self, table: &str) -> impl Future<Output = Vec<(i64, i64, i64)>> + Send;
+
+    /// Whether body `body`'s effect committed: what a commit that failed did, since a
+    /// session killed as it commits may have committed before its answer was lost.
+    fn committed(&self, table: &str, body: i64) -> impl Future<Output = bool> + Send;
 }
 
 /// What the three stores' [`Effects`] share, for the database `$db` whose placeholders
 /// are `$first` and `$second`.
 macro_rules! effects {
     ($db:ty, $first:literal, $second:literal) => {
-        type Tx = sqlx::Transaction<'static, $db>;
-
-        async fn commit(tx: Self::Tx) -> bool {
-            tx.commit().await.is_ok()
-        }
-
-        async fn rollback(tx: Self::Tx) {
-            let _ = tx.rollback().await;
-        }
-
         async fn execute(&self, sql: String) {
             sqlx::query(&sql).execute(self.pool()).await.unwrap();
         }
@@ -106,6 +107,15 @@ macro_rules! effects {
             Ok(())
         }
 
+        async fn committed(&self, table: &str, body: i64) -> bool {
+            let sql = format!("SELECT count(*) FROM {table} WHERE body = {body}");
+            let found: i64 = sqlx::query_scalar(&sql)
+                .fetch_one(self.pool())
+                .await
+                .unwrap();
+            found > 0
+        }
+
         async fn effects(&self, table: &str) -> Vec<(i64, i64, i64)> {
             let sql = format!("SELECT k, count(*), min(body) FROM {table} GROUP BY k");
             sqlx::query_as(&sql).fetch_all(self.pool()).await.unwrap()
@@ -113,8 +123,24 @@ macro_rules! effects {
     };
 }
 
+/// A caller's transaction as `sqlx` begins it on the pool, committed or rolled back.
+macro_rules! sqlx_transactions {
+    ($db:ty) => {
+        type Tx = sqlx::Transaction<'static, $db>;
+
+        async fn commit(tx: Self::Tx) -> bool {
+            tx.commit().await.is_ok()
+        }
+
+        async fn rollback(tx: Self::Tx) {
+            let _ = tx.rollback().await;
+        }
+    };
+}
+
 impl Effects for PostgresStore {
     effects!(sqlx::Postgres, "$1", "$2");
+    sqlx_transactions!(sqlx::Postgres);
 
     async fn begin(&self) -> Result<Self::Tx, sqlx::Error> {
         self.pool().begin().await
@@ -136,11 +162,52 @@ impl Effects for PostgresStore {
     }
 }
 
+/// A MySQL caller's transaction on a connection of its own (`BEGIN`, `COMMIT`, `ROLLBACK`
+/// sent by hand), so that one whose call was cancelled mid-statement can be closed instead
+/// of rolled back. `sqlx-mysql` reads a packet's header and its body in two steps, and a
+/// statement dropped between them leaves the connection out of step with the server: the
+/// next statement on it misreads the rest (in the rollback, a panic in `sqlx`'s decoder;
+/// sqlx issues 2711 and 4139). A caller whose call was cancelled does the same: it closes
+/// that connection (`PoolConnection::close_on_drop`), and the server rolls back.
+struct MySqlTx(sqlx::pool::PoolConnection<sqlx::MySql>);
+
+impl std::ops::Deref for MySqlTx {
+    type Target = sqlx::MySqlConnection;
+
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl DerefMut for MySqlTx {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
 impl Effects for MySqlStore {
     effects!(sqlx::MySql, "?", "?");
 
+    type Tx = MySqlTx;
+
     async fn begin(&self) -> Result<Self::Tx, sqlx::Error> {
-        self.pool().begin().await
+        let mut conn = self.pool().acquire().await?;
+        sqlx::Executor::execute(&mut *conn, sqlx::raw_sql("BEGIN")).await?;
+        Ok(MySqlTx(conn))
+    }
+
+    async fn commit(mut tx: Self::Tx) -> bool {
+        sqlx::Executor::execute(&mut *tx.0, sqlx::raw_sql("COMMIT"))
+            .await
+            .is_ok()
+    }
+
+    async fn rollback(mut tx: Self::Tx) {
+        let _ = sqlx::Executor::execute(&mut *tx.0, sqlx::raw_sql("ROLLBACK")).await;
+    }
+
+    async fn abandon(mut tx: Self::Tx) {
+        tx.0.close_on_drop();
     }
 
     async fn session(conn: &mut sqlx::MySqlConnection) -> Option<i64> {
@@ -160,6 +227,7 @@ impl Effects for MySqlStore {
 
 impl Effects for SqliteStore {
     effects!(sqlx::Sqlite, "?1", "?2");
+    sqlx_transactions!(sqlx::Sqlite);
 
     /// As the store's guide says: the claim takes the file's only write lock, so a deferred
     /// transaction could not take it after another's commit.
@@ -290,7 +358,16 @@ where
                 };
                 let keep = result.is_some() && !matches!(fault, Fault::Abort);
                 let committed = if keep {
+                    // A commit that failed may have landed (its answer lost with the killed
+                    // session): the table says which, for a call whose body ran here.
                     S::commit(tx).await
+                        || match answer {
+                            Answer::Executed(v) => store.committed(&table, v as i64).await,
+                            _ => false,
+                        }
+                } else if result.is_none() {
+                    S::abandon(tx).await;
+                    false
                 } else {
                     S::rollback(tx).await;
                     false
@@ -365,12 +442,10 @@ async fn mysql_in_transactions() {
     let Some(store) = mysql_store().await else {
         return;
     };
-    // No sessions killed here: a `KILL` mid-call made a runtime worker panic ("advance out
-    // of bounds: the len is 0 but advancing by 1", in `bytes`, reached from the MySQL
-    // driver's reading of the dead session) in about one run in ten of five seeds; until
-    // that is traced, the kills run on PostgreSQL only.
+    // A cancelled call's connection is closed, not rolled back (`MySqlTx`): rolled back,
+    // `sqlx-mysql` misread it about one run in three of sixty seeds and panicked.
     for seed in seeds(42) {
-        run("mysql", &store, seed, false).await;
+        run("mysql", &store, seed, true).await;
     }
 }
 

@@ -1,8 +1,11 @@
 //! The `Idempotency-Key` layer over real sockets: an axum server on 127.0.0.1 and hyper's
 //! client. Every row of the layer's table, two instances sharing Redis, two principals, a
 //! client that disconnects mid-handler, and a replay after a restart on PostgreSQL.
+//!
+//! Over the suite's 600 lines for a reason: the layer's table, row by row, against one server
+//! set up once in this file; the edges (blips, bodies, headers) are `http/edges/`.
 
-#[path = "http_support.rs"]
+#[path = "support.rs"]
 mod support;
 
 use std::sync::atomic::{AtomicUsize, Ordering};

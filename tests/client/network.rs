@@ -4,10 +4,10 @@
 //! layer (`IdempotencyKeyLayer`) and with reqwest (`IdempotencyKeyMiddleware`), and against
 //! a server that never stops answering `409`.
 
-#[path = "client_support.rs"]
+#[path = "support.rs"]
 mod client_support;
 
-#[path = "http_support.rs"]
+#[path = "../http/support.rs"]
 mod support;
 
 use std::collections::HashMap;

@@ -6,7 +6,7 @@
 //! are the same; `responses.rs`: what is recorded and replayed of an answer (streams,
 //! compression, problem bodies, outages, cookies).
 
-#[path = "../http_support.rs"]
+#[path = "../support.rs"]
 mod support;
 
 mod blips;

@@ -1,6 +1,9 @@
 //! `SqliteStore` on real files: the store contract, two OS processes on one file, a holder
 //! SIGKILLed mid-body, a record that outlives the process that wrote it, zombies, purging,
 //! fencing tokens that grow (and a table made before their triggers, refused).
+//!
+//! Over the suite's 600 lines for a reason: one store's whole behaviour, like each store's file;
+//! the write lock's contention has a file of its own (`sqlite_locks.rs`).
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
