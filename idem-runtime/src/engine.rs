@@ -1,35 +1,41 @@
-//! Running a future idempotently: claim, run once, record, replay.
+//! Running a future idempotently: claim, run once, record, replay. The front of the folder
+//! is [`Operation`], the API the attribute expands to; what a call does lives below it:
+//! [`call`] (the call's future), `settle` (claiming), `held` (running under a claim),
+//! `lease`, `attempt`, `steps`, and `transaction`.
 
 pub(crate) mod attempt;
+mod backoff;
 mod call;
+mod handle;
 mod held;
 mod lease;
+mod outcome;
 mod settings;
 pub(crate) mod settle;
 pub(crate) mod steps;
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 mod transaction;
 
-use std::any::Any;
 use std::borrow::Cow;
 use std::future::Future;
-use std::hash::BuildHasher;
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-pub(crate) use self::call::Derived;
 use self::call::{Answer, Call};
-pub use self::call::{IdemResult, Started, Typing};
-use self::held::Held;
-pub(crate) use self::settings::Settings;
-pub(crate) use self::settle::Found;
+use self::handle::Begun;
+use self::settings::Settings;
 use crate::codec::{self, ErrorPolicy, Json, ReleaseErrors, ValueCodec};
 use crate::namespace::Namespace;
 use crate::{background, CacheErrors, Error, Fingerprint, Key, Store};
+
+pub(crate) use self::call::{unkeyed, Derived};
+pub use self::call::{IdemResult, Started, Typing};
+pub use self::outcome::Outcome;
+pub use self::settings::InFlight;
+pub(crate) use self::settle::Found;
 
 /// How long a completed result is replayed unless told otherwise: 24 hours.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
@@ -42,70 +48,6 @@ pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 /// late (a starved runtime, a slow store) before a live holder can be taken over. See
 /// [`guide::leases`](crate::guide::leases) for what a shorter or longer one costs.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(8);
-
-/// What a call does when it finds its key in progress.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum InFlight {
-    /// Wait for the running call and share its outcome: its recorded result, or, if it
-    /// released the key, a fresh claim. Bounded by the wait timeout (the lease by default),
-    /// after which the call fails with [`Error::InProgress`].
-    #[default]
-    Wait,
-    /// Fail at once with [`Error::InProgress`].
-    Reject,
-}
-
-/// The result of an idempotent call, and whether it ran here or was recorded before.
-///
-/// Services that answer HTTP use [`is_replayed`](Outcome::is_replayed) to set a replay
-/// header such as `Idempotent-Replayed: true`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[must_use]
-pub enum Outcome<T> {
-    /// This call ran the body.
-    Executed(T),
-    /// The body ran in an earlier (or concurrent) call; this is its recorded result.
-    Replayed(T),
-}
-
-impl<T> Outcome<T> {
-    /// The value, however it was obtained.
-    pub fn into_inner(self) -> T {
-        match self {
-            Self::Executed(value) | Self::Replayed(value) => value,
-        }
-    }
-
-    /// A reference to the value.
-    pub fn get(&self) -> &T {
-        match self {
-            Self::Executed(value) | Self::Replayed(value) => value,
-        }
-    }
-
-    /// Whether the value was recorded by an earlier or concurrent call.
-    pub fn is_replayed(&self) -> bool {
-        matches!(self, Self::Replayed(_))
-    }
-
-    /// The same outcome of another value: how a handler turns a recorded value into its
-    /// answer and keeps whether it was replayed
-    /// (`outcome.map(|receipt| (StatusCode::CREATED, Json(receipt)))`).
-    ///
-    /// ```
-    /// use idem_runtime::Outcome;
-    ///
-    /// let outcome = Outcome::Replayed(7).map(|n| n * 6);
-    /// assert_eq!(outcome, Outcome::Replayed(42));
-    /// ```
-    pub fn map<U>(self, f: impl FnOnce(T) -> U) -> Outcome<U> {
-        match self {
-            Self::Executed(value) => Outcome::Executed(f(value)),
-            Self::Replayed(value) => Outcome::Replayed(f(value)),
-        }
-    }
-}
 
 /// One idempotent operation: its stable name and its policies.
 ///
@@ -412,73 +354,10 @@ impl<P> Operation<P> {
     }
 }
 
-/// A store as the core takes it: borrowed to settle, shared to hold a claim. Implemented
-/// for every store type, so that the core is not generic over it.
-trait Handle: Send + Sync {
-    fn get(&self) -> &dyn Store;
-
-    /// A store that already is an `Arc<dyn Store>` (the default store) is cloned; any other
-    /// is put in one (a first execution's only allocation of its own; a replay never gets
-    /// here).
-    fn shared(&self) -> Arc<dyn Store>;
-}
-
-impl<S: Store + Clone> Handle for S {
-    fn get(&self) -> &dyn Store {
-        self
-    }
-
-    fn shared(&self) -> Arc<dyn Store> {
-        match (self as &dyn Any).downcast_ref::<Arc<dyn Store>>() {
-            Some(shared) => Arc::clone(shared),
-            None => Arc::new(self.clone()),
-        }
-    }
-}
-
-/// What beginning a call ended with: a record to replay, or a claim to run the body under.
-enum Begun {
-    Replay(Bytes),
-    Run(Held),
-}
-
 /// The runtime an `on_cancel = "complete"` body goes on in when its caller drops it,
 /// checked before the claim: without one the body could not go on.
 pub(crate) fn spawner() -> Result<tokio::runtime::Handle, Error> {
     tokio::runtime::Handle::try_current().map_err(|_| {
         Error::config("`on_cancel = \"complete\"` finishes a dropped body on the runtime: call it inside a tokio runtime")
     })
-}
-
-/// The log of a call without a key (an absent optional key): its body runs with no claim.
-pub(crate) fn unkeyed() {
-    tracing::debug!(outcome = "unkeyed", "no key: the body ran without a claim");
-}
-
-/// Exponential backoff with jitter for polling a key held by another process: 5 ms doubling
-/// up to 250 ms, each delay drawn from its upper half so that waiters spread out.
-fn backoff(polls: u32) -> Duration {
-    let ceiling = Duration::from_millis(5)
-        .saturating_mul(1 << polls.min(6))
-        .min(Duration::from_millis(250));
-    let half = ceiling / 2;
-    let jitter = std::collections::hash_map::RandomState::new().hash_one(polls);
-    half + Duration::from_nanos(jitter % (half.as_nanos() as u64).max(1))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_grows_and_stays_bounded() {
-        for polls in 0..20 {
-            let ceiling = Duration::from_millis((5_u64 << polls.min(6)).min(250));
-            let delay = backoff(polls);
-            assert!(
-                delay >= ceiling / 2 && delay <= ceiling,
-                "{polls}: {delay:?}"
-            );
-        }
-    }
 }

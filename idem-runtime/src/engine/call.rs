@@ -17,10 +17,12 @@ use std::task::{ready, Context, Poll};
 use pin_project_lite::pin_project;
 
 use super::attempt;
+use super::handle::{Begun, Handle};
 use super::held::{Beat, Ending, Held, Verdict};
+use super::outcome::Outcome;
 use super::settings::Settings;
 use super::settle::Found;
-use super::{Begun, Handle, Operation, Outcome};
+use super::Operation;
 use crate::codec::{self, ErrorPolicy, ValueCodec};
 use crate::store::Typed;
 use crate::{Error, Fingerprint, Key};
@@ -320,7 +322,7 @@ impl<'a> Phase<'a> {
                 } => match derived {
                     Err(err) => return Poll::Ready(Step::Failed(err)),
                     Ok(None) => {
-                        super::unkeyed();
+                        unkeyed();
                         *self = Phase::Unkeyed;
                     }
                     // A record in memory is replayed at once: no future, no allocation.
@@ -377,4 +379,9 @@ impl<'a> Phase<'a> {
             }
         }
     }
+}
+
+/// The log of a call without a key (an absent optional key): its body runs with no claim.
+pub(crate) fn unkeyed() {
+    tracing::debug!(outcome = "unkeyed", "no key: the body ran without a claim");
 }

@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::attempt::{Attempt, Journal};
-use super::backoff;
+use super::backoff::backoff;
 use super::lease::Lease;
 use super::settings::Settings;
 use crate::background;

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::backoff;
+use super::backoff::backoff;
 use crate::flights::FlightRef;
 use crate::{Error, Fingerprint, Key, Store, Token};
 

@@ -2,9 +2,21 @@
 
 use std::time::Duration;
 
-use super::InFlight;
 use crate::namespace::Namespace;
 use crate::Key;
+
+/// What a call does when it finds its key in progress.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum InFlight {
+    /// Wait for the running call and share its outcome: its recorded result, or, if it
+    /// released the key, a fresh claim. Bounded by the wait timeout (the lease by default),
+    /// after which the call fails with [`Error::InProgress`](crate::Error::InProgress).
+    #[default]
+    Wait,
+    /// Fail at once with [`Error::InProgress`](crate::Error::InProgress).
+    Reject,
+}
 
 /// Everything about an operation but its error policy: what the engine's core needs, so
 /// that the core is compiled once, in this crate, and not once per `#[idempotent]`

@@ -8,9 +8,12 @@ use bytes::Bytes;
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use super::attempt;
+use super::backoff::backoff;
+use super::handle::{Begun, Handle};
 use super::held::Held;
+use super::settings::InFlight;
 use super::settings::{traced, Settings};
-use super::{attempt, backoff, Begun, Handle, InFlight};
 use crate::flights::Landing;
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 use crate::store::{Call, Transactional};
