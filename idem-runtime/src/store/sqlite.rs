@@ -93,11 +93,11 @@ use sqlx::Sqlite as Database;
 use tokio::time::Instant;
 
 pub use crate::store::sql::Purger;
-use crate::store::sql::{self, millis, Dialect, Engine, Fenced, Sealed, SqlStore, Table};
+use crate::store::sql::{self, Dialect, Engine, Fenced, Sealed, SqlStore, Table};
 use crate::{Claim, Error, Fingerprint, Key, Token};
 use beacon::Beacon;
 use statements::Statements;
-use writes::{Answered, Fence, Job, Writes};
+use writes::{Answered, Job, Writes};
 
 mod beacon;
 mod schema;
@@ -375,15 +375,7 @@ impl Engine for SqliteEngine {
         token: Token,
         write: Fenced<'_>,
     ) -> Result<bool, Error> {
-        let (statement, value, millis) = match write {
-            Fenced::Complete { value, ttl } => (Fence::Complete, Some(value), Some(millis(ttl))),
-            Fenced::Release => (Fence::Release, None, None),
-            Fenced::Renew { lease } => (Fence::Renew, None, Some(millis(lease))),
-            Fenced::Step { step, value, ttl } => {
-                (Fence::RecordStep(*step), Some(value), Some(millis(ttl)))
-            }
-        };
-        let job = Job::fenced(statement, key, token, value, millis);
+        let job = Job::fenced(key, token, write);
         sql::within(
             Self::NAME,
             timeout,

@@ -28,7 +28,7 @@ use tokio::time::Instant;
 use super::beacon::Beacon;
 use super::statements::Statements;
 use super::{locked_out, lockout, LOCKED_OUT_FLOOR};
-use crate::store::sql::millis;
+use crate::store::sql::{millis, Fenced};
 use crate::{Fingerprint, Key, Token};
 
 /// How long SQLite's busy handler waits for the file's lock before a write looks again.
@@ -457,13 +457,15 @@ impl Job {
     }
 
     /// A holder's statement: whether it found the row under `token`.
-    pub(super) fn fenced(
-        statement: Fence,
-        key: &Key,
-        token: Token,
-        value: Option<Bytes>,
-        millis: Option<i64>,
-    ) -> (Self, Answered<bool>) {
+    pub(super) fn fenced(key: &Key, token: Token, write: Fenced<'_>) -> (Self, Answered<bool>) {
+        let (statement, value, millis) = match write {
+            Fenced::Complete { value, ttl } => (Fence::Complete, Some(value), Some(millis(ttl))),
+            Fenced::Release => (Fence::Release, None, None),
+            Fenced::Renew { lease } => (Fence::Renew, None, Some(millis(lease))),
+            Fenced::Step { step, value, ttl } => {
+                (Fence::RecordStep(*step), Some(value), Some(millis(ttl)))
+            }
+        };
         let (answer, answered) = Answer::new();
         let job = Job::Fenced {
             statement,
@@ -740,8 +742,20 @@ mod tests {
         };
         // One batch: a renewal on a table that was never created, and one that exists.
         let missing = Arc::new(Statements::of("never_migrated"));
-        let (bad, bad_answer) = Job::fenced(Fence::Renew, &key, token, None, Some(5000));
-        let (good, good_answer) = Job::fenced(Fence::Renew, &key, token, None, Some(5000));
+        let (bad, bad_answer) = Job::fenced(
+            &key,
+            token,
+            Fenced::Renew {
+                lease: Duration::from_millis(5000),
+            },
+        );
+        let (good, good_answer) = Job::fenced(
+            &key,
+            token,
+            Fenced::Renew {
+                lease: Duration::from_millis(5000),
+            },
+        );
         let batch = vec![
             Write {
                 job: bad,
