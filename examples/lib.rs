@@ -57,6 +57,10 @@ pub mod guide_reliability {}
 #[cfg_attr(doctest, doc = include_str!("../idem-runtime/guide/expansion.md"))]
 pub mod guide_expansion {}
 
+/// `idem_runtime::guide::operations`: its examples, compiled as this crate's doctests.
+#[cfg_attr(doctest, doc = include_str!("../idem-runtime/guide/operations.md"))]
+pub mod guide_operations {}
+
 /// `idem_runtime::guide::decisions`: its examples, compiled as this crate's doctests.
 #[cfg_attr(doctest, doc = include_str!("../idem-runtime/guide/decisions.md"))]
 pub mod guide_decisions {}

@@ -13,6 +13,7 @@ mod kw {
     syn::custom_keyword!(namespace);
     syn::custom_keyword!(fingerprint);
     syn::custom_keyword!(in_flight);
+    syn::custom_keyword!(wait);
     syn::custom_keyword!(cache_err);
     syn::custom_keyword!(on_cancel);
     syn::custom_keyword!(transaction);
@@ -27,6 +28,7 @@ const NAMES: &[&str] = &[
     "namespace",
     "fingerprint",
     "in_flight",
+    "wait",
     "cache_err",
     "on_cancel",
     "transaction",
@@ -43,6 +45,8 @@ pub(crate) struct Args {
     pub namespace: Option<LitStr>,
     pub fingerprint: Option<Expr>,
     pub in_flight: Option<InFlight>,
+    /// How long a duplicate waits for the holder before `Error::InProgress`.
+    pub wait: Option<Duration>,
     pub cache_err: Option<Expr>,
     pub on_cancel: Option<OnCancel>,
     /// The parameter that is the caller's PostgreSQL connection, and the keyword's span.
@@ -110,6 +114,7 @@ impl Parse for Args {
             namespace: None,
             fingerprint: None,
             in_flight: None,
+            wait: None,
             cache_err: None,
             on_cancel: None,
             transaction: None,
@@ -187,6 +192,8 @@ impl Args {
                 "in_flight",
                 &[("wait", InFlight::Wait), ("reject", InFlight::Reject)]
             ))
+        } else if lookahead.peek(kw::wait) {
+            arg!(kw::wait, "wait", wait, |v| duration(v, "wait"))
         } else if lookahead.peek(kw::cache_err) {
             arg!(kw::cache_err, "cache_err", cache_err, Ok)
         } else if lookahead.peek(kw::on_cancel) {
@@ -307,7 +314,12 @@ fn duration(value: Expr, name: &str) -> syn::Result<Duration> {
                 ),
             )
         })?;
-        let min = if name == "lease" { MIN_LEASE_MS } else { 1 };
+        let min = match name {
+            "lease" => MIN_LEASE_MS,
+            // `"0s"`: a duplicate is refused at once, as `in_flight = "reject"` says.
+            "wait" => 0,
+            _ => 1,
+        };
         if ms < min {
             let why = if name == "lease" {
                 "a claim must outlive the round trips that renew it"
@@ -537,6 +549,7 @@ mod tests {
                 "namespace" => args.namespace.is_some(),
                 "fingerprint" => args.fingerprint.is_some(),
                 "in_flight" => args.in_flight.is_some(),
+                "wait" => args.wait.is_some(),
                 "cache_err" => args.cache_err.is_some(),
                 "on_cancel" => args.on_cancel.is_some(),
                 "transaction" => args.transaction.is_some(),

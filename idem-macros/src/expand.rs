@@ -105,6 +105,10 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
         let lease = duration(lease);
         quote!(.lease(#lease))
     });
+    let wait = args.wait.as_ref().map(|wait| {
+        let wait = duration(wait);
+        quote!(.wait(#wait))
+    });
     let in_flight = (args.in_flight == Some(InFlight::Reject))
         .then(|| quote!(.in_flight(#private::InFlight::Reject)));
     let cache_err = args.cache_err.as_ref().map(|is_final| {
@@ -263,7 +267,7 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
         #(#inner)*
         #ordered
         #keep_alive
-        let #op = #private::Operation::new(#namespace) #ttl #lease #in_flight #cache_err;
+        let #op = #private::Operation::new(#namespace) #ttl #lease #in_flight #wait #cache_err;
         let #key = #key_value;
         let #fingerprint = #fingerprint_value;
         let #store = #store_value;

@@ -118,10 +118,15 @@ impl<P> Operation<P> {
         self
     }
 
-    /// How long [`InFlight::Wait`] waits at most (default: the lease).
+    /// How long a duplicate waits for the holder at most ([`InFlight::Wait`]), before it
+    /// fails with [`Error::InProgress`](crate::Error::InProgress) (default: the lease). `Duration::ZERO` refuses at
+    /// once. While a call waits on a key held in another process, it logs the holder and
+    /// the lease it has left (`tracing`, `info`), so that a wait is never silent.
+    ///
+    /// The attribute's `wait = "10s"`.
     #[must_use]
-    pub fn wait_timeout(mut self, timeout: Duration) -> Self {
-        self.settings.wait_timeout = Some(timeout);
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.settings.wait_timeout = Some(wait);
         self
     }
 

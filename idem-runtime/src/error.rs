@@ -2,6 +2,10 @@
 
 use std::error::Error as StdError;
 
+/// The delay [`Error::retry_after`] suggests for a transient error: one second, what
+/// `Retry-After` says for a `409` or `503` when the store cannot tell more.
+pub const RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// A boxed error from a store, a codec or a key encoder.
 pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
 
@@ -131,6 +135,36 @@ impl Error {
 }
 
 impl Error {
+    /// Whether the same call may succeed later, unchanged: the one classification the HTTP
+    /// layer's answers, the client's retries and a queue consumer's requeues share.
+    ///
+    /// | transient (retry later, with the same key) | final (retrying changes nothing) |
+    /// |---|---|
+    /// | [`Store`](Self::Store): the store is down or slow | [`PayloadMismatch`](Self::PayloadMismatch), [`Gone`](Self::Gone), [`Codec`](Self::Codec), [`Key`](Self::Key), [`Config`](Self::Config) |
+    /// | [`InProgress`](Self::InProgress): the holder runs, or a wait timed out | [`Unrecorded`](Self::Unrecorded): the body ran; reconcile its effect before any retry |
+    ///
+    /// `Unrecorded` is final on purpose: a retry after the claim lapsed could run the body
+    /// again, so a consumer dead-letters it and an operator looks (the operator's guide).
+    ///
+    /// ```
+    /// use idem_runtime::Error;
+    ///
+    /// assert!(Error::InProgress.is_transient());
+    /// assert!(Error::store("connection refused").is_transient());
+    /// assert!(!Error::PayloadMismatch.is_transient());
+    /// ```
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Self::InProgress | Self::Store(_))
+    }
+
+    /// How long to wait before retrying a transient error, when nothing better is known:
+    /// [`RETRY_AFTER`] for a transient error, `None` for a final one. The HTTP layer
+    /// answers a `409` with the holder's lease left instead, when the store can say
+    /// ([`Store::lease_left`](crate::Store::lease_left)).
+    pub fn retry_after(&self) -> Option<std::time::Duration> {
+        self.is_transient().then_some(RETRY_AFTER)
+    }
+
     /// The variant's stable name, as serialized: `in_progress`, `payload_mismatch`, `gone`,
     /// `store`, `codec`, `key`, `config` or `unrecorded`.
     pub(crate) fn kind(&self) -> &'static str {
@@ -249,6 +283,27 @@ mod tests {
     }
 
     fn assert_bounds<T: StdError + Send + Sync + 'static>() {}
+
+    #[test]
+    fn only_a_store_failure_and_a_held_key_are_transient() {
+        let transient = [Error::InProgress, Error::store("down")];
+        let final_ = [
+            Error::PayloadMismatch,
+            Error::Gone,
+            Error::codec("truncated"),
+            Error::Key("NaN".into()),
+            Error::config("too long"),
+            Error::Unrecorded("lost".into()),
+        ];
+        for err in &transient {
+            assert!(err.is_transient(), "{err}");
+            assert_eq!(err.retry_after(), Some(RETRY_AFTER), "{err}");
+        }
+        for err in &final_ {
+            assert!(!err.is_transient(), "{err}");
+            assert_eq!(err.retry_after(), None, "{err}");
+        }
+    }
 
     #[test]
     fn error_is_send_sync_static() {

@@ -93,6 +93,8 @@ pub(crate) struct Flight {
 #[derive(Default)]
 struct State {
     landing: Option<Landing>,
+    /// Whether an operator released the claim by force: its holder must not record.
+    fenced: bool,
     /// Indexed by a waiter's slot; a waiter that gives up empties its own.
     waiters: Vec<Option<Waker>>,
 }
@@ -120,6 +122,12 @@ impl Flight {
 
     fn state(&self) -> impl DerefMut<Target = State> + '_ {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether an operator released this flight's claim by force
+    /// ([`Flights::released`]): its holder's result is not recorded, even under a new claim.
+    pub(crate) fn fenced(&self) -> bool {
+        self.state().fenced
     }
 
     /// When the holder's lease runs out, as far as this process knows.
@@ -214,6 +222,18 @@ impl Flights {
             self.active.fetch_add(1, Ordering::AcqRel);
         }
         flight
+    }
+
+    /// Lands the running flight of `key` as released and fences it, if there is one: an
+    /// operator released its claim (`idem_runtime::admin`), so its waiters in this process
+    /// ask the store again instead of waiting out the holder, and the holder, whose
+    /// completion the store then refuses, does not take the key again to record it.
+    #[cfg(feature = "admin")]
+    pub(crate) fn released(&self, key: &Key) {
+        if let Some(flight) = self.get(key) {
+            flight.state().fenced = true;
+            self.land(key, &flight, Landing::Released);
+        }
     }
 
     /// Unregisters `flight` and wakes its waiters with `landing`. A flight lands once: a

@@ -11,6 +11,8 @@
 //! - [`client`]: the client's half: keys, retries and their budget.
 //! - [`steps`]: a body that resumes where a crash left off.
 //! - [`queues`]: consumers of at-least-once brokers, and how long a record must last.
+//! - [`operations`]: what an operator sees of a store and does to it safely (feature
+//!   `admin`): stuck keys, dead holders, re-running a call, runbooks.
 //! - [`what_happens_when`]: a body fails, a caller is cancelled, a process crashes, a
 //!   completion is refused, a store goes away.
 //! - [`failure_model`]: what each store promises when things break, measured: crashes,
@@ -51,6 +53,9 @@ pub mod steps {}
 
 #[cfg_attr(not(doctest), doc = include_str!("../guide/queues.md"))]
 pub mod queues {}
+
+#[cfg_attr(not(doctest), doc = include_str!("../guide/operations.md"))]
+pub mod operations {}
 
 #[cfg_attr(not(doctest), doc = include_str!("../guide/what-happens-when.md"))]
 pub mod what_happens_when {}

@@ -59,6 +59,9 @@ pub mod expansion;
 pub mod __private {
     pub use crate::expansion::*;
 }
+#[cfg(feature = "admin")]
+#[cfg_attr(docsrs, doc(cfg(feature = "admin")))]
+pub mod admin;
 mod background;
 mod codec;
 mod default_store;
@@ -85,7 +88,7 @@ pub use crate::default_store::{default_store, set_default_store, DefaultStoreErr
 pub use crate::engine::attempt::{attempt, Attempt};
 pub use crate::engine::steps::step;
 pub use crate::engine::{InFlight, Operation, Outcome, DEFAULT_LEASE, DEFAULT_TTL};
-pub use crate::error::{BoxError, Error};
+pub use crate::error::{BoxError, Error, RETRY_AFTER};
 pub use crate::flights::Flights;
 pub use crate::key::{Fingerprint, Key, FORMAT_VERSION};
 pub use crate::limits::{MAX_DURATION, MIN_LEASE};

@@ -34,7 +34,10 @@ pub use transaction::Transactional;
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 #[doc(hidden)]
 pub use transaction::{Call, Savepoint};
+mod holder;
 pub mod tiered;
+
+pub use holder::{Claimant, Holder, Holding};
 
 use std::any::Any;
 use std::future::Future;
@@ -247,6 +250,30 @@ pub trait Store: Send + Sync + 'static {
             .await
     }
 
+    /// [`claim_with_nonce`](Store::claim_with_nonce), saying whose the claim is: its
+    /// operation's namespace, a label if the caller chose one, and this process as its
+    /// [`Holder`], which a store keeps beside the record so that an operator's listing
+    /// (`idem_runtime::admin`) can tell whose a key is and whether its holder still renews
+    /// it. The engine claims through this method.
+    ///
+    /// The default forgets `claimant` and claims: a store that keeps no such metadata
+    /// loses nothing else by it. Wrappers around another store forward it.
+    ///
+    /// # Errors
+    ///
+    /// As [`claim_with_nonce`](Store::claim_with_nonce).
+    async fn claim_as(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+        nonce: u64,
+        claimant: &Claimant<'_>,
+    ) -> Result<Claim, Error> {
+        let _ = claimant;
+        self.claim_with_nonce(key, fingerprint, lease, nonce).await
+    }
+
     /// Records `value` as the result of the claim `token`, replayed for `ttl`.
     ///
     /// Returns `Ok(false)`, changing nothing, when the record is no longer in progress under
@@ -376,6 +403,20 @@ pub trait Store: Send + Sync + 'static {
     async fn lease_left(&self, key: &Key) -> Result<Option<Duration>, Error> {
         let _ = key;
         Ok(None)
+    }
+
+    /// Who holds the live claim of `key` and how long its lease has left, by the store's
+    /// clock: what a call that waits on the key logs. `Ok(None)`: no live claim. The
+    /// default asks [`lease_left`](Store::lease_left) and names no holder.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot be reached or fails.
+    async fn holding(&self, key: &Key) -> Result<Option<Holding>, Error> {
+        Ok(self
+            .lease_left(key)
+            .await?
+            .map(|left| Holding::new(left, None)))
     }
 
     /// The longest one [`claim`](Store::claim) may take on this store (its timeout), if it
@@ -532,6 +573,17 @@ macro_rules! forward_store {
                 (**self).claim_with_nonce(key, fingerprint, lease, nonce).await
             }
 
+            async fn claim_as(
+                &self,
+                key: &Key,
+                fingerprint: Option<&Fingerprint>,
+                lease: Duration,
+                nonce: u64,
+                claimant: &Claimant<'_>,
+            ) -> Result<Claim, Error> {
+                (**self).claim_as(key, fingerprint, lease, nonce, claimant).await
+            }
+
             async fn complete(
                 &self,
                 key: &Key,
@@ -579,6 +631,10 @@ macro_rules! forward_store {
 
             async fn lease_left(&self, key: &Key) -> Result<Option<Duration>, Error> {
                 (**self).lease_left(key).await
+            }
+
+            async fn holding(&self, key: &Key) -> Result<Option<Holding>, Error> {
+                (**self).holding(key).await
             }
             fn claim_timeout(&self) -> Option<Duration> {
                 (**self).claim_timeout()

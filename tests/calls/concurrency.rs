@@ -164,7 +164,7 @@ async fn waiter_gives_up_after(op: Operation) -> Duration {
 #[tokio::test(start_paused = true)]
 async fn waiters_that_outlast_their_wait_timeout_get_in_progress() {
     let timeout = Duration::from_millis(50);
-    let op = Operation::new("concurrency.timeout").wait_timeout(timeout);
+    let op = Operation::new("concurrency.timeout").wait(timeout);
     let waited = waiter_gives_up_after(op).await;
     assert_eq!(waited, timeout);
 }

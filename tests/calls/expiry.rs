@@ -190,10 +190,7 @@ async fn local_waiters_of_a_holder_that_lost_its_lease_get_the_new_owners_result
     assert_eq!(owner.await.unwrap(), Outcome::Executed("owner".to_string()));
     // A call in the holder's process waits on the holder, as local duplicates do.
     let waiter = {
-        let (op, paused) = (
-            op.clone().wait_timeout(Duration::from_secs(2)),
-            paused.clone(),
-        );
+        let (op, paused) = (op.clone().wait(Duration::from_secs(2)), paused.clone());
         tokio::spawn(async move {
             op.run(&paused, &key, None, async {
                 Ok::<_, Error>("waiter".to_string())

@@ -20,7 +20,7 @@ async fn refused_everywhere<S: Store + Clone>(store: S) {
         ("lease", op().lease(MIN_LEASE - Duration::from_millis(1))),
         ("ttl", op().ttl(Duration::MAX)),
         ("ttl", op().ttl(Duration::ZERO)),
-        ("wait timeout", op().wait_timeout(Duration::MAX)),
+        ("wait timeout", op().wait(Duration::MAX)),
     ];
     for (name, op) in settings {
         let key = op.key(&"k").unwrap();
@@ -53,7 +53,7 @@ async fn refused_everywhere<S: Store + Clone>(store: S) {
     let edge = Operation::new(namespace("limits.edge"))
         .lease(MIN_LEASE)
         .ttl(MAX_DURATION)
-        .wait_timeout(MAX_DURATION);
+        .wait(MAX_DURATION);
     let key = edge.key(&"edge").unwrap();
     let first = edge.run(&store, &key, None, async { Ok::<_, Error>(3) });
     assert_eq!(first.await.unwrap(), Outcome::Executed(3));

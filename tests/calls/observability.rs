@@ -149,3 +149,47 @@ async fn a_lost_lease_is_reported_as_a_warning() {
         lines.join("\n")
     );
 }
+
+/// A call that waits on a key another process holds says so, once, at `info`: whom it waits
+/// for (the holder), what its lease has left, and how long it will wait.
+#[tokio::test(flavor = "current_thread")]
+async fn a_wait_on_another_process_names_the_holder_and_its_lease() {
+    use idem_runtime::store::Claimant;
+    use idem_runtime::{Claim, Store};
+
+    let capture = Capture::default();
+    let _guard = tracing::subscriber::set_default(capture.clone());
+    let store = MemoryStore::new();
+    let op = Operation::new("observability.wait").wait(std::time::Duration::from_millis(50));
+    let key = op.key(&1).unwrap();
+    // A claim made outside this call's registry, as another process's would be.
+    let claimed = store
+        .claim_as(
+            &key,
+            None,
+            std::time::Duration::from_secs(300),
+            1,
+            &Claimant::new("observability.wait"),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(claimed, Claim::Acquired { .. }));
+    let waited = op
+        .run(&store, &key, None, async { Ok::<_, Error>(1) })
+        .await;
+    assert!(matches!(waited, Err(Error::InProgress)), "{waited:?}");
+    let lines = capture.lines.lock().unwrap().clone();
+    let waiting: Vec<_> = lines
+        .iter()
+        .filter(|line| line.contains("waiting on a key another process holds"))
+        .collect();
+    assert_eq!(waiting.len(), 1, "{lines:#?}");
+    let line = waiting[0];
+    assert!(line.starts_with("event INFO"), "{line}");
+    assert!(
+        line.contains(&format!("holder=pid {} on ", std::process::id())),
+        "{line}"
+    );
+    assert!(line.contains("lease_left_ms="), "{line}");
+    assert!(line.contains("wait_ms="), "{line}");
+}

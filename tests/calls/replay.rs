@@ -464,7 +464,7 @@ async fn a_result_its_caller_was_told_is_unrecorded_is_replayed_once_the_store_i
     let call = |n: u32| {
         let (op, store, runs) = (op.clone(), store.clone(), runs.clone());
         async move {
-            op.wait_timeout(Duration::from_secs(5))
+            op.wait(Duration::from_secs(5))
                 .run(&store, &key, None, async move {
                     runs.hit();
                     Ok::<_, Error>(n)

@@ -35,7 +35,7 @@ fn next_runtime_runs_after_the_lease(ending: Ending) {
     let store = MemoryStore::new();
     let op = Operation::new(format!("shutdown.{ending:?}"))
         .lease(MIN_LEASE)
-        .wait_timeout(PATIENCE);
+        .wait(PATIENCE);
     let key = op.key(&1).unwrap();
     let (claimed, was_claimed) = std::sync::mpsc::channel();
     let first = runtime();
@@ -178,7 +178,7 @@ async fn a_holder_that_stopped_making_progress_is_waited_for_one_lease_at_most()
     let store = MemoryStore::new();
     let op = Operation::new("shutdown.leaked")
         .lease(MIN_LEASE)
-        .wait_timeout(PATIENCE);
+        .wait(PATIENCE);
     let key = op.key(&1).unwrap();
     // Polled until its body runs, then neither polled nor dropped again: a holder frozen for
     // good (a leaked future, a task stuck in blocking code). It renews nothing.

@@ -17,7 +17,7 @@ use super::Effect;
 fn operation(scenario: &str) -> Operation {
     Operation::new(namespace(scenario))
         .lease(Duration::from_millis(300))
-        .wait_timeout(Duration::from_secs(60))
+        .wait(Duration::from_secs(60))
 }
 
 /// Holder A runs a step and is frozen with its record on the way (at a gate, its renewals

@@ -276,7 +276,7 @@ async fn a_holder_whose_key_was_taken_over_does_not_start_its_next_step() {
     let zombie_store = Probe::apart(store.clone());
     let op = Operation::new(namespace("steps_zombie_start"))
         .lease(Duration::from_secs(1))
-        .wait_timeout(Duration::from_secs(60));
+        .wait(Duration::from_secs(60));
     let key = op.key(&"order-4").unwrap();
     let (one, two) = (Effect::default(), Effect::default());
     let (paused_tx, paused) = oneshot::channel();
@@ -321,7 +321,7 @@ async fn a_holder_whose_key_was_taken_over_cannot_record_the_step_it_ran() {
     let zombie_store = Probe::apart(store.clone());
     let op = Operation::new(namespace("steps_zombie_record"))
         .lease(Duration::from_millis(500))
-        .wait_timeout(Duration::from_secs(60));
+        .wait(Duration::from_secs(60));
     let key = op.key(&"order-5").unwrap();
     let charge = Effect::default();
     let (inside_tx, inside) = oneshot::channel();
@@ -389,7 +389,7 @@ async fn crashing_checkout(
 ) -> Result<String, Error> {
     let op = Operation::new(namespace.to_string())
         .lease(Duration::from_secs(1))
-        .wait_timeout(Duration::from_secs(60));
+        .wait(Duration::from_secs(60));
     let key = op.key(&"order-6").unwrap();
     let append = |what: &'static str| {
         let effects = effects.to_path_buf();

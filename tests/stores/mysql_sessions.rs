@@ -152,7 +152,7 @@ async fn an_open_transaction_holds_its_key_but_not_the_pool() {
         return;
     };
     let callers = pool_with("SET SESSION autocommit = 1", 2).await;
-    let op = Operation::new(namespace("sessions.open")).wait_timeout(Duration::from_secs(4));
+    let op = Operation::new(namespace("sessions.open")).wait(Duration::from_secs(4));
     let key = op.key(&"held").unwrap();
     let mut holder = callers.begin().await.unwrap();
     let held = op

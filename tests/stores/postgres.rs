@@ -356,7 +356,7 @@ async fn churn_on_one_key_gives_no_spurious_store_errors() {
     // Waiters wait as long as the churn may take on a busy machine: this test is about store
     // errors, and a wait bounded by the default lease (8 s) can run out under 120 callers
     // taking turns on one key while both cores are saturated.
-    let op = Arc::new(Operation::new(namespace("churn")).wait_timeout(Duration::from_secs(60)));
+    let op = Arc::new(Operation::new(namespace("churn")).wait(Duration::from_secs(60)));
     let key = op.key(&"hot").unwrap();
     let (store_errors, calls) = (Runs::default(), Runs::default());
     let mut tasks = Vec::new();

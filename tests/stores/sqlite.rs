@@ -214,9 +214,8 @@ const CALLERS: usize = 250;
 #[ignore = "run by two_processes_on_one_file_run_one_body_for_500_callers, in a child process"]
 async fn one_key_child() {
     let store = open(std::path::Path::new(&std::env::var(FILE).unwrap())).await;
-    let op = Arc::new(
-        Operation::new(std::env::var(NAMESPACE).unwrap()).wait_timeout(Duration::from_secs(60)),
-    );
+    let op =
+        Arc::new(Operation::new(std::env::var(NAMESPACE).unwrap()).wait(Duration::from_secs(60)));
     let key = op.key(&"order-1").unwrap();
     println!("ready");
     let mut go = String::new();

@@ -118,7 +118,7 @@ async fn a_disk_that_fills_while_the_body_runs_leaves_the_key_replaying_once_it_
     let store = open(&file).await;
     let op = Operation::new(namespace("sqlite.full-disk-record"))
         .lease(Duration::from_secs(1))
-        .wait_timeout(Duration::from_secs(30));
+        .wait(Duration::from_secs(30));
     let key = op.key(&1).unwrap();
     let runs = Runs::default();
     let mut filler = None;

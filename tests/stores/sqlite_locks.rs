@@ -124,7 +124,7 @@ async fn a_writer_holding_the_lock_past_the_lease_does_not_lapse_a_live_holder()
     let lease = Duration::from_secs(1);
     let op = Operation::new(namespace("sqlite.frozen-writer"))
         .lease(lease)
-        .wait_timeout(Duration::from_secs(60));
+        .wait(Duration::from_secs(60));
     let key = op.key(&1).unwrap();
 
     let (holder, finish) = hold(&op, holder_store, key).await;
@@ -288,7 +288,7 @@ async fn a_crowd_on_one_file_never_takes_a_key_from_a_live_holder() {
     let lease = Duration::from_secs(1);
     let op = Operation::new(namespace("sqlite.crowd"))
         .lease(lease)
-        .wait_timeout(Duration::from_secs(120));
+        .wait(Duration::from_secs(120));
     let bodies: Arc<Mutex<HashMap<usize, usize>>> = Arc::default();
     let start = Arc::new(tokio::sync::Barrier::new(POOLS * CALLERS));
     let mut calls = Vec::new();

@@ -280,19 +280,9 @@ impl<S> Probe<S> {
     }
 }
 
-#[async_trait]
-impl<S: Store + Clone> Store for Probe<S> {
-    async fn claim_with_nonce(
-        &self,
-        key: &Key,
-        fp: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-    ) -> Result<Claim, Error> {
-        self.claims.hit();
-        let claimed = self
-            .apply(self.inner.claim_with_nonce(key, fp, lease, nonce))
-            .await;
+impl<S: Store + Clone> Probe<S> {
+    /// What every claim's reply meets on its way back: a late reply, a lost one.
+    async fn after_claim(&self, claimed: Result<Claim, Error>) -> Result<Claim, Error> {
         if let Some(late) = self.late_claim_replies {
             tokio::time::sleep(late).await;
         }
@@ -307,6 +297,38 @@ impl<S: Store + Clone> Store for Probe<S> {
             ));
         }
         claimed
+    }
+}
+
+#[async_trait]
+impl<S: Store + Clone> Store for Probe<S> {
+    async fn claim_with_nonce(
+        &self,
+        key: &Key,
+        fp: Option<&Fingerprint>,
+        lease: Duration,
+        nonce: u64,
+    ) -> Result<Claim, Error> {
+        self.claims.hit();
+        let claimed = self
+            .apply(self.inner.claim_with_nonce(key, fp, lease, nonce))
+            .await;
+        self.after_claim(claimed).await
+    }
+
+    async fn claim_as(
+        &self,
+        key: &Key,
+        fp: Option<&Fingerprint>,
+        lease: Duration,
+        nonce: u64,
+        claimant: &idem_runtime::store::Claimant<'_>,
+    ) -> Result<Claim, Error> {
+        self.claims.hit();
+        let claimed = self
+            .apply(self.inner.claim_as(key, fp, lease, nonce, claimant))
+            .await;
+        self.after_claim(claimed).await
     }
 
     async fn complete(

@@ -245,7 +245,7 @@ pub async fn zombie_fences_are_refused_downstream<S: Store + Clone>(store: S) {
         // Another process waits out the zombie's lease, takes the key over and writes.
         let owner = op
             .clone()
-            .wait_timeout(Duration::from_secs(20))
+            .wait(Duration::from_secs(20))
             .run(&Probe::frozen(store.clone()), &key, None, async {
                 let token = idem_runtime::attempt().unwrap().token().await?;
                 Ok::<_, Error>((token.get(), downstream.write(token, "owner")))
@@ -320,7 +320,7 @@ pub async fn a_crashed_holder_frees_its_key_within_seconds<S: Store + Clone>(
     // The retry waits as long as it must, so that a key stuck past 10 s shows as a
     // measured time, not as a timeout.
     let retried = op
-        .wait_timeout(Duration::from_secs(60))
+        .wait(Duration::from_secs(60))
         .run(&store, &key, None, async { Ok::<_, Error>(2_u32) })
         .await
         .unwrap();
@@ -382,7 +382,7 @@ pub async fn crash_frees_the_key_after_the_lease<S: Store + Clone>(store: S, chi
     // A waiting call polls until the lease runs out, then claims and runs. It waits far
     // longer than the lease if it must: a key stuck past its lease would make it fail.
     let out = op
-        .wait_timeout(Duration::from_secs(20))
+        .wait(Duration::from_secs(20))
         .run(&store, &key, None, async { Ok::<_, Error>(2_u32) })
         .await
         .unwrap();

@@ -184,7 +184,7 @@ async fn sqlite_a_claim_puts_the_callers_busy_timeout_back() {
 
     let (store, pool) = lite::open("tx.busy").await.unwrap();
     let op = Operation::new(idem_tests::scenarios::namespace("tx.busy"))
-        .wait_timeout(Duration::from_millis(100));
+        .wait(Duration::from_millis(100));
     let key = op.key(&"t").unwrap();
     for (millis, expected) in [(4321, Outcome::Executed(1)), (4322, Outcome::Replayed(1))] {
         let mut tx = lite::begin(&pool).await;
@@ -258,7 +258,7 @@ mod held_by_an_ordinary_call {
     /// An ordinary call's claim of a fresh key, held for an hour.
     pub async fn hold(store: &impl Store) -> (Operation, Key) {
         let op = Operation::new(idem_tests::scenarios::namespace("tx.held"))
-            .wait_timeout(Duration::from_secs(3600));
+            .wait(Duration::from_secs(3600));
         let key = op.key(&"t").unwrap();
         let held = store.claim(&key, None, Duration::from_secs(3600)).await;
         assert!(matches!(held.unwrap(), Claim::Acquired { .. }));

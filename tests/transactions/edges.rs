@@ -359,7 +359,7 @@ async fn a_repeatable_read_duplicate_of_an_ordinary_holder_is_told_to_retry_at_o
         .await
         .unwrap();
     // A wait far longer than the test: the answer must not come from running it out.
-    let waiting = op.clone().wait_timeout(Duration::from_secs(600));
+    let waiting = op.clone().wait(Duration::from_secs(600));
     let answer = tokio::time::timeout(
         Duration::from_secs(20),
         waiting.run_in_transaction(&store, &mut tx, &key, None, async |_| Ok::<_, Error>(2_u32)),
@@ -395,7 +395,7 @@ async fn a_transactional_holder_is_bounded_by_the_servers_idle_timeout() {
                      // A duplicate that waits runs once the server ended the idle holder.
     let duplicate = op
         .clone()
-        .wait_timeout(Duration::from_secs(60))
+        .wait(Duration::from_secs(60))
         .run(&store, &key, None, async { Ok::<_, Error>(2_u32) })
         .await
         .unwrap();

@@ -320,7 +320,7 @@ async fn a_zombie_holders_fenced_write_is_refused() {
     let started = Instant::now();
     let newer = op
         .clone()
-        .wait_timeout(Duration::from_secs(20))
+        .wait(Duration::from_secs(20))
         .run(&store, &key, None, async {
             let token = attempt().unwrap().token().await?;
             Ok::<_, Error>(
@@ -594,7 +594,7 @@ async fn a_cancelled_call_committed_anyway_lapses_after_its_lease() {
     let mut tx = store.pool().begin().await.unwrap();
     let later = op
         .clone()
-        .wait_timeout(Duration::from_secs(20))
+        .wait(Duration::from_secs(20))
         .run_in_transaction(&store, &mut tx, &key, None, async |tx| {
             ledger.transfer(tx, "c-1", 1).await
         })

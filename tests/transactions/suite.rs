@@ -384,7 +384,7 @@ macro_rules! suite {
             fn killed_op(suffix: &str) -> Operation {
                 Operation::new(format!("tx.kill.{suffix}"))
                     .lease(std::time::Duration::from_secs(3600))
-                    .wait_timeout(std::time::Duration::from_secs(60))
+                    .wait(std::time::Duration::from_secs(60))
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -278,7 +278,7 @@ async fn a_waiting_duplicate_gives_up_at_its_wait_timeout() {
     let op = Operation::new(namespace("wait_timeout"));
     let key = op.key(&"w-3").unwrap();
     let holder = hold(&store, &op, &key, 1).await;
-    let patient = op.clone().wait_timeout(Duration::from_millis(300));
+    let patient = op.clone().wait(Duration::from_millis(300));
     let mut tx = store.pool().begin().await.unwrap();
     let started = Instant::now();
     let given_up = patient

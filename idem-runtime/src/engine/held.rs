@@ -493,6 +493,20 @@ impl Held {
     /// The body ran, so no answer from here is an error that says it did not.
     async fn after_refusal(&self, record: &Bytes, ttl: Duration) -> Option<Landing> {
         let claim = &self.claim;
+        if self.released_by_operator() {
+            // Not a lapse but a release by an operator: the key is not this holder's to
+            // take again, whoever runs it now must not find this result, and this caller
+            // must not be told `Executed`.
+            tracing::warn!(
+                outcome = "lease lost",
+                token = claim.token.get(),
+                "the claim was released by force while the body ran; this result is not recorded"
+            );
+            let why = "the claim was released by force (an operator) while the body ran; its result is not recorded, and a retry runs the body again: reconcile its effect first";
+            *self.verdict.lock().unwrap_or_else(PoisonError::into_inner) =
+                Some(Verdict::Failed(Error::Unrecorded(why.into())));
+            return Some(Landing::Released);
+        }
         let nonce = *claim.nonce.get_or_init(crate::store::nonce);
         let claimed = claim
             .store
@@ -564,6 +578,13 @@ impl Held {
         };
         *self.verdict.lock().unwrap_or_else(PoisonError::into_inner) = Some(verdict);
         Some(landing)
+    }
+
+    /// Whether an operator released this call's claim (`idem_runtime::admin`), as the
+    /// store's registry in this process was told: the refusal is then no lapse, and the
+    /// key is not this holder's to take again.
+    fn released_by_operator(&self) -> bool {
+        self.flight.as_ref().is_some_and(|flight| flight.fenced())
     }
 
     /// Counts a try at the owed step that did not land (`err`: why), and, for a

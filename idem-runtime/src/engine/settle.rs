@@ -17,7 +17,7 @@ use super::settings::{traced, Settings};
 use crate::flights::Landing;
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 use crate::store::{Call, Transactional};
-use crate::store::{Kept, Typed};
+use crate::store::{Claimant, Kept, Typed};
 use crate::{limits, meter, Claim, Error, Fingerprint, Key, Store, Token};
 
 impl Settings {
@@ -155,7 +155,11 @@ impl Settings {
                     fingerprint: holder,
                 } => {
                     self.found_in_progress(store, key, holder.as_ref(), fingerprint)?;
-                    pause_before_polling(wait_until(&mut deadline), polls).await?;
+                    let until = wait_until(&mut deadline);
+                    if polls == 0 {
+                        Box::pin(waiting_on(store, key, until)).await;
+                    }
+                    pause_before_polling(until, polls).await?;
                     polls += 1;
                 }
             }
@@ -180,8 +184,9 @@ impl Settings {
         let mut sent = Instant::now();
         let deadline = store.claim_timeout().map(|bound| sent + bound);
         let mut failures = 0;
+        let claimant = Claimant::of(&self.namespace);
         let mut claimed = store
-            .claim_with_nonce(key, fingerprint, self.lease, nonce)
+            .claim_as(key, fingerprint, self.lease, nonce, &claimant)
             .await;
         loop {
             match claimed {
@@ -195,7 +200,7 @@ impl Settings {
                     // Boxed: the slow path's timers stay out of the state of every call.
                     Box::pin(tokio::time::sleep_until(again)).await;
                     sent = Instant::now();
-                    let again = store.claim_with_nonce(key, fingerprint, self.lease, nonce);
+                    let again = store.claim_as(key, fingerprint, self.lease, nonce, &claimant);
                     claimed = match deadline {
                         Some(deadline) => Box::pin(tokio::time::timeout_at(deadline, again))
                             .await
@@ -279,6 +284,42 @@ fn replayable<T>(
     check_fingerprint(recorded, ours)?;
     tracing::debug!(outcome = "replayed");
     Ok(value)
+}
+
+/// Says, once per call that waits on a key held in another process, whom it waits for:
+/// the holder and its lease left as the store tells them (one read, only when `info` is
+/// on), and how long this call waits at most, so that no wait is silent.
+async fn waiting_on(store: &dyn Store, key: &Key, until: Instant) {
+    if !tracing::enabled!(tracing::Level::INFO) {
+        return;
+    }
+    let wait_ms = until.saturating_duration_since(Instant::now()).as_millis();
+    match store.holding(key).await {
+        Ok(Some(holding)) => {
+            let holder = holding
+                .holder
+                .as_ref()
+                .map_or_else(|| "unknown".to_owned(), ToString::to_string);
+            tracing::info!(
+                key = %key.short(),
+                holder = %holder,
+                lease_left_ms = holding.lease_left.as_millis(),
+                wait_ms,
+                "waiting on a key another process holds"
+            );
+        }
+        Ok(None) => tracing::info!(
+            key = %key.short(),
+            wait_ms,
+            "waiting on a key another process holds; its claim just ended"
+        ),
+        Err(err) => tracing::info!(
+            key = %key.short(),
+            wait_ms,
+            error = %err,
+            "waiting on a key another process holds; the store could not say who"
+        ),
+    }
 }
 
 /// Waits before asking the store again about a key held by another process (backoff with

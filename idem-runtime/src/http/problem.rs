@@ -81,6 +81,8 @@ impl Problem {
     pub(super) fn into_response(self) -> Response<Full<Bytes>> {
         let retry_after = match &self {
             Self::InFlight(after) | Self::RateLimited(after) => Some(*after),
+            // A transient failure (`Error::is_transient`): its client may come back.
+            Self::StoreDown => Some(crate::RETRY_AFTER),
             _ => None,
         };
         let (status, anchor, title, detail) = match self {
@@ -178,7 +180,8 @@ impl Problem {
 }
 
 /// The `application/problem+json` answer for an [`Error`]: the same status, `type`, title
-/// and detail the layer answers with, and `Retry-After: 1` on a `409`. The `detail` never
+/// and detail the layer answers with, and `Retry-After: 1` on a `409` and a `503` (the
+/// transient errors, [`Error::is_transient`]). The `detail` never
 /// carries the error's own text (a store's address, SQL): log `err` yourself if you want it.
 ///
 /// | [`Error`] | status | `type` anchor |
@@ -186,7 +189,7 @@ impl Problem {
 /// | `InProgress` | `409` + `Retry-After` | `in-flight` |
 /// | `PayloadMismatch` | `422` | `key-reused` |
 /// | `Gone` | `410` | `gone` |
-/// | `Store` | `503` | `store-unavailable` |
+/// | `Store` | `503` + `Retry-After` | `store-unavailable` |
 /// | `Key` | `400` | `body-unreadable` |
 /// | `Codec`, `Config` | `500` | `internal` |
 ///
@@ -213,7 +216,7 @@ fn whole_seconds(after: Duration) -> u64 {
 }
 
 /// The `Retry-After` of a `409`, unless a layer is told otherwise.
-pub(super) const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
+pub(super) const DEFAULT_RETRY_AFTER: Duration = crate::RETRY_AFTER;
 
 #[cfg(feature = "axum")]
 impl axum::response::IntoResponse for Error {
@@ -281,7 +284,7 @@ mod tests {
             assert_eq!(response.status(), status, "{err}");
             assert_eq!(
                 response.headers().get(RETRY_AFTER).is_some(),
-                status == 409,
+                status == 409 || status == 503,
                 "{err}"
             );
             let body = response.into_body().collect().await.unwrap().to_bytes();

@@ -14,9 +14,12 @@ use moka::Expiry;
 use tokio::time::Instant;
 
 use crate::key::KeyHasher;
-use crate::store::{Kept, Recorded, Typed, TypedCompletion, TypedStore};
+use crate::namespace::Namespace;
+use crate::store::{Claimant, Holder, Holding, Kept, Recorded, Typed, TypedCompletion, TypedStore};
 use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
+#[cfg(feature = "admin")]
+mod admin;
 mod marks;
 mod steps;
 
@@ -152,6 +155,27 @@ struct ClaimRecord {
     token: Token,
     fingerprint: Option<Fingerprint>,
     until: Instant,
+    /// Whose the claim is, for an operator (`idem_runtime::admin`); the holder is this
+    /// process.
+    about: About,
+}
+
+/// What a record says of itself: its operation and, if its caller chose one, a label.
+#[derive(Clone, Default)]
+struct About {
+    namespace: Option<Namespace>,
+    label: Option<Arc<str>>,
+    lease: Duration,
+}
+
+impl About {
+    fn of(claimant: Option<&Claimant<'_>>, lease: Duration) -> Self {
+        Self {
+            namespace: claimant.map(Claimant::kept),
+            label: claimant.and_then(|c| c.label()).map(Arc::from),
+            lease,
+        }
+    }
 }
 
 /// A completed result: what a replay takes, shared, and how long it lives.
@@ -159,6 +183,9 @@ struct ClaimRecord {
 struct ResultRecord {
     kept: Arc<Kept>,
     ttl: Duration,
+    /// When the record ends, by the leases' clock (what a listing says is left).
+    until: Instant,
+    about: About,
 }
 
 impl ResultRecord {
@@ -241,7 +268,13 @@ impl MemoryStore {
     /// look outside the lock first: every call through the engine has just looked for a
     /// record at hand ([`Store::peek`], [`TypedStore::peek_typed`]), so a key that comes
     /// here is all but always new.
-    fn take(&self, key: &Key, fingerprint: Option<&Fingerprint>, lease: Duration) -> Claim {
+    fn take(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+        claimant: Option<&Claimant<'_>>,
+    ) -> Claim {
         let now = Instant::now();
         let mut claims = self.claims(key);
         // Under the lock: `complete` moves a claim to the results under the same lock, so a
@@ -261,10 +294,12 @@ impl MemoryStore {
             return mark.into_claim();
         }
         let token = Token::new(self.inner.tokens.fetch_add(1, Ordering::Relaxed) + 1);
+        let lease = limits::clamp(lease);
         let claim = ClaimRecord {
             token,
             fingerprint: fingerprint.copied(),
-            until: now + limits::clamp(lease),
+            until: now + lease,
+            about: About::of(claimant, lease),
         };
         claims.insert(*key, claim, now);
         Claim::Acquired { token }
@@ -294,6 +329,8 @@ impl MemoryStore {
                 fingerprint: claim.fingerprint,
             }),
             ttl: limits::clamp(ttl),
+            until: now + limits::clamp(ttl),
+            about: claim.about.clone(),
         };
         // The mark first: from here on the key answers, whatever becomes of its result.
         let mut marked = false;
@@ -461,7 +498,18 @@ impl Store for MemoryStore {
         lease: Duration,
         _: u64,
     ) -> Result<Claim, Error> {
-        Ok(self.take(key, fingerprint, lease))
+        Ok(self.take(key, fingerprint, lease, None))
+    }
+
+    async fn claim_as(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+        _: u64,
+        claimant: &Claimant<'_>,
+    ) -> Result<Claim, Error> {
+        Ok(self.take(key, fingerprint, lease, Some(claimant)))
     }
 
     async fn complete(
@@ -553,6 +601,14 @@ impl Store for MemoryStore {
             .filter(|left| !left.is_zero()))
     }
 
+    /// Every claim here is this process's.
+    async fn holding(&self, key: &Key) -> Result<Option<Holding>, Error> {
+        Ok(self
+            .lease_left(key)
+            .await?
+            .map(|left| Holding::new(left, Some(Holder::this_process().clone()))))
+    }
+
     fn peek(&self, key: &Key) -> Option<Claim> {
         self.live_result(key).map(ResultRecord::into_claim)
     }
@@ -592,6 +648,7 @@ mod tests {
             token: Token::new(1),
             fingerprint: None,
             until,
+            about: About::default(),
         }
     }
 

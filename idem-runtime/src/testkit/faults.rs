@@ -224,6 +224,25 @@ impl<S: Store + Clone> Store for Faulty<S> {
             .await
     }
 
+    async fn claim_as(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+        nonce: u64,
+        claimant: &crate::store::Claimant<'_>,
+    ) -> Result<Claim, Error> {
+        self.apply(
+            self.inner
+                .claim_as(key, fingerprint, lease, nonce, claimant),
+        )
+        .await
+    }
+
+    async fn holding(&self, key: &Key) -> Result<Option<crate::store::Holding>, Error> {
+        self.apply(self.inner.holding(key)).await
+    }
+
     async fn complete(
         &self,
         key: &Key,

@@ -22,7 +22,7 @@ async fn instance() {
     let store = store(&url).await.unwrap();
     let op = Operation::new(NAMESPACE)
         .lease(LEASE)
-        .wait_timeout(Duration::from_secs(60));
+        .wait(Duration::from_secs(60));
     let by = name.chars().next().unwrap();
     let mut held = HashMap::new();
     let mut calls = tokio::task::JoinSet::new();

@@ -351,6 +351,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_client_retries_exactly_what_the_layer_answers_for_a_transient_error() {
+        let errors = [
+            crate::Error::InProgress,
+            crate::Error::PayloadMismatch,
+            crate::Error::Gone,
+            crate::Error::store("down"),
+            crate::Error::codec("truncated"),
+            crate::Error::Key("NaN".into()),
+            crate::Error::config("too long"),
+            crate::Error::Unrecorded("lost".into()),
+        ];
+        for err in errors {
+            let answer = crate::http::problem(&err);
+            assert_eq!(retryable(answer.status()), err.is_transient(), "{err}");
+            assert_eq!(
+                answer.headers().contains_key(http::header::RETRY_AFTER),
+                err.is_transient(),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
     fn retry_after_reads_seconds_and_dates() {
         let mut headers = HeaderMap::new();
         assert_eq!(retry_after(&headers), None);

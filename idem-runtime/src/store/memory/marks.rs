@@ -81,6 +81,15 @@ impl Marks {
         Marked::Kept
     }
 
+    /// The live marks and when each ends, for an operator's listing.
+    #[cfg(feature = "admin")]
+    pub(super) fn live(&self, now: Instant) -> impl Iterator<Item = (&Key, Instant)> + '_ {
+        self.by_key
+            .iter()
+            .filter(move |(_, mark)| mark.until > now)
+            .map(|(key, mark)| (key, mark.until))
+    }
+
     /// Drops the marks past their end, and stale places, at the front of the order.
     fn expire_front(&mut self, now: Instant) {
         while let Some(&(oldest, number)) = self.order.front() {

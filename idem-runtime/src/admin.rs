@@ -1,0 +1,697 @@
+//! Operating a store: see which keys are held and by whom, release a stuck claim, reset a
+//! completed call, purge what expired — safely (feature `admin`).
+//!
+//! ```
+//! use idem_runtime::admin::{Admin, Filter, Release, State, Verdict};
+//! use idem_runtime::{MemoryStore, Operation};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), idem_runtime::Error> {
+//! let store = MemoryStore::new();
+//! let charge = Operation::new("billing.charge.v1");
+//! let key = charge.key(&17_u64)?;
+//! charge.run(&store, &key, None, async { Ok::<_, idem_runtime::Error>(7) }).await?;
+//!
+//! let page = store.list(&Filter::namespace("billing.").completed(), None).await?;
+//! assert_eq!(page.entries().len(), 1);
+//! let entry = &page.entries()[0];
+//! assert_eq!(entry.namespace(), Some("billing.charge.v1"));
+//! assert_eq!(entry.state(), State::Completed);
+//!
+//! // Forget the call, so that its next call runs again.
+//! assert_eq!(store.reset(&key, Release::IfSilent).await?, Verdict::Done);
+//! assert!(store.inspect(&key).await?.is_none());
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Safe by construction
+//!
+//! - [`release`](Admin::release) frees only a claim in progress, only under the token the
+//!   operator was shown, and with [`Release::IfSilent`] only when its holder is silent: no
+//!   renewal for more than half its lease (a live holder renews every quarter). A holder
+//!   that renews is never released by mistake.
+//! - [`Release::Force`] releases a live holder too, and **fences** it: its completion and
+//!   its steps are refused (they are compare-and-set on its token), and its caller is
+//!   answered [`Error::Unrecorded`] ("released by force"), never `Replayed` of the value of
+//!   the run that took the key after it. The forced holder's effect, if it made one,
+//!   stays: reconcile it (the operator's guide says how).
+//! - [`reset`](Admin::reset) forgets a completed call and its steps; a call in progress
+//!   only as `release` would free it.
+//!
+//! Each is one conditional write on the store: a renewal that lands first makes a
+//! `IfSilent` release refuse, never the other way round.
+//!
+//! Every store implements [`Admin`]; a [`TieredStore`](crate::TieredStore) acts on both of
+//! its tiers. The cost of a listing per store is in the operator's guide
+//! ([`crate::guide::operations`]).
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use crate::store::Holder;
+use crate::{Error, Key, Token};
+
+/// The state of a record, as a listing shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum State {
+    /// A claim in progress with a live lease.
+    Held,
+    /// A claim whose lease ran out: its holder died or stalled; the next claim takes it.
+    Lapsed,
+    /// A completed call whose result is replayed.
+    Completed,
+    /// A completed call whose result can no longer be replayed (too large, evicted, not
+    /// decodable as itself): its calls answer [`Error::Gone`].
+    Gone,
+}
+
+impl State {
+    const ALL: [Self; 4] = [Self::Held, Self::Lapsed, Self::Completed, Self::Gone];
+
+    fn bit(self) -> u8 {
+        match self {
+            Self::Held => 1,
+            Self::Lapsed => 2,
+            Self::Completed => 4,
+            Self::Gone => 8,
+        }
+    }
+
+    /// The state's name: `held`, `lapsed`, `completed`, `gone`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Held => "held",
+            Self::Lapsed => "lapsed",
+            Self::Completed => "completed",
+            Self::Gone => "gone",
+        }
+    }
+}
+
+impl fmt::Display for State {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for State {
+    type Err = Error;
+
+    fn from_str(name: &str) -> Result<Self, Error> {
+        Self::ALL
+            .into_iter()
+            .find(|state| state.as_str() == name)
+            .ok_or_else(|| {
+                Error::config(format!(
+                    "`{name}` is not a state: say `held`, `lapsed`, `completed` or `gone`"
+                ))
+            })
+    }
+}
+
+/// The largest page a listing returns, whatever its filter asks.
+pub const MAX_PAGE: usize = 1_000;
+
+/// Which records a listing returns: by namespace prefix and state, a page at a time.
+///
+/// ```
+/// use idem_runtime::admin::Filter;
+///
+/// let stuck = Filter::namespace("billing.").held().lapsed().limit(50);
+/// # let _ = stuck;
+/// ```
+#[derive(Clone, Debug)]
+pub struct Filter {
+    prefix: Option<String>,
+    states: u8,
+    limit: usize,
+    values: bool,
+}
+
+impl Filter {
+    /// Every record, 100 a page.
+    pub fn all() -> Self {
+        Self {
+            prefix: None,
+            states: 0,
+            limit: 100,
+            values: false,
+        }
+    }
+
+    /// The records whose namespace starts with `prefix`. Records written before the store
+    /// kept namespaces have none, and are listed only by a filter without a prefix.
+    pub fn namespace(prefix: impl Into<String>) -> Self {
+        Self {
+            prefix: Some(prefix.into()),
+            ..Self::all()
+        }
+    }
+
+    /// Also (or only, if it is the first state named) records in `state`.
+    #[must_use]
+    pub fn state(mut self, state: State) -> Self {
+        self.states |= state.bit();
+        self
+    }
+
+    /// Claims in progress with a live lease.
+    #[must_use]
+    pub fn held(self) -> Self {
+        self.state(State::Held)
+    }
+
+    /// Claims whose lease ran out.
+    #[must_use]
+    pub fn lapsed(self) -> Self {
+        self.state(State::Lapsed)
+    }
+
+    /// Completed calls that replay.
+    #[must_use]
+    pub fn completed(self) -> Self {
+        self.state(State::Completed)
+    }
+
+    /// Completed calls that answer [`Error::Gone`].
+    #[must_use]
+    pub fn gone(self) -> Self {
+        self.state(State::Gone)
+    }
+
+    /// At most `entries` a page (1 to [`MAX_PAGE`]).
+    #[must_use]
+    pub fn limit(mut self, entries: usize) -> Self {
+        self.limit = entries.clamp(1, MAX_PAGE);
+        self
+    }
+
+    /// Carries each completed record's value in its entry ([`Entry::value`]). Off by
+    /// default: results can be large and hold personal data.
+    #[must_use]
+    pub fn with_values(mut self) -> Self {
+        self.values = true;
+        self
+    }
+
+    /// The namespace prefix, if any.
+    pub fn prefix(&self) -> Option<&str> {
+        self.prefix.as_deref()
+    }
+
+    /// The page's size.
+    pub fn page_size(&self) -> usize {
+        self.limit
+    }
+
+    /// Whether entries carry values.
+    pub fn values(&self) -> bool {
+        self.values
+    }
+
+    /// Whether a record of `namespace` in `state` is listed.
+    pub fn matches(&self, namespace: Option<&str>, state: State) -> bool {
+        let state_ok = self.states == 0 || self.states & state.bit() != 0;
+        let namespace_ok = match (&self.prefix, namespace) {
+            (None, _) => true,
+            (Some(prefix), Some(namespace)) => namespace.starts_with(prefix.as_str()),
+            (Some(_), None) => false,
+        };
+        state_ok && namespace_ok
+    }
+}
+
+/// Where the next page of a listing starts: after this key, in key order. Printed and read
+/// as 64 hex digits, so that a script can carry it between runs of `idem list`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cursor(Key);
+
+impl Cursor {
+    /// The page after `key`.
+    pub fn after(key: Key) -> Self {
+        Self(key)
+    }
+
+    /// The last key of the page before.
+    pub fn key(&self) -> &Key {
+        &self.0
+    }
+}
+
+impl fmt::Display for Cursor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0.to_hex())
+    }
+}
+
+impl FromStr for Cursor {
+    type Err = Error;
+
+    fn from_str(text: &str) -> Result<Self, Error> {
+        parse_digest(text).map(Self)
+    }
+}
+
+/// A key's 64 hex digits, as listings print them.
+///
+/// # Errors
+///
+/// [`Error::Config`] for anything else.
+pub fn parse_digest(text: &str) -> Result<Key, Error> {
+    let mut bytes = [0_u8; 32];
+    hex::decode_to_slice(text.trim(), &mut bytes).map_err(|_| {
+        Error::config(format!(
+            "`{text}` is not a key's digest: 64 hex digits, as `idem list` prints them"
+        ))
+    })?;
+    Ok(Key::from_bytes(bytes))
+}
+
+/// One page of a listing.
+#[derive(Clone, Debug)]
+pub struct Page {
+    entries: Vec<Entry>,
+    next: Option<Cursor>,
+}
+
+impl Page {
+    /// A page, for store implementations: `next` is where the one after it starts, `None`
+    /// on the last.
+    pub fn new(entries: Vec<Entry>, next: Option<Cursor>) -> Self {
+        Self { entries, next }
+    }
+
+    /// The records on this page, in key order.
+    pub fn entries(&self) -> &[Entry] {
+        &self.entries
+    }
+
+    /// The records, owned.
+    pub fn into_entries(self) -> Vec<Entry> {
+        self.entries
+    }
+
+    /// Where the next page starts; `None` on the last page.
+    pub fn next(&self) -> Option<Cursor> {
+        self.next
+    }
+}
+
+/// One record as an operator sees it. Never the result itself unless asked for
+/// ([`Filter::with_values`], and [`Admin::inspect`], which carries it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub(crate) key: Key,
+    pub(crate) namespace: Option<String>,
+    pub(crate) label: Option<String>,
+    pub(crate) state: State,
+    pub(crate) token: Option<Token>,
+    pub(crate) lease: Option<Duration>,
+    pub(crate) lease_left: Option<Duration>,
+    pub(crate) holder: Option<Holder>,
+    pub(crate) expires_in: Option<Duration>,
+    pub(crate) size: Option<u64>,
+    pub(crate) value: Option<Bytes>,
+    pub(crate) steps: Vec<(Key, u64)>,
+}
+
+impl Entry {
+    /// A record of `key` in `state`, for store implementations; the rest is set with the
+    /// `with_*` methods.
+    pub fn new(key: Key, state: State) -> Self {
+        Self {
+            key,
+            namespace: None,
+            label: None,
+            state,
+            token: None,
+            lease: None,
+            lease_left: None,
+            holder: None,
+            expires_in: None,
+            size: None,
+            value: None,
+            steps: Vec::new(),
+        }
+    }
+
+    /// With the claim's namespace and label.
+    #[must_use]
+    pub fn with_names(mut self, namespace: Option<String>, label: Option<String>) -> Self {
+        self.namespace = namespace;
+        self.label = label;
+        self
+    }
+
+    /// With a claim's token, lease and what it has left (zero once lapsed), and holder.
+    #[must_use]
+    pub fn with_claim(
+        mut self,
+        token: Token,
+        lease: Option<Duration>,
+        lease_left: Duration,
+        holder: Option<Holder>,
+    ) -> Self {
+        self.token = Some(token);
+        self.lease = lease;
+        self.lease_left = Some(lease_left);
+        self.holder = holder;
+        self
+    }
+
+    /// With how long the record lives, its result's size and, if asked, the result.
+    #[must_use]
+    pub fn with_result(
+        mut self,
+        expires_in: Option<Duration>,
+        size: Option<u64>,
+        value: Option<Bytes>,
+    ) -> Self {
+        self.expires_in = expires_in;
+        self.size = size;
+        self.value = value;
+        self
+    }
+
+    /// With the call's recorded steps: each step's key and the size of its record.
+    #[must_use]
+    pub fn with_steps(mut self, steps: Vec<(Key, u64)>) -> Self {
+        self.steps = steps;
+        self
+    }
+
+    /// The call's key (its digest).
+    pub fn key(&self) -> &Key {
+        &self.key
+    }
+
+    /// The operation's namespace; `None` for a record written before the store kept it
+    /// ("namespace unknown").
+    pub fn namespace(&self) -> Option<&str> {
+        self.namespace.as_deref()
+    }
+
+    /// The readable label its caller chose, if any.
+    pub fn label(&self) -> Option<&str> {
+        self.label.as_deref()
+    }
+
+    /// Held, lapsed, completed or gone.
+    pub fn state(&self) -> State {
+        self.state
+    }
+
+    /// The claim's token, for a claim: what [`Admin::release`] must be given.
+    pub fn token(&self) -> Option<Token> {
+        self.token
+    }
+
+    /// The lease the claim was taken with, when the store kept it.
+    pub fn lease(&self) -> Option<Duration> {
+        self.lease
+    }
+
+    /// How long the claim's lease has left, by the store's clock (zero once lapsed).
+    pub fn lease_left(&self) -> Option<Duration> {
+        self.lease_left
+    }
+
+    /// The process that holds the claim, when the store kept it.
+    pub fn holder(&self) -> Option<&Holder> {
+        self.holder.as_ref()
+    }
+
+    /// How long ago the holder last renewed (or took) its claim: the lease minus what it
+    /// has left, when both are known.
+    pub fn renewed_ago(&self) -> Option<Duration> {
+        Some(self.lease?.saturating_sub(self.lease_left?))
+    }
+
+    /// Whether the holder is silent: no renewal for more than half its lease, or a lease
+    /// that ran out. A claim of unknown lease is silent only once lapsed.
+    pub fn is_silent(&self) -> bool {
+        match (self.state, self.renewed_ago(), self.lease) {
+            (State::Lapsed, ..) => true,
+            (State::Held, Some(ago), Some(lease)) => ago > lease / 2,
+            _ => false,
+        }
+    }
+
+    /// How long the record lives on, when the store can say.
+    pub fn expires_in(&self) -> Option<Duration> {
+        self.expires_in
+    }
+
+    /// The record's size in bytes, for a completed record: the result's encoding and its
+    /// one tag byte.
+    pub fn size(&self) -> Option<u64> {
+        self.size
+    }
+
+    /// The recorded result, when asked for.
+    pub fn value(&self) -> Option<&Bytes> {
+        self.value.as_ref()
+    }
+
+    /// The recorded value's JSON, when the record is one (not an error cached by
+    /// `cache_err`, an HTTP response or a `Gone` mark) and was asked for.
+    pub fn value_json(&self) -> Option<&str> {
+        match self.value.as_deref()? {
+            [b'v', json @ ..] => std::str::from_utf8(json).ok(),
+            _ => None,
+        }
+    }
+
+    /// The call's recorded steps ([`Admin::inspect`] only): each step's key and size.
+    pub fn steps(&self) -> &[(Key, u64)] {
+        &self.steps
+    }
+}
+
+/// How [`Admin::release`] and [`Admin::reset`] treat a claim in progress.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Release {
+    /// Only when its holder is silent: no renewal for more than half its lease.
+    IfSilent,
+    /// Whatever its holder does; the holder is fenced (its completion and steps refused,
+    /// its caller answered [`Error::Unrecorded`]).
+    Force,
+}
+
+/// What a release or reset did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Verdict {
+    /// Done: the claim released, or the call forgotten.
+    Done,
+    /// Refused, and nothing was changed.
+    Refused(Refusal),
+}
+
+/// Why a release or reset changed nothing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// There is no record of the key.
+    NotFound,
+    /// The record is not a claim in progress (it completed, or is gone): use `reset`.
+    NotHeld(State),
+    /// The claim is held under another token than the one given: it was taken again since
+    /// the operator looked. Look again.
+    OtherToken(Token),
+    /// The holder renewed its claim this long ago, within half its lease: it lives.
+    Live {
+        /// How long ago it renewed, when the store can say.
+        renewed_ago: Option<Duration>,
+    },
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::NotFound => f.write_str("there is no record of this key"),
+            Self::NotHeld(state) => write!(f, "the record is {state}, not held: use `reset`"),
+            Self::OtherToken(token) => write!(
+                f,
+                "the claim is held under token {} now, not the one given: look again",
+                token.get()
+            ),
+            Self::Live {
+                renewed_ago: Some(ago),
+            } => write!(
+                f,
+                "its holder renewed it {} ms ago, within half its lease: it is alive (force it with `Release::Force`, `--force`)",
+                ago.as_millis()
+            ),
+            Self::Live { renewed_ago: None } => f.write_str(
+                "its holder renews it: it is alive (force it with `Release::Force`, `--force`)",
+            ),
+        }
+    }
+}
+
+/// An operator's view of a store: every store implements it (feature `admin`).
+///
+/// [`Store`](crate::Store) has a `release` of its own (a holder's, by token): with both
+/// traits in scope, say which, `Admin::release(&store, &key, token, Release::IfSilent)`.
+///
+/// Object safe: the `idem` command line works on a `Box<dyn Admin>`.
+#[async_trait]
+pub trait Admin: Send + Sync {
+    /// One page of the records `filter` selects, in key order, after `after` (the previous
+    /// page's [`next`](Page::next)). Bounded in memory by the page, whatever the store
+    /// holds; each store's cost is in the operator's guide.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store fails.
+    async fn list(&self, filter: &Filter, after: Option<&Cursor>) -> Result<Page, Error>;
+
+    /// The record of `key`, with its steps and its value: `None` when there is none.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store fails.
+    async fn inspect(&self, key: &Key) -> Result<Option<Entry>, Error>;
+
+    /// Releases the claim of `key` held under `token` (the one a listing showed), as `how`
+    /// allows, in one conditional write: the next call claims at once.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store fails; a refusal is a [`Verdict::Refused`].
+    async fn release(&self, key: &Key, token: Token, how: Release) -> Result<Verdict, Error>;
+
+    /// Forgets the call of `key` and its steps, so that its next call runs again: a
+    /// completed (or gone) call at once, a claim in progress as `how` allows.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store fails; a refusal is a [`Verdict::Refused`].
+    async fn reset(&self, key: &Key, how: Release) -> Result<Verdict, Error>;
+
+    /// Deletes the expired records: how many (as far as the store counts them).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store fails.
+    async fn purge(&self) -> Result<u64, Error>;
+}
+
+/// Judges a claim in progress against a release: `None` when it may go.
+pub(crate) fn refusal(entry: &Entry, token: Option<Token>, how: Release) -> Option<Refusal> {
+    match entry.state {
+        State::Completed | State::Gone if token.is_some() => {
+            return Some(Refusal::NotHeld(entry.state))
+        }
+        State::Completed | State::Gone => return None,
+        State::Held | State::Lapsed => {}
+    }
+    if let (Some(given), Some(held)) = (token, entry.token) {
+        if given != held {
+            return Some(Refusal::OtherToken(held));
+        }
+    }
+    (how == Release::IfSilent && !entry.is_silent()).then(|| Refusal::Live {
+        renewed_ago: entry.renewed_ago(),
+    })
+}
+
+macro_rules! forward_admin {
+    ($($ty:ty),*) => {$(
+        #[async_trait]
+        impl<A: Admin + ?Sized> Admin for $ty {
+            async fn list(&self, filter: &Filter, after: Option<&Cursor>) -> Result<Page, Error> {
+                (**self).list(filter, after).await
+            }
+
+            async fn inspect(&self, key: &Key) -> Result<Option<Entry>, Error> {
+                (**self).inspect(key).await
+            }
+
+            async fn release(&self, key: &Key, token: Token, how: Release) -> Result<Verdict, Error> {
+                (**self).release(key, token, how).await
+            }
+
+            async fn reset(&self, key: &Key, how: Release) -> Result<Verdict, Error> {
+                (**self).reset(key, how).await
+            }
+
+            async fn purge(&self) -> Result<u64, Error> {
+                (**self).purge().await
+            }
+        }
+    )*};
+}
+
+forward_admin!(std::sync::Arc<A>, Box<A>);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn held(lease_ms: u64, left_ms: u64) -> Entry {
+        Entry::new(Key::from_bytes([1; 32]), State::Held).with_claim(
+            Token::new(3),
+            Some(Duration::from_millis(lease_ms)),
+            Duration::from_millis(left_ms),
+            None,
+        )
+    }
+
+    #[test]
+    fn a_holder_is_silent_past_half_its_lease() {
+        assert!(!held(1_000, 600).is_silent());
+        assert!(held(1_000, 400).is_silent());
+        assert_eq!(
+            held(1_000, 400).renewed_ago(),
+            Some(Duration::from_millis(600))
+        );
+    }
+
+    #[test]
+    fn a_release_needs_the_token_shown_and_a_silent_holder_unless_forced() {
+        let live = held(1_000, 900);
+        let token = Some(Token::new(3));
+        assert_eq!(
+            refusal(&live, Some(Token::new(4)), Release::Force),
+            Some(Refusal::OtherToken(Token::new(3)))
+        );
+        assert!(matches!(
+            refusal(&live, token, Release::IfSilent),
+            Some(Refusal::Live { .. })
+        ));
+        assert_eq!(refusal(&live, token, Release::Force), None);
+        assert_eq!(refusal(&held(1_000, 100), token, Release::IfSilent), None);
+        let done = Entry::new(Key::from_bytes([1; 32]), State::Completed);
+        assert_eq!(
+            refusal(&done, token, Release::Force),
+            Some(Refusal::NotHeld(State::Completed))
+        );
+        assert_eq!(refusal(&done, None, Release::IfSilent), None);
+    }
+
+    #[test]
+    fn filters_select_by_prefix_and_state() {
+        let filter = Filter::namespace("billing.").held();
+        assert!(filter.matches(Some("billing.charge"), State::Held));
+        assert!(!filter.matches(Some("billing.charge"), State::Completed));
+        assert!(!filter.matches(Some("shipping"), State::Held));
+        assert!(!filter.matches(None, State::Held));
+        assert!(Filter::all().matches(None, State::Gone));
+        assert_eq!(Filter::all().limit(1_000_000).page_size(), MAX_PAGE);
+    }
+
+    #[test]
+    fn a_cursor_reads_back_from_its_hex() {
+        let cursor = Cursor::after(Key::from_bytes([0xab; 32]));
+        assert_eq!(cursor.to_string().parse::<Cursor>().unwrap(), cursor);
+        assert!("xyz".parse::<Cursor>().is_err());
+    }
+}

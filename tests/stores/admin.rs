@@ -1,0 +1,305 @@
+//! Operating a store (`idem_runtime::admin`), on every store that implements it, against
+//! the real servers: listing by namespace and state, paged; inspecting; a release refused
+//! while the holder renews and done once it is silent; a forced release that fences the old
+//! holder (its caller is told, and the value replayed afterwards is the new run's); a reset
+//! that makes the next call run again. And `wait`: a duplicate beside a long lease gives up
+//! when told.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idem_runtime::admin::{Admin, Filter, Refusal, Release, State, Verdict};
+use idem_runtime::store::Claimant;
+use idem_runtime::{idempotent, Claim, Error, Key, MemoryStore, Operation, Outcome, Store};
+use idem_tests::scenarios::namespace;
+use tokio::sync::oneshot;
+
+/// A body that waits for its signal, counting its runs.
+async fn held_body(
+    runs: Arc<AtomicUsize>,
+    go: oneshot::Receiver<()>,
+    value: u32,
+) -> Result<u32, Error> {
+    runs.fetch_add(1, Ordering::SeqCst);
+    let _ = go.await;
+    Ok(value)
+}
+
+/// Waits until `key` is held in `store` (a body started).
+async fn until_held<S: Admin + ?Sized>(
+    store: &S,
+    key: &idem_runtime::Key,
+) -> idem_runtime::admin::Entry {
+    loop {
+        if let Some(entry) = store.inspect(key).await.unwrap() {
+            if entry.state() == State::Held {
+                return entry;
+            }
+        }
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Every promise of the admin API, on one store.
+async fn operations<S>(store: S, prefix: &str)
+where
+    S: Store + Admin + Clone,
+{
+    let op = Operation::new(format!("{prefix}.charge")).lease(Duration::from_secs(60));
+    let other = Operation::new(format!("{prefix}.refund"));
+
+    // Completed records list by namespace, with their size and no value unless asked.
+    let done = op.key(&1_u32).unwrap();
+    let _ = op
+        .run(&store, &done, None, async { Ok::<_, Error>(41_u32) })
+        .await
+        .unwrap();
+    let refund = other.key(&1_u32).unwrap();
+    let _ = other
+        .run(&store, &refund, None, async { Ok::<_, Error>(1_u32) })
+        .await
+        .unwrap();
+    let page = store
+        .list(
+            &Filter::namespace(format!("{prefix}.charge")).completed(),
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(page.entries().len(), 1, "{page:?}");
+    let entry = &page.entries()[0];
+    assert_eq!(entry.key(), &done);
+    assert_eq!(entry.namespace(), Some(&*format!("{prefix}.charge")));
+    assert_eq!(entry.state(), State::Completed);
+    assert_eq!(
+        entry.size(),
+        Some(3),
+        "the record of `41`: its tag and its JSON"
+    );
+    assert_eq!(entry.value(), None, "no value unless asked");
+    assert!(page.next().is_none());
+    let inspected = store.inspect(&done).await.unwrap().unwrap();
+    assert_eq!(inspected.value_json(), Some("41"));
+
+    // A live holder: shown with its holder and token; a release is refused while it renews.
+    let runs = Arc::new(AtomicUsize::new(0));
+    let live = op.key(&2_u32).unwrap();
+    let (go, wait) = oneshot::channel();
+    let first = tokio::spawn({
+        let (store, op, runs) = (store.clone(), op.clone(), runs.clone());
+        async move { op.run(&store, &live, None, held_body(runs, wait, 1)).await }
+    });
+    let held = until_held(&store, &live).await;
+    let holder = held.holder().expect("the holder is kept");
+    assert_eq!(holder.pid(), std::process::id());
+    assert_eq!(held.lease(), Some(Duration::from_secs(60)));
+    assert!(!held.is_silent());
+    let token = held.token().unwrap();
+    let listed = store
+        .list(&Filter::namespace(prefix).held(), None)
+        .await
+        .unwrap();
+    assert_eq!(
+        listed
+            .entries()
+            .iter()
+            .map(|e| *e.key())
+            .collect::<Vec<_>>(),
+        [live]
+    );
+    match Admin::release(&store, &live, token, Release::IfSilent)
+        .await
+        .unwrap()
+    {
+        Verdict::Refused(Refusal::Live { .. }) => {}
+        other => panic!("a live holder's claim was not refused: {other:?}"),
+    }
+    let wrong = idem_runtime::Token::new(token.get() + 1_000);
+    assert_eq!(
+        Admin::release(&store, &live, wrong, Release::Force)
+            .await
+            .unwrap(),
+        Verdict::Refused(Refusal::OtherToken(token))
+    );
+    assert!(matches!(
+        store.reset(&live, Release::IfSilent).await.unwrap(),
+        Verdict::Refused(Refusal::Live { .. })
+    ));
+
+    // Forced: the next call runs at once; the old holder's result is refused and its caller
+    // told so; the value replayed afterwards is the new run's.
+    assert_eq!(
+        Admin::release(&store, &live, token, Release::Force)
+            .await
+            .unwrap(),
+        Verdict::Done
+    );
+    let second = op
+        .run(&store, &live, None, async { Ok::<_, Error>(2_u32) })
+        .await
+        .unwrap();
+    assert_eq!(second, Outcome::Executed(2));
+    go.send(()).unwrap();
+    match first.await.unwrap() {
+        Err(Error::Unrecorded(why)) => assert!(why.to_string().contains("by force"), "{why}"),
+        other => panic!("the fenced holder's caller was answered {other:?}"),
+    }
+    let again = op
+        .run(&store, &live, None, async { Ok::<_, Error>(3_u32) })
+        .await
+        .unwrap();
+    assert_eq!(again, Outcome::Replayed(2));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // A dead holder (a claim no one renews): silent past half its lease, released, and the
+    // retry runs at once.
+    let dead = op.key(&3_u32).unwrap();
+    let claimant = Claimant::new(op.namespace());
+    let lease = Duration::from_millis(1_500);
+    let Claim::Acquired { token } = store
+        .claim_as(&dead, None, lease, 7, &claimant)
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key is claimed");
+    };
+    // Refused while it renewed within half its lease, then released once silent: the
+    // store judges by its own clock, in the same write.
+    assert!(!store.inspect(&dead).await.unwrap().unwrap().is_silent());
+    loop {
+        match Admin::release(&store, &dead, token, Release::IfSilent)
+            .await
+            .unwrap()
+        {
+            Verdict::Done => break,
+            Verdict::Refused(Refusal::Live { .. }) => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            other => panic!("a silent holder's claim was answered {other:?}"),
+        }
+    }
+    assert!(store.inspect(&dead).await.unwrap().is_none());
+    let retried = op
+        .run(&store, &dead, None, async { Ok::<_, Error>(9_u32) })
+        .await
+        .unwrap();
+    assert_eq!(retried, Outcome::Executed(9));
+    assert_eq!(
+        Admin::release(&store, &dead, token, Release::Force)
+            .await
+            .unwrap(),
+        Verdict::Refused(Refusal::NotHeld(State::Completed))
+    );
+
+    // Reset: forgotten, and the next call runs again.
+    assert_eq!(
+        store.reset(&done, Release::IfSilent).await.unwrap(),
+        Verdict::Done
+    );
+    assert!(store.inspect(&done).await.unwrap().is_none());
+    let rerun = op
+        .run(&store, &done, None, async { Ok::<_, Error>(42_u32) })
+        .await
+        .unwrap();
+    assert_eq!(rerun, Outcome::Executed(42));
+    assert_eq!(
+        store
+            .reset(&op.key(&99_u32).unwrap(), Release::Force)
+            .await
+            .unwrap(),
+        Verdict::Refused(Refusal::NotFound)
+    );
+}
+
+/// 250 records, pages of 100: every key once, in key order, and a last page that says so.
+async fn paging<S: Store + Admin + Clone>(store: S, prefix: &str) {
+    let op = Operation::new(format!("{prefix}.paged"));
+    let mut keys = Vec::new();
+    for n in 0..250_u32 {
+        let key = op.key(&n).unwrap();
+        let _ = op
+            .run(&store, &key, None, async { Ok::<_, Error>(n) })
+            .await
+            .unwrap();
+        keys.push(key);
+    }
+    keys.sort();
+    let filter = Filter::namespace(format!("{prefix}.paged")).limit(100);
+    let mut seen = Vec::new();
+    let mut cursor = None;
+    let mut pages = 0;
+    loop {
+        let page = store.list(&filter, cursor.as_ref()).await.unwrap();
+        pages += 1;
+        assert!(page.entries().len() <= 100);
+        seen.extend(page.entries().iter().map(|e| *e.key()));
+        match page.next() {
+            Some(next) => cursor = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!(seen, keys);
+    assert_eq!(pages, 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_memory_store_is_operated_safely() {
+    let store = MemoryStore::new();
+    operations(store.clone(), &namespace("admin")).await;
+    paging(store, &namespace("admin")).await;
+}
+
+/// `wait = "2s"` beside a holder of a five-minute lease: `InProgress` after the two
+/// seconds, not the lease; in this process (the holder's flight) and from another (a claim
+/// the store holds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_waits_as_long_as_it_is_told_then_answers_in_progress() {
+    static STORE: std::sync::LazyLock<MemoryStore> = std::sync::LazyLock::new(MemoryStore::new);
+    fn wait_store() -> &'static MemoryStore {
+        &STORE
+    }
+
+    #[idempotent(key = id, store = wait_store(), namespace = "admin.wait.v1", lease = "5m", wait = "2s", ignore = go)]
+    async fn charge(id: u32, go: oneshot::Receiver<()>) -> Result<u32, Error> {
+        let _ = go.await;
+        Ok(id)
+    }
+
+    let (go, wait) = oneshot::channel();
+    let first = tokio::spawn(charge(1, wait));
+    let key = Key::derive("admin.wait.v1", &1_u32).unwrap();
+    until_held(&*STORE, &key).await;
+    let asked = Instant::now();
+    let (_unused, never) = oneshot::channel();
+    assert!(matches!(charge(1, never).await, Err(Error::InProgress)));
+    assert!(
+        asked.elapsed() >= Duration::from_secs(2),
+        "{:?}",
+        asked.elapsed()
+    );
+    go.send(()).unwrap();
+    assert_eq!(first.await.unwrap().unwrap(), 1);
+
+    // Held by a claim of "another process": the duplicate polls the store for its wait.
+    let store = MemoryStore::new();
+    let op = Operation::new("admin.wait.v1")
+        .lease(Duration::from_secs(300))
+        .wait(Duration::from_secs(2));
+    let key = op.key(&2_u32).unwrap();
+    let claimant = Claimant::new("admin.wait.v1");
+    assert!(matches!(
+        store
+            .claim_as(&key, None, Duration::from_secs(300), 1, &claimant)
+            .await,
+        Ok(Claim::Acquired { .. })
+    ));
+    let asked = Instant::now();
+    let waited = op
+        .run(&store, &key, None, async { Ok::<_, Error>(0_u32) })
+        .await;
+    assert!(matches!(waited, Err(Error::InProgress)), "{waited:?}");
+    assert!(waited.unwrap_err().is_transient());
+    assert!(asked.elapsed() >= Duration::from_secs(2));
+}
