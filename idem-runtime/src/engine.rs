@@ -119,7 +119,7 @@ impl<P> Operation<P> {
     }
 
     /// How long a duplicate waits for the holder at most ([`InFlight::Wait`]), before it
-    /// fails with [`Error::InProgress`](crate::Error::InProgress) (default: the lease). `Duration::ZERO` refuses at
+    /// fails with [`Error::InProgress`] (default: the lease). `Duration::ZERO` refuses at
     /// once. While a call waits on a key held in another process, it logs the holder and
     /// the lease it has left (`tracing`, `info`), so that a wait is never silent.
     ///
