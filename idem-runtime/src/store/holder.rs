@@ -96,7 +96,7 @@ fn host_name() -> String {
 /// [`Holder::this_process`].
 #[derive(Clone, Copy, Debug)]
 pub struct Claimant<'a> {
-    namespace: &'a str,
+    namespace: Option<&'a str>,
     label: Option<&'a str>,
     /// The engine's own handle on the name: a store in this process keeps it without a copy.
     shared: Option<&'a Namespace>,
@@ -106,7 +106,17 @@ impl<'a> Claimant<'a> {
     /// A claim of the operation `namespace`.
     pub const fn new(namespace: &'a str) -> Self {
         Self {
-            namespace,
+            namespace: Some(namespace),
+            label: None,
+            shared: None,
+        }
+    }
+
+    /// A claim that says nothing of itself: what a store's `claim_with_nonce` passes to
+    /// its own `claim_as`, so that each store has one claim.
+    pub(crate) const fn unnamed() -> Self {
+        Self {
+            namespace: None,
             label: None,
             shared: None,
         }
@@ -115,7 +125,7 @@ impl<'a> Claimant<'a> {
     /// The claim of the engine's operation `namespace`.
     pub(crate) fn of(namespace: &'a Namespace) -> Self {
         Self {
-            namespace,
+            namespace: Some(namespace),
             label: None,
             shared: Some(namespace),
         }
@@ -124,10 +134,12 @@ impl<'a> Claimant<'a> {
     /// The namespace as a store in this process keeps it: shared, not copied, when the
     /// engine claims.
     #[cfg_attr(not(feature = "memory"), allow(dead_code))]
-    pub(crate) fn kept(&self) -> Namespace {
+    pub(crate) fn kept(&self) -> Option<Namespace> {
         match self.shared {
-            Some(shared) => shared.clone(),
-            None => Namespace::from(std::borrow::Cow::Owned(self.namespace.to_owned())),
+            Some(shared) => Some(shared.clone()),
+            None => self
+                .namespace
+                .map(|name| Namespace::from(std::borrow::Cow::Owned(name.to_owned()))),
         }
     }
 
@@ -138,8 +150,9 @@ impl<'a> Claimant<'a> {
         self
     }
 
-    /// The operation's namespace.
-    pub const fn namespace(&self) -> &'a str {
+    /// The operation's namespace; `None` for a claim made without one
+    /// ([`Store::claim_with_nonce`](super::Store::claim_with_nonce)).
+    pub const fn namespace(&self) -> Option<&'a str> {
         self.namespace
     }
 

@@ -169,10 +169,10 @@ struct About {
 }
 
 impl About {
-    fn of(claimant: Option<&Claimant<'_>>, lease: Duration) -> Self {
+    fn of(claimant: &Claimant<'_>, lease: Duration) -> Self {
         Self {
-            namespace: claimant.map(Claimant::kept),
-            label: claimant.and_then(|c| c.label()).map(Arc::from),
+            namespace: claimant.kept(),
+            label: claimant.label().map(Arc::from),
             lease,
         }
     }
@@ -273,7 +273,7 @@ impl MemoryStore {
         key: &Key,
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
-        claimant: Option<&Claimant<'_>>,
+        claimant: &Claimant<'_>,
     ) -> Claim {
         let now = Instant::now();
         let mut claims = self.claims(key);
@@ -320,6 +320,7 @@ impl MemoryStore {
         let Some(claim) = claims.held(key, token, now) else {
             return false;
         };
+        let ttl = limits::clamp(ttl);
         // Kept encoded only if both copies do not fit: the one copy may, its replays decode.
         let typed = typed.filter(|_| weight(&value, true) <= self.inner.max_bytes);
         let record = ResultRecord {
@@ -328,9 +329,10 @@ impl MemoryStore {
                 typed,
                 fingerprint: claim.fingerprint,
             }),
-            ttl: limits::clamp(ttl),
-            until: now + limits::clamp(ttl),
-            about: claim.about.clone(),
+            ttl,
+            until: now + ttl,
+            // Moved, not cloned: the claim goes below, on every path.
+            about: std::mem::take(&mut claim.about),
         };
         // The mark first: from here on the key answers, whatever becomes of its result.
         let mut marked = false;
@@ -498,7 +500,7 @@ impl Store for MemoryStore {
         lease: Duration,
         _: u64,
     ) -> Result<Claim, Error> {
-        Ok(self.take(key, fingerprint, lease, None))
+        Ok(self.take(key, fingerprint, lease, &Claimant::unnamed()))
     }
 
     async fn claim_as(
@@ -509,7 +511,7 @@ impl Store for MemoryStore {
         _: u64,
         claimant: &Claimant<'_>,
     ) -> Result<Claim, Error> {
-        Ok(self.take(key, fingerprint, lease, Some(claimant)))
+        Ok(self.take(key, fingerprint, lease, claimant))
     }
 
     async fn complete(

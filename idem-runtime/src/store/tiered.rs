@@ -270,11 +270,12 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
         lease: Duration,
         nonce: u64,
     ) -> Result<Claim, Error> {
-        self.claim_durably(key, fingerprint, lease, nonce, None)
+        self.claim_as(key, fingerprint, lease, nonce, &Claimant::unnamed())
             .await
     }
 
-    /// Claims go to the durable store, which keeps whose they are.
+    /// The fast tier's copy answers a replay; claims go to the durable store, which keeps
+    /// whose they are.
     async fn claim_as(
         &self,
         key: &Key,
@@ -283,8 +284,45 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
         nonce: u64,
         claimant: &Claimant<'_>,
     ) -> Result<Claim, Error> {
-        self.claim_durably(key, fingerprint, lease, nonce, Some(claimant))
-            .await
+        if let Some(copy) = self.read_fast(key).await {
+            return Ok(Claim::Completed {
+                value: copy.value,
+                fingerprint: copy.fingerprint,
+            });
+        }
+        let claim = self
+            .durable
+            .claim_as(key, fingerprint, lease, nonce, claimant)
+            .await?;
+        match &claim {
+            Claim::Acquired { token } => {
+                let mut claims = self.claims();
+                if claims.len() < REMEMBERED_CLAIMS {
+                    claims.insert((*key, *token), fingerprint.copied());
+                }
+            }
+            Claim::Completed { fingerprint, .. } => {
+                // Worth two more round trips once per key: the next replays are the fast
+                // tier's. Only a durable store that says how long the record has left is
+                // copied from, and only what it holds once the copy has begun.
+                if let Some(copy) = self.begin_copy(key, fingerprint.as_ref()).await {
+                    let asked = Instant::now();
+                    match self.durable.lookup(key).await {
+                        Ok(Some(Recorded {
+                            value,
+                            fingerprint: recorded,
+                            expires_in: Some(left),
+                            ..
+                        })) if recorded == *fingerprint => {
+                            self.finish_copy(key, copy, value, None, asked + left).await;
+                        }
+                        _ => self.abandon_copy(key, copy).await,
+                    }
+                }
+            }
+            Claim::InProgress { .. } => {}
+        }
+        Ok(claim)
     }
 
     async fn holding(&self, key: &Key) -> Result<Option<Holding>, Error> {
@@ -422,66 +460,5 @@ impl<F: std::fmt::Debug, D: std::fmt::Debug> std::fmt::Debug for TieredStore<F, 
             .field("durable", &self.durable)
             .field("fast_timeout", &self.fast_timeout)
             .finish()
-    }
-}
-
-impl<F: Store, D: Store> TieredStore<F, D> {
-    /// A claim, with its claimant when the engine gave one: the fast tier's copy answers a
-    /// replay, the durable store the rest.
-    async fn claim_durably(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-        claimant: Option<&Claimant<'_>>,
-    ) -> Result<Claim, Error> {
-        if let Some(copy) = self.read_fast(key).await {
-            return Ok(Claim::Completed {
-                value: copy.value,
-                fingerprint: copy.fingerprint,
-            });
-        }
-        let claim = match claimant {
-            Some(claimant) => {
-                self.durable
-                    .claim_as(key, fingerprint, lease, nonce, claimant)
-                    .await?
-            }
-            None => {
-                self.durable
-                    .claim_with_nonce(key, fingerprint, lease, nonce)
-                    .await?
-            }
-        };
-        match &claim {
-            Claim::Acquired { token } => {
-                let mut claims = self.claims();
-                if claims.len() < REMEMBERED_CLAIMS {
-                    claims.insert((*key, *token), fingerprint.copied());
-                }
-            }
-            Claim::Completed { fingerprint, .. } => {
-                // Worth two more round trips once per key: the next replays are the fast
-                // tier's. Only a durable store that says how long the record has left is
-                // copied from, and only what it holds once the copy has begun.
-                if let Some(copy) = self.begin_copy(key, fingerprint.as_ref()).await {
-                    let asked = Instant::now();
-                    match self.durable.lookup(key).await {
-                        Ok(Some(Recorded {
-                            value,
-                            fingerprint: recorded,
-                            expires_in: Some(left),
-                            ..
-                        })) if recorded == *fingerprint => {
-                            self.finish_copy(key, copy, value, None, asked + left).await;
-                        }
-                        _ => self.abandon_copy(key, copy).await,
-                    }
-                }
-            }
-            Claim::InProgress { .. } => {}
-        }
-        Ok(claim)
     }
 }
