@@ -34,17 +34,20 @@
 //! - [`Release::Force`] releases a live holder too, and **fences** it: its completion and
 //!   its steps are refused (they are compare-and-set on its token), and its caller is
 //!   answered [`Error::Unrecorded`] ("released by force"), never `Replayed` of the value of
-//!   the run that took the key after it. The forced holder's effect, if it made one,
+//!   the run that took the key after it. (The store's registry of running calls tells the
+//!   holder so: a holder in another process than the release's is not told yet, which
+//!   matters once a shared store implements `Admin`.) The forced holder's effect, if it made one,
 //!   stays: reconcile it (the operator's guide says how).
 //! - [`reset`](Admin::reset) forgets a completed call and its steps; a call in progress
 //!   only as `release` would free it.
 //!
-//! Each is one conditional write on the store: a renewal that lands first makes a
-//! `IfSilent` release refuse, never the other way round.
+//! Each is judged and done in one atomic step on the store (the memory store: under the
+//! key's lock, by the leases' clock): a renewal that lands first makes an `IfSilent`
+//! release refuse, never the other way round.
 //!
-//! Every store implements [`Admin`]; a [`TieredStore`](crate::TieredStore) acts on both of
-//! its tiers. The cost of a listing per store is in the operator's guide
-//! ([`crate::guide::operations`]).
+//! [`MemoryStore`](crate::MemoryStore) implements [`Admin`] today; the shared stores and
+//! the tier are next. What each store supports, and what a listing costs on it, is in the
+//! operator's guide ([`crate::guide::operations`]).
 
 use std::fmt;
 use std::str::FromStr;
@@ -536,7 +539,8 @@ impl fmt::Display for Refusal {
     }
 }
 
-/// An operator's view of a store: every store implements it (feature `admin`).
+/// An operator's view of a store (feature `admin`): [`MemoryStore`](crate::MemoryStore)
+/// implements it today.
 ///
 /// [`Store`](crate::Store) has a `release` of its own (a holder's, by token): with both
 /// traits in scope, say which, `Admin::release(&store, &key, token, Release::IfSilent)`.

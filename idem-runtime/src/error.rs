@@ -136,7 +136,8 @@ impl Error {
 
 impl Error {
     /// Whether the same call may succeed later, unchanged: the one classification the HTTP
-    /// layer's answers, the client's retries and a queue consumer's requeues share.
+    /// layer's answers and the client's retries share, and the one a queue consumer's
+    /// requeues should follow.
     ///
     /// | transient (retry later, with the same key) | final (retrying changes nothing) |
     /// |---|---|

@@ -252,9 +252,9 @@ pub trait Store: Send + Sync + 'static {
 
     /// [`claim_with_nonce`](Store::claim_with_nonce), saying whose the claim is: its
     /// operation's namespace, a label if the caller chose one, and this process as its
-    /// [`Holder`], which a store keeps beside the record so that an operator's listing
+    /// [`Holder`], which a store may keep beside the record so that an operator's listing
     /// (`idem_runtime::admin`) can tell whose a key is and whether its holder still renews
-    /// it. The engine claims through this method.
+    /// it (the memory store does). The engine claims through this method.
     ///
     /// The default forgets `claimant` and claims: a store that keeps no such metadata
     /// loses nothing else by it. Wrappers around another store forward it.

@@ -1,5 +1,6 @@
-//! Operating a store (`idem_runtime::admin`), on every store that implements it, against
-//! the real servers: listing by namespace and state, paged; inspecting; a release refused
+//! Operating a store (`idem_runtime::admin`), on the stores that implement it (the memory
+//! store today; `operations` and `paging` take any): listing by namespace and state,
+//! paged; inspecting; a release refused
 //! while the holder renews and done once it is silent; a forced release that fences the old
 //! holder (its caller is told, and the value replayed afterwards is the new run's); a reset
 //! that makes the next call run again. And `wait`: a duplicate beside a long lease gives up
@@ -11,35 +12,21 @@ use std::time::{Duration, Instant};
 
 use idem_runtime::admin::{Admin, Filter, Refusal, Release, State, Verdict};
 use idem_runtime::store::Claimant;
-use idem_runtime::{idempotent, Claim, Error, Key, MemoryStore, Operation, Outcome, Store};
+use idem_runtime::{idempotent, Claim, Error, MemoryStore, Operation, Outcome, Store};
 use idem_tests::scenarios::namespace;
 use tokio::sync::oneshot;
 
-/// A body that waits for its signal, counting its runs.
+/// A body that says it started, then waits for its signal, counting its runs.
 async fn held_body(
     runs: Arc<AtomicUsize>,
+    started: oneshot::Sender<()>,
     go: oneshot::Receiver<()>,
     value: u32,
 ) -> Result<u32, Error> {
     runs.fetch_add(1, Ordering::SeqCst);
+    let _ = started.send(());
     let _ = go.await;
     Ok(value)
-}
-
-/// Waits until `key` is held in `store` (a body started).
-async fn until_held<S: Admin + ?Sized>(
-    store: &S,
-    key: &idem_runtime::Key,
-) -> idem_runtime::admin::Entry {
-    loop {
-        if let Some(entry) = store.inspect(key).await.unwrap() {
-            if entry.state() == State::Held {
-                return entry;
-            }
-        }
-        tokio::task::yield_now().await;
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 /// Every promise of the admin API, on one store.
@@ -87,11 +74,17 @@ where
     let runs = Arc::new(AtomicUsize::new(0));
     let live = op.key(&2_u32).unwrap();
     let (go, wait) = oneshot::channel();
+    let (started, has_started) = oneshot::channel();
     let first = tokio::spawn({
         let (store, op, runs) = (store.clone(), op.clone(), runs.clone());
-        async move { op.run(&store, &live, None, held_body(runs, wait, 1)).await }
+        async move {
+            op.run(&store, &live, None, held_body(runs, started, wait, 1))
+                .await
+        }
     });
-    let held = until_held(&store, &live).await;
+    has_started.await.unwrap();
+    let held = store.inspect(&live).await.unwrap().unwrap();
+    assert_eq!(held.state(), State::Held);
     let holder = held.holder().expect("the holder is kept");
     assert_eq!(holder.pid(), std::process::id());
     assert_eq!(held.lease(), Some(Duration::from_secs(60)));
@@ -136,7 +129,11 @@ where
             .unwrap(),
         Verdict::Done
     );
+    // The holder's flight is landed with the release: a duplicate that will not wait at
+    // all claims at once instead of being told `InProgress`.
     let second = op
+        .clone()
+        .wait(Duration::ZERO)
         .run(&store, &live, None, async { Ok::<_, Error>(2_u32) })
         .await
         .unwrap();
@@ -157,7 +154,9 @@ where
     // retry runs at once.
     let dead = op.key(&3_u32).unwrap();
     let claimant = Claimant::new(op.namespace());
-    let lease = Duration::from_millis(1_500);
+    // Long enough that the first look comes well within half of it, however loaded the
+    // machine: silence is then waited for, never assumed.
+    let lease = Duration::from_secs(4);
     let Claim::Acquired { token } = store
         .claim_as(&dead, None, lease, 7, &claimant)
         .await
@@ -261,19 +260,28 @@ async fn a_duplicate_waits_as_long_as_it_is_told_then_answers_in_progress() {
         &STORE
     }
 
-    #[idempotent(key = id, store = wait_store(), namespace = "admin.wait.v1", lease = "5m", wait = "2s", ignore = go)]
-    async fn charge(id: u32, go: oneshot::Receiver<()>) -> Result<u32, Error> {
+    #[idempotent(key = id, store = wait_store(), namespace = "admin.wait.v1", lease = "5m", wait = "2s", ignore = (started, go))]
+    async fn charge(
+        id: u32,
+        started: oneshot::Sender<()>,
+        go: oneshot::Receiver<()>,
+    ) -> Result<u32, Error> {
+        let _ = started.send(());
         let _ = go.await;
         Ok(id)
     }
 
     let (go, wait) = oneshot::channel();
-    let first = tokio::spawn(charge(1, wait));
-    let key = Key::derive("admin.wait.v1", &1_u32).unwrap();
-    until_held(&*STORE, &key).await;
+    let (started, has_started) = oneshot::channel();
+    let first = tokio::spawn(charge(1, started, wait));
+    has_started.await.unwrap();
     let asked = Instant::now();
     let (_unused, never) = oneshot::channel();
-    assert!(matches!(charge(1, never).await, Err(Error::InProgress)));
+    let (unheard, _) = oneshot::channel();
+    assert!(matches!(
+        charge(1, unheard, never).await,
+        Err(Error::InProgress)
+    ));
     assert!(
         asked.elapsed() >= Duration::from_secs(2),
         "{:?}",

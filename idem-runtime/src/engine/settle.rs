@@ -290,10 +290,12 @@ fn replayable<T>(
 /// the holder and its lease left as the store tells them (one read, only when `info` is
 /// on), and how long this call waits at most, so that no wait is silent.
 async fn waiting_on(store: &dyn Store, key: &Key, until: Instant) {
-    if !tracing::enabled!(tracing::Level::INFO) {
+    let wait = until.saturating_duration_since(Instant::now());
+    // A call that does not wait (`wait = "0s"`, or a deadline spent) has nothing to say.
+    if wait.is_zero() || !tracing::enabled!(tracing::Level::INFO) {
         return;
     }
-    let wait_ms = until.saturating_duration_since(Instant::now()).as_millis();
+    let wait_ms = wait.as_millis();
     match store.holding(key).await {
         Ok(Some(holding)) => {
             let holder = holding

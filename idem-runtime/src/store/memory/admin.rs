@@ -51,6 +51,60 @@ impl ResultRecord {
     }
 }
 
+/// A page in the making: the smallest `limit + 1` keys after the cursor that the filter
+/// selects, whatever order they are offered in (one more says there is a next page).
+struct Smallest<'a> {
+    filter: &'a Filter,
+    after: Option<&'a Cursor>,
+    entries: BTreeMap<Key, Entry>,
+}
+
+impl<'a> Smallest<'a> {
+    fn new(filter: &'a Filter, after: Option<&'a Cursor>) -> Self {
+        Self {
+            filter,
+            after,
+            entries: BTreeMap::new(),
+        }
+    }
+
+    fn offer(&mut self, entry: Entry) {
+        let key = *entry.key();
+        if self.after.is_some_and(|cursor| key <= *cursor.key())
+            || !self.filter.matches(entry.namespace(), entry.state())
+            // A key seen twice (a claim that completed while the walk went on) keeps its
+            // first entry, and costs the page no other key.
+            || self.entries.contains_key(&key)
+        {
+            return;
+        }
+        if self.entries.len() > self.filter.page_size() {
+            match self.entries.last_key_value() {
+                Some((last, _)) if *last > key => {
+                    self.entries.pop_last();
+                }
+                _ => return,
+            }
+        }
+        self.entries.insert(key, entry);
+    }
+
+    fn finish(mut self) -> Page {
+        let more = self.entries.len() > self.filter.page_size();
+        if more {
+            self.entries.pop_last();
+        }
+        let next = more
+            .then(|| {
+                self.entries
+                    .last_key_value()
+                    .map(|(key, _)| Cursor::after(*key))
+            })
+            .flatten();
+        Page::new(self.entries.into_values().collect(), next)
+    }
+}
+
 impl MemoryStore {
     /// The record of `key` as an operator sees it, read under its shard's lock.
     fn entry(&self, claims: &super::Claims, key: &Key, now: Instant, value: bool) -> Option<Entry> {
@@ -78,25 +132,8 @@ impl MemoryStore {
 impl Admin for MemoryStore {
     async fn list(&self, filter: &Filter, after: Option<&Cursor>) -> Result<Page, Error> {
         let now = Instant::now();
-        let limit = filter.page_size();
-        // The smallest `limit + 1` keys after the cursor: one more says there is a next page.
-        let mut page: BTreeMap<Key, Entry> = BTreeMap::new();
-        let mut offer = |entry: Entry| {
-            if after.is_some_and(|cursor| entry.key() <= cursor.key())
-                || !filter.matches(entry.namespace(), entry.state())
-            {
-                return;
-            }
-            if page.len() > limit {
-                match page.last_key_value() {
-                    Some((last, _)) if last > entry.key() => {
-                        page.pop_last();
-                    }
-                    _ => return,
-                }
-            }
-            page.entry(*entry.key()).or_insert(entry);
-        };
+        let mut page = Smallest::new(filter, after);
+        let mut offer = |entry: Entry| page.offer(entry);
         for shard in &self.inner.claims {
             let claims = shard
                 .lock()
@@ -108,20 +145,14 @@ impl Admin for MemoryStore {
         for (key, result) in &self.inner.results {
             offer(result.entry(*key, now, filter.values()));
         }
-        let marked: Vec<Key> = {
-            let marks = self.marks();
-            marks.live(now).map(|(key, _)| *key).collect()
-        };
-        for key in marked {
-            if !self.inner.results.contains_key(&key) {
-                offer(Entry::new(key, State::Gone));
+        // Under the marks' lock, no shard's held: the marks are locked after a shard's
+        // claims, never before.
+        for (key, _) in self.marks().live(now) {
+            if !self.inner.results.contains_key(key) {
+                offer(Entry::new(*key, State::Gone));
             }
         }
-        let next = (page.len() > limit).then(|| {
-            page.pop_last();
-            page.last_key_value().map(|(key, _)| Cursor::after(*key))
-        });
-        Ok(Page::new(page.into_values().collect(), next.flatten()))
+        Ok(page.finish())
     }
 
     async fn inspect(&self, key: &Key) -> Result<Option<Entry>, Error> {
@@ -150,9 +181,10 @@ impl Admin for MemoryStore {
         if let Some(refusal) = admin::refusal(&entry, Some(token), how) {
             return Ok(Verdict::Refused(refusal));
         }
-        claims.live.remove(key);
-        drop(claims);
+        // Fenced before the claim goes, under its shard's lock: the holder's completion
+        // is refused only after this, so it always finds itself fenced.
         self.inner.flights.released(key);
+        claims.live.remove(key);
         Ok(Verdict::Done)
     }
 
@@ -165,9 +197,9 @@ impl Admin for MemoryStore {
         if let Some(refusal) = admin::refusal(&entry, None, how) {
             return Ok(Verdict::Refused(refusal));
         }
-        self.forget(&mut claims, key);
-        drop(claims);
+        // As in `release`: fenced before the claim goes.
         self.inner.flights.released(key);
+        self.forget(&mut claims, key);
         Ok(Verdict::Done)
     }
 
@@ -186,5 +218,46 @@ impl Admin for MemoryStore {
         }
         self.inner.results.run_pending_tasks();
         Ok(purged)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(byte: u8) -> Entry {
+        Entry::new(Key::from_bytes([byte; 32]), State::Completed)
+    }
+
+    fn keys(page: &Page) -> Vec<u8> {
+        page.entries()
+            .iter()
+            .map(|e| e.key().as_bytes()[0])
+            .collect()
+    }
+
+    #[test]
+    fn a_page_keeps_the_smallest_keys_after_its_cursor_in_any_order() {
+        let filter = Filter::all().limit(2);
+        let cursor = Cursor::after(Key::from_bytes([1; 32]));
+        let mut page = Smallest::new(&filter, Some(&cursor));
+        for byte in [9, 1, 4, 0, 7, 3] {
+            page.offer(entry(byte));
+        }
+        let page = page.finish();
+        assert_eq!(keys(&page), [3, 4]);
+        assert_eq!(page.next(), Some(Cursor::after(Key::from_bytes([4; 32]))));
+    }
+
+    #[test]
+    fn a_key_offered_twice_costs_the_page_no_other_key() {
+        let filter = Filter::all().limit(2);
+        let mut page = Smallest::new(&filter, None);
+        for byte in [1, 2, 3, 2] {
+            page.offer(entry(byte));
+        }
+        let page = page.finish();
+        assert_eq!(keys(&page), [1, 2]);
+        assert!(page.next().is_some(), "key 3 is still to come");
     }
 }
