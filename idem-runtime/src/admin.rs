@@ -34,20 +34,24 @@
 //! - [`Release::Force`] releases a live holder too, and **fences** it: its completion and
 //!   its steps are refused (they are compare-and-set on its token), and its caller is
 //!   answered [`Error::Unrecorded`] ("released by force"), never `Replayed` of the value of
-//!   the run that took the key after it. (The store's registry of running calls tells the
-//!   holder so: a holder in another process than the release's is not told yet, which
-//!   matters once a shared store implements `Admin`.) The forced holder's effect, if it made one,
-//!   stays: reconcile it (the operator's guide says how).
+//!   the run that took the key after it. (The store's registry of running calls tells a
+//!   holder in the releasing process so; a holder in another process, if no call took the
+//!   key since, may claim it again and record its own result: the operator's guide says
+//!   what is left.) The forced holder's effect, if it made one, stays: reconcile it (the
+//!   operator's guide says how).
 //! - [`reset`](Admin::reset) forgets a completed call and its steps; a call in progress
 //!   only as `release` would free it.
 //!
 //! Each is judged and done in one atomic step on the store (the memory store: under the
-//! key's lock, by the leases' clock): a renewal that lands first makes an `IfSilent`
-//! release refuse, never the other way round.
+//! key's lock, by the leases' clock; the SQL stores: one conditional `DELETE`, by the
+//! database's clock): a renewal that lands first makes an `IfSilent` release refuse, never
+//! the other way round.
 //!
-//! [`MemoryStore`](crate::MemoryStore) implements [`Admin`] today; the shared stores and
-//! the tier are next. What each store supports, and what a listing costs on it, is in the
-//! operator's guide ([`crate::guide::operations`]).
+//! [`MemoryStore`](crate::MemoryStore) and the SQL stores
+//! ([`PostgresStore`](crate::PostgresStore), [`MySqlStore`](crate::MySqlStore),
+//! [`SqliteStore`](crate::SqliteStore)) implement [`Admin`]; Redis, DynamoDB and the tier
+//! are next. What each store supports, and what a listing costs on it, is in the operator's
+//! guide ([`crate::guide::operations`]), with the `idem` command line (feature `cli`).
 
 use std::fmt;
 use std::str::FromStr;
@@ -276,6 +280,93 @@ pub fn parse_digest(text: &str) -> Result<Key, Error> {
     Ok(Key::from_bytes(bytes))
 }
 
+/// The key the macro derives in `namespace` for the key value written as JSON: what
+/// `idem key` prints, and how `idem show`, `release` and `reset` name a call.
+///
+/// JSON names Rust values as they encode (`crate::key`'s table): an integer is any Rust
+/// integer of that value, whatever its width; a number with a fraction or an exponent is a
+/// float (`1.0` for an `f64` key of one); a string is a `String`, `&str` or `char`; `true`
+/// and `false` are `bool`; an array is a `Vec`, an array, a tuple or a tuple struct (a key
+/// of several arguments, `key = (order.id, order.user)`, is `[17, "ada"]`). A newtype
+/// struct is what it wraps.
+///
+/// ```
+/// use idem_runtime::admin::key_from_json;
+/// use idem_runtime::Key;
+///
+/// let key = key_from_json("billing.charge.v1", r#"[17, "ada"]"#)?;
+/// assert_eq!(key, Key::derive("billing.charge.v1", &(17_u64, "ada"))?);
+/// # Ok::<(), idem_runtime::Error>(())
+/// ```
+///
+/// # Errors
+///
+/// [`Error::Config`] for JSON that is not valid, and for a value whose Rust encoding JSON
+/// cannot tell: `null` (`None`, `()` or a unit struct encode differently), an object (a
+/// struct and a map encode differently; and field order would matter), and an integer
+/// beyond 64 bits (JSON parsers round it). Name such a call by its digest instead, which
+/// `Key::derive` in Rust prints. An `Option` key and an enum variant are not expressible
+/// either: `Some(5)` is not `5`, a unit variant is not its name as a string.
+pub fn key_from_json(namespace: &str, json: &str) -> Result<Key, Error> {
+    let value: serde_json::Value = serde_json::from_str(json)
+        .map_err(|err| Error::config(format!("the key value is not JSON: {err}")))?;
+    refuse_ambiguous(&value)?;
+    refuse_wide_integers(json)?;
+    Key::derive(namespace, &value)
+}
+
+/// Refuses the JSON values whose Rust encoding is ambiguous (see [`key_from_json`]).
+fn refuse_ambiguous(value: &serde_json::Value) -> Result<(), Error> {
+    use serde_json::Value;
+    match value {
+        Value::Null => Err(Error::config(
+            "`null` in a key value is ambiguous (`None`, `()` and a unit struct encode differently): name the call by its digest",
+        )),
+        Value::Object(_) => Err(Error::config(
+            "an object in a key value is ambiguous (a struct and a map encode differently): write a struct's fields as an array if the key is a tuple, or name the call by its digest",
+        )),
+        Value::Array(items) => items.iter().try_for_each(refuse_ambiguous),
+        Value::Bool(_) | Value::Number(_) | Value::String(_) => Ok(()),
+    }
+}
+
+/// Refuses an integer literal beyond 64 bits, which JSON parsing rounds to a float.
+fn refuse_wide_integers(json: &str) -> Result<(), Error> {
+    let (mut in_string, mut escaped) = (false, false);
+    let mut chars = json.char_indices().peekable();
+    while let Some((start, c)) = chars.next() {
+        if in_string {
+            match c {
+                _ if escaped => escaped = false,
+                '\\' => escaped = true,
+                '"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        if c == '"' {
+            in_string = true;
+        } else if c == '-' || c.is_ascii_digit() {
+            let mut end = start + c.len_utf8();
+            while let Some(&(at, next)) = chars.peek() {
+                if !(next.is_ascii_digit() || matches!(next, '.' | 'e' | 'E' | '+' | '-')) {
+                    break;
+                }
+                end = at + next.len_utf8();
+                chars.next();
+            }
+            let token = &json[start..end];
+            let integer = !token.contains(['.', 'e', 'E']);
+            if integer && token.parse::<i64>().is_err() && token.parse::<u64>().is_err() {
+                return Err(Error::config(format!(
+                    "the integer {token} is beyond 64 bits, which JSON rounds: name the call by its digest"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// One page of a listing.
 #[derive(Clone, Debug)]
 pub struct Page {
@@ -436,11 +527,14 @@ impl Entry {
         Some(self.lease?.saturating_sub(self.lease_left?))
     }
 
-    /// Whether the holder is silent: no renewal for more than half its lease, or a lease
-    /// that ran out. A claim of unknown lease is silent only once lapsed.
+    /// Whether the holder is silent: no renewal for more than half its lease, a lease that
+    /// ran out, or a holder whose process has exited ([`Holder::has_exited`]: it ran on
+    /// this machine, and its process id is free). A claim of unknown lease is silent only
+    /// once lapsed or exited.
     pub fn is_silent(&self) -> bool {
         match (self.state, self.renewed_ago(), self.lease) {
             (State::Lapsed, ..) => true,
+            (State::Held, ..) if self.holder.as_ref().is_some_and(Holder::has_exited) => true,
             (State::Held, Some(ago), Some(lease)) => ago > lease / 2,
             _ => false,
         }
@@ -540,7 +634,7 @@ impl fmt::Display for Refusal {
 }
 
 /// An operator's view of a store (feature `admin`): [`MemoryStore`](crate::MemoryStore)
-/// implements it today.
+/// and the SQL stores implement it.
 ///
 /// [`Store`](crate::Store) has a `release` of its own (a holder's, by token): with both
 /// traits in scope, say which, `Admin::release(&store, &key, token, Release::IfSilent)`.
@@ -550,7 +644,9 @@ impl fmt::Display for Refusal {
 pub trait Admin: Send + Sync {
     /// One page of the records `filter` selects, in key order, after `after` (the previous
     /// page's [`next`](Page::next)). Bounded in memory by the page, whatever the store
-    /// holds; each store's cost is in the operator's guide.
+    /// holds; each store's cost is in the operator's guide. A store that reads a bounded
+    /// stretch of keys a call (the SQL stores) may return a short page, even an empty one,
+    /// with a `next`: the listing ends only where `next` is `None`.
     ///
     /// # Errors
     ///
@@ -690,6 +786,40 @@ mod tests {
         assert!(!filter.matches(None, State::Held));
         assert!(Filter::all().matches(None, State::Gone));
         assert_eq!(Filter::all().limit(1_000_000).page_size(), MAX_PAGE);
+    }
+
+    #[test]
+    fn json_names_a_key_as_the_rust_value_encodes() {
+        let ns = "billing.charge.v1";
+        let cases: [(&str, Key); 6] = [
+            ("17", Key::derive(ns, &17_u8).unwrap()),
+            ("-3", Key::derive(ns, &-3_i32).unwrap()),
+            ("1.5", Key::derive(ns, &1.5_f64).unwrap()),
+            (r#""ord_1""#, Key::derive(ns, "ord_1").unwrap()),
+            (
+                r#"[17, "ada", true]"#,
+                Key::derive(ns, &(17_u64, "ada", true)).unwrap(),
+            ),
+            ("18446744073709551615", Key::derive(ns, &u64::MAX).unwrap()),
+        ];
+        for (json, key) in cases {
+            assert_eq!(key_from_json(ns, json).unwrap(), key, "{json}");
+        }
+        for ambiguous in [
+            "null",
+            "[1, null]",
+            r#"{"id": 1}"#,
+            "18446744073709551616",
+            "[-9223372036854775809]",
+            "not json",
+        ] {
+            assert!(
+                key_from_json(ns, ambiguous).is_err(),
+                "{ambiguous} was accepted"
+            );
+        }
+        // Digits inside a string are the string's.
+        assert!(key_from_json(ns, r#""99999999999999999999""#).is_ok());
     }
 
     #[test]

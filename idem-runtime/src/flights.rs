@@ -224,6 +224,19 @@ impl Flights {
         flight
     }
 
+    /// Marks the key's flight, if there is one, as fenced by an operator (or clears the
+    /// mark of a release that did not land): set before a shared store's release, so that
+    /// the holder's completion, refused once the row is gone, finds it.
+    #[cfg(all(
+        feature = "admin",
+        any(feature = "postgres", feature = "mysql", feature = "sqlite")
+    ))]
+    pub(crate) fn fence(&self, key: &Key, fenced: bool) {
+        if let Some(flight) = self.get(key) {
+            flight.state().fenced = fenced;
+        }
+    }
+
     /// Lands the running flight of `key` as released and fences it, if there is one: an
     /// operator released its claim (`idem_runtime::admin`), so its waiters in this process
     /// ask the store again instead of waiting out the holder, and the holder, whose

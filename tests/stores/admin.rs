@@ -1,6 +1,6 @@
-//! Operating a store (`idem_runtime::admin`), on the stores that implement it (the memory
-//! store today; `operations` and `paging` take any): listing by namespace and state,
-//! paged; inspecting; a release refused
+//! Operating a store (`idem_runtime::admin`), on every store that implements it (memory,
+//! PostgreSQL, MySQL/MariaDB, SQLite; `operations` and `paging` take any), against the real
+//! servers: listing by namespace and state, paged; inspecting; a release refused
 //! while the holder renews and done once it is silent; a forced release that fences the old
 //! holder (its caller is told, and the value replayed afterwards is the new run's); a reset
 //! that makes the next call run again. And `wait`: a duplicate beside a long lease gives up
@@ -248,6 +248,186 @@ async fn the_memory_store_is_operated_safely() {
     let store = MemoryStore::new();
     operations(store.clone(), &namespace("admin")).await;
     paging(store, &namespace("admin")).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_is_operated_safely() {
+    let Some(store) = idem_tests::postgres_store().await else {
+        return;
+    };
+    operations(store.clone(), &namespace("admin.pg")).await;
+    paging(store, &namespace("admin.pg")).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_is_operated_safely() {
+    let Some(store) = idem_tests::mysql_store().await else {
+        return;
+    };
+    operations(store.clone(), &namespace("admin.mysql")).await;
+    paging(store, &namespace("admin.mysql")).await;
+}
+
+/// A fresh SQLite file of its own.
+async fn sqlite_store(test: &str) -> idem_runtime::SqliteStore {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let path = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("admin-{test}-{}-{nanos}.db", std::process::id()));
+    let store = idem_runtime::SqliteStore::open(&path).await.unwrap();
+    store.migrate().await.unwrap();
+    store
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_is_operated_safely() {
+    let store = sqlite_store("operated").await;
+    operations(store.clone(), &namespace("admin.sqlite")).await;
+    paging(store, &namespace("admin.sqlite")).await;
+}
+
+/// A call's steps are shown by `inspect`, never listed as calls, and forgotten with their
+/// call by `reset`.
+async fn steps_go_with_their_call<S: Store + Admin + Clone + 'static>(store: S, prefix: &str) {
+    let op = Operation::new(format!("{prefix}.stepped"));
+    let key = op.key(&1_u32).unwrap();
+    let _ = op
+        .run(&store, &key, None, async {
+            let a: u32 = idem_runtime::step("a", async { Ok::<_, Error>(1_u32) }).await?;
+            let b: u32 = idem_runtime::step("b", async { Ok::<_, Error>(2_u32) }).await?;
+            Ok::<_, Error>(a + b)
+        })
+        .await
+        .unwrap();
+    let page = store.list(&Filter::namespace(prefix), None).await.unwrap();
+    assert_eq!(
+        page.entries().iter().map(|e| *e.key()).collect::<Vec<_>>(),
+        [key],
+        "the steps are not listed as calls"
+    );
+    let entry = store.inspect(&key).await.unwrap().unwrap();
+    assert_eq!(entry.steps().len(), 2, "{entry:?}");
+    assert_eq!(
+        store.reset(&key, Release::IfSilent).await.unwrap(),
+        Verdict::Done
+    );
+    assert!(
+        store.steps(&key).await.unwrap().is_empty(),
+        "the steps went with the call"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn steps_go_with_their_call_on_every_store() {
+    steps_go_with_their_call(MemoryStore::new(), &namespace("admin.steps")).await;
+    steps_go_with_their_call(sqlite_store("steps").await, &namespace("admin.steps")).await;
+    if let Some(store) = idem_tests::postgres_store().await {
+        steps_go_with_their_call(store, &namespace("admin.steps")).await;
+    }
+    if let Some(store) = idem_tests::mysql_store().await {
+        steps_go_with_their_call(store, &namespace("admin.steps")).await;
+    }
+}
+
+/// A table made by an earlier version (no columns for whose a record is): `migrate`
+/// upgrades it in place, its rows stay and list as "namespace unknown", and new claims
+/// say whose they are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_earlier_table_is_upgraded_in_place_on_postgres() {
+    let Some(shared) = idem_tests::postgres_store().await else {
+        return;
+    };
+    let pool = shared.pool().clone();
+    let table = format!("admin_upgrade_{}", std::process::id());
+    // The schema of the version before, with one completed row in it.
+    sqlx::raw_sql(&format!(
+        "DROP TABLE IF EXISTS {table}; DROP SEQUENCE IF EXISTS {table}_token; \
+         DROP FUNCTION IF EXISTS {table}_claim_in_transaction; \
+         CREATE TABLE {table} (key bytea PRIMARY KEY, token bigint NOT NULL, \
+            completed boolean NOT NULL, fingerprint bytea, value bytea, \
+            expires_at timestamptz NOT NULL); \
+         CREATE SEQUENCE {table}_token START 100; \
+         INSERT INTO {table} VALUES (decode(repeat('ab', 32), 'hex'), 1, true, NULL, \
+            decode('7634', 'hex'), now() + interval '1 hour')"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let store = idem_runtime::PostgresStore::from_pool(pool.clone())
+        .with_table(&table)
+        .unwrap();
+    store.migrate().await.unwrap();
+    let old = idem_runtime::Key::from_bytes([0xab; 32]);
+    let entry = store
+        .inspect(&old)
+        .await
+        .unwrap()
+        .expect("the old row stays");
+    assert_eq!(entry.namespace(), None, "namespace unknown");
+    assert_eq!(entry.state(), State::Completed);
+    assert_eq!(entry.value_json(), Some("4"));
+    let op = Operation::new("admin.upgraded");
+    let key = op.key(&1_u32).unwrap();
+    let _ = op
+        .run(&store, &key, None, async { Ok::<_, Error>(1_u32) })
+        .await
+        .unwrap();
+    let all = store.list(&Filter::all(), None).await.unwrap();
+    let names: Vec<_> = all.entries().iter().map(|e| e.namespace()).collect();
+    assert_eq!(names.len(), 2);
+    assert!(names.contains(&None) && names.contains(&Some("admin.upgraded")));
+    // A second migrate finds it current.
+    store.migrate().await.unwrap();
+    idem_tests::drop_store_objects(&pool, &table).await;
+}
+
+/// 100 000 records: listed in pages of 1 000, every record once, each page within the
+/// bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_of_100_000_records_stays_paged_on_postgres() {
+    let Some(shared) = idem_tests::postgres_store().await else {
+        return;
+    };
+    let pool = shared.pool().clone();
+    let table = format!("admin_many_{}", std::process::id());
+    let store = idem_runtime::PostgresStore::from_pool(pool.clone())
+        .with_table(&table)
+        .unwrap();
+    store.migrate().await.unwrap();
+    sqlx::raw_sql(&format!(
+        "INSERT INTO {table} (key, token, completed, value, expires_at, namespace, lease_ms) \
+         SELECT sha256(n::text::bytea), n, true, decode('7631', 'hex'), now() + interval '1 hour', \
+            'admin.many', 1000 \
+         FROM generate_series(1, 100000) AS n"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let filter = Filter::namespace("admin.many").limit(1_000);
+    let (mut seen, mut pages, mut cursor) = (0_usize, 0_usize, None);
+    let mut last = None;
+    loop {
+        let page = store.list(&filter, cursor.as_ref()).await.unwrap();
+        assert!(page.entries().len() <= 1_000);
+        for entry in page.entries() {
+            assert!(
+                last.is_none_or(|last| last < *entry.key()),
+                "in key order, once"
+            );
+            last = Some(*entry.key());
+        }
+        seen += page.entries().len();
+        pages += 1;
+        match page.next() {
+            Some(next) => cursor = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!(seen, 100_000);
+    assert_eq!(pages, 100);
+    assert_eq!(store.purge().await.unwrap(), 0, "nothing expired");
+    idem_tests::drop_store_objects(&pool, &table).await;
 }
 
 /// `wait = "2s"` beside a holder of a five-minute lease: `InProgress` after the two

@@ -11,12 +11,16 @@ use crate::namespace::Namespace;
 /// take claims (milliseconds since the Unix epoch), which tells a process from a later one
 /// that reuses its id. Nothing secret: what `ps` on that host shows.
 ///
-/// Stores write it as text, `host/pid/started`, beside a claim ([`Holder::encode`]).
+/// Stores write it as text, `host/pid/started@machine`, beside a claim
+/// ([`Holder::encode`]). The machine is the kernel's boot and process-id namespace (Linux),
+/// so that an operator's tool on the same machine can tell a holder whose process exited
+/// ([`has_exited`](Holder::has_exited)) from one it cannot see.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Holder {
     host: String,
     pid: u32,
     started_ms: u64,
+    machine: Option<String>,
 }
 
 impl Holder {
@@ -24,6 +28,7 @@ impl Holder {
     pub fn this_process() -> &'static Self {
         static THIS: LazyLock<Holder> = LazyLock::new(|| Holder {
             host: host_name(),
+            machine: machine(),
             pid: std::process::id(),
             started_ms: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
@@ -40,7 +45,20 @@ impl Holder {
             host: host.into(),
             pid,
             started_ms,
+            machine: None,
         }
+    }
+
+    /// Whether the holder's process is known to have exited: it ran on this very machine
+    /// (the same host, kernel boot and process-id namespace) and no process has its id now.
+    /// `false` whenever that cannot be known (another machine or container, a holder
+    /// written before machines were kept, a system without `/proc`), and when a process
+    /// has its id, even one that reused it: a holder is never taken for dead by mistake.
+    pub fn has_exited(&self) -> bool {
+        let this = Self::this_process();
+        let here = self.machine.is_some() && self.machine == this.machine && self.host == this.host;
+        here && self.pid != this.pid
+            && !std::path::Path::new(&format!("/proc/{}", self.pid)).exists()
     }
 
     /// The host's name, as the process saw it.
@@ -60,16 +78,38 @@ impl Holder {
 
     /// The text stores keep: `host/pid/started`.
     pub fn encode(&self) -> String {
-        format!("{}/{}/{}", self.host, self.pid, self.started_ms)
+        let mut text = format!("{}/{}/{}", self.host, self.pid, self.started_ms);
+        if let Some(machine) = &self.machine {
+            text.push('@');
+            text.push_str(machine);
+        }
+        text
+    }
+
+    /// This process's [`encode`](Self::encode)d text, made once: what a store writes with
+    /// every claim.
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
+        allow(dead_code)
+    )]
+    pub(crate) fn this_process_text() -> &'static str {
+        static TEXT: LazyLock<String> = LazyLock::new(|| Holder::this_process().encode());
+        &TEXT
     }
 
     /// Reads [`encode`](Self::encode)'s text back; `None` for anything else.
     pub fn decode(text: &str) -> Option<Self> {
+        let (text, machine) = match text.rsplit_once('@') {
+            Some((rest, machine)) if is_machine(machine) => (rest, Some(machine.to_owned())),
+            _ => (text, None),
+        };
         let mut parts = text.rsplitn(3, '/');
         let started_ms = parts.next()?.parse().ok()?;
         let pid = parts.next()?.parse().ok()?;
         let host = parts.next()?;
-        Some(Self::new(host, pid, started_ms))
+        let mut holder = Self::new(host, pid, started_ms);
+        holder.machine = machine;
+        Some(holder)
     }
 }
 
@@ -80,6 +120,28 @@ impl fmt::Display for Holder {
 }
 
 /// The host's name: the kernel's (Linux), else the environment's, else `unknown`.
+/// This machine, as far as process ids go: the kernel's boot and this process's pid
+/// namespace (`/proc`), or none where they cannot be read.
+fn machine() -> Option<String> {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    let namespace = std::fs::read_link("/proc/self/ns/pid").ok()?;
+    let namespace = namespace.to_string_lossy();
+    let inode = namespace.trim_start_matches("pid:[").trim_end_matches(']');
+    let boot: String = boot
+        .trim()
+        .chars()
+        .filter(char::is_ascii_hexdigit)
+        .take(12)
+        .collect();
+    let machine = format!("{boot}.{inode}");
+    is_machine(&machine).then_some(machine)
+}
+
+/// Whether `text` is a machine as [`machine`] writes it.
+fn is_machine(text: &str) -> bool {
+    !text.is_empty() && text.chars().all(|c| c.is_ascii_alphanumeric() || c == '.')
+}
+
 fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
@@ -133,7 +195,7 @@ impl<'a> Claimant<'a> {
 
     /// The namespace as a store in this process keeps it: shared, not copied, when the
     /// engine claims.
-    #[cfg_attr(not(feature = "memory"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "memory", feature = "sqlite")), allow(dead_code))]
     pub(crate) fn kept(&self) -> Option<Namespace> {
         match self.shared {
             Some(shared) => Some(shared.clone()),
@@ -199,5 +261,25 @@ mod tests {
         let this = Holder::this_process();
         assert_eq!(this.pid(), std::process::id());
         assert!(!this.host().is_empty());
+        assert_eq!(Holder::decode(&this.encode()).as_ref(), Some(this));
+    }
+
+    #[test]
+    fn a_holder_has_exited_only_when_its_machine_is_this_one_and_its_pid_is_free() {
+        let this = Holder::this_process();
+        assert!(!this.has_exited(), "this process runs");
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        let mut gone = Holder::decode(&this.encode()).unwrap();
+        gone.pid = pid;
+        if this.machine.is_some() {
+            assert!(gone.has_exited(), "{gone:?}");
+        }
+        // Written elsewhere, or before machines were kept: never taken for dead.
+        let mut elsewhere = gone.clone();
+        elsewhere.machine = Some("0123456789ab.1".into());
+        assert!(!elsewhere.has_exited());
+        assert!(!Holder::new(this.host(), pid, 0).has_exited());
     }
 }

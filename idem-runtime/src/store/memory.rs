@@ -161,7 +161,9 @@ struct ClaimRecord {
 }
 
 /// What a record says of itself: its operation and, if its caller chose one, a label.
+/// Read by [`Admin`](crate::admin::Admin) only.
 #[derive(Clone, Default)]
+#[cfg_attr(not(feature = "admin"), allow(dead_code))]
 struct About {
     namespace: Option<Namespace>,
     label: Option<Arc<str>>,
@@ -180,6 +182,7 @@ impl About {
 
 /// A completed result: what a replay takes, shared, and how long it lives.
 #[derive(Clone)]
+#[cfg_attr(not(feature = "admin"), allow(dead_code))]
 struct ResultRecord {
     kept: Arc<Kept>,
     ttl: Duration,

@@ -12,6 +12,8 @@
 //!     fingerprint VARBINARY(32),                      -- 32 bytes, or NULL
 //!     value       LONGBLOB,                           -- the result once completed; the claim's nonce before
 //!     expires_at  BIGINT        NOT NULL,             -- lease end or result expiry, Unix ms
+//!     namespace   TEXT, label TEXT, holder TEXT,      -- whose it is, for an operator (`admin`)
+//!     lease_ms    BIGINT, step BOOLEAN,               -- the claim's lease; a step's record
 //!     INDEX idem_records_token (token),
 //!     INDEX idem_records_expires_at (expires_at)
 //! ) ENGINE = InnoDB;
@@ -60,6 +62,7 @@ use sqlx::Row;
 
 pub use crate::store::sql::Purger;
 use crate::store::sql::{self, millis, Dialect, Engine, Fenced, Sealed, SqlStore, Table};
+use crate::store::{Claimant, Holder};
 use crate::{Claim, Error, Fingerprint, Key, Token};
 
 mod schema;
@@ -191,6 +194,7 @@ impl MySqlEngine {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
         nonce: u64,
+        claimant: &Claimant<'_>,
     ) -> Result<Result<Token, MySqlRow>, sqlx::Error> {
         let mut conn = self.pool.acquire().await?;
         let nonce_bytes = nonce.to_be_bytes();
@@ -200,6 +204,10 @@ impl MySqlEngine {
                 .bind(&key.as_bytes()[..])
                 .bind(fingerprint.map(|f| &f.as_bytes()[..]))
                 .bind(&nonce_bytes[..])
+                .bind(millis(lease))
+                .bind(claimant.namespace())
+                .bind(claimant.label())
+                .bind(Holder::this_process_text())
                 .bind(millis(lease))
         };
         for _ in 0..CLAIM_LOOKS {
@@ -273,6 +281,7 @@ impl Engine for MySqlEngine {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
         nonce: u64,
+        claimant: &Claimant<'_>,
     ) -> Result<Claim, Error> {
         let bounded = self.bounded(timeout).await?;
         let claimed = sql::within("mysql", timeout, async {
@@ -283,7 +292,10 @@ impl Engine for MySqlEngine {
                 .await?;
             match live {
                 Some(row) if !sql::is_ours(&row, nonce) => Ok(Err(row)),
-                _ => self.take(bounded, key, fingerprint, lease, nonce).await,
+                _ => {
+                    self.take(bounded, key, fingerprint, lease, nonce, claimant)
+                        .await
+                }
             }
         })
         .await;

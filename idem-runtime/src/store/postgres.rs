@@ -11,7 +11,9 @@
 //!     completed   boolean     NOT NULL,             -- false: in progress; true: completed
 //!     fingerprint bytea,                            -- 32 bytes, or NULL
 //!     value       bytea,                            -- the recorded result, once completed
-//!     expires_at  timestamptz NOT NULL              -- lease end, or result expiry
+//!     expires_at  timestamptz NOT NULL,             -- lease end, or result expiry
+//!     namespace   text, label text, holder text,    -- whose it is, for an operator (`admin`)
+//!     lease_ms    bigint, step boolean              -- the claim's lease; a step's record
 //! );
 //! CREATE INDEX idem_records_expires_at ON idem_records (expires_at);
 //! CREATE SEQUENCE idem_records_token;
@@ -46,6 +48,7 @@ pub use crate::store::sql::Purger;
 use crate::store::sql::{
     self, fingerprint, millis, Dialect, Engine, Fenced, Sealed, SqlStore, Table,
 };
+use crate::store::{Claimant, Holder};
 use crate::{Claim, Error, Fingerprint, Key, Token};
 
 mod hosts;
@@ -271,6 +274,7 @@ impl Engine for PostgresEngine {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
         nonce: u64,
+        claimant: &Claimant<'_>,
     ) -> Result<Claim, Error> {
         // Another attempt only when a concurrent claim inserted the row after this
         // statement's snapshot (or deleted the row it saw): the next statement sees it.
@@ -294,6 +298,9 @@ impl Engine for PostgresEngine {
                         .bind(millis(lease))
                         .bind(lock_timeout)
                         .bind(&nonce.to_be_bytes()[..])
+                        .bind(claimant.namespace())
+                        .bind(claimant.label())
+                        .bind(Holder::this_process_text())
                         .fetch_optional(&self.pool)
                         .await?;
                     if let Some(row) = row {

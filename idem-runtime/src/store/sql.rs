@@ -23,10 +23,14 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
+#[cfg(feature = "admin")]
+mod admin;
 mod dialect;
 mod purger;
 mod rows;
 
+#[cfg(feature = "admin")]
+pub(crate) use self::admin::{AdminSql, Spelling};
 pub(crate) use self::dialect::{Engine, Fenced, Sealed};
 pub use self::purger::Purger;
 #[cfg(feature = "postgres")]
@@ -34,7 +38,7 @@ pub(crate) use self::rows::fingerprint;
 #[cfg(any(feature = "sqlite", feature = "mysql"))]
 pub(crate) use self::rows::{held, is_ours};
 pub(crate) use self::rows::{is_identifier, millis, steps_range, Database, Table};
-use crate::store::Recorded;
+use crate::store::{Claimant, Holder, Holding, Recorded};
 use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
 /// The default table name of every SQL store.
@@ -194,8 +198,6 @@ impl<D: Dialect> fmt::Debug for SqlStore<D> {
 
 #[async_trait]
 impl<D: Dialect> Store for SqlStore<D> {
-    /// The nonce is kept in the in-progress row's `value` (the result replaces it); a row in
-    /// progress under it is taken again with a new token and a whole lease.
     async fn claim_with_nonce(
         &self,
         key: &Key,
@@ -203,9 +205,25 @@ impl<D: Dialect> Store for SqlStore<D> {
         lease: Duration,
         nonce: u64,
     ) -> Result<Claim, Error> {
+        self.claim_as(key, fingerprint, lease, nonce, &Claimant::unnamed())
+            .await
+    }
+
+    /// The nonce is kept in the in-progress row's `value` (the result replaces it); a row in
+    /// progress under it is taken again with a new token and a whole lease. The row keeps
+    /// the claimant's namespace and label, this process as its holder, and the lease, for
+    /// [`Admin`](crate::admin::Admin) to show.
+    async fn claim_as(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+        nonce: u64,
+        claimant: &Claimant<'_>,
+    ) -> Result<Claim, Error> {
         self.watched(
             self.dialect
-                .claim(self.timeout, key, fingerprint, lease, nonce),
+                .claim(self.timeout, key, fingerprint, lease, nonce, claimant),
         )
         .await
     }
@@ -266,6 +284,13 @@ impl<D: Dialect> Store for SqlStore<D> {
     async fn lease_left(&self, key: &Key) -> Result<Option<Duration>, Error> {
         let table = self.dialect.table();
         self.read(D::lease_left(self.pool(), table, key)).await
+    }
+
+    async fn holding(&self, key: &Key) -> Result<Option<Holding>, Error> {
+        let table = self.dialect.table();
+        let held = self.read(D::holding(self.pool(), table, key)).await?;
+        Ok(held
+            .map(|(left, holder)| Holding::new(left, holder.as_deref().and_then(Holder::decode))))
     }
 
     fn claim_timeout(&self) -> Option<Duration> {

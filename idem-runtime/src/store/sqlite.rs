@@ -12,7 +12,9 @@
 //!     completed   INTEGER NOT NULL,              -- 0: in progress; 1: completed
 //!     fingerprint BLOB,                          -- 32 bytes, or NULL
 //!     value       BLOB,                          -- the recorded result, once completed
-//!     expires_at  INTEGER NOT NULL               -- lease end or result expiry, Unix ms
+//!     expires_at  INTEGER NOT NULL,              -- lease end or result expiry, Unix ms
+//!     namespace   TEXT, label TEXT, holder TEXT, -- whose it is, for an operator (`admin`)
+//!     lease_ms    INTEGER, step INTEGER          -- the claim's lease; a step's record
 //! ) WITHOUT ROWID;
 //! CREATE INDEX idem_records_expires_at ON idem_records (expires_at);
 //! CREATE TABLE idem_records_token (id INTEGER PRIMARY KEY CHECK (id = 1), last INTEGER NOT NULL);
@@ -94,6 +96,7 @@ use tokio::time::Instant;
 
 pub use crate::store::sql::Purger;
 use crate::store::sql::{self, Dialect, Engine, Fenced, Sealed, SqlStore, Table};
+use crate::store::Claimant;
 use crate::{Claim, Error, Fingerprint, Key, Token};
 use beacon::Beacon;
 use statements::Statements;
@@ -346,6 +349,7 @@ impl Engine for SqliteEngine {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
         nonce: u64,
+        claimant: &Claimant<'_>,
     ) -> Result<Claim, Error> {
         let started = Instant::now();
         let deadline = started + timeout;
@@ -359,7 +363,7 @@ impl Engine for SqliteEngine {
                 Some(row) if !sql::is_ours(&row, nonce) => Ok(Err(row)),
                 _ => {
                     self.sql.checked(&self.pool).await?;
-                    let job = Job::take(key, fingerprint, lease, nonce, started);
+                    let job = Job::take(key, fingerprint, lease, nonce, claimant, started);
                     self.write(job, deadline).await
                 }
             }

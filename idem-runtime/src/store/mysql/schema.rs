@@ -33,7 +33,8 @@ impl MySqlEngine {
         let mut conn = sql::within(Self::NAME, timeout, self.pool.acquire()).await?;
         let made = sql::within(Self::NAME, timeout, async {
             sqlx::query(&self.sql.create).execute(&mut *conn).await?;
-            self.tokens_grow(&mut conn).await
+            Ok(self.tokens_grow(&mut conn).await?
+                && self.about_missing(&mut conn).await?.is_empty())
         })
         .await?;
         if made {
@@ -50,7 +51,10 @@ impl MySqlEngine {
                     "another process held the migration's lock for a minute".into(),
                 ));
             }
-            let upgraded = self.upgrade(&mut conn).await;
+            let upgraded = match self.upgrade(&mut conn).await {
+                Ok(()) => self.add_about(&mut conn).await,
+                failed => failed,
+            };
             sqlx::query(&format!("SELECT RELEASE_LOCK({lock})"))
                 .execute(&mut *conn)
                 .await?;
@@ -145,6 +149,45 @@ impl MySqlEngine {
         Ok(extra.is_some_and(|extra| is_auto_increment(&extra)))
     }
 
+    /// The columns that say whose a record is ([`ABOUT`]) that the table lacks: a table of
+    /// an earlier version lacks them all.
+    async fn about_missing(
+        &self,
+        conn: &mut sqlx::MySqlConnection,
+    ) -> Result<Vec<(&'static str, &'static str)>, sqlx::Error> {
+        let present: Vec<String> = sqlx::query_scalar(
+            "SELECT CAST(COLUMN_NAME AS CHAR) FROM information_schema.COLUMNS \
+             WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ?",
+        )
+        .bind(&self.sql.table.name)
+        .fetch_all(&mut *conn)
+        .await?;
+        Ok(ABOUT
+            .into_iter()
+            .filter(|(name, _)| !present.iter().any(|p| p.eq_ignore_ascii_case(name)))
+            .collect())
+    }
+
+    /// Adds the columns of [`ABOUT`] the table lacks, in place: nullable, so rows written
+    /// before list as "namespace unknown".
+    async fn add_about(&self, conn: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
+        let missing = self.about_missing(conn).await?;
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let columns: Vec<String> = missing
+            .iter()
+            .map(|(name, kind)| format!("ADD COLUMN {name} {kind}"))
+            .collect();
+        let alter = format!(
+            "ALTER TABLE `{}` {}",
+            self.sql.table.name,
+            columns.join(", ")
+        );
+        sqlx::Executor::execute(&mut *conn, sqlx::raw_sql(&alter)).await?;
+        Ok(())
+    }
+
     /// Makes an earlier version's `token` column the `AUTO_INCREMENT`, starting above the
     /// table's tokens and above what its token tables drew (they are left as they are).
     pub(super) async fn upgrade(
@@ -174,6 +217,17 @@ impl MySqlEngine {
         Ok(())
     }
 }
+
+/// The columns that say whose a record is, added in place to a table of an earlier
+/// version: the claim's namespace, label, holder and lease, and whether a row is a step's
+/// record.
+const ABOUT: [(&str, &str); 5] = [
+    ("namespace", "TEXT NULL"),
+    ("label", "TEXT NULL"),
+    ("holder", "TEXT NULL"),
+    ("lease_ms", "BIGINT NULL"),
+    ("step", "BOOLEAN NULL"),
+];
 
 /// Whether a column's `EXTRA` in `information_schema` says it is an `AUTO_INCREMENT`.
 fn is_auto_increment(extra: &str) -> bool {

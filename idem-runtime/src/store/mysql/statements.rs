@@ -222,12 +222,12 @@ impl Statements {
         lease: Duration,
     ) -> String {
         format!(
-            "{verb} INTO `{}` (`key`, completed, fingerprint, value, expires_at) \
-             VALUES (X'{}', FALSE, {}, NULL, {NOW} + {})",
+            "{verb} INTO `{}` (`key`, completed, fingerprint, value, expires_at, lease_ms) \
+             VALUES (X'{}', FALSE, {}, NULL, {NOW} + {lease}, {lease})",
             self.table.name,
             hex::encode(key.as_bytes()),
             fingerprint_literal(fingerprint),
-            millis(lease)
+            lease = millis(lease)
         )
     }
 
@@ -288,6 +288,8 @@ impl Statements {
                     fingerprint VARBINARY(32) NULL, \
                     value LONGBLOB NULL, \
                     expires_at BIGINT NOT NULL, \
+                    namespace TEXT NULL, label TEXT NULL, holder TEXT NULL, \
+                    lease_ms BIGINT NULL, step BOOLEAN NULL, \
                     INDEX {token_index} (token), \
                     INDEX {index} (expires_at)) ENGINE = InnoDB"
             ),
@@ -304,8 +306,8 @@ impl Statements {
             ),
             live: format!("SELECT token, completed, fingerprint, value FROM {t} WHERE {live_row}"),
             insert: format!(
-                "INSERT IGNORE INTO {t} (`key`, completed, fingerprint, value, expires_at) \
-                 VALUES (?, FALSE, ?, ?, {NOW} + ?)"
+                "INSERT IGNORE INTO {t} (`key`, completed, fingerprint, value, expires_at, namespace, label, holder, lease_ms) \
+                 VALUES (?, FALSE, ?, ?, {NOW} + ?, ?, ?, ?, ?)"
             ),
             lock: format!(
                 "SELECT token, completed, fingerprint, value, expires_at > {NOW} FROM {t} \
@@ -313,8 +315,8 @@ impl Statements {
             ),
             // The row replaced by a new one, which takes the next token.
             take: format!(
-                "REPLACE INTO {t} (`key`, completed, fingerprint, value, expires_at) \
-                 VALUES (?, FALSE, ?, ?, {NOW} + ?)"
+                "REPLACE INTO {t} (`key`, completed, fingerprint, value, expires_at, namespace, label, holder, lease_ms) \
+                 VALUES (?, FALSE, ?, ?, {NOW} + ?, ?, ?, ?, ?)"
             ),
             // `token + 0` in the statements that write a holder's row: kept off the token
             // index, which the optimizer would take for a range (with `key` filtered after),
@@ -340,8 +342,8 @@ impl Statements {
             // record, or the record finds the new token; a step recorded again under the
             // same claim is replaced. The step's row keeps the call's token.
             record_step: format!(
-                "REPLACE INTO {t} (`key`, token, completed, fingerprint, value, expires_at) \
-                 SELECT ?, token, TRUE, NULL, ?, {NOW} + ? FROM {t} \
+                "REPLACE INTO {t} (`key`, token, completed, fingerprint, value, expires_at, step) \
+                 SELECT ?, token, TRUE, NULL, ?, {NOW} + ?, TRUE FROM {t} \
                  WHERE `key` = ? AND token + 0 = ? AND NOT completed AND expires_at > {NOW} \
                  LOCK IN SHARE MODE"
             ),
@@ -360,6 +362,12 @@ impl Statements {
                 lease_left: format!(
                     "SELECT expires_at - {NOW} FROM {t} WHERE {live_row} AND NOT completed"
                 ),
+                holding: format!(
+                    "SELECT CAST(expires_at - {NOW} AS SIGNED), holder FROM {t} \
+                     WHERE {live_row} AND NOT completed"
+                ),
+                #[cfg(feature = "admin")]
+                admin: admin(&t),
             },
             remove_lock: format!("SELECT expires_at > {NOW} FROM {t} WHERE `key` = ? FOR UPDATE"),
             remove_steps: format!("DELETE FROM {t} WHERE `key` BETWEEN ? AND ? AND `key` <> ?"),
@@ -384,6 +392,27 @@ impl Statements {
             ),
         }
     }
+}
+
+/// The statements of an operator ([`Admin`](crate::admin::Admin)) on the table `t`.
+#[cfg(feature = "admin")]
+fn admin(t: &str) -> crate::store::sql::AdminSql {
+    crate::store::sql::AdminSql::new(&crate::store::sql::Spelling {
+        table: t,
+        key: "`key`",
+        param: |_| "?".to_string(),
+        live: &format!("expires_at > {NOW}"),
+        left_ms: &format!("CAST(expires_at - {NOW} AS SIGNED)"),
+        size: "CAST(LENGTH(value) AS SIGNED)",
+        head: "SUBSTRING(value, 1, 1)",
+        not_step: "step IS NOT TRUE",
+        // Compared as bytes: the column's collation may ignore case.
+        prefix: |len, prefix| {
+            format!("CAST(SUBSTRING(COALESCE(namespace, ''), 1, {len}) AS BINARY) = CAST({prefix} AS BINARY)")
+        },
+        token_is: |token| format!("token + 0 = {token}"),
+        silent: &format!("(expires_at <= {NOW} OR (expires_at - {NOW}) * 2 < lease_ms)"),
+    })
 }
 
 /// A fingerprint as an SQL literal: its bytes in hex, or `NULL`.

@@ -17,17 +17,21 @@ impl Schema {
             Option<String>,
             Option<String>,
             Option<String>,
+            i64,
         ) = sqlx::query_as(
             "SELECT \
                     (SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)), \
                     (SELECT relkind::text FROM pg_class WHERE oid = to_regclass($2)), \
                     (SELECT relkind::text FROM pg_class WHERE oid = to_regclass($3)), \
-                    (SELECT prosrc FROM pg_proc WHERE oid = to_regprocedure($4))",
+                    (SELECT prosrc FROM pg_proc WHERE oid = to_regprocedure($4)), \
+                    (SELECT count(*) FROM pg_attribute WHERE attrelid = to_regclass($1) \
+                        AND attname = ANY($5) AND NOT attisdropped)",
         )
         .bind(&self.quoted)
         .bind(&self.sequence)
         .bind(&self.index)
         .bind(format!("{}(bytea, bytea, bigint, text)", self.function))
+        .bind(&ABOUT.map(|(name, _)| name)[..])
         .fetch_one(executor)
         .await
         .map_err(Error::store)?;
@@ -36,6 +40,7 @@ impl Schema {
             sequence: row.1,
             index: row.2,
             current_function: row.3.as_deref() == Some(self.function_source.as_str()),
+            about: usize::try_from(row.4).unwrap_or(0) == ABOUT.len(),
         };
         self.refuse_clashes(&found)?;
         Ok(found)
@@ -79,8 +84,17 @@ impl Schema {
                     completed boolean NOT NULL, \
                     fingerprint bytea, \
                     value bytea, \
-                    expires_at timestamptz NOT NULL)"
+                    expires_at timestamptz NOT NULL, \
+                    namespace text, label text, holder text, lease_ms bigint, step boolean)"
             ));
+        } else if !found.about {
+            // A table of an earlier version: the columns an operator is shown, added in
+            // place (nullable, so no row is rewritten). Its rows list as "namespace unknown".
+            let columns: Vec<String> = ABOUT
+                .iter()
+                .map(|(name, kind)| format!("ADD COLUMN IF NOT EXISTS {name} {kind}"))
+                .collect();
+            statements.push(format!("ALTER TABLE {t} {}", columns.join(", ")));
         }
         if found.index.is_none() {
             // The index lives in the table's schema: its name is not qualified here.
@@ -108,7 +122,19 @@ struct Found {
     sequence: Option<String>,
     index: Option<String>,
     current_function: bool,
+    /// Whether the table has every column of [`ABOUT`].
+    about: bool,
 }
+
+/// The columns that say whose a record is, added in place to a table of an earlier version: the claim's
+/// namespace, label, holder and lease, and whether a row is a step's record.
+const ABOUT: [(&str, &str); 5] = [
+    ("namespace", "text"),
+    ("label", "text"),
+    ("holder", "text"),
+    ("lease_ms", "bigint"),
+    ("step", "boolean"),
+];
 
 fn relation_kind(relkind: &str) -> &'static str {
     match relkind {

@@ -60,10 +60,10 @@ impl Statements {
                 "WITH held AS (\
                     SELECT token FROM {t} \
                     WHERE key = $1 AND token = $2 AND NOT completed AND expires_at > now() FOR SHARE) \
-                 INSERT INTO {t} (key, token, completed, fingerprint, value, expires_at) \
-                 SELECT $5, token, true, NULL, $3, now() + $4 * interval '1 millisecond' FROM held \
+                 INSERT INTO {t} (key, token, completed, fingerprint, value, expires_at, step) \
+                 SELECT $5, token, true, NULL, $3, now() + $4 * interval '1 millisecond', true FROM held \
                  ON CONFLICT (key) DO UPDATE SET token = EXCLUDED.token, completed = true, \
-                    fingerprint = NULL, value = EXCLUDED.value, expires_at = EXCLUDED.expires_at"
+                    fingerprint = NULL, value = EXCLUDED.value, expires_at = EXCLUDED.expires_at, step = true"
             ),
             table: Table {
                 name: objects.table.clone(),
@@ -81,6 +81,12 @@ impl Statements {
                     "SELECT ceil(extract(epoch FROM expires_at - now()) * 1000)::bigint \
                      FROM {t} WHERE key = $1 AND NOT completed AND expires_at > now()"
                 ),
+                holding: format!(
+                    "SELECT ceil(extract(epoch FROM expires_at - now()) * 1000)::bigint, holder \
+                     FROM {t} WHERE key = $1 AND NOT completed AND expires_at > now()"
+                ),
+                #[cfg(feature = "admin")]
+                admin: admin(&t),
             },
             remove: format!(
                 "WITH steps AS (DELETE FROM {t} WHERE key BETWEEN $2 AND $3 AND key <> $1), \
@@ -114,7 +120,8 @@ pub(super) enum Conflict {
 /// the statement then returns nothing, and is asked once more.
 ///
 /// `now` is how the statement reads the clock, `params` the key, the fingerprint and the
-/// lease in milliseconds. With [`Conflict::Skip`], a key that has a row which is not live
+/// lease in milliseconds, `about` the claimant's namespace, label and holder (what an
+/// operator is shown; the lease is kept beside them). With [`Conflict::Skip`], a key that has a row which is not live
 /// is not taken over: the statement returns nothing, as in the race above (the fast claim
 /// of [`ordinary_claim`]). With a `nonce` (ordinary claims), an in-progress row keeps it in
 /// its `value` (empty until the row completes), and a row in progress under this very
@@ -127,9 +134,11 @@ pub(super) fn claim_query(
     now: &str,
     params: [&str; 3],
     nonce: Option<&str>,
+    about: [&str; 3],
     conflict: Conflict,
 ) -> String {
     let [key, fingerprint, lease] = params;
+    let [namespace, label, holder] = about;
     let (value, not_ours, ours) = match nonce {
         Some(nonce) => (
             nonce.to_string(),
@@ -142,7 +151,9 @@ pub(super) fn claim_query(
         Conflict::TakeOver => format!(
             "DO UPDATE SET \
                 token = EXCLUDED.token, completed = false, fingerprint = EXCLUDED.fingerprint, \
-                value = EXCLUDED.value, expires_at = EXCLUDED.expires_at \
+                value = EXCLUDED.value, expires_at = EXCLUDED.expires_at, \
+                namespace = EXCLUDED.namespace, label = EXCLUDED.label, holder = EXCLUDED.holder, \
+                lease_ms = EXCLUDED.lease_ms, step = NULL \
             WHERE r.expires_at <= {now}{ours}"
         ),
         Conflict::Skip => "DO NOTHING".to_string(),
@@ -152,8 +163,9 @@ pub(super) fn claim_query(
             SELECT token, completed, fingerprint, value FROM {t} \
             WHERE key = {key} AND expires_at > {now}{not_ours}), \
          claimed AS (\
-            INSERT INTO {t} AS r (key, token, completed, fingerprint, value, expires_at) \
-            SELECT {key}, nextval('{sequence}'), false, {fingerprint}, {value}, {now} + {lease} * interval '1 millisecond' \
+            INSERT INTO {t} AS r (key, token, completed, fingerprint, value, expires_at, namespace, label, holder, lease_ms) \
+            SELECT {key}, nextval('{sequence}'), false, {fingerprint}, {value}, {now} + {lease} * interval '1 millisecond', \
+                {namespace}, {label}, {holder}, {lease} \
             WHERE NOT EXISTS (SELECT 1 FROM live) \
             ON CONFLICT (key) {on_conflict} \
             RETURNING r.token, r.completed, r.fingerprint, r.value) \
@@ -182,6 +194,7 @@ fn ordinary_claim(t: &str, sequence: &str, conflict: Conflict) -> String {
         "now()",
         ["$1", "$2", "$3"],
         Some("$5"),
+        ["$6", "$7", "$8"],
         conflict,
     )
     .replacen(
@@ -190,6 +203,27 @@ fn ordinary_claim(t: &str, sequence: &str, conflict: Conflict) -> String {
          AND (SELECT set_config('lock_timeout', $4::text, true)) IS NOT NULL",
         1,
     )
+}
+
+/// The statements of an operator ([`Admin`](crate::admin::Admin)) on the table `t`.
+#[cfg(feature = "admin")]
+fn admin(t: &str) -> crate::store::sql::AdminSql {
+    crate::store::sql::AdminSql::new(&crate::store::sql::Spelling {
+        table: t,
+        key: "key",
+        param: |n| format!("${n}"),
+        live: "expires_at > now()",
+        left_ms: "ceil(extract(epoch FROM expires_at - now()) * 1000)::bigint",
+        size: "octet_length(value)::bigint",
+        head: "substring(value FROM 1 FOR 1)",
+        not_step: "step IS NOT TRUE",
+        prefix: |len, prefix| {
+            format!("substr(coalesce(namespace, ''), 1, {len}::integer) = {prefix}::text")
+        },
+        token_is: |token| format!("token = {token}"),
+        silent: "(expires_at <= now() \
+                 OR (expires_at - now()) * 2 < lease_ms * interval '1 millisecond')",
+    })
 }
 
 /// A table or schema name: a plain identifier, so that it can never inject SQL.
@@ -321,6 +355,7 @@ impl InTransaction {
             "clock_timestamp()",
             ["p_key", "p_fingerprint", "p_lease"],
             None,
+            ["NULL::text", "NULL::text", "NULL::text"],
             super::statements::Conflict::TakeOver,
         );
         format!(
@@ -328,9 +363,9 @@ impl InTransaction {
              DECLARE taken bigint;\n\
              BEGIN\n\
                  PERFORM set_config('lock_timeout', p_lock_timeout, true);\n\
-                 INSERT INTO {table} (key, token, completed, fingerprint, value, expires_at) \
+                 INSERT INTO {table} (key, token, completed, fingerprint, value, expires_at, lease_ms) \
                      VALUES (p_key, nextval('{sequence}'), false, p_fingerprint, NULL, \
-                     clock_timestamp() + p_lease * interval '1 millisecond') \
+                     clock_timestamp() + p_lease * interval '1 millisecond', p_lease) \
                      ON CONFLICT (key) DO NOTHING RETURNING token INTO taken;\n\
                  IF taken IS NOT NULL THEN\n\
                      RETURN QUERY SELECT true, taken, false, p_fingerprint, NULL::bytea;\n\

@@ -10,6 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use super::rows::{Database, Table};
+use crate::store::Claimant;
 use crate::{Claim, Error, Fingerprint, Key, Token};
 
 /// A holder's write, found by its token: whether the row was there to write is the answer.
@@ -59,7 +60,8 @@ pub trait Engine: Clone + Send + Sync + 'static {
     /// with several hosts looks for the primary again).
     fn failed(&self, _err: &Error, _timeout: Duration) {}
 
-    /// Claims `key` for `lease`, as [`Store::claim_with_nonce`](crate::Store::claim_with_nonce).
+    /// Claims `key` for `lease`, as [`Store::claim_as`](crate::Store::claim_as): the row
+    /// keeps the claimant's namespace and label, this process as its holder, and the lease.
     fn claim(
         &self,
         timeout: Duration,
@@ -67,6 +69,7 @@ pub trait Engine: Clone + Send + Sync + 'static {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
         nonce: u64,
+        claimant: &Claimant<'_>,
     ) -> impl Future<Output = Result<Claim, Error>> + Send;
 
     /// Runs a holder's `write` under `token`: whether its row was there.

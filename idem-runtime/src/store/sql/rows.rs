@@ -101,13 +101,17 @@ where
 /// every dialect runs alike, on its pool, each with the key (`$1`/`?1`) first. `steps` then
 /// takes the first and last key of [`steps_range`], and returns the step's key and value;
 /// `lookup` returns (fingerprint, value, milliseconds left) of a completed row, `lease_left`
-/// the milliseconds left of a claim in progress.
+/// the milliseconds left of a claim in progress, `holding` those and the holder's text.
 pub struct Table {
     /// The table as the user named it, for messages.
     pub(crate) name: String,
     pub(crate) lookup: String,
     pub(crate) lease_left: String,
+    pub(crate) holding: String,
     pub(crate) steps: String,
+    /// What an operator runs ([`Admin`](crate::admin::Admin)).
+    #[cfg(feature = "admin")]
+    pub(crate) admin: super::admin::AdminSql,
 }
 
 /// A database the SQL core reads in one way: the blanket implementation holds, once, the
@@ -127,6 +131,14 @@ pub trait Database: sqlx::Database {
         table: &'a Table,
         key: &'a Key,
     ) -> impl Future<Output = Result<Option<Duration>, sqlx::Error>> + Send + 'a;
+
+    /// What is left of the lease of `key` and who holds it, read by `table.holding`; none
+    /// for no live claim.
+    fn holding<'a>(
+        pool: &'a sqlx::Pool<Self>,
+        table: &'a Table,
+        key: &'a Key,
+    ) -> impl Future<Output = Result<Option<(Duration, Option<String>)>, sqlx::Error>> + Send + 'a;
 
     /// The step records of `call`, read by `table.steps`.
     fn steps<'a>(
@@ -159,6 +171,7 @@ where
     for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
     for<'r> LookupRow: sqlx::FromRow<'r, DB::Row>,
     for<'r> (i64,): sqlx::FromRow<'r, DB::Row>,
+    for<'r> (i64, Option<String>): sqlx::FromRow<'r, DB::Row>,
     for<'r> (Vec<u8>, Option<Vec<u8>>): sqlx::FromRow<'r, DB::Row>,
 {
     async fn lookup<'a>(
@@ -185,6 +198,23 @@ where
             .and_then(|(millis,)| u64::try_from(millis).ok())
             .filter(|millis| *millis > 0)
             .map(Duration::from_millis))
+    }
+
+    async fn holding<'a>(
+        pool: &'a sqlx::Pool<Self>,
+        table: &'a Table,
+        key: &'a Key,
+    ) -> Result<Option<(Duration, Option<String>)>, sqlx::Error> {
+        let row: Option<(i64, Option<String>)> = sqlx::query_as(&table.holding)
+            .bind(&key.as_bytes()[..])
+            .fetch_optional(pool)
+            .await?;
+        Ok(row.and_then(|(millis, holder)| {
+            u64::try_from(millis)
+                .ok()
+                .filter(|millis| *millis > 0)
+                .map(|millis| (Duration::from_millis(millis), holder))
+        }))
     }
 
     async fn steps<'a>(

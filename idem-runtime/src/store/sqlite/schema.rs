@@ -5,7 +5,7 @@
 use sqlx::{Connection, Sqlite};
 use tokio::time::Instant;
 
-use super::statements::Statements;
+use super::statements::{Statements, ABOUT};
 use super::writer;
 
 /// Switches the file to WAL and creates what is absent, in one `BEGIN IMMEDIATE`
@@ -22,6 +22,15 @@ pub(super) async fn migrate(
     let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
     for statement in &sql.create {
         sqlx::query(statement).execute(&mut *tx).await?;
+    }
+    // A table of an earlier version: the columns an operator is shown, added in place.
+    let present: Vec<String> = sqlx::query_scalar(&sql.about).fetch_all(&mut *tx).await?;
+    for (name, kind) in ABOUT {
+        if !present.iter().any(|p| p.eq_ignore_ascii_case(name)) {
+            sqlx::query(&format!("{}{name} {kind}", sql.add_about))
+                .execute(&mut *tx)
+                .await?;
+        }
     }
     tx.commit().await
 }

@@ -29,7 +29,22 @@ pub(super) struct Statements {
     /// steps.
     pub(super) table: Table,
     pub(super) purge: String,
+    /// The table's column names, and the start of the statement that adds one: a table of
+    /// an earlier version lacks those of [`ABOUT`].
+    pub(super) about: String,
+    pub(super) add_about: String,
 }
+
+/// The columns that say whose a record is, added in place to a table of an earlier
+/// version: the claim's namespace, label, holder and lease, and whether a row is a step's
+/// record.
+pub(super) const ABOUT: [(&str, &str); 5] = [
+    ("namespace", "TEXT"),
+    ("label", "TEXT"),
+    ("holder", "TEXT"),
+    ("lease_ms", "INTEGER"),
+    ("step", "INTEGER"),
+];
 
 impl Statements {
     /// The statements of `table`, after checking the name.
@@ -48,16 +63,22 @@ impl Statements {
         // returned. `row` is where the new row's values come from.
         let take = |row: &str| {
             format!(
-                "INSERT INTO {t} (key, token, completed, fingerprint, value, expires_at) {row} \
+                "INSERT INTO {t} (key, token, completed, fingerprint, value, expires_at, \
+                    namespace, label, holder, lease_ms) {row} \
                  ON CONFLICT (key) DO UPDATE SET token = excluded.token, completed = 0, \
-                 fingerprint = excluded.fingerprint, value = excluded.value, expires_at = excluded.expires_at \
+                 fingerprint = excluded.fingerprint, value = excluded.value, expires_at = excluded.expires_at, \
+                 namespace = excluded.namespace, label = excluded.label, holder = excluded.holder, \
+                 lease_ms = excluded.lease_ms, step = NULL \
                  WHERE {t}.expires_at <= {NOW} \
                     OR (NOT {t}.completed AND substr({t}.value, 1, 8) = excluded.value) \
                  RETURNING token"
             )
         };
-        let values =
-            format!("?1, (SELECT last + 1 FROM {counter} WHERE id = 1), 0, ?2, ?4, {NOW} + ?3");
+        // The key, fingerprint, lease and nonce, then the claimant's namespace, label and
+        // holder.
+        let values = format!(
+            "?1, (SELECT last + 1 FROM {counter} WHERE id = 1), 0, ?2, ?4, {NOW} + ?3, ?5, ?6, ?7, ?3"
+        );
         let insert_trigger = format!("\"{name}_token_inserted\"");
         let update_trigger = format!("\"{name}_token_updated\"");
         Self {
@@ -69,7 +90,9 @@ impl Statements {
                         completed INTEGER NOT NULL, \
                         fingerprint BLOB, \
                         value BLOB, \
-                        expires_at INTEGER NOT NULL) WITHOUT ROWID"
+                        expires_at INTEGER NOT NULL, \
+                        namespace TEXT, label TEXT, holder TEXT, lease_ms INTEGER, step INTEGER) \
+                     WITHOUT ROWID"
                 ),
                 format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (expires_at)"),
                 format!(
@@ -103,9 +126,9 @@ impl Statements {
             held: format!("SELECT token, completed, fingerprint, value FROM {t} WHERE key = ?1"),
             take: take(&format!("VALUES ({values})")),
             // `NOW` is read once the statement holds the file's write lock: it writes
-            // nothing unless that is before `?5`, when its caller stops waiting or would
+            // nothing unless that is before `?8`, when its caller stops waiting or would
             // have waited long enough that leases get time back first (see `writes.rs`).
-            take_in_time: take(&format!("SELECT {values} WHERE {NOW} < ?5")),
+            take_in_time: take(&format!("SELECT {values} WHERE {NOW} < ?8")),
             // The holder's own statements ask for its token in the row, not for a live lease:
             // a lease that ran out while nobody took the key over is still the holder's (a
             // takeover writes another token), so a renewal or a completion that was held up
@@ -123,11 +146,11 @@ impl Statements {
             // Like `complete`, it asks for the holder's token in the call's row, not for a
             // live lease: a takeover writes another token.
             record_step: format!(
-                "INSERT INTO {t} (key, token, completed, fingerprint, value, expires_at) \
-                 SELECT ?5, token, 1, NULL, ?3, {NOW} + ?4 FROM {t} \
+                "INSERT INTO {t} (key, token, completed, fingerprint, value, expires_at, step) \
+                 SELECT ?5, token, 1, NULL, ?3, {NOW} + ?4, 1 FROM {t} \
                  WHERE key = ?1 AND token = ?2 AND NOT completed \
                  ON CONFLICT (key) DO UPDATE SET token = excluded.token, completed = 1, \
-                 fingerprint = NULL, value = excluded.value, expires_at = excluded.expires_at"
+                 fingerprint = NULL, value = excluded.value, expires_at = excluded.expires_at, step = 1"
             ),
             // The dark time `?1` given back to the claims in progress whose lease ran out
             // within it or runs out within a lease `?2`, to a lease from now at most, once: a
@@ -154,7 +177,15 @@ impl Statements {
                     "SELECT expires_at - {NOW} FROM {t} \
                      WHERE key = ?1 AND NOT completed AND expires_at > {NOW}"
                 ),
+                holding: format!(
+                    "SELECT expires_at - {NOW}, holder FROM {t} \
+                     WHERE key = ?1 AND NOT completed AND expires_at > {NOW}"
+                ),
+                #[cfg(feature = "admin")]
+                admin: admin(&t),
             },
+            about: format!("SELECT name FROM pragma_table_info('{name}')"),
+            add_about: format!("ALTER TABLE {t} ADD COLUMN "),
             remove_steps: format!("DELETE FROM {t} WHERE key BETWEEN ?2 AND ?3 AND key <> ?1"),
             remove: format!("DELETE FROM {t} WHERE key = ?1 RETURNING expires_at > {NOW}"),
             purge: format!(
@@ -163,6 +194,24 @@ impl Statements {
             ),
         }
     }
+}
+
+/// The statements of an operator ([`Admin`](crate::admin::Admin)) on the table `t`.
+#[cfg(feature = "admin")]
+fn admin(t: &str) -> crate::store::sql::AdminSql {
+    crate::store::sql::AdminSql::new(&crate::store::sql::Spelling {
+        table: t,
+        key: "key",
+        param: |n| format!("?{n}"),
+        live: &format!("expires_at > {NOW}"),
+        left_ms: &format!("expires_at - {NOW}"),
+        size: "length(value)",
+        head: "substr(value, 1, 1)",
+        not_step: "coalesce(step, 0) = 0",
+        prefix: |len, prefix| format!("substr(coalesce(namespace, ''), 1, {len}) = {prefix}"),
+        token_is: |token| format!("token = {token}"),
+        silent: &format!("(expires_at <= {NOW} OR (expires_at - {NOW}) * 2 < lease_ms)"),
+    })
 }
 
 /// A table name: a plain identifier, so that it can never inject SQL.

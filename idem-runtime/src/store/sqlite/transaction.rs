@@ -133,6 +133,9 @@ async fn claim(
         .bind(call.fingerprint.map(|f| &f.as_bytes()[..]))
         .bind(millis(call.lease))
         .bind(None::<&[u8]>) // no nonce: a claim in a transaction is never taken again
+        .bind(None::<&str>) // and no claimant: its namespace is not the store's to know
+        .bind(None::<&str>)
+        .bind(None::<&str>)
         .fetch_optional(&mut *connection)
         .await?;
     set_busy_timeout(connection, caller).await?;

@@ -28,7 +28,9 @@ use tokio::time::Instant;
 use super::beacon::Beacon;
 use super::statements::Statements;
 use super::{locked_out, lockout, LOCKED_OUT_FLOOR};
+use crate::namespace::Namespace;
 use crate::store::sql::{millis, Fenced};
+use crate::store::{Claimant, Holder};
 use crate::{Fingerprint, Key, Token};
 
 /// How long SQLite's busy handler waits for the file's lock before a write looks again.
@@ -86,6 +88,9 @@ pub(super) enum Job {
         fingerprint: Option<Fingerprint>,
         lease: Duration,
         nonce: u64,
+        /// The claimant's namespace and label, kept on the row.
+        namespace: Option<Namespace>,
+        label: Option<String>,
         /// When the claim began: a claim that waited long gives leases time back.
         started: Instant,
         answer: Answer<Result<Token, SqliteRow>>,
@@ -442,6 +447,7 @@ impl Job {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
         nonce: u64,
+        claimant: &Claimant<'_>,
         started: Instant,
     ) -> (Self, Answered<Result<Token, SqliteRow>>) {
         let (answer, answered) = Answer::new();
@@ -450,6 +456,8 @@ impl Job {
             fingerprint: fingerprint.copied(),
             lease,
             nonce,
+            namespace: claimant.kept(),
+            label: claimant.label().map(str::to_owned),
             started,
             answer,
         };
@@ -502,6 +510,8 @@ impl Job {
             fingerprint,
             lease,
             nonce,
+            namespace,
+            label,
             started,
             answer,
         } = self
@@ -543,6 +553,9 @@ impl Job {
                 .bind(fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
                 .bind(millis(*lease))
                 .bind(&nonce.to_be_bytes()[..])
+                .bind(namespace.as_deref())
+                .bind(label.as_deref())
+                .bind(Holder::this_process_text())
                 .bind(until)
                 .fetch_all(&mut *conn)
                 .await;
@@ -606,6 +619,8 @@ impl Job {
                 fingerprint,
                 lease,
                 nonce,
+                namespace,
+                label,
                 answer,
                 ..
             } => {
@@ -616,6 +631,9 @@ impl Job {
                     .bind(fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
                     .bind(millis(*lease))
                     .bind(&nonce.to_be_bytes()[..])
+                    .bind(namespace.as_deref())
+                    .bind(label.as_deref())
+                    .bind(Holder::this_process_text())
                     .fetch_optional(&mut *tx)
                     .await?;
                 answer.done = Some(match token {
@@ -708,6 +726,7 @@ mod tests {
             None,
             Duration::from_secs(5),
             byte.into(),
+            &Claimant::new("test"),
             Instant::now(),
         )
     }

@@ -1,0 +1,351 @@
+//! `idem`: operate an idem store from a shell (feature `cli`).
+//!
+//! ```text
+//! idem --store postgres://u@h/db list --namespace billing. --state held
+//! idem --store postgres://u@h/db show billing.charge.v1 '[17, "ada"]'
+//! idem --store postgres://u@h/db release billing.charge.v1 '[17, "ada"]' --token 42
+//! idem key billing.charge.v1 '[17, "ada"]'
+//! ```
+//!
+//! Everything it does goes through `idem_runtime::admin`, the API a program would use; the
+//! operator's guide (`idem_runtime::guide::operations`) has the runbooks.
+
+mod print;
+mod stores;
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use idem_runtime::admin::{self, Admin, Cursor, Entry, Filter, Refusal, Release, State, Verdict};
+use idem_runtime::{Key, Token};
+
+/// Why a command failed: the store's or the runtime's error, or the command line's own.
+type Failure = Box<dyn std::error::Error + Send + Sync>;
+
+fn failure(why: impl Into<String>) -> Failure {
+    why.into().into()
+}
+
+/// What the exit status says, for scripts.
+#[derive(Clone, Copy, Debug)]
+enum Exit {
+    /// Done (0).
+    Done = 0,
+    /// The store failed, or the input was wrong (1). Usage errors are clap's (2).
+    Failed = 1,
+    /// The store refused the release or reset, and changed nothing (3).
+    Refused = 3,
+    /// There is no record of the call (4).
+    NotFound = 4,
+    /// Not confirmed: nothing was done (5).
+    NotConfirmed = 5,
+}
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "idem",
+    version,
+    about = "See, release and reset the keys of an idem store, safely.",
+    after_help = "Exit status: 0 done, 1 failed, 2 usage, 3 refused (nothing changed), 4 no such record, 5 not confirmed."
+)]
+struct Cli {
+    /// The store's URL: postgres://…, mysql://…, sqlite:PATH; a table other than
+    /// `idem_records` as `?table=NAME`.
+    #[arg(long, env = "IDEM_STORE", global = true)]
+    store: Option<String>,
+    /// Prints JSON for scripts instead of a table for people.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Lists records, a page at a time, in key order (never their values).
+    List {
+        /// Only records whose namespace starts with this.
+        #[arg(long)]
+        namespace: Option<String>,
+        /// Only records in these states (repeat it); all states by default.
+        #[arg(long, value_enum)]
+        state: Vec<StateArg>,
+        /// Records a page (at most 1000).
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+        /// Where the page starts: the `next` cursor a page printed.
+        #[arg(long)]
+        after: Option<String>,
+        /// Every page, one after the other, instead of the first.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Shows one call: its claim or result, its value and its steps.
+    Show {
+        /// The call: its namespace and key value as JSON, or its 64-digit digest.
+        #[arg(num_args = 1..=2, required = true, allow_negative_numbers = true, value_names = ["NAMESPACE", "KEY_JSON"])]
+        call: Vec<String>,
+    },
+    /// Releases a claim whose holder is silent (or, with --force, any; the holder is
+    /// fenced), so that the next call runs at once.
+    Release {
+        #[arg(num_args = 1..=2, required = true, allow_negative_numbers = true, value_names = ["NAMESPACE", "KEY_JSON"])]
+        call: Vec<String>,
+        /// The claim's token, as `list` or `show` printed it.
+        #[arg(long)]
+        token: u64,
+        /// Releases a live holder too, and fences it.
+        #[arg(long)]
+        force: bool,
+        /// Does it without asking.
+        #[arg(long)]
+        yes: bool,
+    },
+    /// Forgets a completed call and its steps, so that its next call runs again.
+    Reset {
+        #[arg(num_args = 1..=2, required = true, allow_negative_numbers = true, value_names = ["NAMESPACE", "KEY_JSON"])]
+        call: Vec<String>,
+        /// Forgets a call in progress too, fencing its holder.
+        #[arg(long)]
+        force: bool,
+        /// Does it without asking.
+        #[arg(long)]
+        yes: bool,
+    },
+    /// Deletes the expired records.
+    Purge {
+        /// Does it without asking.
+        #[arg(long)]
+        yes: bool,
+    },
+    /// Prints the digest the macro derives for a key value in a namespace (no store).
+    Key {
+        namespace: String,
+        /// The key value as JSON: `17`, `"ord_1"`, `[17, "ada"]` for a key of two arguments.
+        #[arg(allow_negative_numbers = true, value_name = "KEY_JSON")]
+        value: String,
+    },
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum StateArg {
+    Held,
+    Lapsed,
+    Completed,
+    Gone,
+}
+
+impl From<StateArg> for State {
+    fn from(state: StateArg) -> Self {
+        match state {
+            StateArg::Held => State::Held,
+            StateArg::Lapsed => State::Lapsed,
+            StateArg::Completed => State::Completed,
+            StateArg::Gone => State::Gone,
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("idem: cannot start: {err}");
+            return ExitCode::from(Exit::Failed as u8);
+        }
+    };
+    let exit = match runtime.block_on(run(cli)) {
+        Ok(exit) => exit,
+        Err(err) => {
+            // The runtime's own words for a bad input, without its "configuration" prefix.
+            match err.downcast_ref::<idem_runtime::Error>() {
+                Some(idem_runtime::Error::Config(why)) => eprintln!("idem: {why}"),
+                _ => eprintln!("idem: {err}"),
+            }
+            Exit::Failed
+        }
+    };
+    ExitCode::from(exit as u8)
+}
+
+async fn run(cli: Cli) -> Result<Exit, Failure> {
+    let json = cli.json;
+    if let Command::Key { namespace, value } = &cli.command {
+        let key = admin::key_from_json(namespace, value)?;
+        print::key(&key, json);
+        return Ok(Exit::Done);
+    }
+    let Some(url) = cli.store.as_deref() else {
+        return Err(failure(
+            "which store? give its URL with --store (or IDEM_STORE)",
+        ));
+    };
+    let store = stores::open(url).await?;
+    match cli.command {
+        Command::Key { .. } => unreachable!("answered above"),
+        Command::List {
+            namespace,
+            state,
+            limit,
+            after,
+            all,
+        } => {
+            let mut filter = match namespace {
+                Some(prefix) => Filter::namespace(prefix),
+                None => Filter::all(),
+            };
+            for state in state {
+                filter = filter.state(state.into());
+            }
+            let filter = filter.limit(limit.clamp(1, admin::MAX_PAGE));
+            let mut cursor = after.as_deref().map(str::parse::<Cursor>).transpose()?;
+            let mut first = true;
+            loop {
+                let page = store.list(&filter, cursor.as_ref()).await?;
+                // A page the filter left empty (a store reads a bounded stretch of keys a
+                // call) is not shown: the listing goes on to the next one.
+                let empty = page.entries().is_empty();
+                if !empty || page.next().is_none() {
+                    print::page(&page, json, first);
+                    first = false;
+                }
+                match page.next() {
+                    Some(next) if all || empty => cursor = Some(next),
+                    _ => return Ok(Exit::Done),
+                }
+            }
+        }
+        Command::Show { call } => {
+            let key = call_key(&call)?;
+            match store.inspect(&key).await? {
+                Some(entry) => {
+                    print::entry(&entry, json);
+                    Ok(Exit::Done)
+                }
+                None => {
+                    print::missing(&key, json);
+                    Ok(Exit::NotFound)
+                }
+            }
+        }
+        Command::Release {
+            call,
+            token,
+            force,
+            yes,
+        } => {
+            let key = call_key(&call)?;
+            let Some(entry) = store.inspect(&key).await? else {
+                print::missing(&key, json);
+                return Ok(Exit::NotFound);
+            };
+            let how = if force {
+                Release::Force
+            } else {
+                Release::IfSilent
+            };
+            if !confirmed(yes, &format!("release {}", describe(&entry)))? {
+                return Ok(Exit::NotConfirmed);
+            }
+            let verdict = Admin::release(&*store, &key, Token::new(token), how).await?;
+            Ok(report(&key, "released", verdict, json))
+        }
+        Command::Reset { call, force, yes } => {
+            let key = call_key(&call)?;
+            let Some(entry) = store.inspect(&key).await? else {
+                print::missing(&key, json);
+                return Ok(Exit::NotFound);
+            };
+            let how = if force {
+                Release::Force
+            } else {
+                Release::IfSilent
+            };
+            if !confirmed(yes, &format!("forget {}", describe(&entry)))? {
+                return Ok(Exit::NotConfirmed);
+            }
+            let verdict = store.reset(&key, how).await?;
+            Ok(report(&key, "reset", verdict, json))
+        }
+        Command::Purge { yes } => {
+            if !confirmed(yes, "delete every expired record")? {
+                return Ok(Exit::NotConfirmed);
+            }
+            let purged = store.purge().await?;
+            print::purged(purged, json);
+            Ok(Exit::Done)
+        }
+    }
+}
+
+/// The call named by its digest, or by its namespace and key value as JSON.
+fn call_key(call: &[String]) -> Result<Key, Failure> {
+    match call {
+        [digest] => Ok(admin::parse_digest(digest)?),
+        [namespace, json] => Ok(admin::key_from_json(namespace, json)?),
+        _ => Err(failure(
+            "name the call by NAMESPACE KEY_JSON, or by its digest",
+        )),
+    }
+}
+
+/// One line that says what is about to be changed.
+fn describe(entry: &Entry) -> String {
+    let namespace = entry.namespace().unwrap_or("namespace unknown");
+    let mut line = format!("{} {} ({})", namespace, entry.key().to_hex(), entry.state());
+    if let Some(holder) = entry.holder() {
+        line.push_str(&format!(", held by {holder}"));
+    }
+    line
+}
+
+/// Whether to go on: told `--yes`, or answered `y` at the prompt. Without a terminal to
+/// ask on, and without `--yes`, nothing is done.
+fn confirmed(yes: bool, what: &str) -> Result<bool, Failure> {
+    if yes {
+        return Ok(true);
+    }
+    let stdin = std::io::stdin();
+    if !stdin.is_terminal() {
+        eprintln!("idem: not confirmed: {what}? Pass --yes to do it without a prompt.");
+        return Ok(false);
+    }
+    eprint!("{what}? [y/N] ");
+    let _ = std::io::stderr().flush();
+    let mut answer = String::new();
+    stdin
+        .lock()
+        .read_line(&mut answer)
+        .map_err(|err| failure(format!("cannot read the answer: {err}")))?;
+    let yes = matches!(answer.trim(), "y" | "Y" | "yes");
+    if !yes {
+        eprintln!("idem: not confirmed; nothing was done");
+    }
+    Ok(yes)
+}
+
+/// Prints what a release or reset did; its exit status.
+fn report(key: &Key, done: &str, verdict: Verdict, json: bool) -> Exit {
+    print::verdict(key, done, &verdict, json);
+    match verdict {
+        Verdict::Done => Exit::Done,
+        Verdict::Refused(Refusal::NotFound) => Exit::NotFound,
+        Verdict::Refused(_) => Exit::Refused,
+        _ => Exit::Refused,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        super::Cli::command().debug_assert();
+    }
+}
