@@ -111,7 +111,7 @@ pub struct Table {
     pub(crate) steps: String,
     /// What an operator runs ([`Admin`](crate::admin::Admin)).
     #[cfg(feature = "admin")]
-    pub(crate) admin: super::admin::AdminSql,
+    pub(crate) admin: super::AdminSql,
 }
 
 /// A database the SQL core reads in one way: the blanket implementation holds, once, the
