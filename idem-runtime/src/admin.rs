@@ -49,7 +49,8 @@
 //!
 //! [`MemoryStore`](crate::MemoryStore) and the SQL stores
 //! ([`PostgresStore`](crate::PostgresStore), [`MySqlStore`](crate::MySqlStore),
-//! [`SqliteStore`](crate::SqliteStore)) implement [`Admin`]; Redis, DynamoDB and the tier
+//! [`SqliteStore`](crate::SqliteStore)) implement [`Admin`], and so does
+//! [`TieredStore`](crate::TieredStore) over a durable store that does; Redis and DynamoDB
 //! are next. What each store supports, and what a listing costs on it, is in the operator's
 //! guide ([`crate::guide::operations`]), with the `idem` command line (feature `cli`).
 

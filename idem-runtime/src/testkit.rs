@@ -49,6 +49,8 @@ mod faults;
 mod histories;
 
 pub use self::faults::{Faults, Faulty};
+#[cfg(feature = "admin")]
+pub use self::histories::histories_with_operator;
 pub use self::histories::{
     body_ran, histories, Answer, BodyId, CallId, Failure, History, Plan, Report, Violation,
 };

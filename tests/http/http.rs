@@ -203,6 +203,47 @@ async fn a_retry_while_the_first_runs_is_a_409_or_waits_for_it() {
     }
 }
 
+/// `wait = 2s` beside a holder of a five-minute lease: the duplicate waits its two seconds,
+/// not the lease, then gets `409` with the lease's `Retry-After`; the first completes alone.
+async fn a_duplicate_waits_as_told_then_gets_a_409<St: idem_runtime::Store + Clone>(store: St) {
+    let app = App::default();
+    let layer = layer(store)
+        .lease(std::time::Duration::from_secs(300))
+        .in_flight(InFlight::Wait)
+        .wait(std::time::Duration::from_secs(2));
+    let client = server_with(&app, layer).await;
+    let first = {
+        let client = client.clone();
+        tokio::spawn(async move { client.post("/slow", "k", "{}").await })
+    };
+    app.entered.notified().await;
+    let asked = std::time::Instant::now();
+    let second = client.post("/slow", "k", "{}").await;
+    assert!(
+        asked.elapsed() >= std::time::Duration::from_secs(2),
+        "{:?}",
+        asked.elapsed()
+    );
+    assert_eq!(second.status, StatusCode::CONFLICT);
+    let after: u64 = second.headers["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((60..=300).contains(&after), "Retry-After: {after}");
+    app.open();
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    assert_eq!(app.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_that_waits_two_seconds_beside_a_five_minute_lease_gets_a_409() {
+    a_duplicate_waits_as_told_then_gets_a_409(MemoryStore::new()).await;
+    if let Some(store) = idem_tests::postgres_store().await {
+        a_duplicate_waits_as_told_then_gets_a_409(store).await;
+    }
+}
+
 /// A `409` says when the holder's lease ends, by the store's clock, as `Retry-After` and in
 /// its problem's detail, on every store that can say: not the layer's fixed 1 s.
 async fn a_409_says_when_the_lease_ends<St: idem_runtime::Store + Clone>(store: St) {

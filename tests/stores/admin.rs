@@ -287,6 +287,15 @@ async fn sqlite_is_operated_safely() {
     paging(store, &namespace("admin.sqlite")).await;
 }
 
+/// A tier of memory in front of SQLite: the durable store's records, and a reset that
+/// forgets the fast tier's copy too (else the rerun in `operations` would replay it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tier_is_operated_on_both_tiers() {
+    let store = idem_runtime::TieredStore::new(MemoryStore::new(), sqlite_store("tier").await);
+    operations(store.clone(), &namespace("admin.tier")).await;
+    paging(store, &namespace("admin.tier")).await;
+}
+
 /// A call's steps are shown by `inspect`, never listed as calls, and forgotten with their
 /// call by `reset`.
 async fn steps_go_with_their_call<S: Store + Admin + Clone + 'static>(store: S, prefix: &str) {

@@ -206,6 +206,13 @@ impl<St: Clone, Sc: Clone> IdempotencyLayer<St, Sc> {
         self.with(|c| c.operation = c.operation.clone().in_flight(in_flight))
     }
 
+    /// With [`InFlight::Wait`], how long a duplicate waits for the first request's response
+    /// (default: the lease), then `409` with `Retry-After`, as a duplicate that does not
+    /// wait gets at once.
+    pub fn wait(self, wait: Duration) -> Self {
+        self.with(|c| c.operation = c.operation.clone().wait(wait))
+    }
+
     /// The `Retry-After` of a `409` when the store cannot say how long the holder's lease
     /// has left (default 1 s); a store that can ([`Store::lease_left`])
     /// answers with that, rounded up to whole seconds.

@@ -427,6 +427,57 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
     }
 }
 
+/// An operator's view of a tier: its durable store's records, which alone decide who runs
+/// (the fast tier holds copies of completed ones, nothing else). A reset forgets the call
+/// in both tiers, so that no copy replays what was reset.
+#[cfg(feature = "admin")]
+#[async_trait]
+impl<F: Store, D: Store + crate::admin::Admin> crate::admin::Admin for TieredStore<F, D> {
+    async fn list(
+        &self,
+        filter: &crate::admin::Filter,
+        after: Option<&crate::admin::Cursor>,
+    ) -> Result<crate::admin::Page, Error> {
+        self.durable.list(filter, after).await
+    }
+
+    async fn inspect(&self, key: &Key) -> Result<Option<crate::admin::Entry>, Error> {
+        self.durable.inspect(key).await
+    }
+
+    /// The durable store's release: claims live there alone. Its fence reaches the holders
+    /// of this process too, whose registry of running calls is the durable store's.
+    async fn release(
+        &self,
+        key: &Key,
+        token: Token,
+        how: crate::admin::Release,
+    ) -> Result<crate::admin::Verdict, Error> {
+        crate::admin::Admin::release(&self.durable, key, token, how).await
+    }
+
+    /// The copy is removed before the durable record is forgotten and again after, as
+    /// [`remove`](Store::remove) does, so that no copy in flight survives it; a fast tier
+    /// that fails is an error here.
+    async fn reset(
+        &self,
+        key: &Key,
+        how: crate::admin::Release,
+    ) -> Result<crate::admin::Verdict, Error> {
+        let bound = self.fast_timeout.max(REMOVAL_TIMEOUT);
+        within(bound, self.fast.remove(key)).await?;
+        let verdict = self.durable.reset(key, how).await?;
+        within(bound, self.fast.remove(key)).await?;
+        Ok(verdict)
+    }
+
+    /// The durable store's expired records; copies expire by themselves, before their
+    /// records.
+    async fn purge(&self) -> Result<u64, Error> {
+        self.durable.purge().await
+    }
+}
+
 /// A fast tier that keeps typed values (memory) keeps them for the copies of records
 /// completed through this process, so that their replays decode nothing; a copy made from a
 /// replay of the durable record is kept encoded.

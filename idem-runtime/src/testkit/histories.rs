@@ -394,14 +394,16 @@ pub struct Report {
     pub answers: BTreeMap<&'static str, usize>,
     /// Faults injected ([`histories`] fills it in).
     pub faults: usize,
+    /// Claims an operator released while the calls ran ([`histories_with_operator`]).
+    pub released: usize,
 }
 
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} calls, {} bodies, {} keys, {} faults injected; keys run twice with an Unrecorded or Gone said or a caller killed: {}; answers:",
-            self.calls, self.bodies, self.keys, self.faults, self.excused
+            "{} calls, {} bodies, {} keys, {} faults injected, {} claims released by an operator; keys run twice with an Unrecorded or Gone said or a caller killed: {}; answers:",
+            self.calls, self.bodies, self.keys, self.faults, self.released, self.excused
         )?;
         for (kind, n) in &self.answers {
             write!(f, " {kind} {n},")?;
@@ -591,10 +593,75 @@ impl From<Error> for Failure {
 /// }
 /// ```
 pub async fn histories<S: Store + Clone>(stores: &[S], plan: &Plan) -> Report {
-    let (history, faulty) = record(stores, plan).await;
+    let (history, faulty, _) = record(stores, plan, None).await;
+    checked(&history, &faulty, plan, 0)
+}
+
+/// [`histories`] with an operator beside the callers (feature `admin`): while the calls
+/// run, it lists the plan's claims in progress through the first store (without faults)
+/// and releases some of them, by force one time in two and otherwise only if silent. The
+/// same rules hold: a holder released by force is told `Unrecorded` (its body ran, its
+/// result is not the key's), never a value of the run that took the key after it, and no
+/// key answers two values.
+#[cfg(feature = "admin")]
+pub async fn histories_with_operator<S>(stores: &[S], plan: &Plan) -> Report
+where
+    S: Store + crate::admin::Admin + Clone,
+{
+    let store = stores.first().expect("histories need a store").clone();
+    let seed = plan.seed;
+    let operator: Operator =
+        Box::new(move |namespace, done| tokio::spawn(operate(store, namespace, done, seed)));
+    let (history, faulty, released) = record(stores, plan, Some(operator)).await;
+    checked(&history, &faulty, plan, released)
+}
+
+/// The operator of [`histories_with_operator`]: how many claims it released.
+#[cfg(feature = "admin")]
+async fn operate<S: crate::admin::Admin>(
+    store: S,
+    namespace: String,
+    done: Arc<std::sync::atomic::AtomicBool>,
+    seed: u64,
+) -> usize {
+    use crate::admin::{Admin, Filter, Release, Verdict};
+    let mut rng = SplitMix::new(seed ^ 0x6f70_6572_6174_6f72);
+    let filter = Filter::namespace(namespace).held();
+    let mut released = 0;
+    while !done.load(std::sync::atomic::Ordering::Acquire) {
+        if let Ok(page) = store.list(&filter, None).await {
+            for entry in page.entries() {
+                let Some(token) = entry.token().filter(|_| rng.unit() < 0.3) else {
+                    continue;
+                };
+                let how = if rng.unit() < 0.5 {
+                    Release::Force
+                } else {
+                    Release::IfSilent
+                };
+                if let Ok(Verdict::Done) = Admin::release(&store, entry.key(), token, how).await {
+                    released += 1;
+                }
+            }
+        }
+        // The operator's pace, not a synchronisation: the calls go on meanwhile.
+        tokio::time::sleep(Duration::from_millis(1 + rng.below(10))).await;
+    }
+    released
+}
+
+/// `history` checked, with the faults injected and the releases made; panics with the seed
+/// and the shortest history that shows a broken rule.
+fn checked<S: Store>(
+    history: &History,
+    faulty: &[Faulty<S>],
+    plan: &Plan,
+    released: usize,
+) -> Report {
     match history.check() {
         Ok(mut report) => {
             report.faults = faulty.iter().map(Faulty::injected).sum();
+            report.released = released;
             report
         }
         Err(violation) => panic!(
@@ -604,8 +671,19 @@ pub async fn histories<S: Store + Clone>(stores: &[S], plan: &Plan) -> Report {
     }
 }
 
-/// Runs `plan` and returns its history unchecked, with the faulty stores it ran through.
-async fn record<S: Store + Clone>(stores: &[S], plan: &Plan) -> (History, Vec<Faulty<S>>) {
+/// What runs beside the callers of [`record`]: given the plan's namespace and a flag set
+/// once every call has answered, a task whose result is how many claims it released.
+type Operator = Box<
+    dyn FnOnce(String, Arc<std::sync::atomic::AtomicBool>) -> tokio::task::JoinHandle<usize> + Send,
+>;
+
+/// Runs `plan` and returns its history unchecked, with the faulty stores it ran through
+/// and what the operator released, if there was one.
+async fn record<S: Store + Clone>(
+    stores: &[S],
+    plan: &Plan,
+    operator: Option<Operator>,
+) -> (History, Vec<Faulty<S>>, usize) {
     assert!(!stores.is_empty(), "histories need a store");
     let history = History::new();
     let namespace = format!(
@@ -614,7 +692,7 @@ async fn record<S: Store + Clone>(stores: &[S], plan: &Plan) -> (History, Vec<Fa
         super::Keys::new().run
     );
     let op = Arc::new(
-        Operation::new(namespace)
+        Operation::new(namespace.clone())
             .lease(plan.lease)
             .ttl(Duration::from_secs(3600)),
     );
@@ -631,6 +709,8 @@ async fn record<S: Store + Clone>(stores: &[S], plan: &Plan) -> (History, Vec<Fa
         .collect();
     let timeout = stores[0].claim_timeout().unwrap_or(Duration::from_secs(3));
     let bound = timeout + plan.lease * 3 + plan.faults.stall_for * 2 + plan.slack;
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let operating = operator.map(|operator| operator(namespace.clone(), Arc::clone(&done)));
     let mut tasks = tokio::task::JoinSet::new();
     let per_caller = plan.calls.div_ceil(plan.callers.max(1));
     for caller in 0..plan.callers.max(1) {
@@ -659,9 +739,16 @@ async fn record<S: Store + Clone>(stores: &[S], plan: &Plan) -> (History, Vec<Fa
             std::panic::resume_unwind(err.into_panic());
         }
     }
+    done.store(true, std::sync::atomic::Ordering::Release);
+    let released = match operating {
+        Some(task) => task
+            .await
+            .unwrap_or_else(|err| std::panic::resume_unwind(err.into_panic())),
+        None => 0,
+    };
     // What the calls left to finish in the background (completions that failed within the
     // lease) is not waited for: the history is what the callers saw.
-    (history, faulty)
+    (history, faulty, released)
 }
 
 /// The body of `call`: recorded on the way in and out, two steps if `steps`, `work` long,

@@ -21,7 +21,8 @@ mod transactions;
 
 use std::path::PathBuf;
 
-use idem_runtime::testkit::{histories, Faults, Plan, Report};
+use idem_runtime::admin::Admin;
+use idem_runtime::testkit::{histories, histories_with_operator, Faults, Plan, Report};
 use idem_runtime::{MemoryStore, SqliteStore, Store, TieredStore};
 use idem_tests::{dynamodb_store, mysql_store, postgres_store, redis_store};
 
@@ -80,6 +81,56 @@ async fn run<S: Store + Clone>(label: &str, base: u64, stores: &[S], steps: bool
             assert!(report.faults > 0, "{label}: the schedule injected faults");
         }
     }
+}
+
+/// Every seed with an operator beside the calls, releasing claims (by force one time in
+/// two) while they run under 10 % faults, with steps: the same rules hold.
+async fn operated<S: Store + Admin + Clone>(label: &str, base: u64, stores: &[S]) {
+    let calls = calls() / 2;
+    let keys = (calls * 2 / 25).max(1) as u64;
+    let mut released = 0;
+    for seed in seeds(base) {
+        let plan = Plan::new(seed).calls(calls, keys).with_steps();
+        let report = histories_with_operator(stores, &plan).await;
+        println!("{label}: seed {seed}, with an operator: {report}");
+        released += report.released;
+    }
+    // Fifty callers keep claims held most of the time; the operator lists them every few
+    // milliseconds.
+    assert!(released > 0, "{label}: the operator released claims");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_with_an_operator() {
+    operated("memory", 11, &[MemoryStore::new()]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_with_an_operator() {
+    let file = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("histories-operated.db");
+    for stale in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{stale}", file.display()));
+    }
+    let first = SqliteStore::open(&file).await.unwrap();
+    first.migrate().await.unwrap();
+    let second = SqliteStore::open(&file).await.unwrap();
+    operated("sqlite", 12, &[first, second]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_with_an_operator() {
+    let (Some(first), Some(second)) = (postgres_store().await, postgres_store().await) else {
+        return;
+    };
+    operated("postgres", 14, &[first, second]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_with_an_operator() {
+    let (Some(first), Some(second)) = (mysql_store().await, mysql_store().await) else {
+        return;
+    };
+    operated("mysql", 15, &[first, second]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
