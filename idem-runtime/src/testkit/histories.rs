@@ -597,12 +597,14 @@ pub async fn histories<S: Store + Clone>(stores: &[S], plan: &Plan) -> Report {
     checked(&history, &faulty, plan, 0)
 }
 
-/// [`histories`] with an operator beside the callers (feature `admin`): while the calls
-/// run, it lists the plan's claims in progress through the first store (without faults)
-/// and releases some of them, by force one time in two and otherwise only if silent. The
-/// same rules hold: a holder released by force is told `Unrecorded` (its body ran, its
-/// result is not the key's), never a value of the run that took the key after it, and no
-/// key answers two values.
+/// [`histories`] with an operator beside the callers (feature `admin`). Some bodies
+/// (one call in four, by the seed) hand their key to the operator after their first step
+/// and wait for it: it finds the claim by listing the plan's claims through the first
+/// store (without faults) and releases it, by force one time in two and otherwise only if
+/// silent. Between handovers it also lists and releases claims at random, wherever their
+/// calls are. The same rules hold: a holder released by force is told `Unrecorded` (its
+/// body ran, its result is not the key's), never a value of the run that took the key
+/// after it, and no key answers two values.
 #[cfg(feature = "admin")]
 pub async fn histories_with_operator<S>(stores: &[S], plan: &Plan) -> Report
 where
@@ -610,44 +612,95 @@ where
 {
     let store = stores.first().expect("histories need a store").clone();
     let seed = plan.seed;
-    let operator: Operator =
-        Box::new(move |namespace, done| tokio::spawn(operate(store, namespace, done, seed)));
+    let operator: Operator = Box::new(move |namespace, handovers| {
+        tokio::spawn(operate(store, namespace, handovers, seed))
+    });
     let (history, faulty, released) = record(stores, plan, Some(operator)).await;
     checked(&history, &faulty, plan, released)
 }
 
-/// The operator of [`histories_with_operator`]: how many claims it released.
+/// A body's key handed to the operator, and how the operator says it is done with it.
+type Handover = (crate::Key, tokio::sync::oneshot::Sender<()>);
+
+/// The operator of [`histories_with_operator`]: how many claims it released. It ends when
+/// every caller has ended (the handovers' channel closes).
 #[cfg(feature = "admin")]
 async fn operate<S: crate::admin::Admin>(
     store: S,
     namespace: String,
-    done: Arc<std::sync::atomic::AtomicBool>,
+    mut handovers: tokio::sync::mpsc::UnboundedReceiver<Handover>,
     seed: u64,
 ) -> usize {
-    use crate::admin::{Admin, Filter, Release, Verdict};
+    use crate::admin::{Filter, Release};
     let mut rng = SplitMix::new(seed ^ 0x6f70_6572_6174_6f72);
-    let filter = Filter::namespace(namespace).held();
+    let filter = Filter::namespace(namespace).held().lapsed();
     let mut released = 0;
-    while !done.load(std::sync::atomic::Ordering::Acquire) {
-        if let Ok(page) = store.list(&filter, None).await {
-            for entry in page.entries() {
-                let Some(token) = entry.token().filter(|_| rng.unit() < 0.3) else {
+    let how = |rng: &mut SplitMix| {
+        if rng.unit() < 0.5 {
+            Release::Force
+        } else {
+            Release::IfSilent
+        }
+    };
+    loop {
+        // The operator's pace between handovers, not a synchronisation.
+        let pace = Duration::from_millis(1 + rng.below(10));
+        match tokio::time::timeout(pace, handovers.recv()).await {
+            Ok(None) => break,
+            Ok(Some((key, done))) => {
+                // The body waits on `done`: its claim is held (or lapsed) meanwhile.
+                if let Some(token) = held_token(&store, &filter, &key).await {
+                    let how = how(&mut rng);
+                    released += usize::from(released_by(&store, &key, token, how).await);
+                }
+                let _ = done.send(());
+            }
+            Err(_) => {
+                let Ok(page) = crate::admin::Admin::list(&store, &filter, None).await else {
                     continue;
                 };
-                let how = if rng.unit() < 0.5 {
-                    Release::Force
-                } else {
-                    Release::IfSilent
-                };
-                if let Ok(Verdict::Done) = Admin::release(&store, entry.key(), token, how).await {
-                    released += 1;
+                for entry in page.entries() {
+                    let Some(token) = entry.token().filter(|_| rng.unit() < 0.3) else {
+                        continue;
+                    };
+                    let how = how(&mut rng);
+                    released += usize::from(released_by(&store, entry.key(), token, how).await);
                 }
             }
         }
-        // The operator's pace, not a synchronisation: the calls go on meanwhile.
-        tokio::time::sleep(Duration::from_millis(1 + rng.below(10))).await;
     }
     released
+}
+
+/// The token `key` is held with, found by listing `filter` page by page.
+#[cfg(feature = "admin")]
+async fn held_token<S: crate::admin::Admin>(
+    store: &S,
+    filter: &crate::admin::Filter,
+    key: &crate::Key,
+) -> Option<crate::Token> {
+    let mut after = None;
+    loop {
+        let page = store.list(filter, after.as_ref()).await.ok()?;
+        if let Some(entry) = page.entries().iter().find(|entry| entry.key() == key) {
+            return entry.token();
+        }
+        after = Some(page.next()?);
+    }
+}
+
+/// Whether the operator's release of `key` was done.
+#[cfg(feature = "admin")]
+async fn released_by<S: crate::admin::Admin>(
+    store: &S,
+    key: &crate::Key,
+    token: crate::Token,
+    how: crate::admin::Release,
+) -> bool {
+    matches!(
+        crate::admin::Admin::release(store, key, token, how).await,
+        Ok(crate::admin::Verdict::Done)
+    )
 }
 
 /// `history` checked, with the faults injected and the releases made; panics with the seed
@@ -671,10 +724,15 @@ fn checked<S: Store>(
     }
 }
 
-/// What runs beside the callers of [`record`]: given the plan's namespace and a flag set
-/// once every call has answered, a task whose result is how many claims it released.
+/// What runs beside the callers of [`record`]: given the plan's namespace and the bodies'
+/// handovers (the channel closes once every call has answered), a task whose result is how
+/// many claims it released.
 type Operator = Box<
-    dyn FnOnce(String, Arc<std::sync::atomic::AtomicBool>) -> tokio::task::JoinHandle<usize> + Send,
+    dyn FnOnce(
+            String,
+            tokio::sync::mpsc::UnboundedReceiver<Handover>,
+        ) -> tokio::task::JoinHandle<usize>
+        + Send,
 >;
 
 /// Runs `plan` and returns its history unchecked, with the faulty stores it ran through
@@ -709,13 +767,15 @@ async fn record<S: Store + Clone>(
         .collect();
     let timeout = stores[0].claim_timeout().unwrap_or(Duration::from_secs(3));
     let bound = timeout + plan.lease * 3 + plan.faults.stall_for * 2 + plan.slack;
-    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let operating = operator.map(|operator| operator(namespace.clone(), Arc::clone(&done)));
+    let (handover, handovers) = tokio::sync::mpsc::unbounded_channel();
+    let handover = operator.is_some().then_some(handover);
+    let operating = operator.map(|operator| operator(namespace.clone(), handovers));
     let mut tasks = tokio::task::JoinSet::new();
     let per_caller = plan.calls.div_ceil(plan.callers.max(1));
     for caller in 0..plan.callers.max(1) {
         let store = faulty[caller % faulty.len()].clone();
         let (op, history, plan) = (Arc::clone(&op), history.clone(), plan.clone());
+        let handover = handover.clone();
         let mut rng =
             SplitMix::new(plan.seed ^ (caller as u64).wrapping_mul(0xA24B_AED4_963E_E407));
         tasks.spawn(async move {
@@ -726,8 +786,13 @@ async fn record<S: Store + Clone>(
                 let work = Duration::from_micros(rng.below(1_000));
                 let k = op.key(&key).expect("integers always encode");
                 let fp = Fingerprint::of(&payload).expect("integers always encode");
+                // Drawn only with an operator, so that the plain histories keep their seeds.
+                let handed = handover
+                    .as_ref()
+                    .filter(|_| rng.unit() < 0.25)
+                    .map(|to| (to.clone(), k));
                 let call = history.begin(key, payload, bound);
-                let body = body(&history, call, fails, work, plan.steps);
+                let body = body(&history, call, fails, work, plan.steps, handed);
                 let result = op.run(&store, &k, Some(&fp), body).await;
                 let answer = Answer::of_call(&result);
                 history.end(call, answer);
@@ -739,7 +804,7 @@ async fn record<S: Store + Clone>(
             std::panic::resume_unwind(err.into_panic());
         }
     }
-    done.store(true, std::sync::atomic::Ordering::Release);
+    drop(handover);
     let released = match operating {
         Some(task) => task
             .await
@@ -752,19 +817,24 @@ async fn record<S: Store + Clone>(
 }
 
 /// The body of `call`: recorded on the way in and out, two steps if `steps`, `work` long,
-/// failing if `fails`. Its value is its own id.
+/// failing if `fails`, its key handed to the operator (after its first step) if `handed`.
+/// Its value is its own id.
 fn body(
     history: &History,
     call: CallId,
     fails: bool,
     work: Duration,
     steps: bool,
+    mut handed: Option<(tokio::sync::mpsc::UnboundedSender<Handover>, crate::Key)>,
 ) -> impl std::future::Future<Output = Result<u64, Failure>> + Send + 'static {
     let history = history.clone();
     async move {
         let id = history.body_started(call);
         if steps {
             for index in 0..2_u32 {
+                if index == 1 {
+                    hand_over(&mut handed).await;
+                }
                 let ran = step(&format!("step-{index}"), async {
                     history.step_ran(id, index);
                     Ok::<_, Failure>(index)
@@ -779,6 +849,7 @@ fn body(
                 }
             }
         }
+        hand_over(&mut handed).await;
         tokio::time::sleep(work).await;
         if fails {
             history.body_ended(id, Err(()));
@@ -786,6 +857,19 @@ fn body(
         }
         history.body_ended(id, Ok(id));
         Ok(id)
+    }
+}
+
+/// Hands the body's key to the operator, once, and waits until it is done with it.
+async fn hand_over(
+    handed: &mut Option<(tokio::sync::mpsc::UnboundedSender<Handover>, crate::Key)>,
+) {
+    if let Some((to, key)) = handed.take() {
+        let (done, operated) = tokio::sync::oneshot::channel();
+        if to.send((key, done)).is_ok() {
+            // The operator always answers, or drops `done` when it stops.
+            let _ = operated.await;
+        }
     }
 }
 

@@ -88,16 +88,17 @@ async fn run<S: Store + Clone>(label: &str, base: u64, stores: &[S], steps: bool
 async fn operated<S: Store + Admin + Clone>(label: &str, base: u64, stores: &[S]) {
     let calls = calls() / 2;
     let keys = (calls * 2 / 25).max(1) as u64;
-    let mut released = 0;
     for seed in seeds(base) {
         let plan = Plan::new(seed).calls(calls, keys).with_steps();
         let report = histories_with_operator(stores, &plan).await;
         println!("{label}: seed {seed}, with an operator: {report}");
-        released += report.released;
+        // One body in four waits while the operator finds its claim and releases it, by
+        // force one time in two: a seed without a release would have proven nothing.
+        assert!(
+            report.released > 0,
+            "{label}: seed {seed}: the operator released claims"
+        );
     }
-    // Fifty callers keep claims held most of the time; the operator lists them every few
-    // milliseconds.
-    assert!(released > 0, "{label}: the operator released claims");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
