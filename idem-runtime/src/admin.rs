@@ -44,14 +44,14 @@
 //!
 //! Each is judged and done in one atomic step on the store (the memory store: under the
 //! key's lock, by the leases' clock; the SQL stores: one conditional `DELETE`, by the
-//! database's clock): a renewal that lands first makes an `IfSilent` release refuse, never
-//! the other way round.
+//! database's clock; Redis: one script, by the server's clock): a renewal that lands first
+//! makes an `IfSilent` release refuse, never the other way round.
 //!
-//! [`MemoryStore`](crate::MemoryStore) and the SQL stores
+//! [`MemoryStore`](crate::MemoryStore), the SQL stores
 //! ([`PostgresStore`](crate::PostgresStore), [`MySqlStore`](crate::MySqlStore),
-//! [`SqliteStore`](crate::SqliteStore)) implement [`Admin`], and so does
-//! [`TieredStore`](crate::TieredStore) over a durable store that does; Redis and DynamoDB
-//! are next. What each store supports, and what a listing costs on it, is in the operator's
+//! [`SqliteStore`](crate::SqliteStore)) and [`RedisStore`](crate::RedisStore) (one server,
+//! Sentinel or Cluster) implement [`Admin`], and so does [`TieredStore`](crate::TieredStore)
+//! over a durable store that does; DynamoDB is next. What each store supports, and what a listing costs on it, is in the operator's
 //! guide ([`crate::guide::operations`]), with the `idem` command line (feature `cli`).
 
 use std::fmt;
@@ -235,26 +235,82 @@ impl Filter {
     }
 }
 
-/// Where the next page of a listing starts: after this key, in key order. Printed and read
-/// as 64 hex digits, so that a script can carry it between runs of `idem list`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Cursor(Key);
+/// Where the next page of a listing starts. Printed and read back as text, so that a
+/// script can carry it between runs of `idem list`: 64 hex digits (after this key, in key
+/// order) for the stores that list in key order, or a store's own position for those that
+/// do not (Redis: which node, and where its `SCAN` stands).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Cursor(At);
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum At {
+    After(Key),
+    Position(String),
+}
 
 impl Cursor {
     /// The page after `key`.
     pub fn after(key: Key) -> Self {
-        Self(key)
+        Self(At::After(key))
     }
 
-    /// The last key of the page before.
-    pub fn key(&self) -> &Key {
-        &self.0
+    /// A position of a store's own (for store implementations whose listings are not in
+    /// key order): printable ASCII without spaces, and never 64 hex digits, which read back
+    /// as a key.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] for any other text.
+    pub fn position(text: impl Into<String>) -> Result<Self, Error> {
+        let text = text.into();
+        if text.is_empty() || !text.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(Error::config(format!(
+                "a listing's position is printable ASCII without spaces, not {text:?}"
+            )));
+        }
+        if parse_digest(&text).is_ok() {
+            return Err(Error::config(
+                "a listing's position of 64 hex digits would read back as a key",
+            ));
+        }
+        Ok(Self(At::Position(text)))
+    }
+
+    /// The last key of the page before, for a listing in key order.
+    pub fn key(&self) -> Option<&Key> {
+        match &self.0 {
+            At::After(key) => Some(key),
+            At::Position(_) => None,
+        }
+    }
+
+    /// The store's own position ([`position`](Self::position)).
+    pub fn store_position(&self) -> Option<&str> {
+        match &self.0 {
+            At::After(_) => None,
+            At::Position(text) => Some(text),
+        }
+    }
+
+    /// The key a listing in key order starts after: [`Error::Config`] for a position of
+    /// another store's listing.
+    pub(crate) fn key_order(cursor: Option<&Self>) -> Result<Option<Key>, Error> {
+        match cursor.map(|cursor| &cursor.0) {
+            None => Ok(None),
+            Some(At::After(key)) => Ok(Some(*key)),
+            Some(At::Position(text)) => Err(Error::config(format!(
+                "the cursor {text:?} is not a key: it comes from another store's listing"
+            ))),
+        }
     }
 }
 
 impl fmt::Display for Cursor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0.to_hex())
+        match &self.0 {
+            At::After(key) => f.write_str(&key.to_hex()),
+            At::Position(text) => f.write_str(text),
+        }
     }
 }
 
@@ -262,7 +318,10 @@ impl FromStr for Cursor {
     type Err = Error;
 
     fn from_str(text: &str) -> Result<Self, Error> {
-        parse_digest(text).map(Self)
+        match parse_digest(text) {
+            Ok(key) => Ok(Self::after(key)),
+            Err(_) => Self::position(text),
+        }
     }
 }
 
@@ -382,7 +441,7 @@ impl Page {
         Self { entries, next }
     }
 
-    /// The records on this page, in key order.
+    /// The records on this page, in the store's listing order.
     pub fn entries(&self) -> &[Entry] {
         &self.entries
     }
@@ -394,7 +453,7 @@ impl Page {
 
     /// Where the next page starts; `None` on the last page.
     pub fn next(&self) -> Option<Cursor> {
-        self.next
+        self.next.clone()
     }
 }
 
@@ -634,8 +693,9 @@ impl fmt::Display for Refusal {
     }
 }
 
-/// An operator's view of a store (feature `admin`): [`MemoryStore`](crate::MemoryStore)
-/// and the SQL stores implement it.
+/// An operator's view of a store (feature `admin`): [`MemoryStore`](crate::MemoryStore),
+/// the SQL stores, [`RedisStore`](crate::RedisStore) and [`TieredStore`](crate::TieredStore)
+/// implement it.
 ///
 /// [`Store`](crate::Store) has a `release` of its own (a holder's, by token): with both
 /// traits in scope, say which, `Admin::release(&store, &key, token, Release::IfSilent)`.
@@ -643,11 +703,13 @@ impl fmt::Display for Refusal {
 /// Object safe: the `idem` command line works on a `Box<dyn Admin>`.
 #[async_trait]
 pub trait Admin: Send + Sync {
-    /// One page of the records `filter` selects, in key order, after `after` (the previous
-    /// page's [`next`](Page::next)). Bounded in memory by the page, whatever the store
-    /// holds; each store's cost is in the operator's guide. A store that reads a bounded
-    /// stretch of keys a call (the SQL stores) may return a short page, even an empty one,
-    /// with a `next`: the listing ends only where `next` is `None`.
+    /// One page of the records `filter` selects after `after` (the previous page's
+    /// [`next`](Page::next)): in key order, or on Redis in `SCAN`'s order (a key written
+    /// or deleted during the listing may be missed or shown twice, as `SCAN` allows).
+    /// Bounded in memory by the page, whatever the store holds; each store's cost is in the
+    /// operator's guide. A store that reads a bounded stretch of keys a call (the SQL
+    /// stores, Redis) may return a short page, even an empty one, with a `next`: the
+    /// listing ends only where `next` is `None`.
     ///
     /// # Errors
     ///
@@ -827,6 +889,10 @@ mod tests {
     fn a_cursor_reads_back_from_its_hex() {
         let cursor = Cursor::after(Key::from_bytes([0xab; 32]));
         assert_eq!(cursor.to_string().parse::<Cursor>().unwrap(), cursor);
-        assert!("xyz".parse::<Cursor>().is_err());
+        let position = Cursor::position("2.1234.5").unwrap();
+        assert_eq!(position.to_string().parse::<Cursor>().unwrap(), position);
+        assert_eq!(position.key(), None);
+        assert!("a b".parse::<Cursor>().is_err());
+        assert!(Cursor::position("ab".repeat(32)).is_err(), "a key's digits");
     }
 }

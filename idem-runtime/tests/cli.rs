@@ -1,11 +1,11 @@
-//! The `idem` command line, built, against a real PostgreSQL: the newcomer's 3 a.m. —
+//! The `idem` command line, built, against a real PostgreSQL and Redis: the newcomer's 3 a.m. —
 //! a body with a five-minute lease, its process SIGKILLed mid-body; `idem list` shows the
 //! holder silent (its process exited), `idem release` frees the key, the retry runs at
 //! once, and no effect happens beyond the killed body's and the retry's. The same against a
 //! live holder is refused, and it completes alone. Also `show`, `reset`, `key`, the
 //! confirmation and the exit codes.
 //!
-//! Skipped when PostgreSQL is unreachable, unless `IDEM_REQUIRE_SERVICES=1`.
+//! Skipped when a server is unreachable, unless `IDEM_REQUIRE_SERVICES=1`.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_runtime::{Error, Operation, Outcome, PostgresStore};
+use idem_runtime::{Error, Operation, Outcome, PostgresStore, RedisStore, Store};
 use serde_json::Value;
 
 /// Tells the child test what to run, and where.
@@ -27,15 +27,59 @@ fn url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
-async fn store(table: &str) -> Option<PostgresStore> {
-    match PostgresStore::connect(&url()).await {
-        Ok(store) => Some(store.with_table(table).unwrap()),
+fn redis_url() -> String {
+    std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+/// A store, or `None` (skipped) when its server is unreachable and not required.
+fn available<S>(what: &str, store: Result<S, Error>) -> Option<S> {
+    match store {
+        Ok(store) => Some(store),
         Err(err) if std::env::var_os("IDEM_REQUIRE_SERVICES").is_some() => {
-            panic!("postgresql is required: {err}")
+            panic!("{what} is required: {err}")
         }
         Err(err) => {
-            eprintln!("skipped: postgresql is unavailable ({err})");
+            eprintln!("skipped: {what} is unavailable ({err})");
             None
+        }
+    }
+}
+
+async fn store(table: &str) -> Option<PostgresStore> {
+    let store = PostgresStore::connect(&url()).await;
+    available(
+        "postgresql",
+        store.and_then(|store| store.with_table(table)),
+    )
+}
+
+async fn redis_store(prefix: &str) -> Option<RedisStore> {
+    let store = RedisStore::connect(&redis_url()).await;
+    available("redis", store.and_then(|store| store.with_prefix(prefix)))
+}
+
+/// Where a test's records are: a table of its own in PostgreSQL, or a key prefix of its
+/// own in Redis.
+#[derive(Clone, Debug)]
+enum Place {
+    Table(String),
+    Prefix(String),
+}
+
+impl Place {
+    /// The `--store` URL of the place.
+    fn url(&self) -> String {
+        match self {
+            Self::Table(table) => format!("{}?table={table}", url()),
+            Self::Prefix(prefix) => format!("{}/?prefix={prefix}", redis_url()),
+        }
+    }
+
+    /// How the child is told where to serve: `table:NAME` or `prefix:PREFIX`.
+    fn spec(&self) -> String {
+        match self {
+            Self::Table(table) => format!("table:{table}"),
+            Self::Prefix(prefix) => format!("prefix:{prefix}"),
         }
     }
 }
@@ -60,32 +104,40 @@ fn effect(file: &Path, what: &str) {
 /// hangs until it is killed.
 #[test]
 fn child_service() {
-    let (Ok(table), Ok(effects)) = (std::env::var(CHILD), std::env::var(EFFECTS)) else {
+    let (Ok(spec), Ok(effects)) = (std::env::var(CHILD), std::env::var(EFFECTS)) else {
         return; // only as the parent's child
     };
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
-        let store = store(&table).await.unwrap();
-        let op = operation();
-        let key = op.key(&7_u32).unwrap();
-        let ran = op
-            .run(&store, &key, None, async {
-                effect(Path::new(&effects), "killed body");
-                println!("\nthe service body started");
-                std::future::pending::<Result<u32, Error>>().await
-            })
-            .await;
-        // Only a failure gets here: its parent sees it end without a start.
-        eprintln!("the service's call ended: {ran:?}");
+        match spec.split_once(':') {
+            Some(("table", table)) => serve(store(table).await.unwrap(), &effects).await,
+            Some(("prefix", prefix)) => serve(redis_store(prefix).await.unwrap(), &effects).await,
+            _ => panic!("a child told to serve {spec:?}"),
+        }
     });
 }
 
-/// Runs `idem` with `args`, its standard input empty (no terminal to confirm on).
-fn idem(table: &str, args: &[&str]) -> Output {
-    let store = format!("{}?table={table}", url());
+/// The child's one call, on `store`.
+async fn serve<S: Store + Clone>(store: S, effects: &str) {
+    let op = operation();
+    let key = op.key(&7_u32).unwrap();
+    let ran = op
+        .run(&store, &key, None, async {
+            effect(Path::new(effects), "killed body");
+            println!("\nthe service body started");
+            std::future::pending::<Result<u32, Error>>().await
+        })
+        .await;
+    // Only a failure gets here: its parent sees it end without a start.
+    eprintln!("the service's call ended: {ran:?}");
+}
+
+/// Runs `idem` on `place` with `args`, its standard input empty (no terminal to confirm
+/// on).
+fn idem(place: &Place, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_idem"))
         .arg("--store")
-        .arg(store)
+        .arg(place.url())
         .args(args)
         .stdin(Stdio::null())
         .output()
@@ -123,7 +175,24 @@ async fn a_killed_holder_is_seen_released_and_retried_at_once() {
         return;
     };
     store.migrate().await.unwrap();
+    killed_holder(&store, &Place::Table(table.clone()), &effects).await;
+    store.purge_expired().await.unwrap();
+    drop_table(&store, &table).await;
+}
 
+/// The same on Redis: its records say whose they are too, and `idem` reaches them by URL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_holder_on_redis_is_seen_released_and_retried_at_once() {
+    let (id, effects) = fresh("killed_redis");
+    let prefix = format!("idem:{id}:");
+    let Some(store) = redis_store(&prefix).await else {
+        return;
+    };
+    killed_holder(&store, &Place::Prefix(prefix), &effects).await;
+}
+
+/// The newcomer's scenario on `store`, which `place` names to `idem`.
+async fn killed_holder<S: Store + Clone>(store: &S, place: &Place, effects: &Path) {
     // The service claims, makes its effect, and is SIGKILLed mid-body.
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
@@ -132,8 +201,8 @@ async fn a_killed_holder_is_seen_released_and_retried_at_once() {
             "--nocapture",
             "--test-threads=1",
         ])
-        .env(CHILD, &table)
-        .env(EFFECTS, &effects)
+        .env(CHILD, place.spec())
+        .env(EFFECTS, effects)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -149,7 +218,7 @@ async fn a_killed_holder_is_seen_released_and_retried_at_once() {
     // `list` shows the claim, its holder, and that the holder is silent: its process
     // exited, though its lease has minutes left.
     let page = json(&idem(
-        &table,
+        place,
         &["--json", "list", "--namespace", "cli.", "--state", "held"],
     ));
     let entries = page["entries"].as_array().unwrap();
@@ -164,16 +233,16 @@ async fn a_killed_holder_is_seen_released_and_retried_at_once() {
     let token = entry["token"].as_u64().unwrap().to_string();
 
     // Without a terminal and without --yes: nothing is done.
-    let unasked = idem(&table, &["release", NAMESPACE, "7", "--token", &token]);
+    let unasked = idem(place, &["release", NAMESPACE, "7", "--token", &token]);
     assert_eq!(unasked.status.code(), Some(5));
     assert_eq!(
-        json(&idem(&table, &["--json", "show", NAMESPACE, "7"]))["state"],
+        json(&idem(place, &["--json", "show", NAMESPACE, "7"]))["state"],
         "held"
     );
     // Another token than the one shown: refused.
     let other = (entry["token"].as_u64().unwrap() + 1_000).to_string();
     let stale = idem(
-        &table,
+        place,
         &["release", NAMESPACE, "7", "--token", &other, "--yes"],
     );
     assert_eq!(
@@ -184,7 +253,7 @@ async fn a_killed_holder_is_seen_released_and_retried_at_once() {
     );
 
     let released = idem(
-        &table,
+        place,
         &["release", NAMESPACE, "7", "--token", &token, "--yes"],
     );
     assert!(
@@ -197,34 +266,33 @@ async fn a_killed_holder_is_seen_released_and_retried_at_once() {
     let op = operation().wait(Duration::ZERO);
     let key = op.key(&7_u32).unwrap();
     let retried = op
-        .run(&store, &key, None, async {
-            effect(&effects, "retry");
+        .run(store, &key, None, async {
+            effect(effects, "retry");
             Ok::<_, Error>(7_u32)
         })
         .await
         .unwrap();
     assert_eq!(retried, Outcome::Executed(7));
-    let done = json(&idem(&table, &["--json", "show", NAMESPACE, "7"]));
+    let done = json(&idem(place, &["--json", "show", NAMESPACE, "7"]));
     assert_eq!(done["state"], "completed");
     assert_eq!(done["value"], 7);
     // The killed body's effect and the retry's, nothing else.
     assert_eq!(
-        std::fs::read_to_string(&effects).unwrap(),
+        std::fs::read_to_string(effects).unwrap(),
         "killed body\nretry\n"
     );
 
     // Reset: forgotten; `show` then finds nothing (exit 4), and the next call runs again.
     let digest = done["key"].as_str().unwrap().to_string();
-    assert!(idem(&table, &["reset", &digest, "--yes"]).status.success());
-    assert_eq!(idem(&table, &["show", &digest]).status.code(), Some(4));
-    store.purge_expired().await.unwrap();
-    drop_table(&store, &table).await;
-    let _ = std::fs::remove_file(&effects);
+    assert!(idem(place, &["reset", &digest, "--yes"]).status.success());
+    assert_eq!(idem(place, &["show", &digest]).status.code(), Some(4));
+    let _ = std::fs::remove_file(effects);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_live_holder_is_not_released_and_completes_alone() {
     let (table, _) = fresh("live");
+    let place = Place::Table(table.clone());
     let Some(store) = store(&table).await else {
         return;
     };
@@ -247,12 +315,12 @@ async fn a_live_holder_is_not_released_and_completes_alone() {
         }
     });
     has_started.await.unwrap();
-    let shown = json(&idem(&table, &["--json", "show", NAMESPACE, "8"]));
+    let shown = json(&idem(&place, &["--json", "show", NAMESPACE, "8"]));
     assert_eq!(shown["silent"], false, "{shown}");
     assert_eq!(shown["holder"]["exited"], false);
     let token = shown["token"].as_u64().unwrap().to_string();
     let refused = idem(
-        &table,
+        &place,
         &["release", NAMESPACE, "8", "--token", &token, "--yes"],
     );
     assert_eq!(refused.status.code(), Some(3));
@@ -261,13 +329,13 @@ async fn a_live_holder_is_not_released_and_completes_alone() {
         "{}",
         String::from_utf8_lossy(&refused.stderr)
     );
-    let reset = idem(&table, &["reset", NAMESPACE, "8", "--yes"]);
+    let reset = idem(&place, &["reset", NAMESPACE, "8", "--yes"]);
     assert_eq!(reset.status.code(), Some(3));
     go.send(()).unwrap();
     assert_eq!(holder.await.unwrap().unwrap(), Outcome::Executed(8));
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     assert_eq!(
-        json(&idem(&table, &["--json", "show", NAMESPACE, "8"]))["value"],
+        json(&idem(&place, &["--json", "show", NAMESPACE, "8"]))["value"],
         8
     );
     drop_table(&store, &table).await;

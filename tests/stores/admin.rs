@@ -29,6 +29,21 @@ async fn held_body(
     Ok(value)
 }
 
+/// Every entry `filter` selects, page after page until `next` is `None` (a store may end
+/// a page short, even empty, with a `next`).
+async fn listing<S: Admin>(store: &S, filter: &Filter) -> Vec<idem_runtime::admin::Entry> {
+    let mut entries = Vec::new();
+    let mut cursor = None;
+    loop {
+        let page = store.list(filter, cursor.as_ref()).await.unwrap();
+        entries.extend(page.entries().iter().cloned());
+        match page.next() {
+            Some(next) => cursor = Some(next),
+            None => return entries,
+        }
+    }
+}
+
 /// Every promise of the admin API, on one store.
 async fn operations<S>(store: S, prefix: &str)
 where
@@ -48,15 +63,13 @@ where
         .run(&store, &refund, None, async { Ok::<_, Error>(1_u32) })
         .await
         .unwrap();
-    let page = store
-        .list(
-            &Filter::namespace(format!("{prefix}.charge")).completed(),
-            None,
-        )
-        .await
-        .unwrap();
-    assert_eq!(page.entries().len(), 1, "{page:?}");
-    let entry = &page.entries()[0];
+    let page = listing(
+        &store,
+        &Filter::namespace(format!("{prefix}.charge")).completed(),
+    )
+    .await;
+    assert_eq!(page.len(), 1, "{page:?}");
+    let entry = &page[0];
     assert_eq!(entry.key(), &done);
     assert_eq!(entry.namespace(), Some(&*format!("{prefix}.charge")));
     assert_eq!(entry.state(), State::Completed);
@@ -66,7 +79,6 @@ where
         "the record of `41`: its tag and its JSON"
     );
     assert_eq!(entry.value(), None, "no value unless asked");
-    assert!(page.next().is_none());
     let inspected = store.inspect(&done).await.unwrap().unwrap();
     assert_eq!(inspected.value_json(), Some("41"));
 
@@ -90,18 +102,8 @@ where
     assert_eq!(held.lease(), Some(Duration::from_secs(60)));
     assert!(!held.is_silent());
     let token = held.token().unwrap();
-    let listed = store
-        .list(&Filter::namespace(prefix).held(), None)
-        .await
-        .unwrap();
-    assert_eq!(
-        listed
-            .entries()
-            .iter()
-            .map(|e| *e.key())
-            .collect::<Vec<_>>(),
-        [live]
-    );
+    let listed = listing(&store, &Filter::namespace(prefix).held()).await;
+    assert_eq!(listed.iter().map(|e| *e.key()).collect::<Vec<_>>(), [live]);
     match Admin::release(&store, &live, token, Release::IfSilent)
         .await
         .unwrap()
@@ -214,33 +216,64 @@ where
 
 /// 250 records, pages of 100: every key once, in key order, and a last page that says so.
 async fn paging<S: Store + Admin + Clone>(store: S, prefix: &str) {
+    let (seen, pages) = paged(store, prefix).await;
+    assert_eq!(pages, 3);
+    let mut sorted = seen.clone();
+    sorted.sort();
+    assert_eq!(seen, sorted, "in key order");
+}
+
+/// 250 records listed in pages of at most 100 until `next` is `None`: every key once, in
+/// the store's order. The keys seen, in that order, and how many pages it took.
+async fn paged<S: Store + Admin + Clone>(
+    store: S,
+    prefix: &str,
+) -> (Vec<idem_runtime::Key>, usize) {
+    let keys = recorded(&store, prefix, 250).await;
+    listed(&store, prefix, 100, keys).await
+}
+
+/// `n` completed calls in `<prefix>.paged`: their keys, sorted.
+async fn recorded<S: Store + Clone>(store: &S, prefix: &str, n: u32) -> Vec<idem_runtime::Key> {
     let op = Operation::new(format!("{prefix}.paged"));
     let mut keys = Vec::new();
-    for n in 0..250_u32 {
+    for n in 0..n {
         let key = op.key(&n).unwrap();
         let _ = op
-            .run(&store, &key, None, async { Ok::<_, Error>(n) })
+            .run(store, &key, None, async { Ok::<_, Error>(n) })
             .await
             .unwrap();
         keys.push(key);
     }
     keys.sort();
-    let filter = Filter::namespace(format!("{prefix}.paged")).limit(100);
+    keys
+}
+
+/// `<prefix>.paged` listed in pages of at most `limit`: exactly `keys`, each once.
+async fn listed<S: Admin>(
+    store: &S,
+    prefix: &str,
+    limit: usize,
+    keys: Vec<idem_runtime::Key>,
+) -> (Vec<idem_runtime::Key>, usize) {
+    let filter = Filter::namespace(format!("{prefix}.paged")).limit(limit);
     let mut seen = Vec::new();
     let mut cursor = None;
     let mut pages = 0;
     loop {
         let page = store.list(&filter, cursor.as_ref()).await.unwrap();
         pages += 1;
-        assert!(page.entries().len() <= 100);
+        assert!(page.entries().len() <= limit);
         seen.extend(page.entries().iter().map(|e| *e.key()));
         match page.next() {
             Some(next) => cursor = Some(next),
             None => break,
         }
     }
-    assert_eq!(seen, keys);
-    assert_eq!(pages, 3);
+    let mut sorted = seen.clone();
+    sorted.sort();
+    assert_eq!(sorted, keys, "every key once");
+    (seen, pages)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -266,6 +299,60 @@ async fn mysql_is_operated_safely() {
     };
     operations(store.clone(), &namespace("admin.mysql")).await;
     paging(store, &namespace("admin.mysql")).await;
+}
+
+/// The shared Redis, under a key prefix of this run's own: a listing walks only the
+/// records of this test.
+async fn redis_store(test: &str) -> Option<idem_runtime::RedisStore> {
+    let store = idem_tests::redis_store().await?;
+    Some(store.with_prefix(&format!("{}:", namespace(test))).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_is_operated_safely() {
+    let Some(store) = redis_store("admin.redis").await else {
+        return;
+    };
+    operations(store.clone(), &namespace("admin.redis")).await;
+    // In SCAN's order, every key once; at most 8 SCAN steps a page, so a page may be short.
+    let prefix = namespace("admin.redis");
+    let keys = recorded(&store, &prefix, 250).await;
+    let (_, pages) = listed(&store, &prefix, 100, keys.clone()).await;
+    assert!(pages >= 3, "{pages} pages of at most 100 for 250 records");
+    // Pages that end within a SCAN step: the next one starts there, skipping what was shown.
+    let (_, pages) = listed(&store, &prefix, 7, keys).await;
+    assert!(pages >= 36, "{pages} pages of at most 7 for 250 records");
+}
+
+/// A private 3-master cluster (or the one `IDEM_REDIS_CLUSTER_URLS` names): a listing walks
+/// every master, a release and a reset reach the key's master.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_cluster_is_operated_safely() {
+    let (urls, _cluster) = match std::env::var("IDEM_REDIS_CLUSTER_URLS") {
+        Ok(urls) => (urls.split(',').map(str::to_string).collect(), None),
+        Err(_) => {
+            let Some(cluster) = idem_tests::PrivateRedisCluster::start() else {
+                return;
+            };
+            (cluster.urls(), Some(cluster))
+        }
+    };
+    let store =
+        match idem_runtime::RedisStore::connect_cluster(urls.iter().map(String::as_str)).await {
+            Ok(store) => store
+                .with_prefix(&format!("{}:", namespace("admin.cluster")))
+                .unwrap(),
+            Err(e) => {
+                let _: Option<()> =
+                    idem_tests::unavailable(&format!("the redis cluster at {urls:?}"), e);
+                return;
+            }
+        };
+    let prefix = namespace("admin.cluster");
+    operations(store.clone(), &prefix).await;
+    let keys = recorded(&store, &prefix, 250).await;
+    listed(&store, &prefix, 100, keys.clone()).await;
+    listed(&store, &prefix, 7, keys).await;
 }
 
 /// A fresh SQLite file of its own.
@@ -309,9 +396,9 @@ async fn steps_go_with_their_call<S: Store + Admin + Clone + 'static>(store: S, 
         })
         .await
         .unwrap();
-    let page = store.list(&Filter::namespace(prefix), None).await.unwrap();
+    let page = listing(&store, &Filter::namespace(prefix)).await;
     assert_eq!(
-        page.entries().iter().map(|e| *e.key()).collect::<Vec<_>>(),
+        page.iter().map(|e| *e.key()).collect::<Vec<_>>(),
         [key],
         "the steps are not listed as calls"
     );
@@ -335,6 +422,9 @@ async fn steps_go_with_their_call_on_every_store() {
         steps_go_with_their_call(store, &namespace("admin.steps")).await;
     }
     if let Some(store) = idem_tests::mysql_store().await {
+        steps_go_with_their_call(store, &namespace("admin.steps")).await;
+    }
+    if let Some(store) = redis_store("admin.steps").await {
         steps_go_with_their_call(store, &namespace("admin.steps")).await;
     }
 }

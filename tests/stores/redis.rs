@@ -224,3 +224,84 @@ async fn a_wait_for_replicas_longer_than_the_default_timeout_gets_the_servers_an
         "{err}"
     );
 }
+
+/// Records say whose they are, and versions mix: a completed record is written as every
+/// version reads it (`c`, the fingerprint, the value; what its claim said of itself is kept
+/// beside it), and one an earlier version wrote, with nothing beside it, replays and lists
+/// as namespace unknown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_of_an_earlier_version_replay_beside_the_new_ones() {
+    use idem_runtime::admin::{Admin, Filter, State};
+    let Some(store) = redis_store().await else {
+        return;
+    };
+    let prefix = format!("{}:", namespace("redis.versions"));
+    let store = store.with_prefix(&prefix).unwrap();
+    let op = Operation::new(namespace("redis.versions"));
+
+    let new = op.key(&1).unwrap();
+    let ran = op
+        .run(&store, &new, None, async { Ok::<_, Error>(7_u32) })
+        .await
+        .unwrap();
+    assert_eq!(ran, Outcome::Executed(7));
+    let found = store
+        .lookup(&new)
+        .await
+        .unwrap()
+        .expect("a completed record");
+    let replayed = op
+        .run(&store, &new, None, async { Ok::<_, Error>(8_u32) })
+        .await
+        .unwrap();
+    assert_eq!(replayed, Outcome::Replayed(7));
+    let entry = store.inspect(&new).await.unwrap().unwrap();
+    assert_eq!(entry.namespace(), Some(op.namespace()));
+    assert_eq!(entry.value(), Some(&found.value));
+    let client = redis::Client::open(redis_url()).unwrap();
+    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+    let raw: Vec<u8> = redis::cmd("GET")
+        .arg(format!("{prefix}{{{}}}", new.to_hex()))
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let mut record = vec![b'c', 0];
+    record.extend_from_slice(&found.value);
+    assert_eq!(raw, record, "the layout every version reads");
+
+    // As an earlier version wrote it, with nothing beside it.
+    let old = op.key(&2).unwrap();
+    let _: () = redis::cmd("SET")
+        .arg(format!("{prefix}{{{}}}", old.to_hex()))
+        .arg(record)
+        .arg("PX")
+        .arg(60_000)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let replayed = op
+        .run(&store, &old, None, async { Ok::<_, Error>(9_u32) })
+        .await
+        .unwrap();
+    assert_eq!(replayed, Outcome::Replayed(7));
+    assert!(store.lookup(&old).await.unwrap().is_some());
+    let mut listed = Vec::new();
+    let mut cursor = None;
+    loop {
+        let page = store
+            .list(&Filter::all().completed(), cursor.as_ref())
+            .await
+            .unwrap();
+        listed.extend(page.entries().iter().cloned());
+        match page.next() {
+            Some(next) => cursor = Some(next),
+            None => break,
+        }
+    }
+    let earlier = listed
+        .iter()
+        .find(|entry| entry.key() == &old)
+        .expect("listed");
+    assert_eq!(earlier.namespace(), None, "namespace unknown");
+    assert_eq!(earlier.state(), State::Completed);
+}

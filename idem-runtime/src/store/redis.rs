@@ -10,14 +10,20 @@
 //! tag: every key of a record lives in one cluster slot):
 //!
 //! ```text
-//! in progress:  "p" | token (8 bytes) | fence (20 ASCII digits, all 0 until taken) | n | fingerprint (n bytes)
+//! in progress:  "p" | token (8 bytes) | fence (20 ASCII digits, all 0 until taken) | n | fingerprint (n bytes) | about
 //! completed:    "c" | n | fingerprint (n bytes) | value
+//! about:        1 | lease in ms (8 bytes) | namespace | label | holder (each a 2-byte length and UTF-8; 0xFFFF: none)
 //! ```
 //!
-//! where `n` is one byte, 0 or 32. A call's steps are a hash beside its record, at the
-//! record's key followed by `:steps` (the same hash tag), from each step's key to its
-//! value, expiring with the TTL of the last one recorded. The key's own expiry (`PX`, judged by the server's clock)
-//! is the lease while in progress and the TTL once completed.
+//! where `n` is one byte, 0 or 32. `about` is what the claim says of itself
+//! ([`Store::claim_as`]: what an operator's listing shows); a claim an earlier version
+//! wrote ends at its fingerprint, and lists as namespace unknown. A completed record keeps
+//! its claim's `about` beside it, at the record's key followed by `:about`, with the same
+//! expiry, so that the record itself stays as every version reads it. A call's steps are a
+//! hash beside its record, at the record's key followed by `:steps` (the same hash tag),
+//! from each step's key to its value, expiring with the TTL of the last one recorded. The
+//! key's own expiry (`PX`, judged by the server's clock) is the lease while in progress and
+//! the TTL once completed.
 //!
 //! # Commands
 //!
@@ -27,7 +33,8 @@
 //!   claim's token is a nonce this process draws (64 bits, `SipHash` of a per-process random
 //!   key and a counter), so claims of one key differ without asking the server.
 //! - **Complete, release, renew:** a short script each, because Redis 7 has no native
-//!   compare-and-set: it acts only if the record still starts with `p` and this token.
+//!   compare-and-set: it acts only if the record still starts with `p` and this token. The
+//!   completion also writes the claim's `about` beside the record (in the same script).
 //! - **Fence** ([`Store::fence`], for [`Attempt::token`](crate::Attempt::token)): a script
 //!   that, while the claim is held, stamps the server's `TIME` in microseconds into the record
 //!   once and returns it. A later holder can only claim after this holder's record is gone,
@@ -35,7 +42,12 @@
 //!   does not go back (the assumption every expiry already makes).
 //! - **Record a step:** a script that writes the step into the call's hash only while the
 //!   call's record starts with `p` and this token; **read the steps:** one `HGETALL`.
-//! - **Remove:** a script that deletes the record and its steps.
+//! - **Remove:** a script that deletes the record, its steps and its `about`.
+//! - **Operate** ([`Admin`](crate::admin::Admin), feature `admin`): a listing walks the
+//!   prefix's records with `SCAN … MATCH <prefix>{*}` (never `KEYS`), on every primary of a
+//!   cluster, and reads each record's head with a script; a release is one script that
+//!   deletes the claim only under the token shown and, unless forced, only while its lease
+//!   has less than half left (by the server's clock).
 //!
 //! Scripts are sent with `EVALSHA` (one round trip; loaded again transparently after a
 //! `NOSCRIPT`); every operation runs under a per-operation timeout.
@@ -53,13 +65,15 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Script, ScriptInvocation, Value};
 
 use self::record::{
-    holder, in_progress, malformed, parse_claim, unexpected, COMPLETE, FENCE, LEASE_LEFT, LOOKUP,
-    RECORD_STEP, RELEASE, REMOVE, RENEW,
+    head, holder, in_progress, malformed, parse_claim, unexpected, Head, COMPLETE, FENCE, INSPECT,
+    LEASE_LEFT, LOOKUP, RECORD_STEP, RELEASE, REMOVE, RENEW,
 };
 use self::sentinel::Primary;
-use crate::store::Recorded;
+use crate::store::{Claimant, Holding, Recorded};
 use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
+#[cfg(feature = "admin")]
+mod admin;
 mod record;
 mod sentinel;
 
@@ -364,6 +378,14 @@ impl RedisStore {
         steps
     }
 
+    /// The Redis key of what a completed call's claim said of itself (its namespace, label,
+    /// holder and lease): beside its record, in its slot, with its expiry.
+    fn about_of(&self, key: &Key) -> Vec<u8> {
+        let mut about = self.record(key);
+        about.extend_from_slice(b":about");
+        about
+    }
+
     /// Sends one command under the timeout: one round trip.
     async fn send(&self, command: &Cmd) -> Result<Value, Error> {
         let mut connection = self.connection.clone();
@@ -386,6 +408,15 @@ impl RedisStore {
         within(self.timeout, invocation.invoke_async(&mut connection))
             .await?
             .map_err(Error::store)
+    }
+
+    /// The record of `key` (its head, or all of it with `values`), as [`INSPECT`] reads it.
+    async fn head_of(&self, key: &Key, values: bool) -> Result<Option<Head>, Error> {
+        let mut invocation = INSPECT.key(self.record(key));
+        invocation
+            .key(self.about_of(key))
+            .arg(if values { "1" } else { "0" });
+        head(self.run_script(invocation).await?)
     }
 
     /// Runs a compare-and-set script: `1` applied, `0` refused. A write the store asks
@@ -470,14 +501,29 @@ impl Store for RedisStore {
         lease: Duration,
         nonce: u64,
     ) -> Result<Claim, Error> {
+        self.claim_as(key, fingerprint, lease, nonce, &Claimant::unnamed())
+            .await
+    }
+
+    /// The record says whose the claim is (namespace, label, this process) and its lease,
+    /// after the fingerprint: what an operator's listing shows.
+    async fn claim_as(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+        nonce: u64,
+        claimant: &Claimant<'_>,
+    ) -> Result<Claim, Error> {
         let token = Token::new(nonce);
-        let (record, claim) = (self.record(key), in_progress(token, fingerprint));
+        let claim = in_progress(token, fingerprint, millis(lease), claimant);
+        let record = self.record(key);
         // Sized once: a command grown argument by argument reallocates four or five times.
         let mut command = Cmd::with_capacity(7, record.len() + claim.len() + 32);
         command
             .arg("SET")
             .arg(record)
-            .arg(&*claim)
+            .arg(&claim)
             .arg("NX")
             .arg("GET")
             .arg("PX")
@@ -509,7 +555,10 @@ impl Store for RedisStore {
         ttl: Duration,
     ) -> Result<bool, Error> {
         let mut invocation = self.script(&COMPLETE, key, token);
-        invocation.arg(&value[..]).arg(millis(ttl));
+        invocation
+            .key(self.about_of(key))
+            .arg(&value[..])
+            .arg(millis(ttl));
         self.fenced(invocation, "the completion").await
     }
 
@@ -576,6 +625,18 @@ impl Store for RedisStore {
         }
     }
 
+    /// One script: the record's claim, what it says of its holder, and the lease left.
+    async fn holding(&self, key: &Key) -> Result<Option<Holding>, Error> {
+        let Some(head) = self.head_of(key, false).await? else {
+            return Ok(None);
+        };
+        if head.bytes.first() != Some(&b'p') {
+            return Ok(None);
+        }
+        let left = head.left.filter(|left| !left.is_zero());
+        Ok(left.map(|left| Holding::new(left, head.about.holder)))
+    }
+
     async fn record_step(
         &self,
         call: &Key,
@@ -620,7 +681,7 @@ impl Store for RedisStore {
 
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
         let mut invocation = REMOVE.key(self.record(key));
-        invocation.key(self.steps_of(key));
+        invocation.key(self.steps_of(key)).key(self.about_of(key));
         match self.run_script(invocation).await? {
             Value::Int(removed) => Ok(removed > 0),
             other => Err(unexpected(&other)),

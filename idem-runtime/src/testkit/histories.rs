@@ -599,10 +599,10 @@ pub async fn histories<S: Store + Clone>(stores: &[S], plan: &Plan) -> Report {
 
 /// [`histories`] with an operator beside the callers (feature `admin`). Some bodies
 /// (one call in four, by the seed) hand their key to the operator after their first step
-/// and wait for it: it finds the claim by listing the plan's claims through the first
-/// store (without faults) and releases it, by force one time in two and otherwise only if
-/// silent. Between handovers it also lists and releases claims at random, wherever their
-/// calls are. The same rules hold: a holder released by force is told `Unrecorded` (its
+/// and wait for it: it inspects the claim through the first store (without faults) and
+/// releases it with the token shown, by force one time in two and otherwise only if
+/// silent. Between handovers it also lists the plan's claims and releases some at random,
+/// wherever their calls are. The same rules hold: a holder released by force is told `Unrecorded` (its
 /// body ran, its result is not the key's), never a value of the run that took the key
 /// after it, and no key answers two values.
 #[cfg(feature = "admin")]
@@ -649,7 +649,7 @@ async fn operate<S: crate::admin::Admin>(
             Ok(None) => break,
             Ok(Some((key, done))) => {
                 // The body waits on `done`: its claim is held (or lapsed) meanwhile.
-                if let Some(token) = held_token(&store, &filter, &key).await {
+                if let Some(token) = held_token(&store, &key).await {
                     let how = how(&mut rng);
                     released += usize::from(released_by(&store, &key, token, how).await);
                 }
@@ -672,21 +672,14 @@ async fn operate<S: crate::admin::Admin>(
     released
 }
 
-/// The token `key` is held with, found by listing `filter` page by page.
+/// The token `key` is held with (or lapsed), as the store shows it.
 #[cfg(feature = "admin")]
-async fn held_token<S: crate::admin::Admin>(
-    store: &S,
-    filter: &crate::admin::Filter,
-    key: &crate::Key,
-) -> Option<crate::Token> {
-    let mut after = None;
-    loop {
-        let page = store.list(filter, after.as_ref()).await.ok()?;
-        if let Some(entry) = page.entries().iter().find(|entry| entry.key() == key) {
-            return entry.token();
-        }
-        after = Some(page.next()?);
-    }
+async fn held_token<S: crate::admin::Admin>(store: &S, key: &crate::Key) -> Option<crate::Token> {
+    use crate::admin::State;
+    let entry = store.inspect(key).await.ok()??;
+    matches!(entry.state(), State::Held | State::Lapsed)
+        .then(|| entry.token())
+        .flatten()
 }
 
 /// Whether the operator's release of `key` was done.

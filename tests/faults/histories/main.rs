@@ -127,6 +127,14 @@ async fn postgres_with_an_operator() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_with_an_operator() {
+    let (Some(first), Some(second)) = (redis_store().await, redis_store().await) else {
+        return;
+    };
+    operated("redis", 13, &[first, second]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_with_an_operator() {
     let (Some(first), Some(second)) = (mysql_store().await, mysql_store().await) else {
         return;

@@ -50,8 +50,10 @@ enum Exit {
     after_help = "Exit status: 0 done, 1 failed, 2 usage, 3 refused (nothing changed), 4 no such record, 5 not confirmed."
 )]
 struct Cli {
-    /// The store's URL: postgres://…, mysql://…, sqlite:PATH; a table other than
-    /// `idem_records` as `?table=NAME`.
+    /// The store's URL: postgres://…, mysql://…, sqlite:PATH (a table other than
+    /// `idem_records` as `?table=NAME`); redis://…, redis+cluster://HOST:PORT,… or
+    /// redis+sentinel://HOST:PORT,…/MASTER (a key prefix other than `idem:` as
+    /// `?prefix=PREFIX`).
     #[arg(long, env = "IDEM_STORE", global = true)]
     store: Option<String>,
     /// Prints JSON for scripts instead of a table for people.
@@ -63,7 +65,8 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Lists records, a page at a time, in key order (never their values).
+    /// Lists records, a page at a time, in key order (Redis: in SCAN's order), never their
+    /// values.
     List {
         /// Only records whose namespace starts with this.
         #[arg(long)]

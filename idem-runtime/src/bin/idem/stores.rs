@@ -1,14 +1,14 @@
 //! A store, by its URL.
 
 use idem_runtime::admin::Admin;
-use idem_runtime::{MySqlStore, PostgresStore, SqliteStore};
+use idem_runtime::{MySqlStore, PostgresStore, RedisStore, SqliteStore};
 
 use crate::{failure, Failure};
 
 /// The store of `url`, as an operator's view of it. Opening never creates or migrates
 /// anything: an operator's tool must not make a table a service would then find.
 pub(crate) async fn open(url: &str) -> Result<Box<dyn Admin>, Failure> {
-    let (url, table) = split_table(url);
+    let (url, table) = split_param(url, "table");
     let scheme = url.split(':').next().unwrap_or("");
     match scheme {
         "postgres" | "postgresql" => {
@@ -39,29 +39,72 @@ pub(crate) async fn open(url: &str) -> Result<Box<dyn Admin>, Failure> {
                 None => store,
             }))
         }
-        "redis" | "rediss" | "dynamodb" => Err(failure(format!(
-            "{scheme} stores cannot be operated from the command line yet: use idem_runtime::admin from a program on PostgreSQL, MySQL, SQLite or the memory store"
-        ))),
+        "redis" | "rediss" | "redis+cluster" | "redis+sentinel" => {
+            let (url, prefix) = split_param(&url, "prefix");
+            let store = redis(&url, scheme).await?;
+            Ok(Box::new(match &prefix {
+                Some(prefix) => store.with_prefix(prefix)?,
+                None => store,
+            }))
+        }
+        "dynamodb" => Err(failure(
+            "DynamoDB stores cannot be operated from the command line yet: use idem_runtime::admin from a program on the other stores",
+        )),
         _ => Err(failure(format!(
-            "unknown store URL {url:?}: use postgres://…, mysql://… or sqlite:PATH"
+            "unknown store URL {url:?}: use postgres://…, mysql://…, sqlite:PATH, redis://…, redis+cluster://HOST:PORT,… or redis+sentinel://HOST:PORT,…/MASTER"
         ))),
     }
 }
 
-/// The URL without its `table` parameter, and the table it names.
-fn split_table(url: &str) -> (String, Option<String>) {
+/// A Redis store: one server (`redis://`, `rediss://`), a cluster through any of its nodes
+/// (`redis+cluster://host:port,host:port`), or the primary the sentinels name
+/// (`redis+sentinel://host:port,host:port/master`).
+async fn redis(url: &str, scheme: &str) -> Result<RedisStore, Failure> {
+    let rest = url.split_once("://").map_or("", |(_, rest)| rest);
+    let nodes = |hosts: &str| -> Vec<String> {
+        hosts
+            .split(',')
+            .filter(|host| !host.is_empty())
+            .map(|host| format!("redis://{host}"))
+            .collect()
+    };
+    Ok(match scheme {
+        "redis+cluster" => {
+            let nodes = nodes(rest.trim_end_matches('/'));
+            RedisStore::connect_cluster(nodes.iter().map(String::as_str)).await?
+        }
+        "redis+sentinel" => {
+            let Some((hosts, master)) = rest.split_once('/').filter(|(_, m)| !m.is_empty()) else {
+                return Err(failure(
+                    "a sentinel URL names its master: redis+sentinel://HOST:PORT,…/MASTER",
+                ));
+            };
+            let nodes = nodes(hosts);
+            RedisStore::connect_sentinel(nodes.iter().map(String::as_str), master).await?
+        }
+        _ => RedisStore::connect(url).await?,
+    })
+}
+
+/// The URL without its parameter `name`, and the value it gives.
+fn split_param(url: &str, name: &str) -> (String, Option<String>) {
     let Some((base, query)) = url.split_once('?') else {
         return (url.to_string(), None);
     };
     let mut table = None;
     let rest: Vec<&str> = query
         .split('&')
-        .filter(|pair| match pair.strip_prefix("table=") {
-            Some(name) => {
-                table = Some(name.to_string());
-                false
+        .filter(|pair| {
+            match pair
+                .strip_prefix(name)
+                .and_then(|rest| rest.strip_prefix('='))
+            {
+                Some(value) => {
+                    table = Some(value.to_string());
+                    false
+                }
+                None => !pair.is_empty(),
             }
-            None => !pair.is_empty(),
         })
         .collect();
     let url = if rest.is_empty() {
@@ -74,10 +117,23 @@ fn split_table(url: &str) -> (String, Option<String>) {
 
 #[cfg(test)]
 mod tests {
-    use super::split_table;
+    use super::split_param;
+
+    fn split_table(url: &str) -> (String, Option<String>) {
+        split_param(url, "table")
+    }
 
     #[test]
     fn the_table_is_taken_out_of_the_url() {
+        assert_eq!(
+            split_param("redis://h:6379/0?prefix=billing:idem:", "prefix"),
+            ("redis://h:6379/0".into(), Some("billing:idem:".into()))
+        );
+        assert_eq!(
+            split_table("postgres://u@h/db?tablespace=x"),
+            ("postgres://u@h/db?tablespace=x".into(), None),
+            "only the parameter itself"
+        );
         assert_eq!(
             split_table("postgres://u@h/db?table=my_idem"),
             ("postgres://u@h/db".into(), Some("my_idem".into()))

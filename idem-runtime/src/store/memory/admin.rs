@@ -55,12 +55,12 @@ impl ResultRecord {
 /// selects, whatever order they are offered in (one more says there is a next page).
 struct Smallest<'a> {
     filter: &'a Filter,
-    after: Option<&'a Cursor>,
+    after: Option<Key>,
     entries: BTreeMap<Key, Entry>,
 }
 
 impl<'a> Smallest<'a> {
-    fn new(filter: &'a Filter, after: Option<&'a Cursor>) -> Self {
+    fn new(filter: &'a Filter, after: Option<Key>) -> Self {
         Self {
             filter,
             after,
@@ -70,7 +70,7 @@ impl<'a> Smallest<'a> {
 
     fn offer(&mut self, entry: Entry) {
         let key = *entry.key();
-        if self.after.is_some_and(|cursor| key <= *cursor.key())
+        if self.after.is_some_and(|after| key <= after)
             || !self.filter.matches(entry.namespace(), entry.state())
             // A key seen twice (a claim that completed while the walk went on) keeps its
             // first entry, and costs the page no other key.
@@ -132,7 +132,7 @@ impl MemoryStore {
 impl Admin for MemoryStore {
     async fn list(&self, filter: &Filter, after: Option<&Cursor>) -> Result<Page, Error> {
         let now = Instant::now();
-        let mut page = Smallest::new(filter, after);
+        let mut page = Smallest::new(filter, Cursor::key_order(after)?);
         let mut offer = |entry: Entry| page.offer(entry);
         for shard in &self.inner.claims {
             let claims = shard
@@ -239,8 +239,7 @@ mod tests {
     #[test]
     fn a_page_keeps_the_smallest_keys_after_its_cursor_in_any_order() {
         let filter = Filter::all().limit(2);
-        let cursor = Cursor::after(Key::from_bytes([1; 32]));
-        let mut page = Smallest::new(&filter, Some(&cursor));
+        let mut page = Smallest::new(&filter, Some(Key::from_bytes([1; 32])));
         for byte in [9, 1, 4, 0, 7, 3] {
             page.offer(entry(byte));
         }

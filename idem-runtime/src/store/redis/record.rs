@@ -4,9 +4,13 @@
 
 use std::sync::LazyLock;
 
-use bytes::Bytes;
-use redis::{Script, Value};
+use std::io::Write as _;
+use std::time::Duration;
 
+use bytes::Bytes;
+use redis::{RedisWrite, Script, ToRedisArgs, Value};
+
+use crate::store::{Claimant, Holder};
 use crate::{Claim, Error, Fingerprint, Token};
 
 /// Bytes before the fingerprint of an in-progress record: state, token, fence, length.
@@ -17,12 +21,20 @@ pub(super) const NO_FENCE: &[u8; FENCE_DIGITS] = b"00000000000000000000";
 // In every script, ARGV[1] is the holder's prefix: "p" and its 8-byte token; the
 // fingerprint and what follows start at byte 30 (Lua counts from 1).
 
+// KEYS[2] is the call's `about`: what its claim said of itself (after the fingerprint),
+// kept beside the completed record with the same expiry, so that the record stays as every
+// version reads it.
 const COMPLETE_LUA: &str = r"
 local record = redis.call('GET', KEYS[1])
 if not record or string.sub(record, 1, 9) ~= ARGV[1] then
     return 0
 end
-redis.call('SET', KEYS[1], 'c' .. string.sub(record, 30) .. ARGV[2], 'PX', ARGV[3])
+local n = string.byte(record, 30)
+redis.call('SET', KEYS[1], 'c' .. string.sub(record, 30, 30 + n) .. ARGV[2], 'PX', ARGV[3])
+local about = string.sub(record, 31 + n)
+if #about > 0 then
+    redis.call('SET', KEYS[2], about, 'PX', ARGV[3])
+end
 return 1
 ";
 
@@ -83,11 +95,11 @@ pub(super) static RECORD_STEP: LazyLock<Script> = LazyLock::new(|| Script::new(R
 
 const REMOVE_LUA: &str = r"
 local removed = redis.call('DEL', KEYS[1])
-redis.call('DEL', KEYS[2])
+redis.call('DEL', KEYS[2], KEYS[3])
 return removed
 ";
 
-/// Removes a call's record and its steps: whether there was a record.
+/// Removes a call's record, its steps and its `about`: whether there was a record.
 pub(super) static REMOVE: LazyLock<Script> = LazyLock::new(|| Script::new(REMOVE_LUA));
 
 const LOOKUP_LUA: &str = r"
@@ -119,8 +131,15 @@ pub(super) fn holder(token: Token) -> [u8; 9] {
     prefix
 }
 
-/// A new in-progress record (on the stack: a claim allocates no record of its own).
-pub(super) fn in_progress(token: Token, fingerprint: Option<&Fingerprint>) -> InProgress {
+/// A new in-progress record (on the stack: a claim allocates no record of its own): the
+/// head and fingerprint, then what the claim says of itself ([`About`]), written straight
+/// into the command.
+pub(super) fn in_progress<'a>(
+    token: Token,
+    fingerprint: Option<&Fingerprint>,
+    lease_ms: u64,
+    claimant: &'a Claimant<'a>,
+) -> InProgress<'a> {
     let fingerprint: &[u8] = fingerprint.map_or(&[], |f| f.as_bytes());
     let mut bytes = [0; HEAD + 32];
     bytes[..9].copy_from_slice(&holder(token));
@@ -128,20 +147,120 @@ pub(super) fn in_progress(token: Token, fingerprint: Option<&Fingerprint>) -> In
     bytes[HEAD - 1] = u8::try_from(fingerprint.len()).unwrap_or(0);
     let len = HEAD + fingerprint.len();
     bytes[HEAD..len].copy_from_slice(fingerprint);
-    InProgress { bytes, len }
+    InProgress {
+        bytes,
+        len,
+        lease_ms,
+        claimant,
+    }
 }
 
 /// An in-progress record, as [`in_progress`] writes it.
-pub(super) struct InProgress {
+pub(super) struct InProgress<'a> {
     bytes: [u8; HEAD + 32],
     len: usize,
+    lease_ms: u64,
+    claimant: &'a Claimant<'a>,
 }
 
-impl std::ops::Deref for InProgress {
-    type Target = [u8];
+impl InProgress<'_> {
+    /// The record's length in bytes.
+    pub(super) fn len(&self) -> usize {
+        let names: usize = self
+            .names()
+            .iter()
+            .map(|name| 2 + name.map_or(0, <[u8]>::len))
+            .sum();
+        self.len + About::LEN_BEFORE_NAMES + names
+    }
 
-    fn deref(&self) -> &[u8] {
-        &self.bytes[..self.len]
+    /// The namespace, the label and the holder, as written (each `None` beyond
+    /// [`About::LONGEST`]).
+    fn names(&self) -> [Option<&[u8]>; 3] {
+        [
+            self.claimant.namespace(),
+            self.claimant.label(),
+            Some(Holder::this_process_text()),
+        ]
+        .map(|name| {
+            name.map(str::as_bytes)
+                .filter(|name| name.len() <= About::LONGEST)
+        })
+    }
+}
+
+impl ToRedisArgs for InProgress<'_> {
+    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
+        let mut arg = out.writer_for_next_arg();
+        // Writes into the command's own buffer: they cannot fail.
+        let _ = arg.write_all(&self.bytes[..self.len]);
+        let _ = arg.write_all(&[About::VERSION]);
+        let _ = arg.write_all(&self.lease_ms.to_be_bytes());
+        for name in self.names() {
+            // At most `LONGEST` bytes: the length fits two bytes.
+            let len = name.map_or(About::NONE, |name| name.len() as u16);
+            let _ = arg.write_all(&len.to_be_bytes());
+            let _ = arg.write_all(name.unwrap_or_default());
+        }
+    }
+}
+
+/// What a claim says of itself, after its fingerprint (its claimant): a version byte, the
+/// lease in milliseconds (8 bytes), then the namespace, the label and the holder, each a
+/// 2-byte length and its UTF-8 (`0xFFFF`: none). A completed record keeps it (tagged `d`);
+/// records an earlier version wrote have none and list as namespace unknown.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(super) struct About {
+    pub(super) lease: Option<Duration>,
+    pub(super) namespace: Option<String>,
+    pub(super) label: Option<String>,
+    pub(super) holder: Option<Holder>,
+}
+
+impl About {
+    const VERSION: u8 = 1;
+    const NONE: u16 = u16::MAX;
+    /// The longest name kept: a longer one is written as none.
+    const LONGEST: usize = 4096;
+    /// The version and the lease.
+    const LEN_BEFORE_NAMES: usize = 9;
+
+    /// Reads what [`InProgress`] wrote: anything else (an unknown version, a short or
+    /// malformed text) says nothing.
+    pub(super) fn read(bytes: &[u8]) -> Self {
+        Self::parse(bytes).unwrap_or_default()
+    }
+
+    /// What the in-progress `record` says of its claim.
+    pub(super) fn of_claim(record: &[u8]) -> Self {
+        let n = usize::from(record.get(HEAD - 1).copied().unwrap_or(0));
+        Self::read(record.get(HEAD + n..).unwrap_or_default())
+    }
+
+    fn parse(bytes: &[u8]) -> Option<Self> {
+        let (&version, rest) = bytes.split_first()?;
+        if version != Self::VERSION {
+            return None;
+        }
+        let lease = u64::from_be_bytes(rest.get(..8)?.try_into().ok()?);
+        let mut rest = &rest[8..];
+        let mut names = [None, None, None];
+        for name in &mut names {
+            let len = u16::from_be_bytes(rest.get(..2)?.try_into().ok()?);
+            rest = &rest[2..];
+            if len != Self::NONE {
+                let len = usize::from(len);
+                *name = Some(String::from_utf8(rest.get(..len)?.to_vec()).ok()?);
+                rest = &rest[len..];
+            }
+        }
+        let [namespace, label, holder] = names;
+        Some(Self {
+            lease: Some(Duration::from_millis(lease)),
+            namespace,
+            label,
+            holder: holder.as_deref().and_then(Holder::decode),
+        })
     }
 }
 
@@ -167,6 +286,67 @@ pub(super) fn split_fingerprint(rest: &[u8]) -> Result<(Option<Fingerprint>, usi
         Some(n) => Err(malformed(&format!("a fingerprint of {n} bytes"))),
         None => Err(malformed("no fingerprint length")),
     }
+}
+
+// KEYS[1] a record, KEYS[2] its `about`; ARGV[1] "1" for the whole record, else its head
+// (all of a claim; a completed record without its value). Answers the bytes, the
+// milliseconds it has left, its whole length, and a completed record's `about` (or false).
+pub(super) const INSPECT_LUA: &str = r"
+local record = redis.call('GET', KEYS[1])
+if not record then
+    return false
+end
+local left = redis.call('PTTL', KEYS[1])
+local head = record
+local about = false
+if string.sub(record, 1, 1) == 'c' then
+    if ARGV[1] ~= '1' then
+        head = string.sub(record, 1, 2 + string.byte(record, 2))
+    end
+    about = redis.call('GET', KEYS[2])
+end
+return {head, left, #record, about}
+";
+
+/// A record's head (or all of it), the milliseconds it has left, its length and what a
+/// completed record's claim said of itself.
+pub(super) static INSPECT: LazyLock<Script> = LazyLock::new(|| Script::new(INSPECT_LUA));
+
+/// A record as [`INSPECT`] reads it.
+pub(super) struct Head {
+    pub(super) bytes: Vec<u8>,
+    pub(super) left: Option<Duration>,
+    pub(super) length: u64,
+    /// What the claim said of itself: in a claim's record, after its fingerprint; beside a
+    /// completed record, in its `about`.
+    pub(super) about: About,
+}
+
+/// A record from [`INSPECT`]'s reply: `None` for no record.
+pub(super) fn head(reply: Value) -> Result<Option<Head>, Error> {
+    let parts = match reply {
+        Value::Nil => return Ok(None),
+        Value::Array(parts) if parts.len() == 4 => parts,
+        other => return Err(unexpected(&other)),
+    };
+    let mut parts = parts.into_iter();
+    let (Some(Value::BulkString(bytes)), Some(Value::Int(left)), Some(Value::Int(length))) =
+        (parts.next(), parts.next(), parts.next())
+    else {
+        return Err(malformed("an inspection"));
+    };
+    let about = match parts.next() {
+        Some(Value::BulkString(about)) => About::read(&about),
+        _ if bytes.first() == Some(&b'p') => About::of_claim(&bytes),
+        _ => About::default(),
+    };
+    Ok(Some(Head {
+        bytes,
+        // -1: no expiry (a record written by hand); -2: gone meanwhile.
+        left: u64::try_from(left).ok().map(Duration::from_millis),
+        length: u64::try_from(length).unwrap_or(0),
+        about,
+    }))
 }
 
 /// What a claim found: nothing (the claim is ours) or the record that was there.
@@ -199,14 +379,29 @@ pub(super) fn parse_claim(reply: Value, token: Token) -> Result<Claim, Error> {
 mod tests {
     use super::*;
 
+    /// The record a claim of `claimant` writes.
+    fn written(
+        token: Token,
+        fingerprint: Option<&Fingerprint>,
+        claimant: &Claimant<'_>,
+    ) -> Vec<u8> {
+        let record = in_progress(token, fingerprint, 60_000, claimant);
+        let mut args = record.to_redis_args();
+        assert_eq!(args.len(), 1, "one argument");
+        let bytes = args.pop().unwrap();
+        assert_eq!(bytes.len(), record.len());
+        bytes
+    }
+
     #[test]
     fn the_scripts_read_the_layout_the_client_writes() {
         // Lua counts from 1: the holder's prefix is bytes 1–9, the fence 10–29, and the
         // fingerprint's length byte starts the rest, at 30.
-        let record = in_progress(Token::new(0x0102_0304_0506_0708), None);
-        assert_eq!(record.len(), HEAD);
-        assert_eq!(record[..9], holder(Token::new(0x0102_0304_0506_0708)));
+        let token = Token::new(0x0102_0304_0506_0708);
+        let record = written(token, None, &Claimant::new("billing.charge"));
+        assert_eq!(record[..9], holder(token));
         assert_eq!(&record[9..HEAD - 1], NO_FENCE);
+        assert_eq!(record[HEAD - 1], 0, "no fingerprint");
         for source in [
             COMPLETE_LUA,
             RELEASE_LUA,
@@ -219,13 +414,39 @@ mod tests {
                 "{source}"
             );
         }
-        for source in [COMPLETE_LUA, FENCE_LUA] {
-            assert!(
-                source.contains(&format!("string.sub(record, {})", HEAD)),
-                "{source}"
-            );
-        }
+        assert!(FENCE_LUA.contains(&format!("string.sub(record, {})", HEAD)));
+        assert!(COMPLETE_LUA.contains(&format!("string.byte(record, {})", HEAD)));
+        // A completed record is `c`, the fingerprint (its length first) and the value: the
+        // claim's own words go to its `about`.
+        assert!(COMPLETE_LUA.contains(&format!(
+            "'c' .. string.sub(record, {HEAD}, {HEAD} + n) .. ARGV[2]"
+        )));
+        assert!(COMPLETE_LUA.contains(&format!("string.sub(record, {} + n)", HEAD + 1)));
         assert!(FENCE_LUA.contains(&format!("string.sub(record, 10, {})", HEAD - 1)));
         assert!(FENCE_LUA.contains(&String::from_utf8_lossy(NO_FENCE).into_owned()));
+    }
+
+    #[test]
+    fn a_claim_says_whose_it_is() {
+        let fingerprint = Fingerprint::of(&7_u32).unwrap();
+        let claimant = Claimant::new("billing.charge").labelled("order 7");
+        let record = written(Token::new(9), Some(&fingerprint), &claimant);
+        let about = About::read(&record[HEAD + 32..]);
+        assert_eq!(about.lease, Some(Duration::from_secs(60)));
+        assert_eq!(about.namespace.as_deref(), Some("billing.charge"));
+        assert_eq!(about.label.as_deref(), Some("order 7"));
+        assert_eq!(about.holder.as_ref(), Some(Holder::this_process()));
+
+        // An unnamed claim keeps its lease and holder; a name too long is kept as none.
+        let long = "n".repeat(5_000);
+        let record = written(Token::new(9), None, &Claimant::new(&long));
+        let about = About::read(&record[HEAD..]);
+        assert_eq!(about.namespace, None);
+        assert_eq!(about.holder.as_ref(), Some(Holder::this_process()));
+        assert_eq!(
+            About::read(b""),
+            About::default(),
+            "an earlier record says nothing"
+        );
     }
 }

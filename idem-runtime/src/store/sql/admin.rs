@@ -337,7 +337,7 @@ impl<D: Dialect + AdminRows> Admin for SqlStore<D> {
         let prefix_len = i64::try_from(prefix.chars().count()).unwrap_or(i64::MAX);
         let batch = i64::try_from(size + 1).unwrap_or(i64::MAX);
         let statement = &self.admin_sql().page[usize::from(filter.values())];
-        let mut from = after.map(|cursor| *cursor.key());
+        let mut from = Cursor::key_order(after)?;
         let mut entries = Vec::with_capacity(size.min(128));
         for _ in 0..BATCHES {
             let start = from.as_ref().map_or(&[][..], |key| &key.as_bytes()[..]);
