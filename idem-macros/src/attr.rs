@@ -18,6 +18,7 @@ mod kw {
     syn::custom_keyword!(on_cancel);
     syn::custom_keyword!(transaction);
     syn::custom_keyword!(ignore);
+    syn::custom_keyword!(label);
 }
 
 const NAMES: &[&str] = &[
@@ -33,6 +34,7 @@ const NAMES: &[&str] = &[
     "on_cancel",
     "transaction",
     "ignore",
+    "label",
     "crate",
 ];
 
@@ -53,6 +55,8 @@ pub(crate) struct Args {
     pub transaction: Option<(syn::Ident, Span)>,
     /// The parameters that do not change the outcome.
     pub ignore: Option<Vec<syn::Ident>>,
+    /// A readable label for the claim, shown by an operator's listing.
+    pub label: Option<Expr>,
     pub krate: Option<Path>,
     /// Errors found while parsing; reported together, all at once.
     pub errors: Option<syn::Error>,
@@ -119,6 +123,7 @@ impl Parse for Args {
             on_cancel: None,
             transaction: None,
             ignore: None,
+            label: None,
             krate: None,
             errors: None,
         };
@@ -194,6 +199,8 @@ impl Args {
             ))
         } else if lookahead.peek(kw::wait) {
             arg!(kw::wait, "wait", wait, |v| duration(v, "wait"))
+        } else if lookahead.peek(kw::label) {
+            arg!(kw::label, "label", label, Ok)
         } else if lookahead.peek(kw::cache_err) {
             arg!(kw::cache_err, "cache_err", cache_err, Ok)
         } else if lookahead.peek(kw::on_cancel) {
@@ -554,6 +561,7 @@ mod tests {
                 "on_cancel" => args.on_cancel.is_some(),
                 "transaction" => args.transaction.is_some(),
                 "ignore" => args.ignore.is_some(),
+                "label" => args.label.is_some(),
                 "crate" => args.krate.is_some(),
                 other => panic!("the table documents `{other}`, which the parser does not take"),
             };

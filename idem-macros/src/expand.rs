@@ -162,6 +162,17 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
         ),
         (None, false) => (quote!(#private::default_store()), quote!(#store)),
     };
+    // `label = …`, owned before the body takes the arguments; the call is claimed inside
+    // `labelled`.
+    let label = local("__idem_label");
+    let label_value = args.label.as_ref().map(|value| {
+        let owned = respan(quote!(#private::label), value.span());
+        quote_spanned!(value.span()=> let #label = #owned(#value);)
+    });
+    let labelled = |call: TokenStream| match &args.label {
+        Some(_) => quote_spanned!(output.span()=> #private::labelled(#label, #call)),
+        None => call,
+    };
     // The return type as the runtime's entry points are given it, every token at the span
     // of its first one, as the entry point's own path: a bound on `T` or `E` that fails is
     // then reported once, at the type, not once for the path and again for the type.
@@ -183,18 +194,21 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
             let connection = quote_spanned!(tx.span()=> #connection_of(#tx_store, &mut *#tx));
             let run = respan(quote!(#private::run_in_transaction), output.span());
             // The body becomes a closure of the connection, under the parameter's own name.
+            let run = quote_spanned! {output.span()=>
+                #run::<_, _, #returned, _>(
+                    &#op,
+                    #tx_store,
+                    #connection,
+                    #key,
+                    #fingerprint,
+                    async move |#tx| #block,
+                )
+            };
+            let run = labelled(run);
             quote_spanned! {output.span()=>
                 {
                     let #tx_store = #transactional;
-                    #run::<_, _, #returned, _>(
-                        &#op,
-                        #tx_store,
-                        #connection,
-                        #key,
-                        #fingerprint,
-                        async move |#tx| #block,
-                    )
-                    .await
+                    #run.await
                 }
             }
         }
@@ -216,12 +230,13 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
             // Answered at once if the store's look found the record. (Bound first: a
             // temporary in the tail of the body would outlive the operation.)
             let bound = local("__idem_started");
+            let later = labelled(quote_spanned!(output.span()=> call));
             quote_spanned! {output.span()=>
                 {
                     let #bound = #started;
                     match #bound {
                         #private::Started::Now(answered) => answered,
-                        #private::Started::Later(call) => call.await,
+                        #private::Started::Later(call) => #later.await,
                     }
                 }
             }
@@ -268,6 +283,7 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
         #ordered
         #keep_alive
         let #op = #private::Operation::new(#namespace) #ttl #lease #in_flight #wait #cache_err;
+        #label_value
         let #key = #key_value;
         let #fingerprint = #fingerprint_value;
         let #store = #store_value;

@@ -44,14 +44,16 @@
 //!
 //! Each is judged and done in one atomic step on the store (the memory store: under the
 //! key's lock, by the leases' clock; the SQL stores: one conditional `DELETE`, by the
-//! database's clock; Redis: one script, by the server's clock): a renewal that lands first
-//! makes an `IfSilent` release refuse, never the other way round.
+//! database's clock; Redis: one script, by the server's clock; DynamoDB, which has no
+//! clock a condition can read: one `UpdateItem` conditional on the version the operator
+//! watched unchanged for half a lease): a renewal that lands first makes an `IfSilent`
+//! release refuse, never the other way round.
 //!
 //! [`MemoryStore`](crate::MemoryStore), the SQL stores
 //! ([`PostgresStore`](crate::PostgresStore), [`MySqlStore`](crate::MySqlStore),
-//! [`SqliteStore`](crate::SqliteStore)) and [`RedisStore`](crate::RedisStore) (one server,
-//! Sentinel or Cluster) implement [`Admin`], and so does [`TieredStore`](crate::TieredStore)
-//! over a durable store that does; DynamoDB is next. What each store supports, and what a listing costs on it, is in the operator's
+//! [`SqliteStore`](crate::SqliteStore)), [`RedisStore`](crate::RedisStore) (one server,
+//! Sentinel or Cluster) and [`DynamoDbStore`](crate::DynamoDbStore) implement [`Admin`], and
+//! so does [`TieredStore`](crate::TieredStore) over a durable store that does. What each store supports, and what a listing costs on it, is in the operator's
 //! guide ([`crate::guide::operations`]), with the `idem` command line (feature `cli`).
 
 use std::fmt;
@@ -693,9 +695,9 @@ impl fmt::Display for Refusal {
     }
 }
 
-/// An operator's view of a store (feature `admin`): [`MemoryStore`](crate::MemoryStore),
-/// the SQL stores, [`RedisStore`](crate::RedisStore) and [`TieredStore`](crate::TieredStore)
-/// implement it.
+/// An operator's view of a store (feature `admin`): every store of this crate implements
+/// it ([`MemoryStore`](crate::MemoryStore), the SQL stores, [`RedisStore`](crate::RedisStore),
+/// [`DynamoDbStore`](crate::DynamoDbStore), [`TieredStore`](crate::TieredStore)).
 ///
 /// [`Store`](crate::Store) has a `release` of its own (a holder's, by token): with both
 /// traits in scope, say which, `Admin::release(&store, &key, token, Release::IfSilent)`.
@@ -705,11 +707,12 @@ impl fmt::Display for Refusal {
 pub trait Admin: Send + Sync {
     /// One page of the records `filter` selects after `after` (the previous page's
     /// [`next`](Page::next)): in key order, or on Redis in `SCAN`'s order (a key written
-    /// or deleted during the listing may be missed or shown twice, as `SCAN` allows).
+    /// or deleted during the listing may be missed or shown twice, as `SCAN` allows) and on
+    /// DynamoDB in the table's.
     /// Bounded in memory by the page, whatever the store holds; each store's cost is in the
     /// operator's guide. A store that reads a bounded stretch of keys a call (the SQL
-    /// stores, Redis) may return a short page, even an empty one, with a `next`: the
-    /// listing ends only where `next` is `None`.
+    /// stores, Redis, DynamoDB) may return a short page, even an empty one, with a `next`:
+    /// the listing ends only where `next` is `None`.
     ///
     /// # Errors
     ///

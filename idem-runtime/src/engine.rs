@@ -8,6 +8,7 @@ mod backoff;
 mod call;
 mod handle;
 mod held;
+pub(crate) mod label;
 mod lease;
 mod outcome;
 mod settings;

@@ -86,6 +86,7 @@ pub use crate::background::{drain, Undrained};
 pub use crate::codec::{CacheErrors, ErrorPolicy, ReleaseErrors};
 pub use crate::default_store::{default_store, set_default_store, DefaultStoreError};
 pub use crate::engine::attempt::{attempt, Attempt};
+pub use crate::engine::label::labelled;
 pub use crate::engine::steps::step;
 pub use crate::engine::{InFlight, Operation, Outcome, DEFAULT_LEASE, DEFAULT_TTL};
 pub use crate::error::{BoxError, Error, RETRY_AFTER};

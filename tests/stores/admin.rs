@@ -79,6 +79,7 @@ where
         "the record of `41`: its tag and its JSON"
     );
     assert_eq!(entry.value(), None, "no value unless asked");
+    assert_eq!(entry.label(), None, "no label unless the caller chose one");
     let inspected = store.inspect(&done).await.unwrap().unwrap();
     assert_eq!(inspected.value_json(), Some("41"));
 
@@ -90,13 +91,14 @@ where
     let first = tokio::spawn({
         let (store, op, runs) = (store.clone(), op.clone(), runs.clone());
         async move {
-            op.run(&store, &live, None, held_body(runs, started, wait, 1))
-                .await
+            let call = op.run(&store, &live, None, held_body(runs, started, wait, 1));
+            idem_runtime::labelled("order 2", call).await
         }
     });
     has_started.await.unwrap();
     let held = store.inspect(&live).await.unwrap().unwrap();
     assert_eq!(held.state(), State::Held);
+    assert_eq!(held.label(), Some("order 2"), "the label the caller chose");
     let holder = held.holder().expect("the holder is kept");
     assert_eq!(holder.pid(), std::process::id());
     assert_eq!(held.lease(), Some(Duration::from_secs(60)));
@@ -324,6 +326,20 @@ async fn redis_is_operated_safely() {
     assert!(pages >= 36, "{pages} pages of at most 7 for 250 records");
 }
 
+/// DynamoDB (the emulator), where a holder's silence is watched, not compared: a release
+/// `IfSilent` reads the item again after half a lease and releases only that version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamodb_is_operated_safely() {
+    let Some(store) = idem_tests::dynamodb_store().await else {
+        return;
+    };
+    let prefix = namespace("admin.dynamodb");
+    operations(store.clone(), &prefix).await;
+    let keys = recorded(&store, &prefix, 250).await;
+    listed(&store, &prefix, 100, keys.clone()).await;
+    listed(&store, &prefix, 7, keys).await;
+}
+
 /// A private 3-master cluster (or the one `IDEM_REDIS_CLUSTER_URLS` names): a listing walks
 /// every master, a release and a reset reach the key's master.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -383,19 +399,27 @@ async fn a_tier_is_operated_on_both_tiers() {
     paging(store, &namespace("admin.tier")).await;
 }
 
-/// A call's steps are shown by `inspect`, never listed as calls, and forgotten with their
-/// call by `reset`.
+/// A call's steps are shown by `inspect` while it runs (what an operator reads of a body
+/// that died mid-way), never listed as calls, and forgotten with their call by `reset`.
 async fn steps_go_with_their_call<S: Store + Admin + Clone + 'static>(store: S, prefix: &str) {
     let op = Operation::new(format!("{prefix}.stepped"));
     let key = op.key(&1_u32).unwrap();
-    let _ = op
-        .run(&store, &key, None, async {
-            let a: u32 = idem_runtime::step("a", async { Ok::<_, Error>(1_u32) }).await?;
-            let b: u32 = idem_runtime::step("b", async { Ok::<_, Error>(2_u32) }).await?;
-            Ok::<_, Error>(a + b)
-        })
-        .await
-        .unwrap();
+    let (stepped, has_stepped) = oneshot::channel();
+    let (go, wait) = oneshot::channel::<()>();
+    let call = tokio::spawn({
+        let (store, op) = (store.clone(), op.clone());
+        async move {
+            op.run(&store, &key, None, async {
+                let a: u32 = idem_runtime::step("a", async { Ok::<_, Error>(1_u32) }).await?;
+                let b: u32 = idem_runtime::step("b", async { Ok::<_, Error>(2_u32) }).await?;
+                let _ = stepped.send(());
+                let _ = wait.await;
+                Ok::<_, Error>(a + b)
+            })
+            .await
+        }
+    });
+    has_stepped.await.unwrap();
     let page = listing(&store, &Filter::namespace(prefix)).await;
     assert_eq!(
         page.iter().map(|e| *e.key()).collect::<Vec<_>>(),
@@ -403,7 +427,10 @@ async fn steps_go_with_their_call<S: Store + Admin + Clone + 'static>(store: S, 
         "the steps are not listed as calls"
     );
     let entry = store.inspect(&key).await.unwrap().unwrap();
+    assert_eq!(entry.state(), State::Held);
     assert_eq!(entry.steps().len(), 2, "{entry:?}");
+    go.send(()).unwrap();
+    assert_eq!(call.await.unwrap().unwrap(), Outcome::Executed(3));
     assert_eq!(
         store.reset(&key, Release::IfSilent).await.unwrap(),
         Verdict::Done
@@ -412,6 +439,7 @@ async fn steps_go_with_their_call<S: Store + Admin + Clone + 'static>(store: S, 
         store.steps(&key).await.unwrap().is_empty(),
         "the steps went with the call"
     );
+    assert!(store.inspect(&key).await.unwrap().is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -425,6 +453,9 @@ async fn steps_go_with_their_call_on_every_store() {
         steps_go_with_their_call(store, &namespace("admin.steps")).await;
     }
     if let Some(store) = redis_store("admin.steps").await {
+        steps_go_with_their_call(store, &namespace("admin.steps")).await;
+    }
+    if let Some(store) = idem_tests::dynamodb_store().await {
         steps_go_with_their_call(store, &namespace("admin.steps")).await;
     }
 }

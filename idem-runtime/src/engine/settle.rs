@@ -184,7 +184,11 @@ impl Settings {
         let mut sent = Instant::now();
         let deadline = store.claim_timeout().map(|bound| sent + bound);
         let mut failures = 0;
-        let claimant = Claimant::of(&self.namespace);
+        let label = super::label::current();
+        let claimant = match &label {
+            Some(label) => Claimant::of(&self.namespace).labelled(label),
+            None => Claimant::of(&self.namespace),
+        };
         let mut claimed = store
             .claim_as(key, fingerprint, self.lease, nonce, &claimant)
             .await;

@@ -158,3 +158,11 @@ where
             .await
     }))
 }
+
+/// `label = …`: the label, owned at once (the body may then move what it was made of).
+#[inline]
+pub fn label(label: impl Into<Arc<str>>) -> Arc<str> {
+    label.into()
+}
+
+pub use crate::engine::label::labelled;

@@ -13,6 +13,7 @@
 //! | `token` | the fencing token: the first claimer's clock in microseconds, one more each claim |
 //! | `version` | how many claims, renewals and settlements the item has had |
 //! | `nonce`, `lease_ms`, `renewed_at` | the claim in progress: its nonce, its lease, when it was last renewed (holder's clock, ms; informational) |
+//! | `namespace`, `label`, `holder` | whose the call is: its operation's namespace and a label if the caller chose one (`NULL` for none), and the process that claimed it (`host/pid/started@machine`); for an operator's listing, never in a condition of the hot path |
 //! | `fingerprint` | 32 bytes, absent for none |
 //! | `value`, `expires_at` | the recorded result, and when it stops being replayed (ms since the epoch) |
 //! | `steps` | each recorded step's value and expiry, by the step's key in hex |
@@ -30,6 +31,14 @@
 //! caller's own nonce (a claim whose reply was lost), or one this process has watched
 //! unchanged for its whole lease. The token only grows (`if_not_exists(token, :now_µs) + 1`):
 //! it is the fencing token too, and a holder that lost the key cannot write anything.
+//!
+//! # Operations
+//!
+//! [`Admin`](crate::admin::Admin) (feature `admin`) lists with a filtered, strongly
+//! consistent `Scan` (the hot path never scans); a release or reset is one conditional
+//! `UpdateItem`. A holder's silence is watched, not compared (see below): the release of a
+//! silent holder reads its item again after half its lease and acts only on the version
+//! it watched.
 //!
 //! # Clocks
 //!
@@ -64,9 +73,11 @@ use self::item::{
     LEASE_MS, RELEASED, REMOVED, STATE, TOKEN, VERSION, WRITTEN,
 };
 use self::seen::{Held, Seen};
-use crate::store::Recorded;
+use crate::store::{Claimant, Holder, Recorded};
 use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
 
+#[cfg(feature = "admin")]
+mod admin;
 mod expression;
 mod item;
 mod seen;
@@ -389,6 +400,21 @@ impl Store for DynamoDbStore {
         lease: Duration,
         nonce: u64,
     ) -> Result<Claim, Error> {
+        self.claim_as(key, fingerprint, lease, nonce, &Claimant::unnamed())
+            .await
+    }
+
+    /// The item says whose the claim is: its namespace, label and holder, for an
+    /// operator's listing.
+    async fn claim_as(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+        nonce: u64,
+        claimant: &Claimant<'_>,
+    ) -> Result<Claim, Error> {
+        let named = |name: Option<&str>| name.map_or(AttributeValue::Null(true), s);
         for _ in 0..CLAIM_ROUNDS {
             let now = now_ms();
             let lapsed = self.seen.lapsed(key);
@@ -405,6 +431,9 @@ impl Store for DynamoDbStore {
                 (":lease", n(millis(lease))),
                 (":expiration", n(expiration(now, lease + KEPT))),
                 (":no_steps", AttributeValue::M(HashMap::new())),
+                (":namespace", named(claimant.namespace())),
+                (":label", named(claimant.label())),
+                (":holder", s(Holder::this_process_text())),
             ];
             if let Some(held) = lapsed {
                 values.push((":seen_token", n(held.token.get())));

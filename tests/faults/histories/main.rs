@@ -135,6 +135,14 @@ async fn redis_with_an_operator() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamodb_with_an_operator() {
+    let (Some(first), Some(second)) = (dynamodb_store().await, dynamodb_store().await) else {
+        return;
+    };
+    operated("dynamodb", 16, &[first, second]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_with_an_operator() {
     let (Some(first), Some(second)) = (mysql_store().await, mysql_store().await) else {
         return;

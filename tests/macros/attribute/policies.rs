@@ -258,3 +258,43 @@ async fn on_cancel_complete_finishes_the_body_after_the_caller_is_gone() {
         "the second call replayed the background result"
     );
 }
+
+// --- label ----------------------------------------------------------------------------
+
+#[idempotent(
+    key = order.id,
+    store = store,
+    namespace = "attribute.labelled",
+    label = format!("order {}", order.id),
+    ignore = seen
+)]
+async fn labelled_charge(
+    store: &MemoryStore,
+    order: Request,
+    seen: &std::sync::Mutex<Option<Option<String>>>,
+) -> Result<u64, AppError> {
+    use idem_runtime::admin::Admin;
+    // The claim, as an operator's listing shows it while the body runs.
+    let key = idem_runtime::Key::derive("attribute.labelled", &order.id).unwrap();
+    let entry = store.inspect(&key).await.unwrap().expect("held");
+    *seen.lock().unwrap() = Some(entry.label().map(str::to_owned));
+    // The body may move what the label was made of: it was owned before the body ran.
+    let Request { amount, .. } = order;
+    Ok(amount)
+}
+
+#[tokio::test]
+async fn a_label_names_the_claim_in_an_operators_listing() {
+    let store = store();
+    let seen = std::sync::Mutex::new(None);
+    let order = Request {
+        id: 17,
+        amount: 250,
+        note: String::new(),
+    };
+    assert_eq!(labelled_charge(&store, order, &seen).await, Ok(250));
+    assert_eq!(
+        seen.lock().unwrap().take(),
+        Some(Some("order 17".to_string()))
+    );
+}

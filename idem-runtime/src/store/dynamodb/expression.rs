@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::sync::LazyLock;
 
 use super::item::{
-    EXPIRATION, EXPIRES_AT, FINGERPRINT, ID, LEASE_MS, NONCE, RENEWED_AT, STATE, STEPS, TOKEN,
-    VALUE, VERSION, WRITTEN,
+    EXPIRATION, EXPIRES_AT, FINGERPRINT, HOLDER, ID, LABEL, LEASE_MS, NAMESPACE, NONCE, RENEWED_AT,
+    STATE, STEPS, TOKEN, VALUE, VERSION, WRITTEN,
 };
 
 /// One `UpdateItem`'s expressions. Every update sets the write's id first (`:written`), so
@@ -78,7 +78,8 @@ pub(super) fn claim(fingerprint: bool, lapsed: bool) -> &'static Expression {
             "SET #{STATE} = :in_progress, #{TOKEN} = if_not_exists(#{TOKEN}, :start) + :one, \
              #{VERSION} = if_not_exists(#{VERSION}, :zero) + :one, #{NONCE} = :nonce, \
              #{LEASE_MS} = :lease, #{RENEWED_AT} = :now, #{EXPIRATION} = :expiration, \
-             #{STEPS} = if_not_exists(#{STEPS}, :no_steps)"
+             #{STEPS} = if_not_exists(#{STEPS}, :no_steps), #{NAMESPACE} = :namespace, \
+             #{LABEL} = :label, #{HOLDER} = :holder"
         );
         let with = format!("{set}, #{FINGERPRINT} = :fingerprint REMOVE #{VALUE}, #{EXPIRES_AT}");
         let without = format!("{set} REMOVE #{VALUE}, #{EXPIRES_AT}, #{FINGERPRINT}");
@@ -107,6 +108,30 @@ pub(super) static RELEASE: LazyLock<Expression> = LazyLock::new(|| {
          REMOVE #{NONCE}, #{LEASE_MS}, #{RENEWED_AT}, #{FINGERPRINT}"
     );
     Expression::new(&update, held_by_token())
+});
+
+/// An operator's release of a silent holder: as [`RELEASE`], and only while the item has
+/// the version the operator watched unchanged.
+#[cfg(feature = "admin")]
+pub(super) static RELEASE_UNCHANGED: LazyLock<Expression> = LazyLock::new(|| {
+    let update = format!(
+        "SET #{STATE} = :released, #{VERSION} = #{VERSION} + :one \
+         REMOVE #{NONCE}, #{LEASE_MS}, #{RENEWED_AT}, #{FINGERPRINT}"
+    );
+    Expression::new(
+        &update,
+        format!("{} AND #{VERSION} = :version", held_by_token()),
+    )
+});
+
+/// An operator's reset of a completed or released call: its value and steps go.
+#[cfg(feature = "admin")]
+pub(super) static FORGET: LazyLock<Expression> = LazyLock::new(|| {
+    let update = format!(
+        "SET #{STATE} = :removed, #{VERSION} = #{VERSION} + :one \
+         REMOVE #{VALUE}, #{FINGERPRINT}, #{STEPS}, #{EXPIRES_AT}"
+    );
+    Expression::new(&update, format!("#{STATE} IN (:completed, :released)"))
 });
 
 pub(super) static RENEW: LazyLock<Expression> = LazyLock::new(|| {

@@ -38,6 +38,13 @@ pub(super) const EXPIRATION: &str = "expiration";
 /// A map from each recorded step's key (hex) to a map of its value (`v`) and when it
 /// expires (`e`, milliseconds since the epoch, by the recording process's clock).
 pub(super) const STEPS: &str = "steps";
+/// The operation's namespace of the claim (`NULL` for a claim that named none), kept once
+/// completed: what an operator's listing filters by.
+pub(super) const NAMESPACE: &str = "namespace";
+/// A readable label the caller chose (`NULL`: none, the default).
+pub(super) const LABEL: &str = "label";
+/// The process that claimed (`host/pid/started@machine`, nothing secret).
+pub(super) const HOLDER: &str = "holder";
 /// The id of the last write, drawn per request: a write sent again by the SDK after a lost
 /// reply finds it and knows it landed.
 pub(super) const WRITTEN: &str = "written";
