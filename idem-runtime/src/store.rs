@@ -419,6 +419,21 @@ pub trait Store: Send + Sync + 'static {
             .map(|left| Holding::new(left, None)))
     }
 
+    /// Whether an operator released the claim `token` of `key` ([`admin`](crate::admin)):
+    /// its holder, whose completion the store refused, must then not claim the key again to
+    /// record its result. The engine asks only then, and a store in this process is told
+    /// through its registry of running calls instead. The default answers `false`: a store
+    /// that keeps no trace of operators' releases lets a holder in another process than the
+    /// operator's record its result on a key no call took since.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot be reached or fails.
+    async fn released_by_operator(&self, key: &Key, token: Token) -> Result<bool, Error> {
+        let _ = (key, token);
+        Ok(false)
+    }
+
     /// The longest one [`claim`](Store::claim) may take on this store (its timeout), if it
     /// bounds its operations. A call that sends its claim again after a failure (a reply
     /// may have been lost after the claim landed) sends it only within this bound, counted
@@ -635,6 +650,10 @@ macro_rules! forward_store {
 
             async fn holding(&self, key: &Key) -> Result<Option<Holding>, Error> {
                 (**self).holding(key).await
+            }
+
+            async fn released_by_operator(&self, key: &Key, token: Token) -> Result<bool, Error> {
+                (**self).released_by_operator(key, token).await
             }
             fn claim_timeout(&self) -> Option<Duration> {
                 (**self).claim_timeout()

@@ -340,6 +340,81 @@ async fn dynamodb_is_operated_safely() {
     listed(&store, &prefix, 7, keys).await;
 }
 
+/// An operator in another process (another handle, with its own registry of running
+/// calls) releases a live holder by force: the holder's completion is refused, it does not
+/// claim the key again to record its result though no call took the key since, and its
+/// caller is told `Unrecorded`; the next call runs. The store keeps the release for the
+/// holder to find (Redis: a mark beside the record; DynamoDB: the released token).
+async fn a_holder_elsewhere_records_nothing_after_a_forced_release<S>(
+    holder: S,
+    operator: S,
+    prefix: &str,
+) where
+    S: Store + Admin + Clone + 'static,
+{
+    let op = Operation::new(format!("{prefix}.elsewhere")).lease(Duration::from_secs(60));
+    let key = op.key(&1_u32).unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (started, has_started) = oneshot::channel();
+    let (go, wait) = oneshot::channel();
+    let first = tokio::spawn({
+        let (store, op, runs) = (holder.clone(), op.clone(), runs.clone());
+        async move {
+            op.run(&store, &key, None, held_body(runs, started, wait, 1))
+                .await
+        }
+    });
+    has_started.await.unwrap();
+    let token = operator
+        .inspect(&key)
+        .await
+        .unwrap()
+        .unwrap()
+        .token()
+        .unwrap();
+    assert_eq!(
+        Admin::release(&operator, &key, token, Release::Force)
+            .await
+            .unwrap(),
+        Verdict::Done
+    );
+    go.send(()).unwrap();
+    match first.await.unwrap() {
+        Err(Error::Unrecorded(why)) => assert!(why.to_string().contains("operator"), "{why}"),
+        other => panic!("the holder released elsewhere was answered {other:?}"),
+    }
+    assert!(
+        operator.inspect(&key).await.unwrap().is_none(),
+        "the released holder recorded nothing"
+    );
+    let next = op
+        .run(&operator, &key, None, async { Ok::<_, Error>(2_u32) })
+        .await
+        .unwrap();
+    assert_eq!(next, Outcome::Executed(2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_elsewhere_records_nothing_after_a_forced_release_on_redis_and_dynamodb() {
+    let prefix = namespace("admin.elsewhere");
+    if let (Some(holder), Some(operator)) = (
+        redis_store("admin.elsewhere").await,
+        redis_store("admin.elsewhere").await,
+    ) {
+        // One prefix for both handles: the same records.
+        let shared = format!("{}:", namespace("admin.elsewhere.shared"));
+        let operator = operator.with_prefix(&shared).unwrap();
+        let holder = holder.with_prefix(&shared).unwrap();
+        a_holder_elsewhere_records_nothing_after_a_forced_release(holder, operator, &prefix).await;
+    }
+    if let (Some(holder), Some(operator)) = (
+        idem_tests::dynamodb_store().await,
+        idem_tests::dynamodb_store().await,
+    ) {
+        a_holder_elsewhere_records_nothing_after_a_forced_release(holder, operator, &prefix).await;
+    }
+}
+
 /// A private 3-master cluster (or the one `IDEM_REDIS_CLUSTER_URLS` names): a listing walks
 /// every master, a release and a reset reach the key's master.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -493,16 +493,27 @@ impl Held {
     /// The body ran, so no answer from here is an error that says it did not.
     async fn after_refusal(&self, record: &Bytes, ttl: Duration) -> Option<Landing> {
         let claim = &self.claim;
-        if self.released_by_operator() {
+        // An operator's release, as this process's registry was told or (for an operator
+        // in another process) as the store keeps it.
+        let released = self.released_by_operator()
+            || match claim
+                .store
+                .released_by_operator(&claim.key, claim.token)
+                .await
+            {
+                Ok(released) => released,
+                Err(err) => return self.failed_try(err),
+            };
+        if released {
             // Not a lapse but a release by an operator: the key is not this holder's to
             // take again, whoever runs it now must not find this result, and this caller
             // must not be told `Executed`.
             tracing::warn!(
                 outcome = "lease lost",
                 token = claim.token.get(),
-                "the claim was released by force while the body ran; this result is not recorded"
+                "the claim was released by an operator while the body ran; this result is not recorded"
             );
-            let why = "the claim was released by force (an operator) while the body ran; its result is not recorded, and a retry runs the body again: reconcile its effect first";
+            let why = "the claim was released by an operator (by force, or as its holder was silent) while the body ran; its result is not recorded, and a retry runs the body again: reconcile its effect first";
             *self.verdict.lock().unwrap_or_else(PoisonError::into_inner) =
                 Some(Verdict::Failed(Error::Unrecorded(why.into())));
             return Some(Landing::Released);

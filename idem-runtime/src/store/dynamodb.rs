@@ -13,6 +13,7 @@
 //! | `token` | the fencing token: the first claimer's clock in microseconds, one more each claim |
 //! | `version` | how many claims, renewals and settlements the item has had |
 //! | `nonce`, `lease_ms`, `renewed_at` | the claim in progress: its nonce, its lease, when it was last renewed (holder's clock, ms; informational) |
+//! | `released_token` | the token of the last claim an operator released: that holder, or an older one, does not claim the item again to record its result |
 //! | `namespace`, `label`, `holder` | whose the call is: its operation's namespace and a label if the caller chose one (`NULL` for none), and the process that claimed it (`host/pid/started@machine`); for an operator's listing, never in a condition of the hot path |
 //! | `fingerprint` | 32 bytes, absent for none |
 //! | `value`, `expires_at` | the recorded result, and when it stops being replayed (ms since the epoch) |
@@ -70,7 +71,7 @@ use bytes::Bytes;
 use self::expression::{Expression, COMPLETE, RECORD_STEP, RELEASE, REMOVE, RENEW};
 use self::item::{
     b, millis, n, now_ms, number, s, state, Item, State, COMPLETED, EXPIRATION, ID, IN_PROGRESS,
-    LEASE_MS, RELEASED, REMOVED, STATE, TOKEN, VERSION, WRITTEN,
+    LEASE_MS, RELEASED, RELEASED_TOKEN, REMOVED, STATE, TOKEN, VERSION, WRITTEN,
 };
 use self::seen::{Held, Seen};
 use crate::store::{Claimant, Holder, Recorded};
@@ -606,6 +607,16 @@ impl Store for DynamoDbStore {
             State::InProgress { held, .. } => Ok(self.seen.left(key, held)),
             State::Completed { .. } | State::Free => Ok(None),
         }
+    }
+
+    /// One consistent read: the token an operator last released (tokens only grow, so an
+    /// older holder's is released too).
+    async fn released_by_operator(&self, key: &Key, token: Token) -> Result<bool, Error> {
+        let item = self.get(key).await?;
+        Ok(item
+            .as_ref()
+            .and_then(|item| number(item, RELEASED_TOKEN).ok())
+            .is_some_and(|released| token.get() <= released))
     }
 
     fn claim_timeout(&self) -> Option<Duration> {

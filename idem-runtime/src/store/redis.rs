@@ -19,7 +19,10 @@
 //! ([`Store::claim_as`]: what an operator's listing shows); a claim an earlier version
 //! wrote ends at its fingerprint, and lists as namespace unknown. A completed record keeps
 //! its claim's `about` beside it, at the record's key followed by `:about`, with the same
-//! expiry, so that the record itself stays as every version reads it. A call's steps are a
+//! expiry, so that the record itself stays as every version reads it. An operator's release
+//! leaves the released holder's prefix at the record's key followed by `:released` (kept
+//! for a day), so that the holder, in whatever process, does not claim the key again to
+//! record its result. A call's steps are a
 //! hash beside its record, at the record's key followed by `:steps` (the same hash tag),
 //! from each step's key to its value, expiring with the TTL of the last one recorded. The
 //! key's own expiry (`PX`, judged by the server's clock) is the lease while in progress and
@@ -386,6 +389,15 @@ impl RedisStore {
         about
     }
 
+    /// The Redis key of the mark an operator's release leaves ([`Admin`](crate::admin::Admin)):
+    /// the released holder's prefix, so that it claims the key no more to record its
+    /// result.
+    fn released_of(&self, key: &Key) -> Vec<u8> {
+        let mut released = self.record(key);
+        released.extend_from_slice(b":released");
+        released
+    }
+
     /// Sends one command under the timeout: one round trip.
     async fn send(&self, command: &Cmd) -> Result<Value, Error> {
         let mut connection = self.connection.clone();
@@ -635,6 +647,17 @@ impl Store for RedisStore {
         }
         let left = head.left.filter(|left| !left.is_zero());
         Ok(left.map(|left| Holding::new(left, head.about.holder)))
+    }
+
+    /// One `GET` of the mark an operator's release left, if any.
+    async fn released_by_operator(&self, key: &Key, token: Token) -> Result<bool, Error> {
+        let mut command = redis::cmd("GET");
+        command.arg(self.released_of(key));
+        match self.send(&command).await? {
+            Value::Nil => Ok(false),
+            Value::BulkString(mark) => Ok(mark[..] == holder(token)[..]),
+            other => Err(unexpected(&other)),
+        }
     }
 
     async fn record_step(

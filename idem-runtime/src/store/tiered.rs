@@ -329,6 +329,10 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
         self.durable.holding(key).await
     }
 
+    async fn released_by_operator(&self, key: &Key, token: Token) -> Result<bool, Error> {
+        self.durable.released_by_operator(key, token).await
+    }
+
     async fn complete(
         &self,
         key: &Key,

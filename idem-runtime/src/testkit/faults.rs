@@ -243,6 +243,11 @@ impl<S: Store + Clone> Store for Faulty<S> {
         self.apply(self.inner.holding(key)).await
     }
 
+    async fn released_by_operator(&self, key: &Key, token: Token) -> Result<bool, Error> {
+        self.apply(self.inner.released_by_operator(key, token))
+            .await
+    }
+
     async fn complete(
         &self,
         key: &Key,

@@ -14,7 +14,7 @@ use async_trait::async_trait;
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue};
 use bytes::Bytes;
 
-use super::expression::{FORGET, RELEASE, RELEASE_UNCHANGED};
+use super::expression::{FORGET, RELEASE_BY_OPERATOR, RELEASE_UNCHANGED};
 use super::item::{
     blob, n, now_ms, number, s, steps, string, Item, COMPLETED, EXPIRES_AT, HOLDER, ID,
     IN_PROGRESS, LABEL, LEASE_MS, NAMESPACE, RELEASED, REMOVED, RENEWED_AT, STATE, TOKEN, VALUE,
@@ -60,7 +60,7 @@ impl DynamoDbStore {
             (":token", n(token.get())),
         ];
         let expression = if unconditional {
-            &*RELEASE
+            &*RELEASE_BY_OPERATOR
         } else {
             if !entry.is_silent() {
                 return Ok(Some(Refusal::Live {

@@ -5,6 +5,8 @@
 use std::collections::HashMap;
 use std::sync::LazyLock;
 
+#[cfg(feature = "admin")]
+use super::item::RELEASED_TOKEN;
 use super::item::{
     EXPIRATION, EXPIRES_AT, FINGERPRINT, HOLDER, ID, LABEL, LEASE_MS, NAMESPACE, NONCE, RENEWED_AT,
     STATE, STEPS, TOKEN, VALUE, VERSION, WRITTEN,
@@ -110,16 +112,27 @@ pub(super) static RELEASE: LazyLock<Expression> = LazyLock::new(|| {
     Expression::new(&update, held_by_token())
 });
 
-/// An operator's release of a silent holder: as [`RELEASE`], and only while the item has
-/// the version the operator watched unchanged.
+/// An operator's release: as [`RELEASE`], and the holder's token kept as released by an
+/// operator, so that it claims the item no more to record its result.
+#[cfg(feature = "admin")]
+fn released_by_operator() -> String {
+    format!(
+        "SET #{STATE} = :released, #{VERSION} = #{VERSION} + :one, #{RELEASED_TOKEN} = :token \
+         REMOVE #{NONCE}, #{LEASE_MS}, #{RENEWED_AT}, #{FINGERPRINT}"
+    )
+}
+
+/// An operator's release by force.
+#[cfg(feature = "admin")]
+pub(super) static RELEASE_BY_OPERATOR: LazyLock<Expression> =
+    LazyLock::new(|| Expression::new(&released_by_operator(), held_by_token()));
+
+/// An operator's release of a silent holder: only while the item has the version the
+/// operator watched unchanged.
 #[cfg(feature = "admin")]
 pub(super) static RELEASE_UNCHANGED: LazyLock<Expression> = LazyLock::new(|| {
-    let update = format!(
-        "SET #{STATE} = :released, #{VERSION} = #{VERSION} + :one \
-         REMOVE #{NONCE}, #{LEASE_MS}, #{RENEWED_AT}, #{FINGERPRINT}"
-    );
     Expression::new(
-        &update,
+        &released_by_operator(),
         format!("{} AND #{VERSION} = :version", held_by_token()),
     )
 });

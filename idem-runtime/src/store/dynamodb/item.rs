@@ -45,6 +45,9 @@ pub(super) const NAMESPACE: &str = "namespace";
 pub(super) const LABEL: &str = "label";
 /// The process that claimed (`host/pid/started@machine`, nothing secret).
 pub(super) const HOLDER: &str = "holder";
+/// The token of the last claim an operator released: its holder, and any older one, must
+/// not claim the item again to record a result (tokens only grow).
+pub(super) const RELEASED_TOKEN: &str = "released_token";
 /// The id of the last write, drawn per request: a write sent again by the SDK after a lost
 /// reply finds it and knows it landed.
 pub(super) const WRITTEN: &str = "written";

@@ -32,9 +32,14 @@ const SCAN_COUNT: usize = 1_000;
 /// and its write.
 const LOOKS: usize = 3;
 
-// KEYS[1] a record, KEYS[2] its steps; ARGV[1] the holder's prefix ("p" and its token),
-// ARGV[2] the most milliseconds its lease may have left (a holder silent for more than half
-// its lease has less), or -1 for any. Deletes the claim and answers 1, or answers 0.
+/// How long the mark of an operator's release is kept: longer than a holder keeps trying
+/// to record a refused completion (its caller's wait, its background retries).
+const RELEASED_KEPT: std::time::Duration = std::time::Duration::from_secs(24 * 60 * 60);
+
+// KEYS[1] a record, KEYS[2] its `released` mark; ARGV[1] the holder's prefix ("p" and its
+// token), ARGV[2] the most milliseconds its lease may have left (a holder silent for more
+// than half its lease has less), or -1 for any, ARGV[3] how long the mark is kept. Deletes
+// the claim, marks its holder's prefix released by an operator, and answers 1; or answers 0.
 const RELEASE_CLAIM_LUA: &str = r"
 local record = redis.call('GET', KEYS[1])
 if not record or string.sub(record, 1, 9) ~= ARGV[1] then
@@ -45,6 +50,7 @@ if most >= 0 and redis.call('PTTL', KEYS[1]) > most then
     return 0
 end
 redis.call('DEL', KEYS[1])
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[3])
 return 1
 ";
 
@@ -274,7 +280,10 @@ impl RedisStore {
         };
         self.flights.fence(key, true);
         let mut invocation = self.script(&RELEASE_CLAIM, key, token);
-        invocation.arg(most);
+        invocation
+            .key(self.released_of(key))
+            .arg(most)
+            .arg(super::millis(RELEASED_KEPT));
         let deleted = self.fenced(invocation, "the release").await;
         if matches!(deleted, Ok(true)) {
             self.flights.released(key);

@@ -316,6 +316,7 @@ pub(super) static INSPECT: LazyLock<Script> = LazyLock::new(|| Script::new(INSPE
 pub(super) struct Head {
     pub(super) bytes: Vec<u8>,
     pub(super) left: Option<Duration>,
+    #[cfg_attr(not(feature = "admin"), allow(dead_code))]
     pub(super) length: u64,
     /// What the claim said of itself: in a claim's record, after its fingerprint; beside a
     /// completed record, in its `about`.
