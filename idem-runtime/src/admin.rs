@@ -35,10 +35,8 @@
 //!   its steps are refused (they are compare-and-set on its token), and its caller is
 //!   answered [`Error::Unrecorded`] ("released by force"), never `Replayed` of the value of
 //!   the run that took the key after it. (The store's registry of running calls tells a
-//!   holder in the releasing process so; one in another process asks the store, which on
-//!   Redis and DynamoDB keeps the release. On the SQL stores such a holder, if no call took
-//!   the key since, may claim it again and record its own result: the operator's guide
-//!   says what is left.) The forced holder's effect, if it made one, stays: reconcile it (the
+//!   holder in the releasing process so; one in another process asks the store, which
+//!   keeps a trace of the release for a day, before it would claim the key again.) The forced holder's effect, if it made one, stays: reconcile it (the
 //!   operator's guide says how).
 //! - [`reset`](Admin::reset) forgets a completed call and its steps; a call in progress
 //!   only as `release` would free it.

@@ -45,6 +45,9 @@ struct Entry {
     running: u32,
     /// Bodies that started while another ran, or after one had returned.
     violations: u32,
+    /// Calls answered `Error::Unrecorded`: a body ran whose result the key does not hold
+    /// (its lease ran out before the record landed), so the key may run again.
+    unrecorded: u32,
 }
 
 impl Ledger {
@@ -83,6 +86,20 @@ impl Ledger {
         all.values()
             .filter(|e| e.finished > 1 || e.violations > 0)
             .count()
+    }
+
+    /// Keys run twice though no caller of theirs was told `Unrecorded`: what the error
+    /// table never allows.
+    fn unexcused_doubles(&self) -> usize {
+        let all = self.0.lock().unwrap();
+        all.values()
+            .filter(|e| (e.finished > 1 || e.violations > 0) && e.unrecorded == 0)
+            .count()
+    }
+
+    /// A call of `key` was answered `Error::Unrecorded`.
+    fn unrecorded(&self, key: u32) {
+        self.0.lock().unwrap().entry(key).or_default().unrecorded += 1;
     }
 
     fn finished(&self, key: u32) -> u32 {
@@ -142,6 +159,7 @@ async fn ten_percent_faults<S: Store + Clone>(label: &str, first: S, second: S, 
                     });
                     match tokio::time::timeout(HANG, call).await {
                         Ok(Ok(value)) => return Some(value.into_inner()),
+                        Ok(Err(Error::Unrecorded(_))) => ledger.unrecorded(key),
                         Ok(Err(_)) => {}
                         Err(_) => {
                             hangs.hit();
@@ -174,7 +192,14 @@ async fn ten_percent_faults<S: Store + Clone>(label: &str, first: S, second: S, 
         KEYS * 2,
         hangs.count(),
     );
-    assert_eq!(doubles, 0, "{label}: keys whose body ran twice");
+    // A key runs twice only after a caller of it was told `Unrecorded`: its holder's lease
+    // ran out before the record landed, which takes a process starved for a whole lease
+    // (the bodies here take no time). Those are counted, never allowed silently.
+    assert_eq!(
+        ledger.unexcused_doubles(),
+        0,
+        "{label}: keys whose body ran twice with no caller told `Unrecorded`"
+    );
     assert_eq!(stuck, 0, "{label}: keys stuck past their lease");
     assert_eq!(hangs.count(), 0, "{label}: calls that hung");
     assert_eq!(
@@ -285,7 +310,14 @@ async fn seeded_cancellations<S: Store + Clone>(label: &str, store: S, seed: u64
         cancelled > 0 && after_body > 0,
         "{label}: the seed reached every window"
     );
-    assert_eq!(doubles, 0, "{label}: keys whose body ran twice");
+    // A key runs twice only after a caller of it was told `Unrecorded`: its holder's lease
+    // ran out before the record landed, which takes a process starved for a whole lease
+    // (the bodies here take no time). Those are counted, never allowed silently.
+    assert_eq!(
+        ledger.unexcused_doubles(),
+        0,
+        "{label}: keys whose body ran twice with no caller told `Unrecorded`"
+    );
     assert_eq!(stuck, 0, "{label}: keys stuck past their lease");
     assert_eq!(hangs, 0, "{label}: retries that hung");
 }

@@ -344,7 +344,8 @@ async fn dynamodb_is_operated_safely() {
 /// calls) releases a live holder by force: the holder's completion is refused, it does not
 /// claim the key again to record its result though no call took the key since, and its
 /// caller is told `Unrecorded`; the next call runs. The store keeps the release for the
-/// holder to find (Redis: a mark beside the record; DynamoDB: the released token).
+/// holder to find (Redis: a mark beside the record; DynamoDB: the released token; the SQL
+/// stores: a trace row of its own).
 async fn a_holder_elsewhere_records_nothing_after_a_forced_release<S>(
     holder: S,
     operator: S,
@@ -395,7 +396,7 @@ async fn a_holder_elsewhere_records_nothing_after_a_forced_release<S>(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_holder_elsewhere_records_nothing_after_a_forced_release_on_redis_and_dynamodb() {
+async fn a_holder_elsewhere_records_nothing_after_a_forced_release_on_every_shared_store() {
     let prefix = namespace("admin.elsewhere");
     if let (Some(holder), Some(operator)) = (
         redis_store("admin.elsewhere").await,
@@ -413,6 +414,21 @@ async fn a_holder_elsewhere_records_nothing_after_a_forced_release_on_redis_and_
     ) {
         a_holder_elsewhere_records_nothing_after_a_forced_release(holder, operator, &prefix).await;
     }
+    if let (Some(holder), Some(operator)) = (
+        idem_tests::postgres_store().await,
+        idem_tests::postgres_store().await,
+    ) {
+        a_holder_elsewhere_records_nothing_after_a_forced_release(holder, operator, &prefix).await;
+    }
+    if let (Some(holder), Some(operator)) = (
+        idem_tests::mysql_store().await,
+        idem_tests::mysql_store().await,
+    ) {
+        a_holder_elsewhere_records_nothing_after_a_forced_release(holder, operator, &prefix).await;
+    }
+    let (holder, path) = sqlite_store_at("elsewhere").await;
+    let operator = idem_runtime::SqliteStore::open(&path).await.unwrap();
+    a_holder_elsewhere_records_nothing_after_a_forced_release(holder, operator, &prefix).await;
 }
 
 /// A private 3-master cluster (or the one `IDEM_REDIS_CLUSTER_URLS` names): a listing walks
@@ -448,6 +464,11 @@ async fn a_redis_cluster_is_operated_safely() {
 
 /// A fresh SQLite file of its own.
 async fn sqlite_store(test: &str) -> idem_runtime::SqliteStore {
+    sqlite_store_at(test).await.0
+}
+
+/// A fresh SQLite file of its own, and its path (for a second process's handle).
+async fn sqlite_store_at(test: &str) -> (idem_runtime::SqliteStore, std::path::PathBuf) {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
@@ -455,7 +476,7 @@ async fn sqlite_store(test: &str) -> idem_runtime::SqliteStore {
         .join(format!("admin-{test}-{}-{nanos}.db", std::process::id()));
     let store = idem_runtime::SqliteStore::open(&path).await.unwrap();
     store.migrate().await.unwrap();
-    store
+    (store, path)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

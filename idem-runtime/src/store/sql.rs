@@ -293,6 +293,15 @@ impl<D: Dialect> Store for SqlStore<D> {
             .map(|(left, holder)| Holding::new(left, holder.as_deref().and_then(Holder::decode))))
     }
 
+    /// One read of the trace an operator's release left (tokens grow, so an older
+    /// holder's is released too).
+    async fn released_by_operator(&self, key: &Key, token: Token) -> Result<bool, Error> {
+        let table = self.dialect.table();
+        let released = self.read(D::released(self.pool(), table, key)).await?;
+        let token = i64::try_from(token.get()).unwrap_or(i64::MAX);
+        Ok(released.is_some_and(|released| token <= released))
+    }
+
     fn claim_timeout(&self) -> Option<Duration> {
         Some(self.timeout)
     }

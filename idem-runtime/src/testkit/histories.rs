@@ -623,18 +623,23 @@ where
 type Handover = (crate::Key, tokio::sync::oneshot::Sender<()>);
 
 /// The operator of [`histories_with_operator`]: how many claims it released. It ends when
-/// every caller has ended (the handovers' channel closes).
+/// every caller has ended (the handovers' channel closes). Each handover is answered by a
+/// task of its own, so that no body waits for another's.
 #[cfg(feature = "admin")]
-async fn operate<S: crate::admin::Admin>(
+async fn operate<S>(
     store: S,
     namespace: String,
     mut handovers: tokio::sync::mpsc::UnboundedReceiver<Handover>,
     seed: u64,
-) -> usize {
+) -> usize
+where
+    S: crate::admin::Admin + Clone + 'static,
+{
     use crate::admin::{Filter, Release};
     let mut rng = SplitMix::new(seed ^ 0x6f70_6572_6174_6f72);
     let filter = Filter::namespace(namespace).held().lapsed();
     let mut released = 0;
+    let mut answering = tokio::task::JoinSet::new();
     let how = |rng: &mut SplitMix| {
         if rng.unit() < 0.5 {
             Release::Force
@@ -649,11 +654,15 @@ async fn operate<S: crate::admin::Admin>(
             Ok(None) => break,
             Ok(Some((key, done))) => {
                 // The body waits on `done`: its claim is held (or lapsed) meanwhile.
-                if let Some(token) = held_token(&store, &key).await {
-                    let how = how(&mut rng);
-                    released += usize::from(released_by(&store, &key, token, how).await);
-                }
-                let _ = done.send(());
+                let (store, how) = (store.clone(), how(&mut rng));
+                answering.spawn(async move {
+                    let released = match held_token(&store, &key).await {
+                        Some(token) => released_by(&store, &key, token, how).await,
+                        None => false,
+                    };
+                    let _ = done.send(());
+                    usize::from(released)
+                });
             }
             Err(_) => {
                 let Ok(page) = crate::admin::Admin::list(&store, &filter, None).await else {
@@ -668,6 +677,12 @@ async fn operate<S: crate::admin::Admin>(
                 }
             }
         }
+        while let Some(answered) = answering.try_join_next() {
+            released += answered.unwrap_or_else(|err| std::panic::resume_unwind(err.into_panic()));
+        }
+    }
+    while let Some(answered) = answering.join_next().await {
+        released += answered.unwrap_or_else(|err| std::panic::resume_unwind(err.into_panic()));
     }
     released
 }
@@ -760,6 +775,12 @@ async fn record<S: Store + Clone>(
         .collect();
     let timeout = stores[0].claim_timeout().unwrap_or(Duration::from_secs(3));
     let bound = timeout + plan.lease * 3 + plan.faults.stall_for * 2 + plan.slack;
+    // A body handed to the operator waits for its look and its release: two more of the
+    // store's operations, and half a lease where the store watches a silent holder.
+    let bound = match operator {
+        Some(_) => bound + timeout * 2 + plan.lease / 2,
+        None => bound,
+    };
     let (handover, handovers) = tokio::sync::mpsc::unbounded_channel();
     let handover = operator.is_some().then_some(handover);
     let operating = operator.map(|operator| operator(namespace.clone(), handovers));

@@ -366,6 +366,7 @@ impl Statements {
                     "SELECT CAST(expires_at - {NOW} AS SIGNED), holder FROM {t} \
                      WHERE {live_row} AND NOT completed"
                 ),
+                released: format!("SELECT token FROM {t} WHERE `key` = ? AND step IS TRUE"),
                 #[cfg(feature = "admin")]
                 admin: admin(&t),
             },
@@ -412,6 +413,11 @@ fn admin(t: &str) -> crate::store::sql::AdminSql {
         },
         token_is: |token| format!("token + 0 = {token}"),
         silent: &format!("(expires_at <= {NOW} OR (expires_at - {NOW}) * 2 < lease_ms)"),
+        trace: &format!(
+            "INSERT INTO {t} (`key`, token, completed, expires_at, step) \
+             VALUES (?, ?, TRUE, {NOW} + 86400000, TRUE) \
+             ON DUPLICATE KEY UPDATE token = VALUES(token), expires_at = VALUES(expires_at)"
+        ),
     })
 }
 

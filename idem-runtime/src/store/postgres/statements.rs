@@ -85,6 +85,7 @@ impl Statements {
                     "SELECT ceil(extract(epoch FROM expires_at - now()) * 1000)::bigint, holder \
                      FROM {t} WHERE key = $1 AND NOT completed AND expires_at > now()"
                 ),
+                released: format!("SELECT token FROM {t} WHERE key = $1 AND step IS TRUE"),
                 #[cfg(feature = "admin")]
                 admin: admin(&t),
             },
@@ -223,6 +224,11 @@ fn admin(t: &str) -> crate::store::sql::AdminSql {
         token_is: |token| format!("token = {token}"),
         silent: "(expires_at <= now() \
                  OR (expires_at - now()) * 2 < lease_ms * interval '1 millisecond')",
+        trace: &format!(
+            "INSERT INTO {t} (key, token, completed, expires_at, step) \
+             VALUES ($1, $2, true, now() + interval '1 day', true) \
+             ON CONFLICT (key) DO UPDATE SET token = excluded.token, expires_at = excluded.expires_at"
+        ),
     })
 }
 

@@ -62,6 +62,9 @@ pub(crate) struct Spelling<'a> {
     /// Whether the claim's holder is silent: its lease ran out, or less than half of it
     /// (`lease_ms`) is left.
     pub(crate) silent: &'a str,
+    /// Writes, or moves forward, the trace of an operator's release (its key, the released
+    /// token): a step's row (never listed), kept for a day.
+    pub(crate) trace: &'a str,
 }
 
 /// The admin statements of one table.
@@ -77,6 +80,8 @@ pub(crate) struct AdminSql {
     forget: String,
     /// Deletes a call's steps (first and last key of its range, the call's key).
     forget_steps: String,
+    /// Leaves the trace of an operator's release (the trace's key, the released token).
+    trace: String,
 }
 
 impl AdminSql {
@@ -115,6 +120,7 @@ impl AdminSql {
                 p(3),
                 s.silent
             ),
+            trace: s.trace.to_string(),
             forget: format!("DELETE FROM {t} WHERE {key} = {} AND completed", p(1)),
             forget_steps: format!(
                 "DELETE FROM {t} WHERE {key} BETWEEN {} AND {} AND {key} <> {}",
@@ -175,6 +181,7 @@ pub enum Binds<'a> {
     Page(&'a [u8], i64, &'a str, i64),
     Release(&'a [u8], i64, bool),
     Steps(&'a [u8], &'a [u8], &'a [u8]),
+    Trace(&'a [u8], i64),
 }
 
 impl<DB> AdminRows for DB
@@ -202,6 +209,7 @@ where
             }
             Binds::Release(key, token, force) => query.bind(key).bind(token).bind(force),
             Binds::Steps(first, last, key) => query.bind(first).bind(last).bind(key),
+            Binds::Trace(key, token) => query.bind(key).bind(token),
         };
         query.fetch_all(pool).await
     }
@@ -219,6 +227,7 @@ where
             }
             Binds::Release(key, token, force) => query.bind(key).bind(token).bind(force),
             Binds::Steps(first, last, key) => query.bind(first).bind(last).bind(key),
+            Binds::Trace(key, token) => query.bind(key).bind(token),
         };
         Ok(query.execute(pool).await?.affected())
     }
@@ -309,6 +318,20 @@ impl<D: Dialect + AdminRows> SqlStore<D> {
         let unconditional = how == Release::Force || entry.holder().is_some_and(Holder::has_exited);
         let token = i64::try_from(token.get()).unwrap_or(i64::MAX);
         self.flights.fence(key, true);
+        // The trace first: a holder in another process that finds its completion refused
+        // finds the trace too, and does not claim the key again to record its result. A
+        // release refused below leaves a trace of a live claim: its holder, if its lease
+        // lapses later, records nothing either (it fails closed).
+        if let Err(err) = self
+            .delete(
+                &self.admin_sql().trace,
+                Binds::Trace(&super::rows::trace_key(key)[..], token),
+            )
+            .await
+        {
+            self.flights.fence(key, false);
+            return Err(err);
+        }
         let deleted = self
             .delete(
                 &self.admin_sql().release,

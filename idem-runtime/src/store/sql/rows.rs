@@ -43,6 +43,16 @@ pub(crate) fn steps_range(call: &Key) -> ([u8; 32], [u8; 32]) {
     (first, last)
 }
 
+/// The key of the row that traces an operator's release of `call`'s claim: a digest of
+/// its own, outside every call's range of steps as surely as two calls' keys differ.
+pub(crate) fn trace_key(call: &Key) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    let mut digest = Sha256::new();
+    digest.update(b"idem.released-by-operator\0");
+    digest.update(call.as_bytes());
+    digest.finalize().into()
+}
+
 /// A fingerprint column: 32 bytes, or NULL.
 pub(crate) fn fingerprint(raw: Option<Vec<u8>>) -> Result<Option<Fingerprint>, Error> {
     raw.map(|raw| {
@@ -108,6 +118,8 @@ pub struct Table {
     pub(crate) lookup: String,
     pub(crate) lease_left: String,
     pub(crate) holding: String,
+    /// The token an operator's release traced for a call (the trace's key).
+    pub(crate) released: String,
     pub(crate) steps: String,
     /// What an operator runs ([`Admin`](crate::admin::Admin)).
     #[cfg(feature = "admin")]
@@ -139,6 +151,13 @@ pub trait Database: sqlx::Database {
         table: &'a Table,
         key: &'a Key,
     ) -> impl Future<Output = Result<Option<(Duration, Option<String>)>, sqlx::Error>> + Send + 'a;
+
+    /// The token an operator last released of `call`'s claims, read by `table.released`.
+    fn released<'a>(
+        pool: &'a sqlx::Pool<Self>,
+        table: &'a Table,
+        call: &'a Key,
+    ) -> impl Future<Output = Result<Option<i64>, sqlx::Error>> + Send + 'a;
 
     /// The step records of `call`, read by `table.steps`.
     fn steps<'a>(
@@ -215,6 +234,18 @@ where
                 .filter(|millis| *millis > 0)
                 .map(|millis| (Duration::from_millis(millis), holder))
         }))
+    }
+
+    async fn released<'a>(
+        pool: &'a sqlx::Pool<Self>,
+        table: &'a Table,
+        call: &'a Key,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        let row: Option<(i64,)> = sqlx::query_as(&table.released)
+            .bind(&trace_key(call)[..])
+            .fetch_optional(pool)
+            .await?;
+        Ok(row.map(|(token,)| token))
     }
 
     async fn steps<'a>(

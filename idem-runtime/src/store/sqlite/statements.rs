@@ -181,6 +181,7 @@ impl Statements {
                     "SELECT expires_at - {NOW}, holder FROM {t} \
                      WHERE key = ?1 AND NOT completed AND expires_at > {NOW}"
                 ),
+                released: format!("SELECT token FROM {t} WHERE key = ?1 AND step = 1"),
                 #[cfg(feature = "admin")]
                 admin: admin(&t),
             },
@@ -211,6 +212,11 @@ fn admin(t: &str) -> crate::store::sql::AdminSql {
         prefix: |len, prefix| format!("substr(coalesce(namespace, ''), 1, {len}) = {prefix}"),
         token_is: |token| format!("token = {token}"),
         silent: &format!("(expires_at <= {NOW} OR (expires_at - {NOW}) * 2 < lease_ms)"),
+        trace: &format!(
+            "INSERT INTO {t} (key, token, completed, expires_at, step) \
+             VALUES (?1, ?2, 1, {NOW} + 86400000, 1) \
+             ON CONFLICT(key) DO UPDATE SET token = excluded.token, expires_at = excluded.expires_at"
+        ),
     })
 }
 
