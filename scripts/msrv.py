@@ -16,6 +16,7 @@ FEATURE_SETS = {
     "http": ["http"],
     "testkit": ["testkit"],
     "metrics": ["metrics"],
+    "cli": ["cli"],
     "all features": None,
 }
 
@@ -25,6 +26,7 @@ FEATURE_SETS = {
 # declared version.
 OWN_MINIMUM = {
     "dynamodb": "1.94.1",  # aws-sdk-dynamodb's own rust-version
+    "cli": "1.94.1",  # it reaches DynamoDB too
 }
 
 

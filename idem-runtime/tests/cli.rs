@@ -1,4 +1,5 @@
-//! The `idem` command line, built, against a real PostgreSQL and Redis: the newcomer's 3 a.m. —
+//! The `idem` command line, built, against a real PostgreSQL and Redis and the DynamoDB
+//! emulator (`IDEM_DYNAMODB_URL`, default `http://127.0.0.1:8000`): the newcomer's 3 a.m. —
 //! a body with a five-minute lease, its process SIGKILLed mid-body; `idem list` shows the
 //! holder silent (its process exited), `idem release` frees the key, the retry runs at
 //! once, and no effect happens beyond the killed body's and the retry's. The same against a
@@ -14,7 +15,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_runtime::{Error, Operation, Outcome, PostgresStore, RedisStore, Store};
+use idem_runtime::{DynamoDbStore, Error, Operation, Outcome, PostgresStore, RedisStore, Store};
 use serde_json::Value;
 
 /// Tells the child test what to run, and where.
@@ -30,6 +31,13 @@ fn url() -> String {
 fn redis_url() -> String {
     std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
 }
+
+fn dynamodb_url() -> String {
+    std::env::var("IDEM_DYNAMODB_URL").unwrap_or_else(|_| "http://127.0.0.1:8000".into())
+}
+
+/// The credentials the emulator takes, given to the child service and to `idem` alike.
+const AWS_KEY: (&str, &str) = ("idem-cli", "idem-cli-secret");
 
 /// A store, or `None` (skipped) when its server is unreachable and not required.
 fn available<S>(what: &str, store: Result<S, Error>) -> Option<S> {
@@ -58,12 +66,33 @@ async fn redis_store(prefix: &str) -> Option<RedisStore> {
     available("redis", store.and_then(|store| store.with_prefix(prefix)))
 }
 
-/// Where a test's records are: a table of its own in PostgreSQL, or a key prefix of its
-/// own in Redis.
+/// A client of the emulator, over plain HTTP, with the credentials `idem` is given.
+fn dynamodb_client() -> aws_sdk_dynamodb::Client {
+    use aws_sdk_dynamodb::config::{BehaviorVersion, Credentials, Region};
+    let config = aws_sdk_dynamodb::Config::builder()
+        .behavior_version(BehaviorVersion::latest())
+        .region(Region::new("us-east-1"))
+        .endpoint_url(dynamodb_url())
+        .credentials_provider(Credentials::new(AWS_KEY.0, AWS_KEY.1, None, None, "test"))
+        .http_client(aws_smithy_http_client::Builder::new().build_http())
+        .build();
+    aws_sdk_dynamodb::Client::from_conf(config)
+}
+
+/// A DynamoDB store on `table`, made when missing, or `None` (skipped).
+async fn dynamodb_store(table: &str) -> Option<DynamoDbStore> {
+    let store = DynamoDbStore::new(dynamodb_client(), table);
+    let made = store.migrate().await.map(|()| store);
+    available("the dynamodb emulator", made)
+}
+
+/// Where a test's records are: a table of its own in PostgreSQL or DynamoDB, or a key
+/// prefix of its own in Redis.
 #[derive(Clone, Debug)]
 enum Place {
     Table(String),
     Prefix(String),
+    Dynamo(String),
 }
 
 impl Place {
@@ -72,6 +101,10 @@ impl Place {
         match self {
             Self::Table(table) => format!("{}?table={table}", url()),
             Self::Prefix(prefix) => format!("{}/?prefix={prefix}", redis_url()),
+            Self::Dynamo(table) => format!(
+                "dynamodb:?table={table}&region=us-east-1&endpoint={}",
+                dynamodb_url()
+            ),
         }
     }
 
@@ -80,6 +113,7 @@ impl Place {
         match self {
             Self::Table(table) => format!("table:{table}"),
             Self::Prefix(prefix) => format!("prefix:{prefix}"),
+            Self::Dynamo(table) => format!("dynamodb:{table}"),
         }
     }
 }
@@ -112,6 +146,9 @@ fn child_service() {
         match spec.split_once(':') {
             Some(("table", table)) => serve(store(table).await.unwrap(), &effects).await,
             Some(("prefix", prefix)) => serve(redis_store(prefix).await.unwrap(), &effects).await,
+            Some(("dynamodb", table)) => {
+                serve(DynamoDbStore::new(dynamodb_client(), table), &effects).await
+            }
             _ => panic!("a child told to serve {spec:?}"),
         }
     });
@@ -139,6 +176,9 @@ fn idem(place: &Place, args: &[&str]) -> Output {
         .arg("--store")
         .arg(place.url())
         .args(args)
+        .env("AWS_ACCESS_KEY_ID", AWS_KEY.0)
+        .env("AWS_SECRET_ACCESS_KEY", AWS_KEY.1)
+        .env_remove("AWS_SESSION_TOKEN")
         .stdin(Stdio::null())
         .output()
         .unwrap()
@@ -189,6 +229,22 @@ async fn a_killed_holder_on_redis_is_seen_released_and_retried_at_once() {
         return;
     };
     killed_holder(&store, &Place::Prefix(prefix), &effects).await;
+}
+
+/// The same on DynamoDB, by table, region and endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_holder_on_dynamodb_is_seen_released_and_retried_at_once() {
+    let (table, effects) = fresh("killed_dynamodb");
+    let Some(store) = dynamodb_store(&table).await else {
+        return;
+    };
+    killed_holder(&store, &Place::Dynamo(table.clone()), &effects).await;
+    dynamodb_client()
+        .delete_table()
+        .table_name(&table)
+        .send()
+        .await
+        .unwrap();
 }
 
 /// The newcomer's scenario on `store`, which `place` names to `idem`.

@@ -218,11 +218,8 @@ where
 
 /// 250 records, pages of 100: every key once, in key order, and a last page that says so.
 async fn paging<S: Store + Admin + Clone>(store: S, prefix: &str) {
-    let (seen, pages) = paged(store, prefix).await;
+    let (_, pages) = paged(store, prefix).await;
     assert_eq!(pages, 3);
-    let mut sorted = seen.clone();
-    sorted.sort();
-    assert_eq!(seen, sorted, "in key order");
 }
 
 /// 250 records listed in pages of at most 100 until `next` is `None`: every key once, in
@@ -232,7 +229,7 @@ async fn paged<S: Store + Admin + Clone>(
     prefix: &str,
 ) -> (Vec<idem_runtime::Key>, usize) {
     let keys = recorded(&store, prefix, 250).await;
-    listed(&store, prefix, 100, keys).await
+    listed(&store, prefix, 100, keys, Order::Keys).await
 }
 
 /// `n` completed calls in `<prefix>.paged`: their keys, sorted.
@@ -251,12 +248,26 @@ async fn recorded<S: Store + Clone>(store: &S, prefix: &str, n: u32) -> Vec<idem
     keys
 }
 
-/// `<prefix>.paged` listed in pages of at most `limit`: exactly `keys`, each once.
+/// The order a store lists in, and what it promises of it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Order {
+    /// In key order, each record once (memory, the SQL stores).
+    Keys,
+    /// In the store's own order, each record once (DynamoDB's `Scan`).
+    Once,
+    /// In `SCAN`'s order, each record at least once: a key may come twice while the server
+    /// rehashes its keyspace (Redis; written by every other test on the shared server).
+    AtLeastOnce,
+}
+
+/// `<prefix>.paged` listed in pages of at most `limit`: exactly `keys` (each once unless
+/// `order` allows twice).
 async fn listed<S: Admin>(
     store: &S,
     prefix: &str,
     limit: usize,
     keys: Vec<idem_runtime::Key>,
+    order: Order,
 ) -> (Vec<idem_runtime::Key>, usize) {
     let filter = Filter::namespace(format!("{prefix}.paged")).limit(limit);
     let mut seen = Vec::new();
@@ -274,7 +285,13 @@ async fn listed<S: Admin>(
     }
     let mut sorted = seen.clone();
     sorted.sort();
+    if order == Order::AtLeastOnce {
+        sorted.dedup();
+    }
     assert_eq!(sorted, keys, "every key once");
+    if order == Order::Keys {
+        assert_eq!(seen, sorted, "in key order");
+    }
     (seen, pages)
 }
 
@@ -316,13 +333,14 @@ async fn redis_is_operated_safely() {
         return;
     };
     operations(store.clone(), &namespace("admin.redis")).await;
-    // In SCAN's order, every key once; at most 8 SCAN steps a page, so a page may be short.
+    // In SCAN's order, every key (at least once); at most 8 SCAN steps a page, so a page
+    // may be short.
     let prefix = namespace("admin.redis");
     let keys = recorded(&store, &prefix, 250).await;
-    let (_, pages) = listed(&store, &prefix, 100, keys.clone()).await;
+    let (_, pages) = listed(&store, &prefix, 100, keys.clone(), Order::AtLeastOnce).await;
     assert!(pages >= 3, "{pages} pages of at most 100 for 250 records");
     // Pages that end within a SCAN step: the next one starts there, skipping what was shown.
-    let (_, pages) = listed(&store, &prefix, 7, keys).await;
+    let (_, pages) = listed(&store, &prefix, 7, keys, Order::AtLeastOnce).await;
     assert!(pages >= 36, "{pages} pages of at most 7 for 250 records");
 }
 
@@ -336,8 +354,8 @@ async fn dynamodb_is_operated_safely() {
     let prefix = namespace("admin.dynamodb");
     operations(store.clone(), &prefix).await;
     let keys = recorded(&store, &prefix, 250).await;
-    listed(&store, &prefix, 100, keys.clone()).await;
-    listed(&store, &prefix, 7, keys).await;
+    listed(&store, &prefix, 100, keys.clone(), Order::Once).await;
+    listed(&store, &prefix, 7, keys, Order::Once).await;
 }
 
 /// An operator in another process (another handle, with its own registry of running
@@ -458,8 +476,131 @@ async fn a_redis_cluster_is_operated_safely() {
     let prefix = namespace("admin.cluster");
     operations(store.clone(), &prefix).await;
     let keys = recorded(&store, &prefix, 250).await;
-    listed(&store, &prefix, 100, keys.clone()).await;
-    listed(&store, &prefix, 7, keys).await;
+    listed(&store, &prefix, 100, keys.clone(), Order::AtLeastOnce).await;
+    listed(&store, &prefix, 7, keys, Order::AtLeastOnce).await;
+}
+
+/// Through a Sentinel (a private primary, its replica and a sentinel): every promise of
+/// the API on the primary the sentinel names; then the primary is killed, and the same
+/// store, never reconnected by hand, lists what the replica kept and releases a claim made
+/// before the failover on the promoted primary, never on the replica it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_sentinel_store_is_operated_on_its_primary_across_a_failover() {
+    use idem_tests::failover::until;
+    use idem_tests::sentinel::{command, fast_sync, replica_of, PrivateSentinel};
+
+    let Some(mut primary) = idem_tests::PrivateRedis::start_with_args(&fast_sync()) else {
+        return;
+    };
+    let Some(replica) = replica_of(&primary).await else {
+        return;
+    };
+    let Some(sentinel) = PrivateSentinel::start(&primary).await else {
+        return;
+    };
+    let store = idem_runtime::RedisStore::connect_sentinel([sentinel.url.as_str()], "idem")
+        .await
+        .unwrap();
+    let prefix = namespace("admin.sentinel");
+    operations(store.clone(), &prefix).await;
+
+    // A claim another process holds, and a completed call, both on the replica before the
+    // primary dies.
+    let op = Operation::new(format!("{prefix}.failover")).lease(Duration::from_secs(300));
+    let (held, done) = (op.key(&1_u32).unwrap(), op.key(&2_u32).unwrap());
+    let Claim::Acquired { token } = store
+        .claim_as(
+            &held,
+            None,
+            Duration::from_secs(300),
+            7,
+            &Claimant::new(op.namespace()),
+        )
+        .await
+        .unwrap()
+    else {
+        panic!("a fresh key is claimed");
+    };
+    let _ = op
+        .run(&store, &done, None, async { Ok::<_, Error>(2_u32) })
+        .await
+        .unwrap();
+    let acknowledged = command(&primary.url, redis::cmd("WAIT").arg(1).arg(5_000)).await;
+    assert_eq!(
+        acknowledged,
+        Ok(redis::Value::Int(1)),
+        "the replica has both"
+    );
+
+    primary.kill();
+    let master = sentinel.url.clone();
+    until("the sentinel's promotion of the replica", || {
+        let (master, port) = (master.clone(), replica.port.to_string());
+        async move {
+            let found = command(
+                &master,
+                redis::cmd("SENTINEL")
+                    .arg("get-master-addr-by-name")
+                    .arg("idem"),
+            )
+            .await;
+            matches!(found, Ok(redis::Value::Array(addr)) if addr.get(1) == Some(&redis::Value::BulkString(port.into_bytes())))
+        }
+    })
+    .await;
+
+    // The listing reaches the promoted primary (the store follows the sentinel; while it
+    // settles, an operation fails, never answers from a server that is not the primary).
+    let filter = Filter::namespace(format!("{prefix}.failover"));
+    let started = Instant::now();
+    let entries = loop {
+        match store.list(&filter, None).await {
+            Ok(page) if page.next().is_none() => break page.entries().to_vec(),
+            Ok(page) => panic!("two records on one page: {:?}", page.next()),
+            Err(why) if started.elapsed() < Duration::from_secs(30) => {
+                eprintln!("retrying after: {why}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(other) => panic!("{other:?}"),
+        }
+    };
+    let states = |key: &idem_runtime::Key| {
+        entries
+            .iter()
+            .filter(|e| e.key() == key)
+            .map(|e| e.state())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(states(&held), [State::Held], "{entries:?}");
+    assert_eq!(states(&done), [State::Completed], "{entries:?}");
+    // Renewed just now, by a holder whose process lives: refused unless forced.
+    assert!(matches!(
+        Admin::release(&store, &held, token, Release::IfSilent)
+            .await
+            .unwrap(),
+        Verdict::Refused(Refusal::Live { .. })
+    ));
+    assert_eq!(
+        Admin::release(&store, &held, token, Release::Force)
+            .await
+            .unwrap(),
+        Verdict::Done
+    );
+    // Written on the promoted primary: the next call runs at once and records.
+    let ran = op
+        .clone()
+        .wait(Duration::ZERO)
+        .run(&store, &held, None, async { Ok::<_, Error>(1_u32) })
+        .await
+        .unwrap();
+    assert_eq!(ran, Outcome::Executed(1));
+    assert_eq!(
+        Admin::reset(&store, &done, Release::IfSilent)
+            .await
+            .unwrap(),
+        Verdict::Done
+    );
+    assert!(store.inspect(&done).await.unwrap().is_none(), "forgotten");
 }
 
 /// A fresh SQLite file of its own.
@@ -608,8 +749,47 @@ async fn an_earlier_table_is_upgraded_in_place_on_postgres() {
     idem_tests::drop_store_objects(&pool, &table).await;
 }
 
-/// 100 000 records: listed in pages of 1 000, every record once, each page within the
-/// bound.
+/// How many records the large listings hold.
+const MANY: usize = 100_000;
+
+/// The `MANY` completed records of `namespace` on `store`, listed in pages of 1 000 until
+/// `next` is `None`: each page within the bound, every record of the namespace and no
+/// other, as often and in the order `order` says. How many pages it took.
+async fn many_listed<S: Admin>(store: &S, namespace: &str, order: Order) -> usize {
+    let filter = Filter::namespace(namespace).limit(1_000);
+    let (mut listed, mut pages, mut cursor) = (0_usize, 0_usize, None);
+    let mut keys = std::collections::HashSet::with_capacity(MANY);
+    let mut last = None;
+    loop {
+        let page = store.list(&filter, cursor.as_ref()).await.unwrap();
+        assert!(page.entries().len() <= 1_000);
+        for entry in page.entries() {
+            assert_eq!(entry.namespace(), Some(namespace));
+            assert_eq!(entry.state(), State::Completed);
+            assert!(entry.value().is_none(), "no value unless asked for");
+            if order == Order::Keys {
+                assert!(
+                    last.is_none_or(|last| last < *entry.key()),
+                    "in key order, once"
+                );
+                last = Some(*entry.key());
+            }
+            keys.insert(*entry.key());
+        }
+        listed += page.entries().len();
+        pages += 1;
+        match page.next() {
+            Some(next) => cursor = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!(keys.len(), MANY, "every record ({listed} listed)");
+    if order != Order::AtLeastOnce {
+        assert_eq!(listed, MANY, "each once");
+    }
+    pages
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_listing_of_100_000_records_stays_paged_on_postgres() {
     let Some(shared) = idem_tests::postgres_store().await else {
@@ -625,35 +805,213 @@ async fn a_listing_of_100_000_records_stays_paged_on_postgres() {
         "INSERT INTO {table} (key, token, completed, value, expires_at, namespace, lease_ms) \
          SELECT sha256(n::text::bytea), n, true, decode('7631', 'hex'), now() + interval '1 hour', \
             'admin.many', 1000 \
-         FROM generate_series(1, 100000) AS n"
+         FROM generate_series(1, {MANY}) AS n"
     ))
     .execute(&pool)
     .await
     .unwrap();
-    let filter = Filter::namespace("admin.many").limit(1_000);
-    let (mut seen, mut pages, mut cursor) = (0_usize, 0_usize, None);
-    let mut last = None;
-    loop {
-        let page = store.list(&filter, cursor.as_ref()).await.unwrap();
-        assert!(page.entries().len() <= 1_000);
-        for entry in page.entries() {
-            assert!(
-                last.is_none_or(|last| last < *entry.key()),
-                "in key order, once"
-            );
-            last = Some(*entry.key());
-        }
-        seen += page.entries().len();
-        pages += 1;
-        match page.next() {
-            Some(next) => cursor = Some(next),
-            None => break,
-        }
-    }
-    assert_eq!(seen, 100_000);
-    assert_eq!(pages, 100);
+    assert_eq!(many_listed(&store, "admin.many", Order::Keys).await, 100);
     assert_eq!(store.purge().await.unwrap(), 0, "nothing expired");
     idem_tests::drop_store_objects(&pool, &table).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_of_100_000_records_stays_paged_on_mysql() {
+    let Some(shared) = idem_tests::mysql_store().await else {
+        return;
+    };
+    let pool = shared.pool().clone();
+    let table = format!("admin_many_{}", std::process::id());
+    let store = idem_runtime::MySqlStore::from_pool(pool.clone())
+        .with_table(&table)
+        .unwrap();
+    store.migrate().await.unwrap();
+    // 10^5 numbers from five digits, without a recursion limit to raise.
+    let digits = "(SELECT 0 d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 \
+        UNION ALL SELECT 4 UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 \
+        UNION ALL SELECT 8 UNION ALL SELECT 9)";
+    sqlx::raw_sql(&format!(
+        "INSERT INTO {table} (`key`, completed, value, expires_at, namespace, lease_ms) \
+         SELECT UNHEX(SHA2(a.d + 10 * b.d + 100 * c.d + 1000 * e.d + 10000 * f.d, 256)), 1, \
+            X'7631', UNIX_TIMESTAMP() * 1000 + 3600000, 'admin.many', 1000 \
+         FROM {digits} a, {digits} b, {digits} c, {digits} e, {digits} f"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_eq!(many_listed(&store, "admin.many", Order::Keys).await, 100);
+    assert_eq!(store.purge().await.unwrap(), 0, "nothing expired");
+    sqlx::raw_sql(&format!("DROP TABLE {table}"))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_of_100_000_records_stays_paged_on_sqlite() {
+    let store = sqlite_store("many").await;
+    sqlx::raw_sql(&format!(
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < {MANY}) \
+         INSERT INTO idem_records (key, token, completed, value, expires_at, namespace, lease_ms) \
+         SELECT randomblob(32), i, 1, X'7631', \
+            CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER) + 3600000, 'admin.many', 1000 \
+         FROM n"
+    ))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(many_listed(&store, "admin.many", Order::Keys).await, 100);
+    assert_eq!(store.purge().await.unwrap(), 0, "nothing expired");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_of_100_000_records_stays_paged_in_memory() {
+    let store = MemoryStore::builder().capacity(MANY as u64).build();
+    let op = Operation::new("admin.many");
+    for n in 0..MANY as u32 {
+        let key = op.key(&n).unwrap();
+        let _ = op
+            .run(&store, &key, None, async { Ok::<_, Error>(1_u8) })
+            .await
+            .unwrap();
+    }
+    assert_eq!(many_listed(&store, "admin.many", Order::Keys).await, 100);
+}
+
+/// On Redis the records are copies of one the store wrote (a completed record and its
+/// `about`), under keys of their own, written a thousand to a pipeline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_of_100_000_records_stays_paged_on_redis() {
+    let prefix = format!("{}:", namespace("admin.many"));
+    let Some(store) = idem_tests::redis_store().await else {
+        return;
+    };
+    let store = store.with_prefix(&prefix).unwrap();
+    let op = Operation::new("admin.many");
+    let first = op.key(&0_u32).unwrap();
+    let _ = op
+        .run(&store, &first, None, async { Ok::<_, Error>(1_u8) })
+        .await
+        .unwrap();
+    let client = redis::Client::open(idem_tests::redis_url()).unwrap();
+    let mut redis = client.get_multiplexed_async_connection().await.unwrap();
+    let name = |key: &idem_runtime::Key| format!("{prefix}{{{}}}", key.to_hex());
+    let (record, about): (Vec<u8>, Vec<u8>) = redis::pipe()
+        .get(name(&first))
+        .get(format!("{}:about", name(&first)))
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    for chunk in (1..MANY as u32).collect::<Vec<_>>().chunks(1_000) {
+        let mut pipe = redis::pipe();
+        for n in chunk {
+            let key = op.key(n).unwrap();
+            pipe.set_ex(name(&key), &record, 3_600)
+                .ignore()
+                .set_ex(format!("{}:about", name(&key)), &about, 3_600)
+                .ignore();
+        }
+        let () = pipe.query_async(&mut redis).await.unwrap();
+    }
+    let pages = many_listed(&store, "admin.many", Order::AtLeastOnce).await;
+    assert!(pages >= 100, "{pages} pages of at most 1 000");
+    // The test's keys go with it (no KEYS on a shared server: a script of SCAN steps).
+    let pattern = format!("{prefix}*");
+    let mut cursor = 0_u64;
+    loop {
+        let (next, found): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(1_000)
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+        if !found.is_empty() {
+            let () = redis::cmd("UNLINK")
+                .arg(&found)
+                .query_async(&mut redis)
+                .await
+                .unwrap();
+        }
+        if next == 0 {
+            break;
+        }
+        cursor = next;
+    }
+}
+
+/// On DynamoDB the records are copies of one item the store wrote, under ids of their own,
+/// in a table of the test's own, written 25 to a `BatchWriteItem`, 16 batches at a time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_of_100_000_records_stays_paged_on_dynamodb() {
+    use aws_sdk_dynamodb::types::{AttributeValue, PutRequest, WriteRequest};
+
+    let Some(url) = idem_tests::dynamodb_endpoint().await else {
+        return;
+    };
+    let client = idem_tests::dynamodb_client(&url);
+    let table = format!("admin_many_{}", std::process::id());
+    let store = idem_runtime::DynamoDbStore::new(client.clone(), table.as_str());
+    store.migrate().await.unwrap();
+    let op = Operation::new("admin.many");
+    let first = op.key(&0_u32).unwrap();
+    let _ = op
+        .run(&store, &first, None, async { Ok::<_, Error>(1_u8) })
+        .await
+        .unwrap();
+    let item = client
+        .get_item()
+        .table_name(&table)
+        .key("id", AttributeValue::S(first.to_hex()))
+        .consistent_read(true)
+        .send()
+        .await
+        .unwrap()
+        .item
+        .expect("the record the store wrote");
+    let requests: Vec<WriteRequest> = (1..MANY as u32)
+        .map(|n| {
+            let mut copy = item.clone();
+            copy.insert("id".into(), AttributeValue::S(op.key(&n).unwrap().to_hex()));
+            let put = PutRequest::builder().set_item(Some(copy)).build().unwrap();
+            WriteRequest::builder().put_request(put).build()
+        })
+        .collect();
+    let mut batches = tokio::task::JoinSet::new();
+    for batch in requests.chunks(25) {
+        if batches.len() == 16 {
+            batches.join_next().await.unwrap().unwrap();
+        }
+        let (client, table, mut batch) = (client.clone(), table.clone(), batch.to_vec());
+        batches.spawn(async move {
+            // What a batch leaves unprocessed is sent again.
+            while !batch.is_empty() {
+                let written = client
+                    .batch_write_item()
+                    .request_items(&table, batch)
+                    .send()
+                    .await
+                    .unwrap();
+                batch = written
+                    .unprocessed_items
+                    .and_then(|mut left| left.remove(&table))
+                    .unwrap_or_default();
+            }
+        });
+    }
+    while let Some(done) = batches.join_next().await {
+        done.unwrap();
+    }
+    let pages = many_listed(&store, "admin.many", Order::Once).await;
+    assert!(pages >= 100, "{pages} pages of at most 1 000");
+    client
+        .delete_table()
+        .table_name(&table)
+        .send()
+        .await
+        .unwrap();
 }
 
 /// `wait = "2s"` beside a holder of a five-minute lease: `InProgress` after the two

@@ -14,6 +14,7 @@ mod mariadb_server;
 pub mod netns;
 mod probe;
 pub mod scenarios;
+pub mod sentinel;
 mod servers;
 
 pub use child::Child;

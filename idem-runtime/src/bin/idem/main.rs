@@ -4,6 +4,7 @@
 //! idem --store postgres://u@h/db list --namespace billing. --state held
 //! idem --store postgres://u@h/db show billing.charge.v1 '[17, "ada"]'
 //! idem --store postgres://u@h/db release billing.charge.v1 '[17, "ada"]' --token 42
+//! idem --store 'dynamodb:?table=idem&region=eu-west-1' list --state held
 //! idem key billing.charge.v1 '[17, "ada"]'
 //! ```
 //!
@@ -53,7 +54,9 @@ struct Cli {
     /// The store's URL: postgres://…, mysql://…, sqlite:PATH (a table other than
     /// `idem_records` as `?table=NAME`); redis://…, redis+cluster://HOST:PORT,… or
     /// redis+sentinel://HOST:PORT,…/MASTER (a key prefix other than `idem:` as
-    /// `?prefix=PREFIX`).
+    /// `?prefix=PREFIX`); dynamodb:?table=NAME&region=REGION&endpoint=URL (each optional:
+    /// `idem_records`, AWS_REGION, AWS's endpoint; credentials from AWS_ACCESS_KEY_ID,
+    /// AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN).
     #[arg(long, env = "IDEM_STORE", global = true)]
     store: Option<String>,
     /// Prints JSON for scripts instead of a table for people.

@@ -1,7 +1,7 @@
 //! A store, by its URL.
 
 use idem_runtime::admin::Admin;
-use idem_runtime::{MySqlStore, PostgresStore, RedisStore, SqliteStore};
+use idem_runtime::{DynamoDbStore, MySqlStore, PostgresStore, RedisStore, SqliteStore};
 
 use crate::{failure, Failure};
 
@@ -47,11 +47,9 @@ pub(crate) async fn open(url: &str) -> Result<Box<dyn Admin>, Failure> {
                 None => store,
             }))
         }
-        "dynamodb" => Err(failure(
-            "DynamoDB stores cannot be operated from the command line yet: use idem_runtime::admin from a program on the other stores",
-        )),
+        "dynamodb" => Ok(Box::new(dynamodb(&url, table)?)),
         _ => Err(failure(format!(
-            "unknown store URL {url:?}: use postgres://…, mysql://…, sqlite:PATH, redis://…, redis+cluster://HOST:PORT,… or redis+sentinel://HOST:PORT,…/MASTER"
+            "unknown store URL {url:?}: use postgres://…, mysql://…, sqlite:PATH, redis://…, redis+cluster://HOST:PORT,…, redis+sentinel://HOST:PORT,…/MASTER or dynamodb:"
         ))),
     }
 }
@@ -84,6 +82,57 @@ async fn redis(url: &str, scheme: &str) -> Result<RedisStore, Failure> {
         }
         _ => RedisStore::connect(url).await?,
     })
+}
+
+/// The table a DynamoDB URL names none: the SQL stores' default name.
+const DYNAMODB_TABLE: &str = "idem_records";
+
+/// A DynamoDB store: `dynamodb:` (or `dynamodb://`) with `?table=` (default
+/// `idem_records`), `?region=` (default `AWS_REGION`, then `AWS_DEFAULT_REGION`) and
+/// `?endpoint=` (an emulator's, or a VPC endpoint's; default AWS's for the region). The
+/// credentials are the environment's: `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY` and
+/// `AWS_SESSION_TOKEN`. HTTPS with rustls and the system's roots.
+fn dynamodb(url: &str, table: Option<String>) -> Result<DynamoDbStore, Failure> {
+    use aws_sdk_dynamodb::config::{BehaviorVersion, Credentials, Region};
+
+    let (url, region) = split_param(url, "region");
+    let (url, endpoint) = split_param(&url, "endpoint");
+    let rest = url.trim_start_matches("dynamodb:").trim_start_matches("//");
+    if !rest.is_empty() {
+        return Err(failure(format!(
+            "a DynamoDB URL names its table, region and endpoint as parameters (dynamodb:?table=NAME&region=REGION&endpoint=URL), not {rest:?}"
+        )));
+    }
+    let var = |name: &str| std::env::var(name).ok().filter(|value| !value.is_empty());
+    let region = region
+        .or_else(|| var("AWS_REGION"))
+        .or_else(|| var("AWS_DEFAULT_REGION"))
+        .ok_or_else(|| failure("DynamoDB needs a region: ?region=REGION, or AWS_REGION"))?;
+    let (Some(id), Some(secret)) = (var("AWS_ACCESS_KEY_ID"), var("AWS_SECRET_ACCESS_KEY")) else {
+        return Err(failure(
+            "DynamoDB's credentials are taken from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN); \
+             from a profile or SSO: eval \"$(aws configure export-credentials --format env)\"",
+        ));
+    };
+    let credentials = Credentials::new(id, secret, var("AWS_SESSION_TOKEN"), None, "environment");
+    let http = aws_smithy_http_client::Builder::new()
+        .tls_provider(aws_smithy_http_client::tls::Provider::Rustls(
+            aws_smithy_http_client::tls::rustls_provider::CryptoMode::Ring,
+        ))
+        .build_https();
+    let mut config = aws_sdk_dynamodb::Config::builder()
+        .behavior_version(BehaviorVersion::latest())
+        .region(Region::new(region))
+        .credentials_provider(credentials)
+        .http_client(http);
+    if let Some(endpoint) = endpoint {
+        config = config.endpoint_url(endpoint);
+    }
+    let client = aws_sdk_dynamodb::Client::from_conf(config.build());
+    Ok(DynamoDbStore::new(
+        client,
+        table.as_deref().unwrap_or(DYNAMODB_TABLE),
+    ))
 }
 
 /// The URL without its parameter `name`, and the value it gives.

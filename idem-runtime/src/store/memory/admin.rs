@@ -13,14 +13,17 @@ use crate::store::Holder;
 use crate::{Error, Key, Token};
 
 impl ClaimRecord {
-    fn entry(&self, key: Key, now: Instant) -> Entry {
-        let left = self.until.saturating_duration_since(now);
-        let state = if left.is_zero() {
+    fn state(&self, now: Instant) -> State {
+        if self.until <= now {
             State::Lapsed
         } else {
             State::Held
-        };
-        Entry::new(key, state)
+        }
+    }
+
+    fn entry(&self, key: Key, now: Instant) -> Entry {
+        let left = self.until.saturating_duration_since(now);
+        Entry::new(key, self.state(now))
             .with_names(
                 self.about.namespace.as_deref().map(str::to_owned),
                 self.about.label.as_deref().map(str::to_owned),
@@ -35,10 +38,16 @@ impl ClaimRecord {
 }
 
 impl ResultRecord {
+    fn state(&self) -> State {
+        if self.kept.value[..] == *crate::codec::GONE {
+            State::Gone
+        } else {
+            State::Completed
+        }
+    }
+
     fn entry(&self, key: Key, now: Instant, value: bool) -> Entry {
-        let gone = self.kept.value[..] == *crate::codec::GONE;
-        let state = if gone { State::Gone } else { State::Completed };
-        Entry::new(key, state)
+        Entry::new(key, self.state())
             .with_names(
                 self.about.namespace.as_deref().map(str::to_owned),
                 self.about.label.as_deref().map(str::to_owned),
@@ -68,25 +77,38 @@ impl<'a> Smallest<'a> {
         }
     }
 
-    fn offer(&mut self, entry: Entry) {
-        let key = *entry.key();
-        if self.after.is_some_and(|after| key <= after)
-            || !self.filter.matches(entry.namespace(), entry.state())
+    /// Whether the page takes `key` in `state` of `namespace`: after the cursor, selected
+    /// by the filter, not taken yet, and among the smallest so far. Asked before an entry
+    /// is made, so that a walk over many records makes a page's worth of entries.
+    fn takes(&self, key: &Key, namespace: Option<&str>, state: State) -> bool {
+        !(self.after.is_some_and(|after| *key <= after)
+            || !self.filter.matches(namespace, state)
             // A key seen twice (a claim that completed while the walk went on) keeps its
             // first entry, and costs the page no other key.
-            || self.entries.contains_key(&key)
-        {
-            return;
-        }
+            || self.entries.contains_key(key)
+            || self.entries.len() > self.filter.page_size()
+                && self.entries.last_key_value().is_some_and(|(last, _)| last < key))
+    }
+
+    /// Takes `entry`, which [`takes`](Self::takes) said the page takes.
+    fn take(&mut self, entry: Entry) {
         if self.entries.len() > self.filter.page_size() {
-            match self.entries.last_key_value() {
-                Some((last, _)) if *last > key => {
-                    self.entries.pop_last();
-                }
-                _ => return,
-            }
+            self.entries.pop_last();
         }
-        self.entries.insert(key, entry);
+        self.entries.insert(*entry.key(), entry);
+    }
+
+    /// Offers `key`: its entry is made only if the page takes it.
+    fn offer(
+        &mut self,
+        key: &Key,
+        namespace: Option<&str>,
+        state: State,
+        entry: impl FnOnce() -> Entry,
+    ) {
+        if self.takes(key, namespace, state) {
+            self.take(entry());
+        }
     }
 
     fn finish(mut self) -> Page {
@@ -133,23 +155,28 @@ impl Admin for MemoryStore {
     async fn list(&self, filter: &Filter, after: Option<&Cursor>) -> Result<Page, Error> {
         let now = Instant::now();
         let mut page = Smallest::new(filter, Cursor::key_order(after)?);
-        let mut offer = |entry: Entry| page.offer(entry);
         for shard in &self.inner.claims {
             let claims = shard
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             for (key, claim) in &claims.live {
-                offer(claim.entry(*key, now));
+                let namespace = claim.about.namespace.as_deref();
+                page.offer(key, namespace, claim.state(now), || claim.entry(*key, now));
             }
         }
         for (key, result) in &self.inner.results {
-            offer(result.entry(*key, now, filter.values()));
+            let namespace = result.about.namespace.as_deref();
+            page.offer(&key, namespace, result.state(), || {
+                result.entry(*key, now, filter.values())
+            });
         }
         // Under the marks' lock, no shard's held: the marks are locked after a shard's
         // claims, never before.
+        // A mark whose result lives was offered as that result (looked up only for a key
+        // the page would take).
         for (key, _) in self.marks().live(now) {
-            if !self.inner.results.contains_key(key) {
-                offer(Entry::new(*key, State::Gone));
+            if page.takes(key, None, State::Gone) && !self.inner.results.contains_key(key) {
+                page.take(Entry::new(*key, State::Gone));
             }
         }
         Ok(page.finish())
@@ -225,8 +252,12 @@ impl Admin for MemoryStore {
 mod tests {
     use super::*;
 
-    fn entry(byte: u8) -> Entry {
-        Entry::new(Key::from_bytes([byte; 32]), State::Completed)
+    /// Offers the completed record whose key is `byte` repeated.
+    fn offer(page: &mut Smallest<'_>, byte: u8) {
+        let key = Key::from_bytes([byte; 32]);
+        page.offer(&key, None, State::Completed, || {
+            Entry::new(key, State::Completed)
+        });
     }
 
     fn keys(page: &Page) -> Vec<u8> {
@@ -241,7 +272,7 @@ mod tests {
         let filter = Filter::all().limit(2);
         let mut page = Smallest::new(&filter, Some(Key::from_bytes([1; 32])));
         for byte in [9, 1, 4, 0, 7, 3] {
-            page.offer(entry(byte));
+            offer(&mut page, byte);
         }
         let page = page.finish();
         assert_eq!(keys(&page), [3, 4]);
@@ -253,10 +284,33 @@ mod tests {
         let filter = Filter::all().limit(2);
         let mut page = Smallest::new(&filter, None);
         for byte in [1, 2, 3, 2] {
-            page.offer(entry(byte));
+            offer(&mut page, byte);
         }
         let page = page.finish();
         assert_eq!(keys(&page), [1, 2]);
         assert!(page.next().is_some(), "key 3 is still to come");
+    }
+
+    #[test]
+    fn an_entry_is_made_only_for_a_key_the_page_takes() {
+        let filter = Filter::namespace("billing.").limit(1);
+        let mut page = Smallest::new(&filter, None);
+        let mut made = Vec::new();
+        for (byte, namespace) in [
+            (5, "billing.a"),
+            (1, "orders.a"),
+            (3, "billing.b"),
+            (9, "billing.c"),
+            (4, "billing.d"),
+        ] {
+            let key = Key::from_bytes([byte; 32]);
+            page.offer(&key, Some(namespace), State::Completed, || {
+                made.push(byte);
+                Entry::new(key, State::Completed)
+            });
+        }
+        // 1 is of another namespace; 9 comes after the page's two smallest (5, then 3).
+        assert_eq!(made, [5, 3, 4]);
+        assert_eq!(keys(&page.finish()), [3]);
     }
 }
