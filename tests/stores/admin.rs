@@ -486,7 +486,6 @@ async fn a_redis_cluster_is_operated_safely() {
 /// before the failover on the promoted primary, never on the replica it was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_sentinel_store_is_operated_on_its_primary_across_a_failover() {
-    use idem_tests::failover::until;
     use idem_tests::sentinel::{command, fast_sync, replica_of, PrivateSentinel};
 
     let Some(mut primary) = idem_tests::PrivateRedis::start_with_args(&fast_sync()) else {
@@ -533,21 +532,7 @@ async fn a_redis_sentinel_store_is_operated_on_its_primary_across_a_failover() {
     );
 
     primary.kill();
-    let master = sentinel.url.clone();
-    until("the sentinel's promotion of the replica", || {
-        let (master, port) = (master.clone(), replica.port.to_string());
-        async move {
-            let found = command(
-                &master,
-                redis::cmd("SENTINEL")
-                    .arg("get-master-addr-by-name")
-                    .arg("idem"),
-            )
-            .await;
-            matches!(found, Ok(redis::Value::Array(addr)) if addr.get(1) == Some(&redis::Value::BulkString(port.into_bytes())))
-        }
-    })
-    .await;
+    sentinel.promoted(&replica).await;
 
     // The listing reaches the promoted primary (the store follows the sentinel; while it
     // settles, an operation fails, never answers from a server that is not the primary).

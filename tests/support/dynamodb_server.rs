@@ -112,12 +112,64 @@ pub async fn dynamodb_endpoint() -> Option<String> {
         })
         .await;
     match up {
-        Some(url) => Some(url.clone()),
+        Some(url) => Some(conformance(url).map_or_else(|| url.clone(), |(url, _)| url.clone())),
         None => unavailable(
             &format!("a DynamoDB endpoint at {url}"),
             "nothing answers there and `dynoxide` could not be started (`cargo install dynoxide-rs`, see CONTRIBUTING.md)",
         ),
     }
+}
+
+/// With `IDEM_DYNAMODB_CONFORMANCE=1`, the conformance proxy in front of `upstream`
+/// (seeded by `IDEM_DYNAMODB_CONFORMANCE_SEED`, 1 by default): its URL and what it did.
+/// One a process, started by the first test that asks.
+pub fn conformance(
+    upstream: &str,
+) -> Option<&'static (
+    String,
+    std::sync::Arc<crate::dynamodb_conformance::Deviations>,
+)> {
+    static PROXY: std::sync::OnceLock<
+        Option<(
+            String,
+            std::sync::Arc<crate::dynamodb_conformance::Deviations>,
+        )>,
+    > = std::sync::OnceLock::new();
+    PROXY
+        .get_or_init(|| {
+            std::env::var_os("IDEM_DYNAMODB_CONFORMANCE")
+                .filter(|on| on != "0")
+                .map(|_| {
+                    let seed = std::env::var("IDEM_DYNAMODB_CONFORMANCE_SEED")
+                        .ok()
+                        .and_then(|seed| seed.parse().ok())
+                        .unwrap_or(1);
+                    let proxy = crate::dynamodb_conformance::start(upstream.to_owned(), seed);
+                    eprintln!(
+                        "DynamoDB through the conformance proxy at {} (seed {seed})",
+                        proxy.0
+                    );
+                    proxy
+                })
+        })
+        .as_ref()
+}
+
+/// Whether the DynamoDB under test lacks `what` of AWS's documented behaviour, as
+/// `IDEM_DYNAMODB_LACKS` says (comma-separated; none by default): `atomic` (a conditional
+/// update is atomic, and one refused writes nothing: moto's are not, and up to 3 of 64
+/// concurrent claims win there) or `capacity` (`ReturnConsumedCapacity` by AWS's sizing
+/// rules: moto reports half a unit for every request). A test that needs it says so and is
+/// skipped there.
+pub fn dynamodb_lacks(what: &str) -> bool {
+    let lacks = std::env::var("IDEM_DYNAMODB_LACKS").unwrap_or_default();
+    let lacking = lacks.split(',').any(|lacked| lacked.trim() == what);
+    if lacking {
+        eprintln!(
+            "skipped: this test needs {what}, which IDEM_DYNAMODB_LACKS says this DynamoDB lacks"
+        );
+    }
+    lacking
 }
 
 /// A store on [`TABLE`] of the emulator, migrated, or `None` (skipped).

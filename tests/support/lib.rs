@@ -8,6 +8,7 @@ use idem_runtime::store::Claim;
 use idem_runtime::{async_trait, Bytes, Error, Fingerprint, Key, Store, Token};
 
 mod child;
+pub mod dynamodb_conformance;
 mod dynamodb_server;
 pub mod failover;
 mod mariadb_server;
@@ -19,7 +20,8 @@ mod servers;
 
 pub use child::Child;
 pub use dynamodb_server::{
-    dynamodb_client, dynamodb_endpoint, dynamodb_store, dynamodb_url, TABLE as DYNAMODB_TABLE,
+    conformance as dynamodb_conformance_proxy, dynamodb_client, dynamodb_endpoint, dynamodb_lacks,
+    dynamodb_store, dynamodb_url, TABLE as DYNAMODB_TABLE,
 };
 pub use mariadb_server::PrivateMariaDb;
 pub use probe::{Gate, Probe};

@@ -125,6 +125,27 @@ impl PrivateSentinel {
     }
 }
 
+impl PrivateSentinel {
+    /// Waits until the sentinel names `replica` as the primary (after its primary died).
+    pub async fn promoted(&self, replica: &PrivateRedis) {
+        let sentinel = self.url.clone();
+        until("the sentinel's promotion of the replica", || {
+            let (sentinel, port) = (sentinel.clone(), replica.port.to_string());
+            async move {
+                let found = command(
+                    &sentinel,
+                    redis::cmd("SENTINEL")
+                        .arg("get-master-addr-by-name")
+                        .arg("idem"),
+                )
+                .await;
+                matches!(found, Ok(redis::Value::Array(addr)) if addr.get(1) == Some(&redis::Value::BulkString(port.into_bytes())))
+            }
+        })
+        .await;
+    }
+}
+
 impl Drop for PrivateSentinel {
     fn drop(&mut self) {
         let _ = self.child.kill();

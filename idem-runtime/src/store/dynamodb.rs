@@ -33,6 +33,14 @@
 //! unchanged for its whole lease. The token only grows (`if_not_exists(token, :now_µs) + 1`):
 //! it is the fencing token too, and a holder that lost the key cannot write anything.
 //!
+//! # Sizes
+//!
+//! An item holds 400 KB, names and values together. A result whose encoding is over
+//! [`MAX_RESULT_BYTES`] is recorded as gone, at once: its caller gets its value, and every
+//! retry [`Error::Gone`]. A call's steps live in its item until it completes, so its steps
+//! together must fit too: a step that would not is refused ([`Error::Store`], with
+//! DynamoDB's reason), and the body is told before it goes on.
+//!
 //! # Operations
 //!
 //! [`Admin`](crate::admin::Admin) (feature `admin`) lists with a filtered, strongly
@@ -71,7 +79,7 @@ use bytes::Bytes;
 use self::expression::{Expression, COMPLETE, RECORD_STEP, RELEASE, REMOVE, RENEW};
 use self::item::{
     b, millis, n, now_ms, number, s, state, Item, State, COMPLETED, EXPIRATION, ID, IN_PROGRESS,
-    LEASE_MS, RELEASED, RELEASED_TOKEN, REMOVED, STATE, TOKEN, VERSION, WRITTEN,
+    NONCE, RELEASED, RELEASED_TOKEN, REMOVED, STATE, VERSION, WRITTEN,
 };
 use self::seen::{Held, Seen};
 use crate::store::{Claimant, Holder, Recorded};
@@ -89,6 +97,18 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long an item in progress, or one holding steps, is kept past its lease before the
 /// table may delete it: a released call's steps wait this long for its retry.
 const KEPT: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// The largest result this store records, in bytes of its encoding: an item holds 400 KB
+/// (409 600 bytes, its attributes' names and values together), and a completed item's other
+/// attributes take at most 12 KiB (a namespace and a label of at most 4 KiB each are kept;
+/// longer ones are kept as none). A larger result is recorded as gone, at once: its caller
+/// gets its value, and every retry [`Error::Gone`], never a second run and never a
+/// completion sent again for a write DynamoDB can never take.
+pub const MAX_RESULT_BYTES: usize = 409_600 - 12 * 1_024;
+
+/// The longest namespace or label an item keeps (longer: kept as none, and listed as
+/// unknown).
+const NAME_BYTES: usize = 4 * 1_024;
 
 /// How many times a claim reads the item again when it changed between the write and the
 /// read (a claim racing a completion that has just expired, say) before it gives up.
@@ -136,7 +156,8 @@ impl DynamoDbStore {
 
     /// Sets how long one operation may take, the SDK's own retries included, before it
     /// fails with [`Error::Store`] (default [`DEFAULT_TIMEOUT`]). The body never runs after
-    /// such a failure.
+    /// such a failure. A write whose reply does not come in time is read back once (within
+    /// the timeout again): a write that landed is then known to have landed.
     #[must_use]
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
@@ -195,7 +216,8 @@ impl DynamoDbStore {
             }
             None => {}
         }
-        self.client
+        let enabled = self
+            .client
             .update_time_to_live()
             .table_name(&*self.table)
             .time_to_live_specification(
@@ -206,9 +228,27 @@ impl DynamoDbStore {
                     .map_err(Error::store)?,
             )
             .send()
-            .await
-            .map_err(|err| sdk_error(&err))?;
-        Ok(())
+            .await;
+        match enabled {
+            Ok(_) => Ok(()),
+            // AWS refuses a second change of a table's TTL within an hour of the first
+            // (`ValidationException`): another process's migrate turned it on in the
+            // meantime. What the table says now is the answer, whatever the error's text.
+            // It is read a few times, a second apart: the description may lag the change.
+            Err(err) => {
+                for _ in 0..5 {
+                    if self.ttl_attribute().await?.as_deref() == Some(EXPIRATION) {
+                        return Ok(());
+                    }
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                Err(Error::store(format!(
+                    "DynamoDB refused to turn on the TTL of the table `{}` on `{EXPIRATION}` (it allows one change an hour: after turning it off, run migrate again within the hour's end): {}",
+                    self.table,
+                    DisplayErrorContext(&err)
+                )))
+            }
+        }
     }
 
     /// Waits until the table is active, and refuses one whose key is not `id`, a string,
@@ -221,8 +261,25 @@ impl DynamoDbStore {
                 .describe_table()
                 .table_name(&*self.table)
                 .send()
-                .await
-                .map_err(|err| sdk_error(&err))?;
+                .await;
+            let described = match described {
+                Ok(described) => Some(described),
+                // `DescribeTable` reads eventually consistently: just after `CreateTable` it
+                // may not find the table yet (AWS documents this).
+                Err(err)
+                    if err
+                        .as_service_error()
+                        .is_some_and(|err| err.is_resource_not_found_exception())
+                        && Instant::now() < deadline =>
+                {
+                    None
+                }
+                Err(err) => return Err(sdk_error(&err)),
+            };
+            let Some(described) = described else {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            };
             let table = described.table();
             let keys: Vec<_> = table
                 .map(|table| table.key_schema())
@@ -306,7 +363,18 @@ impl DynamoDbStore {
             ))
             .return_values(returns)
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
-        let failed = match self.within(request.send()).await? {
+        let sent = match self.within(request.send()).await {
+            Ok(sent) => sent,
+            // No reply in time, but the write may have landed all the same (a request that
+            // times out may still have succeeded): read back, once, whether it did.
+            Err(timed_out) => {
+                return match self.get(key).await {
+                    Ok(Some(item)) if number(&item, WRITTEN).ok() == Some(written) => Ok(Ok(item)),
+                    _ => Err(timed_out),
+                };
+            }
+        };
+        let failed = match sent {
             Ok(output) => return Ok(Ok(output.attributes.unwrap_or_default())),
             Err(err) => match err.as_service_error() {
                 Some(UpdateItemError::ConditionalCheckFailedException(failed)) => {
@@ -358,6 +426,40 @@ impl DynamoDbStore {
             .update(key, expression, values, ReturnValue::UpdatedNew, step)
             .await?;
         Ok(done.ok())
+    }
+
+    /// A key this process has seen held by another claim, not yet for a whole lease, is read
+    /// before a claim is written: a waiter's poll costs a consistent read (billed in read
+    /// units, by 4 KB), not a failed conditional write (billed in write units, by 1 KB).
+    /// `None`: the claim is written (the key changed, or the claim in progress is this
+    /// caller's own, under its nonce).
+    async fn read_while_held(&self, key: &Key, nonce: u64) -> Result<Option<Claim>, Error> {
+        if !self.seen.held(key) {
+            return Ok(None);
+        }
+        let item = self.get(key).await?;
+        if item
+            .as_ref()
+            .is_some_and(|item| number(item, NONCE).ok() == Some(nonce))
+        {
+            return Ok(None);
+        }
+        Ok(match state(item.as_ref())? {
+            State::InProgress { held, fingerprint }
+                if self.seen.saw(key, held, Instant::now()) < held.lease =>
+            {
+                Some(Claim::InProgress { fingerprint })
+            }
+            State::Completed {
+                value,
+                fingerprint,
+                expires_at,
+            } if expires_at > now_ms() => {
+                self.seen.forget(key);
+                Some(Claim::Completed { value, fingerprint })
+            }
+            _ => None,
+        })
     }
 
     async fn within<T>(&self, operation: impl std::future::Future<Output = T>) -> Result<T, Error> {
@@ -415,8 +517,14 @@ impl Store for DynamoDbStore {
         nonce: u64,
         claimant: &Claimant<'_>,
     ) -> Result<Claim, Error> {
-        let named = |name: Option<&str>| name.map_or(AttributeValue::Null(true), s);
+        let named = |name: Option<&str>| {
+            name.filter(|name| name.len() <= NAME_BYTES)
+                .map_or(AttributeValue::Null(true), s)
+        };
         for _ in 0..CLAIM_ROUNDS {
+            if let Some(found) = self.read_while_held(key, nonce).await? {
+                return Ok(found);
+            }
             let now = now_ms();
             let lapsed = self.seen.lapsed(key);
             let mut values = vec![
@@ -449,11 +557,7 @@ impl Store for DynamoDbStore {
                 .await?;
             let old = match claimed {
                 Ok(new) => {
-                    let held = Held {
-                        token: Token::new(number(&new, TOKEN)?),
-                        version: number(&new, VERSION)?,
-                        lease: Duration::from_millis(number(&new, LEASE_MS)?),
-                    };
+                    let held = item::acquired(&new, lease)?;
                     // This process's own claim: seen from the moment it was answered.
                     self.seen.saw(key, held, Instant::now());
                     return Ok(Claim::Acquired { token: held.token });
@@ -494,6 +598,17 @@ impl Store for DynamoDbStore {
         value: Bytes,
         ttl: Duration,
     ) -> Result<bool, Error> {
+        let value = if value.len() > MAX_RESULT_BYTES {
+            tracing::warn!(
+                outcome = "gone",
+                bytes = value.len(),
+                max_bytes = MAX_RESULT_BYTES,
+                "the result is larger than a DynamoDB item holds: its key is recorded as gone, and retries get `Error::Gone`"
+            );
+            Bytes::from_static(crate::codec::GONE)
+        } else {
+            value
+        };
         let now = now_ms();
         let values = vec![
             (":completed", s(COMPLETED)),

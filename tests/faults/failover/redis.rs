@@ -44,21 +44,7 @@ async fn a_sentinel_failover_is_followed_without_a_restart() {
 
     primary.kill();
     let killed = Instant::now();
-    let master = sentinel.url.clone();
-    until("the sentinel's promotion of the replica", || {
-        let (master, port) = (master.clone(), replica.port.to_string());
-        async move {
-            let found = command(
-                &master,
-                redis::cmd("SENTINEL")
-                    .arg("get-master-addr-by-name")
-                    .arg("idem"),
-            )
-            .await;
-            matches!(found, Ok(redis::Value::Array(addr)) if addr.get(1) == Some(&redis::Value::BulkString(port.into_bytes())))
-        }
-    })
-    .await;
+    sentinel.promoted(&replica).await;
     println!(
         "the sentinel promoted the replica {:.1?} after the kill",
         killed.elapsed()

@@ -100,6 +100,20 @@ pub(super) fn state(item: Option<&Item>) -> Result<State, Error> {
     }
 }
 
+/// The claim a claim's `UPDATED_NEW` reply says was taken, under the `lease` it asked for.
+///
+/// The reply holds the attributes the update changed: the token and the version always do
+/// (each is one more than it was). Whether an attribute set to the value it already had
+/// counts as updated is not documented (moto leaves it out), so the lease is the one the
+/// claim sent, never read back from the reply.
+pub(super) fn acquired(reply: &Item, lease: Duration) -> Result<Held, Error> {
+    Ok(Held {
+        token: Token::new(number(reply, TOKEN)?),
+        version: number(reply, VERSION)?,
+        lease: Duration::from_millis(millis(lease)),
+    })
+}
+
 pub(super) fn number(item: &Item, name: &str) -> Result<u64, Error> {
     match item.get(name) {
         Some(AttributeValue::N(digits)) => digits
@@ -192,4 +206,23 @@ pub(super) fn millis(duration: Duration) -> u64 {
 
 pub(super) fn malformed(what: &str) -> Error {
     Error::store(format!("malformed idem item in DynamoDB: {what}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reply of an update that set `lease_ms` to the value it had: AWS leaves open
+    /// whether it is in `UPDATED_NEW`, and moto leaves it out.
+    #[test]
+    fn a_claim_taken_is_read_without_the_lease_from_its_reply() {
+        let reply: Item = [(TOKEN, n(7)), (VERSION, n(3))]
+            .into_iter()
+            .map(|(name, value)| (name.to_owned(), value))
+            .collect();
+        let held = acquired(&reply, Duration::from_secs(30)).unwrap();
+        assert_eq!(held.token, Token::new(7));
+        assert_eq!(held.version, 3);
+        assert_eq!(held.lease, Duration::from_secs(30));
+    }
 }

@@ -59,6 +59,15 @@ impl Seen {
         (since.elapsed() >= held.lease).then_some(*held)
     }
 
+    /// Whether this process has seen `key` in progress, and not yet unchanged for a whole
+    /// lease: a claim of it would find it held, unless it changed since.
+    pub(super) fn held(&self, key: &Key) -> bool {
+        let claims = self.lock();
+        claims
+            .get(key)
+            .is_some_and(|(held, since)| since.elapsed() < held.lease)
+    }
+
     /// How long the claim of `key` has left, by what this process has seen of it.
     pub(super) fn left(&self, key: &Key, held: Held) -> Option<Duration> {
         let unchanged = self.saw(key, held, Instant::now());
