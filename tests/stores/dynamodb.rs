@@ -66,37 +66,10 @@ async fn four_stores_of_50_callers_on_20_keys_run_each_body_once() {
         return;
     };
     let url = dynamodb_endpoint().await.unwrap();
-    let op = Operation::new(namespace("dynamodb.four"));
-    let runs: Arc<Vec<AtomicUsize>> = Arc::new((0..20).map(|_| AtomicUsize::new(0)).collect());
-    let mut callers = Vec::new();
-    for _ in 0..4 {
-        let store = DynamoDbStore::new(dynamodb_client(&url), DYNAMODB_TABLE);
-        for caller in 0..50_u32 {
-            let (store, op, runs) = (store.clone(), op.clone(), Arc::clone(&runs));
-            let n = caller % 20;
-            callers.push(tokio::spawn(async move {
-                let key = op.key(&n).unwrap();
-                let value = op
-                    .run(&store, &key, None, async {
-                        runs[n as usize].fetch_add(1, Ordering::SeqCst);
-                        Ok::<_, Error>(n)
-                    })
-                    .await
-                    .unwrap()
-                    .into_inner();
-                (n, value)
-            }));
-        }
-    }
-    for caller in callers {
-        let (n, value) = caller.await.unwrap();
-        assert_eq!(value, n, "a caller got another key's value");
-    }
-    let ran: Vec<usize> = runs
-        .iter()
-        .map(|runs| runs.load(Ordering::SeqCst))
+    let stores = (0..4)
+        .map(|_| DynamoDbStore::new(dynamodb_client(&url), DYNAMODB_TABLE))
         .collect();
-    assert_eq!(ran, vec![1; 20], "each key's body ran once");
+    scenarios::stores_with_callers_on_keys_run_each_body_once(stores, 50, 20).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -290,9 +263,6 @@ async fn an_item_says_its_state_in_plain_attributes() {
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// How long the proxy holds a delayed reply: past the timeout of the stores that test it.
-const DELAYED: Duration = Duration::from_secs(2);
-
 /// An HTTP proxy in front of the emulator that drops a seeded share of the requests: half
 /// before forwarding them (the emulator never sees them), half after the emulator answered
 /// (it acted; the client never hears). A dropped request's connection is closed without an
@@ -310,9 +280,12 @@ struct Fates {
     drop: f64,
     /// How many of the next requests are dropped after the emulator acted, whatever the seed.
     drop_next_after: AtomicUsize,
-    /// How many of the next writes that land have their replies held past the store's
-    /// timeout ([`DELAYED`]).
-    delay_next_landed: AtomicUsize,
+    /// How many of the next writes that land lose their replies: the emulator acted, and
+    /// no answer ever comes (the store gives up after its timeout).
+    lose_next_landed: AtomicUsize,
+    /// Whether every request is held without an answer, the emulator never seeing it: a
+    /// stalled table.
+    stalled: std::sync::atomic::AtomicBool,
     /// Whether requests ask for the capacity they consume (`ReturnConsumedCapacity`, added
     /// to the request; the emulator checks no signature), and what each consumed, in order.
     capacity: std::sync::atomic::AtomicBool,
@@ -349,7 +322,8 @@ impl DroppingProxy {
             rng: Mutex::new(XorShiftRng::seed_from_u64(seed)),
             drop,
             drop_next_after: AtomicUsize::new(0),
-            delay_next_landed: AtomicUsize::new(0),
+            lose_next_landed: AtomicUsize::new(0),
+            stalled: false.into(),
             capacity: false.into(),
             consumed: Mutex::default(),
             strip_failed_items: false.into(),
@@ -401,6 +375,9 @@ impl Fates {
         self: Arc<Self>,
         request: http::Request<hyper::body::Incoming>,
     ) -> Result<http::Response<http_body_util::Full<bytes::Bytes>>, BoxError> {
+        if self.stalled.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
         let fate: f64 = self.rng.lock().unwrap().random();
         if fate < self.drop / 2.0 {
             self.dropped_before.fetch_add(1, Ordering::Relaxed);
@@ -462,11 +439,11 @@ impl Fates {
                 .is_some_and(|(_, operation)| operation == "UpdateItem");
         if landed_write
             && self
-                .delay_next_landed
+                .lose_next_landed
                 .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
                 .is_ok()
         {
-            tokio::time::sleep(DELAYED).await;
+            std::future::pending::<()>().await;
         }
         self.forwarded.fetch_add(1, Ordering::Relaxed);
         if let Some((id, operation)) = invocation {
@@ -657,29 +634,32 @@ async fn a_first_execution_is_two_requests_and_a_replay_one() {
     assert_eq!(requests(), 3, "a replay: one claim");
 }
 
-/// Replies held past the store's timeout after their writes landed (a request that times
-/// out may still have succeeded): the store reads each write back and knows it landed, so
-/// a claim is acquired, a completion recorded, and the call answered as if the replies had
-/// come; nothing runs twice.
+/// Replies lost after their writes landed (a request that times out may still have
+/// succeeded): the store reads each write back within its timeout and knows it landed, so a
+/// claim is acquired, a completion recorded, and the call answered as if the replies had
+/// come; nothing runs twice. A stalled table, where the read-back gets no answer either,
+/// fails the operation after one timeout, not two.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_write_whose_reply_came_too_late_is_read_back_and_known_to_have_landed() {
+async fn a_write_whose_reply_was_lost_is_read_back_and_known_to_have_landed() {
     let Some(_) = dynamodb_store().await else {
         return;
     };
     let proxy = DroppingProxy::start(dynamodb_endpoint().await.unwrap(), 1, 0.0).await;
-    // Well under the proxy's delay, and well over what a request takes here.
-    let store = DynamoDbStore::new(dynamodb_client(&proxy.url()), DYNAMODB_TABLE)
-        .with_timeout(Duration::from_millis(1_000));
+    // The write's reply is waited for three quarters of this, its read-back the rest: well
+    // over what a request takes here, on a busy machine too.
+    let timeout = Duration::from_secs(4);
+    let store =
+        DynamoDbStore::new(dynamodb_client(&proxy.url()), DYNAMODB_TABLE).with_timeout(timeout);
     let op = Operation::new(namespace("dynamodb.late"));
     let lease = Duration::from_secs(60);
 
     let key = op.key(&1).unwrap();
-    proxy.delay_next_landed.store(1, Ordering::SeqCst);
+    proxy.lose_next_landed.store(1, Ordering::SeqCst);
     let idem_runtime::Claim::Acquired { token } = store.claim(&key, None, lease).await.unwrap()
     else {
         panic!("a claim that landed is acquired")
     };
-    proxy.delay_next_landed.store(1, Ordering::SeqCst);
+    proxy.lose_next_landed.store(1, Ordering::SeqCst);
     assert!(
         store
             .complete(&key, token, "v".into(), lease)
@@ -692,10 +672,10 @@ async fn a_write_whose_reply_came_too_late_is_read_back_and_known_to_have_landed
         idem_runtime::Claim::Completed { value, .. } if value == "v"
     ));
 
-    // Through a call: both of its writes late, its body once, its value recorded.
+    // Through a call: both of its writes' replies lost, its body once, its value recorded.
     let runs = AtomicUsize::new(0);
     let key = op.key(&2).unwrap();
-    proxy.delay_next_landed.store(2, Ordering::SeqCst);
+    proxy.lose_next_landed.store(2, Ordering::SeqCst);
     let ran = op
         .run(&store, &key, None, async {
             runs.fetch_add(1, Ordering::SeqCst);
@@ -705,9 +685,9 @@ async fn a_write_whose_reply_came_too_late_is_read_back_and_known_to_have_landed
         .unwrap();
     assert_eq!(ran, idem_runtime::Outcome::Executed(2));
     assert_eq!(
-        proxy.delay_next_landed.load(Ordering::SeqCst),
+        proxy.lose_next_landed.load(Ordering::SeqCst),
         0,
-        "both were late"
+        "both replies were lost"
     );
     let again = op
         .run(&store, &key, None, async {
@@ -718,6 +698,18 @@ async fn a_write_whose_reply_came_too_late_is_read_back_and_known_to_have_landed
         .unwrap();
     assert_eq!(again, idem_runtime::Outcome::Replayed(2));
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // Stalled: the write and its read-back share the one timeout (with them in turn, it
+    // took two).
+    proxy.stalled.store(true, Ordering::SeqCst);
+    let started = Instant::now();
+    let stalled = store.claim(&op.key(&3).unwrap(), None, lease).await;
+    assert!(matches!(stalled, Err(Error::Store(_))), "{stalled:?}");
+    assert!(
+        started.elapsed() < timeout * 3 / 2,
+        "a stalled table answered after {:?}, its timeout {timeout:?}",
+        started.elapsed()
+    );
 }
 
 /// A duplicate in another process waits for a running call: its first claim is its one
@@ -1113,7 +1105,7 @@ async fn through_the_conformance_proxy_every_deviation_is_answered() {
     let op = Operation::new(namespace("dynamodb.conformance"));
     let lease = Duration::from_secs(60);
     // A claim sent again with its nonce (its reply lost) takes the item again under the
-    // same lease: `lease_ms` unchanged. 100 keys at once, so that the proxy's delays overlap.
+    // same lease: `lease_ms` unchanged. 100 keys at once.
     let calls = (0..100_u32).map(|n| {
         let (store, key) = (store.clone(), op.key(&n).unwrap());
         async move {

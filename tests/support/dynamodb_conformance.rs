@@ -23,9 +23,9 @@
 //!   eventually consistent query", and just after `CreateTable` "DynamoDB might return a
 //!   ResourceNotFoundException".
 //!
-//! A reply delayed past the store's timeout after its write landed is not among them: it
-//! would move the timing the suite's crash tests measure. `tests/stores/dynamodb.rs` delays
-//! replies through a proxy of its own, in a test of its own.
+//! A reply lost after its write landed is not among them: the store then waits out its
+//! timeout, which would move the timing the suite's crash tests measure.
+//! `tests/stores/dynamodb.rs` loses replies through a proxy of its own, in a test of its own.
 //!
 //! The proxy reads items of its own with the headers of the request it serves (the
 //! emulator does not check signatures). It runs on a thread and a runtime of its own, so

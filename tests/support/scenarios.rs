@@ -17,6 +17,43 @@ pub fn namespace(test: &str) -> String {
     format!("scenario.{test}.{nanos}")
 }
 
+/// `stores` (processes, in effect: each with its own connections and registry),
+/// `callers` on each spread over `keys` keys: every key's body runs exactly once, and every
+/// caller gets its own key's value.
+pub async fn stores_with_callers_on_keys_run_each_body_once<S: Store + Clone + 'static>(
+    stores: Vec<S>,
+    callers: u32,
+    keys: u32,
+) {
+    let op = Operation::new(namespace("stores_callers_keys"));
+    let runs: Arc<Vec<Runs>> = Arc::new((0..keys).map(|_| Runs::default()).collect());
+    let mut calls = Vec::new();
+    for store in &stores {
+        for caller in 0..callers {
+            let (store, op, runs) = (store.clone(), op.clone(), Arc::clone(&runs));
+            let n = caller % keys;
+            calls.push(tokio::spawn(async move {
+                let key = op.key(&n).unwrap();
+                let value = op
+                    .run(&store, &key, None, async {
+                        runs[n as usize].hit();
+                        Ok::<_, Error>(n)
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner();
+                (n, value)
+            }));
+        }
+    }
+    for call in calls {
+        let (n, value) = call.await.unwrap();
+        assert_eq!(value, n, "a caller got another key's value");
+    }
+    let ran: Vec<usize> = runs.iter().map(Runs::count).collect();
+    assert_eq!(ran, vec![1; keys as usize], "each key's body ran once");
+}
+
 /// Two stores on separate connections (two processes, in effect), 200 concurrent callers
 /// each on one key: the body runs once and all 400 get its value.
 pub async fn two_stores_200_callers_each<S: Store + Clone>(first: S, second: S) {

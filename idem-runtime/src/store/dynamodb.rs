@@ -156,8 +156,9 @@ impl DynamoDbStore {
 
     /// Sets how long one operation may take, the SDK's own retries included, before it
     /// fails with [`Error::Store`] (default [`DEFAULT_TIMEOUT`]). The body never runs after
-    /// such a failure. A write whose reply does not come in time is read back once (within
-    /// the timeout again): a write that landed is then known to have landed.
+    /// such a failure. A write whose reply has not come after three quarters of it is read
+    /// back in the rest: a write that landed is then known to have landed, and a stalled
+    /// table still fails the operation after one timeout.
     #[must_use]
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
@@ -363,12 +364,19 @@ impl DynamoDbStore {
             ))
             .return_values(returns)
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
-        let sent = match self.within(request.send()).await {
+        // The write and, if its reply is late, its read-back share one timeout: the reply is
+        // waited for three quarters of it, the read the rest, so that a stalled table fails
+        // the operation after one timeout, as every store's does.
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let sent = match self
+            .within_until(deadline - self.timeout / 4, request.send())
+            .await
+        {
             Ok(sent) => sent,
             // No reply in time, but the write may have landed all the same (a request that
             // times out may still have succeeded): read back, once, whether it did.
             Err(timed_out) => {
-                return match self.get(key).await {
+                return match self.get_until(key, deadline).await {
                     Ok(Some(item)) if number(&item, WRITTEN).ok() == Some(written) => Ok(Ok(item)),
                     _ => Err(timed_out),
                 };
@@ -397,6 +405,16 @@ impl DynamoDbStore {
 
     /// The item of `key`, read consistently (`None`: none).
     async fn get(&self, key: &Key) -> Result<Option<Item>, Error> {
+        self.get_until(key, tokio::time::Instant::now() + self.timeout)
+            .await
+    }
+
+    /// [`get`](Self::get), answered by `deadline`.
+    async fn get_until(
+        &self,
+        key: &Key,
+        deadline: tokio::time::Instant,
+    ) -> Result<Option<Item>, Error> {
         let request = self
             .client
             .get_item()
@@ -404,7 +422,7 @@ impl DynamoDbStore {
             .key(ID, s(&key.to_hex()))
             .consistent_read(true);
         let output = self
-            .within(request.send())
+            .within_until(deadline, request.send())
             .await?
             .map_err(|err| sdk_error(&err))?;
         Ok(output.item)
@@ -463,8 +481,19 @@ impl DynamoDbStore {
     }
 
     async fn within<T>(&self, operation: impl std::future::Future<Output = T>) -> Result<T, Error> {
+        self.within_until(tokio::time::Instant::now() + self.timeout, operation)
+            .await
+    }
+
+    /// `operation`'s output, or [`Error::Store`] once `deadline` passes (a part of the
+    /// store's timeout, which the message names).
+    async fn within_until<T>(
+        &self,
+        deadline: tokio::time::Instant,
+        operation: impl std::future::Future<Output = T>,
+    ) -> Result<T, Error> {
         let timeout = self.timeout;
-        tokio::time::timeout(timeout, operation)
+        tokio::time::timeout_at(deadline, operation)
             .await
             .map_err(|_| Error::store(format!("DynamoDB did not answer within {timeout:?}")))
     }

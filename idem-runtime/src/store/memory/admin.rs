@@ -171,9 +171,8 @@ impl Admin for MemoryStore {
             });
         }
         // Under the marks' lock, no shard's held: the marks are locked after a shard's
-        // claims, never before.
-        // A mark whose result lives was offered as that result (looked up only for a key
-        // the page would take).
+        // claims, never before. A mark whose result lives was offered as that result (the
+        // results are asked only for a key the page would take).
         for (key, _) in self.marks().live(now) {
             if page.takes(key, None, State::Gone) && !self.inner.results.contains_key(key) {
                 page.take(Entry::new(*key, State::Gone));
