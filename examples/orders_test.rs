@@ -7,14 +7,15 @@
 #[allow(dead_code)]
 mod orders;
 
-use std::io::{BufRead, BufReader};
+#[path = "process.rs"]
+mod process;
+
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use idem_runtime::http::client::{IdempotencyKeyMiddleware, Retry};
+use process::Service;
 use reqwest::StatusCode;
-use tokio::sync::mpsc;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "the orders service, started (and killed) by a_kill_before_the_commit_leaves_nothing_and_the_retry_runs_once"]
@@ -28,54 +29,13 @@ fn url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
-/// The service in a process of its own, its stdout's lines on a channel; killed on drop.
-struct Service {
-    child: Child,
-    lines: mpsc::UnboundedReceiver<String>,
-}
-
-impl Service {
-    fn start(addr: SocketAddr, stall: bool) -> Self {
-        let mut command = Command::new(std::env::current_exe().unwrap());
-        command
-            .args(["--ignored", "--exact", "orders_service", "--nocapture"])
-            .env("IDEM_ORDERS_ADDR", addr.to_string())
-            .stdout(Stdio::piped());
-        if stall {
-            command.env("IDEM_ORDERS_STALL", "1");
-        }
-        let mut child = command.spawn().unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let (send, lines) = mpsc::unbounded_channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = send.send(line);
-            }
-        });
-        Self { child, lines }
+/// The orders service on `addr`, stalling before its commit if `stall`.
+fn start(addr: SocketAddr, stall: bool) -> Service {
+    let mut env = vec![("IDEM_ORDERS_ADDR", addr.to_string())];
+    if stall {
+        env.push(("IDEM_ORDERS_STALL", "1".to_string()));
     }
-
-    /// Waits for a line that starts with `what` (bounded: a minute).
-    async fn said(&mut self, what: &str) {
-        let wait = async {
-            while let Some(line) = self.lines.recv().await {
-                if line.starts_with(what) {
-                    return;
-                }
-            }
-            panic!("the service ended before it said {what:?}");
-        };
-        tokio::time::timeout(Duration::from_secs(60), wait)
-            .await
-            .unwrap_or_else(|_| panic!("the service never said {what:?}"));
-    }
-}
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    Service::start("orders_service", &env)
 }
 
 async fn rows(pool: &sqlx::PgPool, sku: &str) -> i64 {
@@ -99,12 +59,7 @@ async fn a_kill_before_the_commit_leaves_nothing_and_the_retry_runs_once() {
             return;
         }
     };
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let addr = process::free_addr();
     let endpoint = format!("http://{addr}/orders");
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -117,7 +72,7 @@ async fn a_kill_before_the_commit_leaves_nothing_and_the_retry_runs_once() {
     };
 
     // The first request stalls after its write, uncommitted, and the service is killed.
-    let mut service = Service::start(addr, true);
+    let mut service = start(addr, true);
     service.said("listening").await;
     let retrying = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
         .with(
@@ -149,7 +104,7 @@ async fn a_kill_before_the_commit_leaves_nothing_and_the_retry_runs_once() {
         0,
         "the killed transaction left nothing"
     );
-    let mut service = Service::start(addr, false);
+    let mut service = start(addr, false);
     service.said("listening").await;
     let first = first
         .await

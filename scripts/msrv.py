@@ -16,6 +16,8 @@ FEATURE_SETS = {
     "http": ["http"],
     "testkit": ["testkit"],
     "metrics": ["metrics"],
+    "lapin": ["lapin"],
+    "nats": ["nats"],
     "cli": ["cli"],
     "all features": None,
 }

@@ -40,6 +40,31 @@
 //! | the store fails after the handler answered | the response once it is recorded, retried at most the store's timeout; past that the handler's response, marked `Idempotent-Unrecorded: true` (see [unrecorded](#unrecorded)) |
 //! | the client disconnects while the handler runs | the handler runs to the end and its response is recorded: the retry replays it |
 //!
+//! # Keys where the client puts them
+//!
+//! The key is the `Idempotency-Key` header unless [`key_from`](IdempotencyLayer::key_from)
+//! names another source ([`KeyFrom`]): a header, several headers together, a member of the
+//! JSON body (`KeyFrom::json("/id")`), or a function of the request. Problems then name that
+//! source ("the key in the body's `/id` was used before with a different … body"), never a
+//! header the client did not send.
+//!
+//! # Webhooks
+//!
+//! [`IdempotencyLayer::webhook`] with a [`Webhook`] preset (Stripe, GitHub, Shopify, Standard
+//! Webhooks) is a receiver in one line: the sender's signature is checked before anything is
+//! claimed (`401` [signature-invalid](#signature-invalid) otherwise), the key is where the
+//! sender puts it, the record outlives the sender's retries, and a duplicate delivery is
+//! answered `2xx`.
+//!
+//! ```
+//! use idem_runtime::http::{IdempotencyLayer, Webhook};
+//! use idem_runtime::MemoryStore;
+//!
+//! let stripe = IdempotencyLayer::webhook(MemoryStore::new(), Webhook::stripe("whsec_…"));
+//! // axum: Router::new().route("/webhooks/stripe", post(credit)).layer(stripe)
+//! # let _ = stripe;
+//! ```
+//!
 //! The key is (namespace, scope, header value), hashed like every idem key. The fingerprint
 //! is (method, path and query, body), a JSON body (`application/json` or `+json`) by its
 //! meaning: member order and whitespace do not change it, and numbers count by their exact
@@ -63,6 +88,11 @@
 //! ## key-malformed
 //! `400`: the header is empty, longer than 255 characters, repeated, or neither a quoted
 //! string nor a bare token.
+//!
+//! ## signature-invalid
+//! `401`: a [`webhook`](IdempotencyLayer::webhook) layer's request whose signature is
+//! missing, malformed, outside the sender's time tolerance, or not the sender's for this
+//! body. Nothing was claimed or recorded, so the real delivery, when it comes, runs.
 //!
 //! ## principal-unknown
 //! `401`: the request carries a key, but the key scope cannot name whose request it is (no
@@ -128,6 +158,7 @@ pub mod client;
 mod config;
 mod fingerprint;
 mod header;
+mod key_from;
 mod layer;
 #[cfg(feature = "axum")]
 mod outcome;
@@ -136,10 +167,12 @@ mod problem;
 mod rate_limit;
 mod record;
 mod service;
+mod webhook;
 
 pub use self::body::ResponseBody;
 pub use self::config::{KeyScope, ScopeNotChosen, ScopeOf, ScopedBy, Unrecorded, Unscoped};
 pub use self::header::{IdempotencyKey, IDEMPOTENCY_KEY, MAX_KEY_LEN};
+pub use self::key_from::KeyFrom;
 pub use self::layer::{IdempotencyLayer, DEFAULT_MAX_BODY, DEFAULT_NAMESPACE};
 pub use self::problem::problem;
 #[cfg(feature = "governor")]
@@ -147,3 +180,4 @@ pub use self::problem::problem;
 pub use self::rate_limit::{RateLimit, DEFAULT_RATE_LIMIT_BYTES, LIMITER_BYTES};
 pub use self::record::{IDEMPOTENT_REPLAYED, IDEMPOTENT_UNRECORDED};
 pub use self::service::{IdempotencyService, ResponseFuture};
+pub use self::webhook::Webhook;

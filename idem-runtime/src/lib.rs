@@ -64,6 +64,7 @@ pub mod __private {
 pub mod admin;
 mod background;
 mod codec;
+pub mod consumer;
 mod default_store;
 mod engine;
 mod error;

@@ -11,6 +11,8 @@ use http::request::Parts;
 use http::{Method, StatusCode};
 
 use super::fingerprint::Memo;
+use super::key_from::KeyFrom;
+use super::webhook::Webhook;
 use crate::{Error, Fingerprint, Key, Operation};
 
 pub(super) type RecordIf = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
@@ -54,6 +56,10 @@ pub(super) struct Config<St, Sc> {
     pub(super) fingerprint: FingerprintFn,
     pub(super) retry_after: Duration,
     pub(super) unknown_principal: UnknownPrincipal,
+    /// Where a request carries its key.
+    pub(super) key_from: KeyFrom,
+    /// The sender whose signature a request must carry, before anything is claimed.
+    pub(super) webhook: Option<Arc<Webhook>>,
     /// The rate limits, checked in memory before the store is asked.
     #[cfg(feature = "governor")]
     pub(super) rate_limit: Option<Arc<super::rate_limit::Limiter>>,
@@ -112,6 +118,8 @@ impl<St: Clone, Sc: Clone> Clone for Config<St, Sc> {
             fingerprint: self.fingerprint.clone(),
             retry_after: self.retry_after,
             unknown_principal: self.unknown_principal,
+            key_from: self.key_from.clone(),
+            webhook: self.webhook.clone(),
             #[cfg(feature = "governor")]
             rate_limit: self.rate_limit.clone(),
         }

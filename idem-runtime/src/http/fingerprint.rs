@@ -28,6 +28,23 @@ pub(super) fn of_request(parts: &Parts, body: &Bytes) -> Result<Fingerprint, Err
     Fingerprint::of(&(method, target, 0_u8, Raw(body)))
 }
 
+/// The default fingerprint but that the named members of a JSON object body are left out:
+/// for senders that resend one event with a member that counts its deliveries. A body that
+/// is not a JSON object counts as [`of_request`] counts it.
+pub(super) fn of_request_without(
+    parts: &Parts,
+    body: &Bytes,
+    left_out: &[&str],
+) -> Result<Fingerprint, Error> {
+    if is_json(parts) {
+        if let Some(canonical) = canonical_json_without(body, left_out) {
+            let digest: [u8; 32] = Sha256::digest(&canonical).into();
+            return Fingerprint::of(&(parts.method.as_str(), target(parts), 1_u8, Raw(&digest)));
+        }
+    }
+    of_request(parts, body)
+}
+
 /// The default fingerprint, remembering those of recent JSON requests by their bytes.
 ///
 /// A retry sends the bytes it sent the first time, and canonicalising them again would
@@ -165,6 +182,11 @@ pub(super) fn target(parts: &Parts) -> &str {
 /// document's own text decides, so the result does not depend on `serde_json`'s features
 /// (`arbitrary_precision` changes what its deserializer hands out).
 fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
+    canonical_json_without(body, &[])
+}
+
+/// [`canonical_json`], without the top-level members named `left_out`.
+fn canonical_json_without(body: &[u8], left_out: &[&str]) -> Option<Vec<u8>> {
     #[cfg(test)]
     tests::CANONICALISED.set(tests::CANONICALISED.get() + 1);
     // Validated once, so that strings without escapes can be copied as they are.
@@ -174,6 +196,7 @@ fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
         at: 0,
         out: Vec::with_capacity(body.len()),
         members: Vec::new(),
+        left_out,
     };
     canonical.value(0)?;
     canonical.skip_whitespace();
@@ -193,9 +216,19 @@ struct Canonical<'a> {
     /// name, end), one stack for the whole document: an object's members sit above those
     /// of the objects around it.
     members: Vec<(usize, usize, usize)>,
+    /// The names of the top-level members not written (each as a JSON string would be).
+    left_out: &'a [&'a str],
 }
 
 impl Canonical<'_> {
+    /// Whether a written member name (a JSON string, quotes included) is left out.
+    fn is_left_out(&self, name: &[u8]) -> bool {
+        let Some(name) = name.strip_prefix(b"\"").and_then(|n| n.strip_suffix(b"\"")) else {
+            return false;
+        };
+        self.left_out.iter().any(|left| left.as_bytes() == name)
+    }
+
     fn peek(&self) -> Option<u8> {
         self.input.get(self.at).copied()
     }
@@ -295,6 +328,7 @@ impl Canonical<'_> {
         let mut sorted = true;
         if !self.eat(b'}') {
             loop {
+                let member_start = self.out.len();
                 if self.out.len() > start {
                     self.out.push(b',');
                 }
@@ -309,7 +343,11 @@ impl Canonical<'_> {
                 self.eat(b':').then_some(())?;
                 self.out.push(b':');
                 self.value(depth)?;
-                self.members.push((name_start, name_end, self.out.len()));
+                if depth == 1 && self.is_left_out(&self.out[name_start..name_end]) {
+                    self.out.truncate(member_start);
+                } else {
+                    self.members.push((name_start, name_end, self.out.len()));
+                }
                 if self.eat(b'}') {
                     break;
                 }

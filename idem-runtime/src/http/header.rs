@@ -72,7 +72,6 @@ impl<S: Send + Sync> axum::extract::OptionalFromRequestParts<S> for IdempotencyK
 }
 
 impl IdempotencyKey {
-    #[cfg(feature = "client")]
     pub(super) fn new(key: String) -> Self {
         Self(key)
     }

@@ -17,7 +17,9 @@ use super::config::{
     Unrecorded, Unscoped,
 };
 use super::fingerprint;
+use super::key_from::KeyFrom;
 use super::service::IdempotencyService;
+use super::webhook::Webhook;
 use crate::{Error, Fingerprint, InFlight, Operation, Store};
 
 /// The namespace of the layer's keys unless [`IdempotencyLayer::namespace`] sets one.
@@ -104,6 +106,8 @@ impl<St: Store + Clone> IdempotencyLayer<St, ScopeNotChosen> {
                 fingerprint: FingerprintFn::Default(Arc::new(fingerprint::Memo::new())),
                 retry_after: super::problem::DEFAULT_RETRY_AFTER,
                 unknown_principal: UnknownPrincipal::Refuse,
+                key_from: KeyFrom::default(),
+                webhook: None,
                 #[cfg(feature = "governor")]
                 rate_limit: None,
             }),
@@ -111,7 +115,62 @@ impl<St: Store + Clone> IdempotencyLayer<St, ScopeNotChosen> {
     }
 }
 
+impl<St: Store + Clone> IdempotencyLayer<St, ScopeNotChosen> {
+    /// A layer that receives `sender`'s webhooks: each delivery is checked against the
+    /// sender's signature **before anything is claimed** (`401` problem+json, no record, when
+    /// it is missing or not the sender's), keyed as the sender names a delivery, and run once
+    /// per key for at least as long as the sender retries. See [`Webhook`] for each sender.
+    ///
+    /// A duplicate delivery answers `2xx`, since a sender resends anything else: the
+    /// recorded response once the first is done, the same after waiting for a first still
+    /// running (`409` only past the lease), and `200` when the first completed but its
+    /// response was not kept (where a plain layer answers `410`, which senders such as
+    /// Standard Webhooks read as "disable this endpoint"). A handler's non-`2xx` answer is
+    /// not recorded: the sender's retry runs it again.
+    ///
+    /// The key space is the sender's (the layer is [`unscoped`](Self::unscoped)): the
+    /// signature is what says whose the delivery is. Other settings (the namespace, the
+    /// TTL, a [`key_from`](Self::key_from)) can still be changed after.
+    ///
+    /// ```
+    /// use idem_runtime::http::{IdempotencyLayer, Webhook};
+    /// use idem_runtime::MemoryStore;
+    ///
+    /// let layer = IdempotencyLayer::webhook(MemoryStore::new(), Webhook::github("hook secret"));
+    /// // axum: Router::new().route("/webhooks/github", post(receive)).layer(layer)
+    /// # let _ = layer;
+    /// ```
+    pub fn webhook(store: St, sender: Webhook) -> IdempotencyLayer<St, Unscoped> {
+        let layer = Self::new(store)
+            .unscoped()
+            .namespace(sender.namespace())
+            .ttl(sender.kept())
+            .methods([Method::POST])
+            .required()
+            .in_flight(InFlight::Wait)
+            .key_from(sender.key_from());
+        let left_out = sender.unfingerprinted();
+        layer.with(|c| {
+            if !left_out.is_empty() {
+                c.fingerprint = FingerprintFn::Custom(Arc::new(|parts: &Parts, body: &Bytes| {
+                    fingerprint::of_request_without(parts, body, left_out)
+                }));
+            }
+            c.webhook = Some(Arc::new(sender));
+        })
+    }
+}
+
 impl<St: Clone, Sc: Clone> IdempotencyLayer<St, Sc> {
+    /// Where requests carry their key (default: the `Idempotency-Key` header). See
+    /// [`KeyFrom`]: another header, several headers, a member of the JSON body, or a
+    /// function. A body key is found once the body is read (within
+    /// [`max_body`](Self::max_body)); a request without one passes through, or gets `400`
+    /// when the layer is [`required`](Self::required).
+    pub fn key_from(self, source: KeyFrom) -> Self {
+        self.with(|c| c.key_from = source)
+    }
+
     fn with(self, change: impl FnOnce(&mut Config<St, Sc>)) -> Self {
         let mut config = Arc::unwrap_or_clone(self.config);
         change(&mut config);
@@ -137,6 +196,8 @@ impl<St: Clone, Sc: Clone> IdempotencyLayer<St, Sc> {
                 fingerprint: c.fingerprint,
                 retry_after: c.retry_after,
                 unknown_principal: c.unknown_principal,
+                key_from: c.key_from,
+                webhook: c.webhook,
                 #[cfg(feature = "governor")]
                 rate_limit: c.rate_limit,
             }),

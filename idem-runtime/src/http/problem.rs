@@ -14,6 +14,23 @@ use crate::Error;
 /// URL with the problem's anchor.
 const TYPES: &str = "https://docs.rs/idem-runtime/latest/idem_runtime/http/index.html";
 
+/// Where a request's key is, as a problem names it.
+pub(super) enum KeyNaming {
+    /// The `Idempotency-Key` header, whose problems say how to send it.
+    IdempotencyKey,
+    /// Another source, named: "the body's `/id`".
+    Named(String),
+}
+
+impl KeyNaming {
+    fn named(&self) -> &str {
+        match self {
+            Self::IdempotencyKey => "the `Idempotency-Key` header",
+            Self::Named(named) => named,
+        }
+    }
+}
+
 /// A problem the layer answers with instead of running the handler.
 ///
 /// No variant carries an error's text: a problem's `detail` is written here, from the
@@ -27,6 +44,8 @@ pub(super) enum Problem {
     KeyMalformed(&'static str),
     /// 401: the request carries a key, but the key scope cannot name its principal.
     PrincipalUnknown,
+    /// 401: a webhook's signature is missing or is not its sender's.
+    SignatureInvalid,
     /// 400: the request body could not be read, or fingerprinted.
     BodyUnreadable,
     /// 413: the request body is over the limit.
@@ -79,24 +98,49 @@ impl Problem {
     }
 
     pub(super) fn into_response(self) -> Response<Full<Bytes>> {
+        self.answer(&KeyNaming::IdempotencyKey)
+    }
+
+    /// The answer, its texts naming where the request's key is (`key`).
+    pub(super) fn answer(self, key: &KeyNaming) -> Response<Full<Bytes>> {
         let retry_after = match &self {
             Self::InFlight(after) | Self::RateLimited(after) => Some(*after),
             // A transient failure (`Error::is_transient`): its client may come back.
             Self::StoreDown => Some(crate::RETRY_AFTER),
             _ => None,
         };
+        // The `Idempotency-Key` header says how it is sent; any other source is named.
+        let header = matches!(key, KeyNaming::IdempotencyKey);
         let (status, anchor, title, detail) = match self {
-            Self::KeyMissing => (
+            Self::KeyMissing if header => (
                 StatusCode::BAD_REQUEST,
                 "key-missing",
                 "Idempotency-Key is missing",
                 "this endpoint requires an `Idempotency-Key` header; send a unique value per operation and the same one on every retry".to_string(),
             ),
-            Self::KeyMalformed(why) => (
+            Self::KeyMissing => (
+                StatusCode::BAD_REQUEST,
+                "key-missing",
+                "The idempotency key is missing",
+                format!("this endpoint requires a key in {}; send the same one on every retry", key.named()),
+            ),
+            Self::KeyMalformed(why) if header => (
                 StatusCode::BAD_REQUEST,
                 "key-malformed",
                 "Idempotency-Key is malformed",
                 format!("{why}: send one quoted string of at most 255 characters, e.g. `Idempotency-Key: \"8e03978e-40d5\"`"),
+            ),
+            Self::KeyMalformed(why) => (
+                StatusCode::BAD_REQUEST,
+                "key-malformed",
+                "The idempotency key is malformed",
+                format!("{why}: the key in {} is one value of at most 255 bytes", key.named()),
+            ),
+            Self::SignatureInvalid => (
+                StatusCode::UNAUTHORIZED,
+                "signature-invalid",
+                "The request's signature is missing or invalid",
+                "the signature is missing, malformed, outside its time tolerance, or not the sender's for this body; nothing was processed".to_string(),
             ),
             Self::PrincipalUnknown => (
                 StatusCode::UNAUTHORIZED,
@@ -114,30 +158,30 @@ impl Problem {
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "body-too-large",
                 "The request body is too large",
-                format!("requests with an `Idempotency-Key` may carry at most {limit} bytes"),
+                format!("requests to this endpoint may carry at most {limit} bytes"),
             ),
             Self::InFlight(after) => (
                 StatusCode::CONFLICT,
                 "in-flight",
-                "A request with this Idempotency-Key is in progress",
-                format!("the first request with this key has not finished; retry with the same key in {} s (`Retry-After`) to get its response", whole_seconds(after)),
+                if header { "A request with this Idempotency-Key is in progress" } else { "A request with this idempotency key is in progress" },
+                format!("the first request with this key ({}) has not finished; retry in {} s (`Retry-After`) to get its response", key.named(), whole_seconds(after)),
             ),
             Self::PayloadMismatch => (
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "key-reused",
-                "Idempotency-Key reused with another request",
-                "this key was used before with a different method, path, query or body; use a new key for a new operation".to_string(),
+                if header { "Idempotency-Key reused with another request" } else { "Idempotency key reused with another request" },
+                format!("the key in {} was used before with a different method, path, query or body; a new operation needs a new key", key.named()),
             ),
             Self::Gone => (
                 StatusCode::GONE,
                 "gone",
-                "The response of this Idempotency-Key is gone",
+                if header { "The response of this Idempotency-Key is gone" } else { "The response of this idempotency key is gone" },
                 "the first request with this key completed, but its response could not be kept (too large, or evicted); it is not run again, so its effect is not repeated. Use a new key only for a new operation".to_string(),
             ),
             Self::RateLimited(after) => (
                 StatusCode::TOO_MANY_REQUESTS,
                 "rate-limited",
-                "Too many requests for this Idempotency-Key",
+                if header { "Too many requests for this Idempotency-Key" } else { "Too many requests for this idempotency key" },
                 format!("this key, or this client's new keys, came faster than the service allows; retry with the same key in {} s (`Retry-After`)", whole_seconds(after)),
             ),
             Self::StoreDown => (
@@ -254,6 +298,7 @@ mod tests {
             Problem::KeyMissing,
             Problem::KeyMalformed("empty"),
             Problem::PrincipalUnknown,
+            Problem::SignatureInvalid,
             Problem::BodyUnreadable,
             Problem::BodyTooLarge(1024),
             Problem::InFlight(Duration::from_secs(1)),

@@ -8,6 +8,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::request::Parts;
 use http::{Request, Response};
 use http_body::Body;
 use http_body_util::{BodyExt, Either, Full, LengthLimitError, Limited};
@@ -16,9 +17,10 @@ use tower_service::Service;
 
 use super::body::{self, ResponseBody, Tee};
 use super::config::{Config, KeyScope, ScopeOf, UnkeptPolicy, UnknownPrincipal, Unrecorded};
-use super::header;
+use super::header::IdempotencyKey;
+use super::key_from::{Found, KeyValues};
 use super::problem::Problem;
-use super::record::{HttpRecord, Recorded};
+use super::record::{HttpRecord, Recorded, IDEMPOTENT_REPLAYED};
 use crate::codec::{self, ErrorPolicy};
 use crate::{BoxError, Error, Key, Outcome, Store};
 
@@ -147,39 +149,22 @@ where
     St: Store + Clone,
     Sc: KeyScope,
 {
-    let problem = |problem: Problem| Ok(problem.into_response().map(ResponseBody::full));
+    let problem = |problem: Problem| {
+        let naming = config.key_from.naming();
+        Ok(problem.answer(&naming).map(ResponseBody::full))
+    };
     if !config.methods.contains(request.method()) {
         return pass(inner, request).await;
     }
-    let key = match header::parse(request.headers()) {
-        Ok(Some(key)) => key,
-        Ok(None) if config.required => return problem(Problem::KeyMissing),
-        Ok(None) => return pass(inner, request).await,
-        Err(why) => return problem(Problem::KeyMalformed(why)),
-    };
-    let (mut parts, body) = request.into_parts();
-    let scope = match config.scope.of(&parts) {
-        ScopeOf::Shared => None,
-        ScopeOf::Principal(principal) => Some(principal),
-        ScopeOf::Unknown if config.unknown_principal == UnknownPrincipal::PassThrough => {
-            tracing::debug!("no principal for the key scope: passed through, as configured");
-            return pass(inner, Request::from_parts(parts, body)).await;
-        }
-        ScopeOf::Unknown => {
-            tracing::warn!("a keyed request whose principal the key scope cannot name: answered 401 (is the authentication layer inside the idempotency layer?)");
-            return problem(Problem::PrincipalUnknown);
-        }
-    };
-
-    let derived = match config.operation.key(&(scope.as_deref(), key.as_str())) {
-        Ok(derived) => derived,
-        Err(err) => return problem(Problem::of(err, config.retry_after)),
-    };
-    #[cfg(feature = "governor")]
-    if let Some(limiter) = &config.rate_limit {
-        if let Err(wait) = limiter.check(&derived, scope.as_deref()) {
-            tracing::debug!(outcome = "rate limited", "answered 429 from memory");
-            return problem(Problem::RateLimited(wait));
+    let (parts, body) = request.into_parts();
+    // A key in the head is admitted before the body is read, unless a signature must be
+    // checked first: nothing about an unsigned request is looked up.
+    let mut admitted = None;
+    if !config.key_from.reads_body() && config.webhook.is_none() {
+        match config.admit(config.key_from.in_head(&parts.headers), &parts) {
+            Admission::Admitted(keyed) => admitted = Some(keyed),
+            Admission::Pass => return pass(inner, Request::from_parts(parts, body)).await,
+            Admission::Refused(refused) => return problem(refused),
         }
     }
 
@@ -196,6 +181,20 @@ where
             return problem(Problem::BodyUnreadable);
         }
     };
+    if let Some(sender) = &config.webhook {
+        if let Err(why) = sender.verify(&parts.headers, &body) {
+            tracing::info!(reason = %why, "a webhook delivery without its sender's signature: answered 401, nothing claimed");
+            return problem(Problem::SignatureInvalid);
+        }
+    }
+    let (key, derived) = match admitted {
+        Some(admitted) => admitted,
+        None => match config.admit(config.key_from.in_request(&parts, &body), &parts) {
+            Admission::Admitted(admitted) => admitted,
+            Admission::Pass => return pass_read(inner, parts, body).await,
+            Admission::Refused(refused) => return problem(refused),
+        },
+    };
     let fingerprint = match config.fingerprint.of(&derived, &parts, &body) {
         Ok(fingerprint) => fingerprint,
         Err(err) => {
@@ -203,6 +202,7 @@ where
             return problem(Problem::BodyUnreadable);
         }
     };
+    let mut parts = parts;
     let (early, mut sent) = oneshot::channel();
     let handler = {
         let config = Arc::clone(&config);
@@ -273,8 +273,92 @@ where
         Err(Failure::Idem(Error::InProgress)) => {
             problem(Problem::InFlight(config.come_back(&derived).await))
         }
+        // A webhook delivery that completed without its response kept was delivered: its
+        // sender must not be told otherwise (some read `410` as "disable this endpoint").
+        Err(Failure::Idem(Error::Gone)) if config.webhook.is_some() => {
+            tracing::info!(
+                outcome = "replayed",
+                "a duplicate delivery whose response was not kept: answered 200"
+            );
+            let mut delivered = Response::new(ResponseBody::full(Full::new(Bytes::new())));
+            delivered
+                .headers_mut()
+                .insert(IDEMPOTENT_REPLAYED, http::HeaderValue::from_static("true"));
+            Ok(delivered)
+        }
         Err(Failure::Idem(err)) => problem(Problem::of(err, config.retry_after)),
     }
+}
+
+/// What the layer makes of a request's key before it runs anything.
+enum Admission {
+    /// Keyed: the key a handler sees, and the key derived in the layer's namespace and scope.
+    Admitted((IdempotencyKey, Key)),
+    /// Not the layer's: it passes through without idempotency.
+    Pass,
+    /// Answered with a problem.
+    Refused(Problem),
+}
+
+impl<St, Sc: KeyScope> Config<St, Sc> {
+    /// Admits a request whose key lookup found `found`: whose it is, its derived key, and
+    /// the rate limits.
+    fn admit(&self, found: Found, parts: &Parts) -> Admission {
+        let keyed = match found {
+            Found::Key(keyed) => keyed,
+            Found::Missing if self.required => return Admission::Refused(Problem::KeyMissing),
+            Found::Missing => return Admission::Pass,
+            Found::Malformed(why) => return Admission::Refused(Problem::KeyMalformed(why)),
+            // Looked for in the head only by a source that reads the head.
+            Found::InBody => return Admission::Refused(Problem::Internal),
+        };
+        let scope = match self.scope.of(parts) {
+            ScopeOf::Shared => None,
+            ScopeOf::Principal(principal) => Some(principal),
+            ScopeOf::Unknown if self.unknown_principal == UnknownPrincipal::PassThrough => {
+                tracing::debug!("no principal for the key scope: passed through, as configured");
+                return Admission::Pass;
+            }
+            ScopeOf::Unknown => {
+                tracing::warn!("a keyed request whose principal the key scope cannot name: answered 401 (is the authentication layer inside the idempotency layer?)");
+                return Admission::Refused(Problem::PrincipalUnknown);
+            }
+        };
+        // One value derives as the `Idempotency-Key` header always has.
+        let derived = match &keyed.values {
+            KeyValues::One => self
+                .operation
+                .key(&(scope.as_deref(), keyed.shown.as_str())),
+            KeyValues::Several(several) => self.operation.key(&(scope.as_deref(), several)),
+        };
+        let derived = match derived {
+            Ok(derived) => derived,
+            Err(err) => return Admission::Refused(Problem::of(err, self.retry_after)),
+        };
+        #[cfg(feature = "governor")]
+        if let Some(limiter) = &self.rate_limit {
+            if let Err(wait) = limiter.check(&derived, scope.as_deref()) {
+                tracing::debug!(outcome = "rate limited", "answered 429 from memory");
+                return Admission::Refused(Problem::RateLimited(wait));
+            }
+        }
+        Admission::Admitted((keyed.shown, derived))
+    }
+}
+
+/// A request the layer read but does not handle (it has no key): to the inner service with
+/// the body it read.
+async fn pass_read<S, B, RB>(
+    mut inner: S,
+    parts: Parts,
+    body: Bytes,
+) -> Result<Response<ResponseBody<RB>>, S::Error>
+where
+    S: Service<Request<Either<B, Full<Bytes>>>, Response = Response<RB>>,
+{
+    let call = inner.call(Request::from_parts(parts, Either::Right(Full::new(body))));
+    let response = crate::engine::attempt::scope_unkeyed(call).await?;
+    Ok(response.map(ResponseBody::inner))
 }
 
 /// A request the layer does not handle: to the inner service as it is.

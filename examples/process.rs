@@ -1,0 +1,79 @@
+//! A service of an example in a process of its own, for the examples' tests: started as one
+//! ignored test of the test binary itself, its stdout's lines on a channel, SIGKILLed on drop.
+//! Each test uses what it needs of it.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+
+pub struct Service {
+    child: Child,
+    lines: mpsc::UnboundedReceiver<String>,
+}
+
+impl Service {
+    /// Runs the ignored test `test` of this binary, with `env` set.
+    pub fn start(test: &str, env: &[(&str, String)]) -> Self {
+        let mut command = Command::new(std::env::current_exe().unwrap());
+        command
+            .args(["--ignored", "--exact", test, "--nocapture"])
+            .stdout(Stdio::piped());
+        for (name, value) in env {
+            command.env(name, value);
+        }
+        let mut child = command.spawn().unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (send, lines) = mpsc::unbounded_channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = send.send(line);
+            }
+        });
+        Self { child, lines }
+    }
+
+    /// Waits for a line that starts with `what` (bounded: a minute), and returns it.
+    pub async fn said(&mut self, what: &str) -> String {
+        let wait = async {
+            while let Some(line) = self.lines.recv().await {
+                if line.starts_with(what) {
+                    return line;
+                }
+            }
+            panic!("the service ended before it said {what:?}");
+        };
+        tokio::time::timeout(Duration::from_secs(60), wait)
+            .await
+            .unwrap_or_else(|_| panic!("the service never said {what:?}"))
+    }
+}
+
+impl Service {
+    /// The next line the service prints (bounded: a minute); `None` once it ended.
+    pub async fn line(&mut self) -> Option<String> {
+        tokio::time::timeout(Duration::from_secs(60), self.lines.recv())
+            .await
+            .expect("the service printed nothing for a minute")
+    }
+}
+
+impl Drop for Service {
+    /// SIGKILL, and the process reaped.
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A free loopback port.
+pub fn free_addr() -> std::net::SocketAddr {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    std::net::SocketAddr::from(([127, 0, 0, 1], port))
+}

@@ -1,0 +1,378 @@
+//! Consumers SIGKILLed mid-handler, against the real RabbitMQ and NATS JetStream and
+//! PostgreSQL: orders published (some twice), a poisoned message and an id reused with
+//! another order among them; consumer processes killed before and after their commits, ten
+//! times and more, each redelivery handled by the next. Every order ships exactly once, none
+//! is lost, nothing is left in the queue, and the poisoned message and the reused id are
+//! rejected once each: dead-lettered on RabbitMQ, terminated on JetStream, never looped.
+
+#[path = "process.rs"]
+mod process;
+#[path = "rabbitmq.rs"]
+#[allow(dead_code)]
+mod rabbitmq;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy};
+use futures_util::StreamExt;
+use idem_runtime::consumer::Consumer;
+use process::Service;
+use rabbitmq::{Order, Stall};
+
+/// How many orders a run publishes: a quarter of them stall a consumer, each one kill.
+const ORDERS: u64 = 48;
+
+/// The orders of a run: every fourth stalls on its first delivery, alternately before and
+/// after its commit; every seventh is published twice.
+fn orders() -> Vec<(u64, Order, bool)> {
+    (0..ORDERS)
+        .map(|n| {
+            let here = if n % 8 == 0 {
+                Stall::BeforeCommit
+            } else {
+                Stall::AfterCommit
+            };
+            let stall = (n % 4 == 0).then_some(here);
+            let order = Order {
+                order: n,
+                sku: "sku-1".into(),
+                stall,
+            };
+            (n, order, n % 7 == 0)
+        })
+        .collect()
+}
+
+fn required(what: &str, err: impl std::fmt::Display) -> bool {
+    assert!(
+        std::env::var_os("IDEM_REQUIRE_SERVICES").is_none(),
+        "{what} is required (IDEM_REQUIRE_SERVICES): {err}"
+    );
+    eprintln!("skipped: {what} is unreachable ({err})");
+    false
+}
+
+fn run_id(broker: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{broker}-{}-{nanos}", std::process::id())
+}
+
+/// What consumers said they did with each delivery, by message id.
+#[derive(Default, Debug)]
+struct Settled {
+    acked: BTreeSet<String>,
+    rejected: BTreeMap<String, usize>,
+}
+
+impl Settled {
+    fn read(&mut self, line: &str) {
+        let mut words = line.split(' ').skip(1);
+        let (Some(id), Some(disposition)) = (words.next(), words.next()) else {
+            return;
+        };
+        match disposition {
+            "Ack" => {
+                self.acked.insert(id.to_string());
+            }
+            "Reject" => *self.rejected.entry(id.to_string()).or_default() += 1,
+            _ => {}
+        }
+    }
+}
+
+/// Starts consumers one after the other until one drains the queue: a stalling consumer is
+/// SIGKILLed as soon as it stalls; once every stalling message has been delivered, the last
+/// one settles what is left. Returns the kills and what was settled.
+async fn consume_with_kills(
+    start: impl Fn() -> Service,
+    expected: &BTreeSet<String>,
+    rejects: usize,
+) -> (u64, Settled) {
+    let mut settled = Settled::default();
+    let mut kills = 0;
+    'consumers: loop {
+        let mut consumer = start();
+        while let Some(line) = consumer.line().await {
+            if line.starts_with("stalled") {
+                drop(consumer);
+                kills += 1;
+                continue 'consumers;
+            }
+            if line.starts_with("settled") {
+                settled.read(&line);
+                let rejected: usize = settled.rejected.values().sum();
+                if settled.acked == *expected && rejected >= rejects {
+                    break 'consumers;
+                }
+            }
+        }
+        panic!("a consumer ended on its own; settled so far: {settled:?}");
+    }
+    (kills, settled)
+}
+
+async fn shipments(pool: &sqlx::PgPool, run: &str) -> BTreeMap<String, i64> {
+    sqlx::query_as::<_, (String, i64)>(
+        "SELECT message_id, count(*) FROM queue_shipments WHERE message_id LIKE $1 GROUP BY message_id",
+    )
+    .bind(format!("{run}-%"))
+    .fetch_all(pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .collect()
+}
+
+fn expected_ids(run: &str) -> BTreeSet<String> {
+    (0..ORDERS).map(|n| format!("{run}-{n}")).collect()
+}
+
+/// Every order shipped once, and the two bad messages rejected once each.
+fn check(run: &str, kills: u64, settled: &Settled, shipped: &BTreeMap<String, i64>) {
+    eprintln!(
+        "{run}: {kills} consumers killed mid-handler; rejected {:?}",
+        settled.rejected
+    );
+    assert!(
+        kills >= 10,
+        "only {kills} consumers were killed mid-handler"
+    );
+    for id in expected_ids(run) {
+        assert_eq!(
+            shipped.get(&id),
+            Some(&1),
+            "{id} shipped {:?} time(s)",
+            shipped.get(&id)
+        );
+    }
+    assert_eq!(
+        shipped.len() as u64,
+        ORDERS,
+        "shipments of unknown messages: {shipped:?}"
+    );
+    let poison = format!("{run}-poison");
+    assert_eq!(settled.rejected.get(&poison), Some(&1), "{settled:?}");
+    // The id reused with another order: rejected once, its first order shipped once.
+    assert_eq!(
+        settled.rejected.get(&format!("{run}-1")),
+        Some(&1),
+        "{settled:?}"
+    );
+    assert_eq!(settled.rejected.len(), 2, "{settled:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a RabbitMQ consumer, started (and killed) by rabbitmq_consumers_killed_mid_handler_ship_each_order_once"]
+async fn rabbitmq_consumer() {
+    let queue = std::env::var("IDEM_QUEUE").unwrap();
+    let stall = std::env::var_os("IDEM_QUEUE_STALL").is_some();
+    rabbitmq::consume(&queue, stall, None).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_consumers_killed_mid_handler_ship_each_order_once() {
+    let connection =
+        match lapin::Connection::connect(&rabbitmq::amqp_url(), Default::default()).await {
+            Ok(connection) => connection,
+            Err(err) => {
+                required("RabbitMQ", err);
+                return;
+            }
+        };
+    let (pool, _) = rabbitmq::database(&rabbitmq::postgres_url()).await.unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let run = run_id("amqp");
+    let queue = format!("idem.kills.{run}");
+    rabbitmq::declare(&channel, &queue).await.unwrap();
+    for (n, order, twice) in orders() {
+        let payload = serde_json::to_vec(&order).unwrap();
+        for _ in 0..if twice { 2 } else { 1 } {
+            rabbitmq::publish(&channel, &queue, &format!("{run}-{n}"), &payload)
+                .await
+                .unwrap();
+        }
+    }
+    rabbitmq::publish(&channel, &queue, &format!("{run}-poison"), b"{not json")
+        .await
+        .unwrap();
+    let reused = Order {
+        order: 1_000,
+        sku: "sku-2".into(),
+        stall: None,
+    };
+    rabbitmq::publish(
+        &channel,
+        &queue,
+        &format!("{run}-1"),
+        &serde_json::to_vec(&reused).unwrap(),
+    )
+    .await
+    .unwrap();
+
+    let start = || {
+        Service::start(
+            "rabbitmq_consumer",
+            &[
+                ("IDEM_QUEUE", queue.clone()),
+                ("IDEM_QUEUE_STALL", "1".into()),
+            ],
+        )
+    };
+    let (kills, settled) = consume_with_kills(start, &expected_ids(&run), 2).await;
+    check(&run, kills, &settled, &shipments(&pool, &run).await);
+
+    let left = rabbitmq::drain(&channel, &queue).await.unwrap();
+    assert!(left.is_empty(), "left in the queue: {left:?}");
+    let mut dead = rabbitmq::drain(&channel, &format!("{queue}.dead"))
+        .await
+        .unwrap();
+    dead.sort();
+    assert_eq!(
+        dead,
+        vec![format!("{run}-1"), format!("{run}-poison")],
+        "dead-lettered once each"
+    );
+    for name in [queue.clone(), format!("{queue}.dead")] {
+        channel
+            .queue_delete(name.as_str().into(), Default::default())
+            .await
+            .unwrap();
+    }
+}
+
+fn nats_url() -> String {
+    std::env::var("IDEM_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+/// A JetStream consumer of the stream `IDEM_QUEUE`, as `rabbitmq::consume` is of a queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a JetStream consumer, started (and killed) by nats_consumers_killed_mid_handler_ship_each_order_once"]
+async fn nats_consumer() {
+    let stream = std::env::var("IDEM_QUEUE").unwrap();
+    let stall = std::env::var_os("IDEM_QUEUE_STALL").is_some();
+    let (pool, store) = rabbitmq::database(&rabbitmq::postgres_url()).await.unwrap();
+    let js = jetstream::new(async_nats::connect(nats_url()).await.unwrap());
+    let consumer: pull::Stream = js
+        .get_stream(&stream)
+        .await
+        .unwrap()
+        .get_consumer::<pull::Config>("shipper")
+        .await
+        .unwrap()
+        .messages()
+        .await
+        .unwrap();
+    let mut messages = consumer;
+    println!("consuming {stream}");
+    let settle =
+        Consumer::new("shop.orders.v1").backoff(Duration::from_millis(50), Duration::from_secs(1));
+    while let Some(message) = messages.next().await {
+        let message = message.unwrap();
+        let first = message.info().unwrap().delivered == 1;
+        let id = message
+            .headers
+            .as_ref()
+            .and_then(|h| h.get("Nats-Msg-Id"))
+            .map(|id| id.as_str().to_string())
+            .unwrap_or_default();
+        let disposition = settle
+            .inbox(&message, |order: Order, id| {
+                rabbitmq::handle(&pool, &store, order, id, first, stall)
+            })
+            .await
+            .unwrap();
+        println!("settled {id} {disposition:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_consumers_killed_mid_handler_ship_each_order_once() {
+    let client = match async_nats::connect(nats_url()).await {
+        Ok(client) => client,
+        Err(err) => {
+            required("NATS", err);
+            return;
+        }
+    };
+    let (pool, _) = rabbitmq::database(&rabbitmq::postgres_url()).await.unwrap();
+    let js = jetstream::new(client);
+    let run = run_id("nats");
+    let name = run.replace('-', "_").to_uppercase();
+    let subject = format!("idem.kills.{name}");
+    let stream = js
+        .create_stream(jetstream::stream::Config {
+            name: name.clone(),
+            subjects: vec![subject.clone()],
+            max_age: Duration::from_secs(3600),
+            // The shortest window JetStream takes: the second copies below are published
+            // after it, so that the consumer must deduplicate them itself.
+            duplicate_window: Duration::from_millis(100),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    stream
+        .create_consumer(pull::Config {
+            durable_name: Some("shipper".into()),
+            ack_policy: AckPolicy::Explicit,
+            // A killed consumer's message comes back after this long.
+            ack_wait: Duration::from_secs(1),
+            // One message at a time, so that a kill holds back only the one it stalled on.
+            max_ack_pending: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let publish = |id: String, payload: Vec<u8>| {
+        let (js, subject) = (js.clone(), subject.clone());
+        async move {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert("Nats-Msg-Id", id.as_str());
+            js.publish_with_headers(subject, headers, payload.into())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }
+    };
+    for (n, order, _) in orders() {
+        publish(format!("{run}-{n}"), serde_json::to_vec(&order).unwrap()).await;
+    }
+    // Past the duplicate window (were it not, the broker would drop a copy, and the test
+    // would only prove less).
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    for (n, order, twice) in orders() {
+        if twice {
+            publish(format!("{run}-{n}"), serde_json::to_vec(&order).unwrap()).await;
+        }
+    }
+    publish(format!("{run}-poison"), b"{not json".to_vec()).await;
+    let reused = Order {
+        order: 1_000,
+        sku: "sku-2".into(),
+        stall: None,
+    };
+    publish(format!("{run}-1"), serde_json::to_vec(&reused).unwrap()).await;
+
+    let start = || {
+        Service::start(
+            "nats_consumer",
+            &[
+                ("IDEM_QUEUE", name.clone()),
+                ("IDEM_QUEUE_STALL", "1".into()),
+            ],
+        )
+    };
+    let (kills, settled) = consume_with_kills(start, &expected_ids(&run), 2).await;
+    check(&run, kills, &settled, &shipments(&pool, &run).await);
+
+    let mut consumer: jetstream::consumer::Consumer<pull::Config> =
+        stream.get_consumer("shipper").await.unwrap();
+    let info = consumer.info().await.unwrap();
+    assert_eq!(info.num_pending, 0, "left in the stream: {info:?}");
+    assert_eq!(info.num_ack_pending, 0, "awaiting an ack: {info:?}");
+    js.delete_stream(&name).await.unwrap();
+}

@@ -1,0 +1,482 @@
+//! Keys where the sender puts them, and webhook receivers: signatures checked before any
+//! claim, one run per delivery, duplicates answered `2xx`.
+
+mod support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::http::{Method, StatusCode};
+use axum::routing::post;
+use axum::Router;
+use base64::engine::general_purpose::STANDARD as BASE64;
+use base64::Engine;
+use bytes::Bytes;
+use hmac::{Hmac, Mac};
+use idem_runtime::admin::{Admin, Filter};
+use idem_runtime::http::{IdempotencyLayer, KeyFrom, Webhook};
+use idem_runtime::{MemoryStore, Store};
+use idem_tests::postgres_store;
+use idem_tests::scenarios::namespace;
+use sha2::Sha256;
+use support::*;
+use tokio::sync::Barrier;
+
+fn mac(secret: &[u8], parts: &[&[u8]]) -> Vec<u8> {
+    let mut mac = Hmac::<Sha256>::new_from_slice(secret).unwrap();
+    for part in parts {
+        mac.update(part);
+    }
+    mac.finalize().into_bytes().to_vec()
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+/// A unique id for this run, so that records of earlier runs in a shared store never answer.
+fn unique(prefix: &str) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{prefix}_{nanos}")
+}
+
+/// A receiver whose handler counts its runs and answers `200` with the run's number.
+fn receiver(runs: &Arc<AtomicUsize>) -> Router<()> {
+    let runs = Arc::clone(runs);
+    Router::new().route(
+        "/hooks",
+        post(move |body: Bytes| {
+            let runs = Arc::clone(&runs);
+            async move {
+                let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                format!("credited {n} ({} bytes)", body.len())
+            }
+        }),
+    )
+}
+
+async fn serve_receiver<St: Store + Clone>(
+    runs: &Arc<AtomicUsize>,
+    layer: IdempotencyLayer<St, impl idem_runtime::http::KeyScope>,
+) -> Client_ {
+    Client_::new(serve(receiver(runs).layer(layer)).await)
+}
+
+/// Stripe's signature header for `body` signed at `t`.
+fn stripe_signature(secret: &str, t: u64, body: &str) -> String {
+    let signed = mac(
+        secret.as_bytes(),
+        &[t.to_string().as_bytes(), b".", body.as_bytes()],
+    );
+    format!("t={t},v1={}", hex::encode(signed))
+}
+
+/// GitHub's headers for one hook's delivery of `body`.
+fn github_headers(secret: &str, hook: &str, delivery: &str, body: &str) -> Vec<(String, String)> {
+    vec![
+        ("x-github-hook-id".into(), hook.into()),
+        ("x-github-delivery".into(), delivery.into()),
+        ("x-github-event".into(), "push".into()),
+        (
+            "x-hub-signature-256".into(),
+            format!(
+                "sha256={}",
+                hex::encode(mac(secret.as_bytes(), &[body.as_bytes()]))
+            ),
+        ),
+    ]
+}
+
+async fn deliver(client: &Client_, headers: &[(String, String)], body: &str) -> Answer {
+    let headers: Vec<(&str, &str)> = headers
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_str()))
+        .collect();
+    client.send(Method::POST, "/hooks", &headers, body).await
+}
+
+async fn records_under(store: &MemoryStore, prefix: &str) -> usize {
+    store
+        .list(&Filter::namespace(prefix), None)
+        .await
+        .unwrap()
+        .entries()
+        .len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_in_the_body_replays_resends_and_its_problems_name_it() {
+    let runs = Arc::default();
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .namespace(namespace("body-key"))
+        .unscoped()
+        .required()
+        .key_from(KeyFrom::json("/id"));
+    let client = serve_receiver(&runs, layer).await;
+    let event = r#"{"id":"evt_1","amount":100}"#;
+    let first = client.send(Method::POST, "/hooks", &[], event).await;
+    assert_eq!(first.status, StatusCode::OK);
+    // The resend carries no `Idempotency-Key`, and is the same event.
+    let resend = client
+        .send(
+            Method::POST,
+            "/hooks",
+            &[],
+            r#"{ "amount": 100, "id": "evt_1" }"#,
+        )
+        .await;
+    assert!(resend.replayed() && resend.same_as(&first));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    let other = client
+        .send(
+            Method::POST,
+            "/hooks",
+            &[],
+            r#"{"id":"evt_1","amount":999}"#,
+        )
+        .await;
+    assert_eq!(other.status, StatusCode::UNPROCESSABLE_ENTITY);
+    let problem = other.problem();
+    let text = problem.to_string();
+    assert!(text.contains("the body's `/id`"), "{text}");
+    assert!(!text.contains("Idempotency-Key"), "{text}");
+
+    let missing = client
+        .send(Method::POST, "/hooks", &[], r#"{"amount":1}"#)
+        .await;
+    assert_eq!(missing.status, StatusCode::BAD_REQUEST);
+    let text = missing.problem().to_string();
+    assert!(
+        text.contains("the body's `/id`") && !text.contains("Idempotency-Key"),
+        "{text}"
+    );
+    let malformed = client
+        .send(Method::POST, "/hooks", &[], r#"{"id":{"nested":1}}"#)
+        .await;
+    assert_eq!(malformed.status, StatusCode::BAD_REQUEST);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_without_a_body_key_passes_through_with_its_body() {
+    let runs = Arc::default();
+    let layer = IdempotencyLayer::new(MemoryStore::new())
+        .namespace(namespace("body-key-optional"))
+        .unscoped()
+        .key_from(KeyFrom::json("/id"));
+    let client = serve_receiver(&runs, layer).await;
+    for _ in 0..2 {
+        let answer = client
+            .send(Method::POST, "/hooks", &[], r#"{"amount":1}"#)
+            .await;
+        assert_eq!(answer.status, StatusCode::OK);
+        assert!(!answer.replayed());
+        // The handler got the whole body the layer read.
+        assert!(
+            String::from_utf8_lossy(&answer.body).contains("(12 bytes)"),
+            "{:?}",
+            answer.body
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_or_unsigned_delivery_is_a_401_and_claims_nothing() {
+    let runs = Arc::default();
+    let store = MemoryStore::new();
+    let secret = "It's a Secret to Everybody";
+    let client = serve_receiver(
+        &runs,
+        IdempotencyLayer::webhook(store.clone(), Webhook::github(secret)),
+    )
+    .await;
+    let body = r#"{"ref":"refs/heads/main"}"#;
+    let delivery = unique("delivery");
+
+    let forged = github_headers("not the secret", "7", &delivery, body);
+    let unsigned: Vec<_> = forged
+        .iter()
+        .filter(|(name, _)| name != "x-hub-signature-256")
+        .cloned()
+        .collect();
+    let mut tampered = github_headers(secret, "7", &delivery, body);
+    tampered.retain(|(name, _)| name != "x-hub-signature-256");
+    tampered.push((
+        "x-hub-signature-256".into(),
+        format!("sha256={}", hex::encode(mac(secret.as_bytes(), &[b"{}"]))),
+    ));
+    for headers in [&forged, &unsigned, &tampered] {
+        let answer = deliver(&client, headers, body).await;
+        assert_eq!(answer.status, StatusCode::UNAUTHORIZED);
+        let problem = answer.problem();
+        assert!(
+            problem["type"]
+                .as_str()
+                .unwrap()
+                .ends_with("#signature-invalid"),
+            "{problem}"
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert_eq!(
+        records_under(&store, "idem.webhook.").await,
+        0,
+        "a record was left"
+    );
+
+    // The real delivery of that id, after the forgeries, runs.
+    let real = deliver(&client, &github_headers(secret, "7", &delivery, body), body).await;
+    assert_eq!(real.status, StatusCode::OK);
+    assert!(!real.replayed());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(records_under(&store, "idem.webhook.github").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_github_delivery_to_two_hooks_runs_once_per_hook() {
+    let runs = Arc::default();
+    let secret = "hook secret";
+    let client = serve_receiver(
+        &runs,
+        IdempotencyLayer::webhook(MemoryStore::new(), Webhook::github(secret)),
+    )
+    .await;
+    let body = r#"{"action":"opened"}"#;
+    let delivery = unique("delivery");
+    let mut firsts = Vec::new();
+    for hook in ["101", "202"] {
+        let headers = github_headers(secret, hook, &delivery, body);
+        let first = deliver(&client, &headers, body).await;
+        assert_eq!(first.status, StatusCode::OK);
+        assert!(!first.replayed());
+        let again = deliver(&client, &headers, body).await;
+        assert!(again.replayed() && again.same_as(&first));
+        firsts.push(first);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "one run per hook");
+    assert_ne!(firsts[0].body, firsts[1].body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_resends_run_once_and_all_answer_2xx() {
+    let runs = Arc::default();
+    let store = MemoryStore::new();
+    let secret = "whsec_concurrent";
+    // Two receivers on one store: two replicas of a service.
+    let replicas = [
+        serve_receiver(
+            &runs,
+            IdempotencyLayer::webhook(store.clone(), Webhook::stripe(secret)),
+        )
+        .await,
+        serve_receiver(
+            &runs,
+            IdempotencyLayer::webhook(store.clone(), Webhook::stripe(secret)),
+        )
+        .await,
+    ];
+    let event = format!(r#"{{"id":"{}","type":"charge.succeeded"}}"#, unique("evt"));
+    let resends = 16;
+    let barrier = Arc::new(Barrier::new(resends));
+    let mut tasks = Vec::new();
+    for i in 0..resends {
+        let client = replicas[i % 2].clone();
+        let (barrier, event) = (Arc::clone(&barrier), event.clone());
+        tasks.push(tokio::spawn(async move {
+            let headers = [(
+                "stripe-signature".to_string(),
+                stripe_signature(secret, now(), &event),
+            )];
+            barrier.wait().await;
+            deliver(&client, &headers, &event).await
+        }));
+    }
+    let mut bodies = Vec::new();
+    for task in tasks {
+        let answer = task.await.unwrap();
+        assert!(answer.status.is_success(), "{answer:?}");
+        bodies.push(answer.body);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert!(
+        bodies.iter().all(|b| *b == bodies[0]),
+        "every resend gets the one answer"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stripe_resends_with_another_pending_count_replay_and_stale_signatures_are_refused() {
+    let runs = Arc::default();
+    let secret = "whsec_stripe";
+    let client = serve_receiver(
+        &runs,
+        IdempotencyLayer::webhook(MemoryStore::new(), Webhook::stripe(secret)),
+    )
+    .await;
+    let id = unique("evt");
+    let event = |pending: u32, amount: u32| {
+        format!(
+            r#"{{"id":"{id}","pending_webhooks":{pending},"data":{{"object":{{"amount":{amount}}}}}}}"#
+        )
+    };
+    let send = |body: String, t: u64| {
+        let client = client.clone();
+        async move {
+            let headers = [(
+                "stripe-signature".to_string(),
+                stripe_signature(secret, t, &body),
+            )];
+            deliver(&client, &headers, &body).await
+        }
+    };
+    let first = send(event(2, 500), now()).await;
+    assert_eq!(first.status, StatusCode::OK);
+    let resend = send(event(1, 500), now()).await;
+    assert!(resend.replayed() && resend.same_as(&first), "{resend:?}");
+    let changed = send(event(1, 501), now()).await;
+    assert_eq!(changed.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(changed.problem().to_string().contains("the body's `/id`"));
+    // Captured and sent again ten minutes later: past the five-minute tolerance.
+    let stale = send(event(2, 500), now() - 600).await;
+    assert_eq!(stale.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standard_webhooks_and_shopify_deliveries_run_once() {
+    let runs = Arc::default();
+    let key = b"a standard webhooks key";
+    let standard_secret = format!("whsec_{}", BASE64.encode(key));
+    let standard = serve_receiver(
+        &runs,
+        IdempotencyLayer::webhook(
+            MemoryStore::new(),
+            Webhook::standard(&standard_secret).unwrap(),
+        ),
+    )
+    .await;
+    let id = unique("msg");
+    let body = r#"{"type":"invoice.paid"}"#;
+    let signed = |t: u64| {
+        let signature = mac(
+            key,
+            &[
+                id.as_bytes(),
+                b".",
+                t.to_string().as_bytes(),
+                b".",
+                body.as_bytes(),
+            ],
+        );
+        vec![
+            ("webhook-id".to_string(), id.clone()),
+            ("webhook-timestamp".to_string(), t.to_string()),
+            (
+                "webhook-signature".to_string(),
+                format!("v1,{}", BASE64.encode(signature)),
+            ),
+        ]
+    };
+    let first = deliver(&standard, &signed(now()), body).await;
+    assert_eq!(first.status, StatusCode::OK);
+    // A retry is signed again, at its own time: the same delivery.
+    let retry = deliver(&standard, &signed(now() + 1), body).await;
+    assert!(retry.replayed() && retry.same_as(&first));
+
+    let shopify_secret = "shpss_secret";
+    let shopify = serve_receiver(
+        &runs,
+        IdempotencyLayer::webhook(MemoryStore::new(), Webhook::shopify(shopify_secret)),
+    )
+    .await;
+    let webhook_id = unique("shopify");
+    let order = r#"{"id":820982911946154508}"#;
+    let headers = vec![
+        ("x-shopify-webhook-id".to_string(), webhook_id),
+        ("x-shopify-event-id".to_string(), "e-1".to_string()),
+        (
+            "x-shopify-hmac-sha256".to_string(),
+            BASE64.encode(mac(shopify_secret.as_bytes(), &[order.as_bytes()])),
+        ),
+    ];
+    let first = deliver(&shopify, &headers, order).await;
+    assert_eq!(first.status, StatusCode::OK);
+    let again = deliver(&shopify, &headers, order).await;
+    assert!(again.replayed());
+    // Signed, but without the delivery's id: a 400 that names the header.
+    let unkeyed: Vec<_> = headers[1..].to_vec();
+    let answer = deliver(&shopify, &unkeyed, order).await;
+    assert_eq!(answer.status, StatusCode::BAD_REQUEST);
+    assert!(answer
+        .problem()
+        .to_string()
+        .contains("`x-shopify-webhook-id`"));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_whose_response_was_not_kept_is_answered_200_not_410() {
+    let runs = Arc::default();
+    let secret = "s";
+    let client = serve_receiver(
+        &runs,
+        // Every response of this handler is over the recording limit.
+        IdempotencyLayer::webhook(MemoryStore::new(), Webhook::github(secret)).max_recorded_body(4),
+    )
+    .await;
+    let body = "{}";
+    let headers = github_headers(secret, "1", &unique("d"), body);
+    let first = deliver(&client, &headers, body).await;
+    assert_eq!(first.status, StatusCode::OK);
+    let again = deliver(&client, &headers, body).await;
+    assert_eq!(again.status, StatusCode::OK, "{again:?}");
+    assert!(again.replayed());
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the handler never runs twice"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhooks_on_postgres_run_once_across_two_receivers() {
+    let Some(store) = postgres_store().await else {
+        return;
+    };
+    let runs = Arc::default();
+    let secret = "pg secret";
+    let namespace = namespace("webhook-pg");
+    let layer = || {
+        IdempotencyLayer::webhook(store.clone(), Webhook::github(secret))
+            .namespace(namespace.clone())
+    };
+    let replicas = [
+        serve_receiver(&runs, layer()).await,
+        serve_receiver(&runs, layer()).await,
+    ];
+    let body = r#"{"zen":"Keep it logically awesome."}"#;
+    let delivery = unique("delivery");
+    let mut answers = Vec::new();
+    for round in 0..4 {
+        let headers = github_headers(secret, "9", &delivery, body);
+        answers.push(deliver(&replicas[round % 2], &headers, body).await);
+    }
+    assert!(answers.iter().all(|a| a.status == StatusCode::OK));
+    for answer in &answers[1..] {
+        assert!(
+            answer.replayed() && answer.same_as(&answers[0]),
+            "{answer:?} after {:?}",
+            answers[0]
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
