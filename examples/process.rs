@@ -1,16 +1,19 @@
 //! A service of an example in a process of its own, for the examples' tests: started as one
-//! ignored test of the test binary itself, its stdout's lines on a channel, SIGKILLed on drop.
+//! ignored test of the test binary itself, its stdout's lines on a channel, SIGKILLed on drop
+//! or stopped by closing its stdin ([`Service::finish`], [`stdin_closed`]).
 //! Each test uses what it needs of it.
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::Duration;
 
 use tokio::sync::mpsc;
 
 pub struct Service {
     child: Child,
+    /// Held open while the service runs: its end asks the service to stop.
+    stdin: Option<ChildStdin>,
     lines: mpsc::UnboundedReceiver<String>,
 }
 
@@ -20,11 +23,13 @@ impl Service {
         let mut command = Command::new(std::env::current_exe().unwrap());
         command
             .args(["--ignored", "--exact", test, "--nocapture"])
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped());
         for (name, value) in env {
             command.env(name, value);
         }
         let mut child = command.spawn().unwrap();
+        let stdin = child.stdin.take();
         let stdout = child.stdout.take().unwrap();
         let (send, lines) = mpsc::unbounded_channel();
         std::thread::spawn(move || {
@@ -32,7 +37,11 @@ impl Service {
                 let _ = send.send(line);
             }
         });
-        Self { child, lines }
+        Self {
+            child,
+            stdin,
+            lines,
+        }
     }
 
     /// Waits for a line that starts with `what` (bounded: a minute), and returns it.
@@ -58,6 +67,30 @@ impl Service {
             .await
             .expect("the service printed nothing for a minute")
     }
+}
+
+impl Service {
+    /// Asks the service to stop (its stdin closes) and waits for it to exit (bounded: a
+    /// minute), for services that must settle what they hold before they go.
+    pub async fn finish(mut self) {
+        drop(self.stdin.take());
+        let exited = tokio::time::timeout(Duration::from_secs(60), async {
+            // Its stdout ends when it exits.
+            while self.lines.recv().await.is_some() {}
+        });
+        exited
+            .await
+            .expect("the service did not stop within a minute");
+    }
+}
+
+/// Resolves when this process's stdin closes: how a service started by [`Service::start`]
+/// is asked to stop.
+pub async fn stdin_closed() {
+    use tokio::io::AsyncReadExt;
+    let mut stdin = tokio::io::stdin();
+    let mut buffer = [0_u8; 64];
+    while matches!(stdin.read(&mut buffer).await, Ok(n) if n > 0) {}
 }
 
 impl Drop for Service {

@@ -105,6 +105,8 @@ async fn consume_with_kills(
                 settled.read(&line);
                 let rejected: usize = settled.rejected.values().sum();
                 if settled.acked == *expected && rejected >= rejects {
+                    // Stopped, not killed: what it settled reaches the broker.
+                    consumer.finish().await;
                     break 'consumers;
                 }
             }
@@ -169,7 +171,9 @@ fn check(run: &str, kills: u64, settled: &Settled, shipped: &BTreeMap<String, i6
 async fn rabbitmq_consumer() {
     let queue = std::env::var("IDEM_QUEUE").unwrap();
     let stall = std::env::var_os("IDEM_QUEUE_STALL").is_some();
-    rabbitmq::consume(&queue, stall, None).await.unwrap();
+    rabbitmq::consume(&queue, stall, None, process::stdin_closed())
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -269,8 +273,15 @@ async fn nats_consumer() {
     println!("consuming {stream}");
     let settle =
         Consumer::new("shop.orders.v1").backoff(Duration::from_millis(50), Duration::from_secs(1));
-    while let Some(message) = messages.next().await {
-        let message = message.unwrap();
+    let mut stop = std::pin::pin!(process::stdin_closed());
+    loop {
+        // Each settlement waits for the server's confirmation: stopping between deliveries
+        // leaves nothing unsettled.
+        let message = tokio::select! {
+            biased;
+            () = &mut stop => break,
+            message = messages.next() => message.expect("the messages ended").unwrap(),
+        };
         let first = message.info().unwrap().delivered == 1;
         let id = message
             .headers

@@ -183,9 +183,15 @@ pub fn postgres_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
-/// Consumes `queue` until the connection ends, printing `settled <id> <disposition>` for
-/// each delivery, or until `until` deliveries were settled.
-pub async fn consume(queue: &str, stall: bool, until: Option<usize>) -> Result<(), BoxError> {
+/// Consumes `queue`, printing `settled <id> <disposition>` for each delivery, until `until`
+/// deliveries were settled or `stop` resolves (checked between deliveries); then closes the
+/// connection, so that every settlement has reached the broker.
+pub async fn consume(
+    queue: &str,
+    stall: bool,
+    until: Option<usize>,
+    stop: impl std::future::Future<Output = ()>,
+) -> Result<(), BoxError> {
     // A stalling consumer takes one message at a time, so that a kill requeues only the one
     // it stalled on.
     let prefetch = if stall { 1 } else { 10 };
@@ -208,8 +214,16 @@ pub async fn consume(queue: &str, stall: bool, until: Option<usize>) -> Result<(
     let consumer =
         Consumer::new("shop.orders.v1").backoff(Duration::from_millis(50), Duration::from_secs(1));
     let mut settled = 0;
-    while let Some(delivery) = deliveries.next().await {
-        let delivery = delivery?;
+    let mut stop = std::pin::pin!(stop);
+    loop {
+        let delivery = tokio::select! {
+            biased;
+            () = &mut stop => break,
+            delivery = deliveries.next() => match delivery {
+                Some(delivery) => delivery?,
+                None => break,
+            },
+        };
         let first = !delivery.redelivered;
         let id = delivery
             .properties
@@ -228,6 +242,8 @@ pub async fn consume(queue: &str, stall: bool, until: Option<usize>) -> Result<(
             break;
         }
     }
+    channel.close(200, "done".into()).await?;
+    connection.close(200, "done".into()).await?;
     Ok(())
 }
 
@@ -286,7 +302,7 @@ async fn demo() -> Result<(), BoxError> {
     )
     .await?;
     published += 2;
-    consume(&queue, false, Some(published)).await?;
+    consume(&queue, false, Some(published), std::future::pending()).await?;
 
     let shipped: Vec<(String, i64)> = sqlx::query_as(
         "SELECT message_id, count(*) FROM queue_shipments WHERE message_id LIKE $1 GROUP BY message_id",
@@ -323,7 +339,11 @@ async fn demo() -> Result<(), BoxError> {
 async fn main() -> Result<(), BoxError> {
     if std::env::args().any(|arg| arg == "--consume") {
         let queue = std::env::var("IDEM_QUEUE")?;
-        return consume(&queue, std::env::var_os("IDEM_QUEUE_STALL").is_some(), None).await;
+        let stall = std::env::var_os("IDEM_QUEUE_STALL").is_some();
+        let interrupted = async {
+            let _ = tokio::signal::ctrl_c().await;
+        };
+        return consume(&queue, stall, None, interrupted).await;
     }
     demo().await
 }

@@ -480,3 +480,50 @@ async fn webhooks_on_postgres_run_once_across_two_receivers() {
     }
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_key_extractor_reads_the_source_in_the_request_extensions() {
+    use axum::Extension;
+    use idem_runtime::http::IdempotencyKey;
+
+    async fn shown(key: IdempotencyKey) -> String {
+        key.as_str().to_string()
+    }
+    let from_headers = Router::new()
+        .route("/hooks", post(shown))
+        .layer(Extension(KeyFrom::headers(["x-hook", "x-delivery"])));
+    let client = Client_::new(serve(from_headers).await);
+    let both = client
+        .send(
+            Method::POST,
+            "/hooks",
+            &[("x-hook", "7"), ("x-delivery", "d-1")],
+            "{}",
+        )
+        .await;
+    assert_eq!(both.status, StatusCode::OK);
+    assert_eq!(both.body, "7/d-1");
+    // The header it no longer reads is not a key; the missing one is named.
+    let header_only = client
+        .send(
+            Method::POST,
+            "/hooks",
+            &[("idempotency-key", "k-1"), ("x-hook", "7")],
+            "{}",
+        )
+        .await;
+    assert_eq!(header_only.status, StatusCode::BAD_REQUEST);
+    let text = header_only.problem().to_string();
+    assert!(text.contains("`x-hook` and `x-delivery`"), "{text}");
+
+    // A body source cannot be read from the head: a misconfiguration, answered 500.
+    let from_body = Router::new()
+        .route("/hooks", post(shown))
+        .layer(Extension(KeyFrom::json("/id")));
+    let client = Client_::new(serve(from_body).await);
+    let answer = client
+        .send(Method::POST, "/hooks", &[], r#"{"id":"e"}"#)
+        .await;
+    assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
+    answer.problem();
+}

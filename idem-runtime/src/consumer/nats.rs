@@ -8,9 +8,10 @@ use super::{Delivery, Disposition};
 use crate::BoxError;
 
 /// A JetStream message: its `Nats-Msg-Id` header is the broker's id (the one JetStream
-/// deduplicates publishes by), and JetStream counts its deliveries. An ack waits for the
-/// server's confirmation (`double_ack`), a requeue is a `Nak` with its delay, a reject a
-/// `Term`: never delivered again.
+/// deduplicates publishes by), and JetStream counts its deliveries. An ack, a requeue (a
+/// `Nak` with its delay) and a reject (a `Term`: never delivered again) each wait for the
+/// server's confirmation (`double_ack_with`): a consumer that dies after settling a message
+/// has settled it, and a rejected message is rejected once.
 #[crate::async_trait]
 impl Delivery for Message {
     fn payload(&self) -> &[u8] {
@@ -33,9 +34,11 @@ impl Delivery for Message {
 
     async fn settle(&self, disposition: Disposition) -> Result<(), BoxError> {
         match disposition {
-            Disposition::Ack => self.double_ack().await?,
-            Disposition::Requeue { after } => self.ack_with(AckKind::Nak(Some(after))).await?,
-            Disposition::Reject => self.ack_with(AckKind::Term).await?,
+            Disposition::Ack => self.double_ack_with(AckKind::Ack).await?,
+            Disposition::Requeue { after } => {
+                self.double_ack_with(AckKind::Nak(Some(after))).await?;
+            }
+            Disposition::Reject => self.double_ack_with(AckKind::Term).await?,
         }
         Ok(())
     }

@@ -17,7 +17,11 @@ pub const MAX_KEY_LEN: usize = 255;
 /// an **extractor** that reads and checks the header exactly as the layer does: a handler
 /// that takes `key: IdempotencyKey` answers a request without a key, or with a malformed
 /// one, `400` problem+json (`key-missing`, `key-malformed`) before it runs; one that takes
-/// `Option<IdempotencyKey>` runs without a key and refuses only a malformed one. That is
+/// `Option<IdempotencyKey>` runs without a key and refuses only a malformed one. A
+/// [`KeyFrom`](super::KeyFrom) in the request's extensions (axum:
+/// `.layer(Extension(KeyFrom::header("x-request-id")))`) names another header, or several,
+/// to read instead; a key in the body is the handler's to read from the body it parses
+/// (`key = event.id`), and such a source answers `500`. That is
 /// the shape of an endpoint whose effect is a write in the same database: the key's claim,
 /// the write and the answer commit in one transaction (`transaction =`; see the
 /// [HTTP guide](crate::guide::http)'s "One request, one transaction").
@@ -40,34 +44,6 @@ pub struct IdempotencyKey(String);
 impl std::fmt::Display for IdempotencyKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.0)
-    }
-}
-
-#[cfg(feature = "axum")]
-impl<S: Send + Sync> axum::extract::FromRequestParts<S> for IdempotencyKey {
-    type Rejection = axum::response::Response;
-
-    async fn from_request_parts(
-        parts: &mut http::request::Parts,
-        _: &S,
-    ) -> Result<Self, Self::Rejection> {
-        match parse(&parts.headers) {
-            Ok(Some(key)) => Ok(key),
-            Ok(None) => Err(super::problem::key_missing()),
-            Err(why) => Err(super::problem::key_malformed(why)),
-        }
-    }
-}
-
-#[cfg(feature = "axum")]
-impl<S: Send + Sync> axum::extract::OptionalFromRequestParts<S> for IdempotencyKey {
-    type Rejection = axum::response::Response;
-
-    async fn from_request_parts(
-        parts: &mut http::request::Parts,
-        _: &S,
-    ) -> Result<Option<Self>, Self::Rejection> {
-        parse(&parts.headers).map_err(super::problem::key_malformed)
     }
 }
 

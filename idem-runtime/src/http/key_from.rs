@@ -13,6 +13,8 @@ use http::HeaderMap;
 
 use super::header::{self, IdempotencyKey, MAX_KEY_LEN};
 use super::problem::KeyNaming;
+#[cfg(feature = "axum")]
+use super::problem::Problem;
 
 /// A function that finds a request's key in its parts and body: `None` when it has none.
 type KeyFn = Arc<dyn Fn(&Parts, &Bytes) -> Option<String> + Send + Sync>;
@@ -108,7 +110,8 @@ impl KeyFrom {
 
     /// The values of every header in `names` together, in this order: a request without
     /// any one of them has no key. For senders that name a delivery by more than one
-    /// header (GitHub: the hook and the delivery).
+    /// header (GitHub: the hook and the delivery). A handler reads the values joined by `/`
+    /// as its request's [`IdempotencyKey`].
     ///
     /// # Panics
     ///
@@ -255,6 +258,60 @@ impl KeyFrom {
             Source::Json(pointer) => format!("the body's `{pointer}`"),
             Source::With(_) => "the request's key".to_owned(),
         }
+    }
+}
+
+/// The key of a request's head, read from `source`: `Ok(None)` when there is none, the
+/// problem when it is malformed or cannot be read from the head.
+#[cfg(feature = "axum")]
+fn extracted(source: &KeyFrom, parts: &Parts) -> Result<Option<IdempotencyKey>, Problem> {
+    match source.in_head(&parts.headers) {
+        Found::Key(keyed) => Ok(Some(keyed.shown)),
+        Found::Missing => Ok(None),
+        Found::Malformed(why) => Err(Problem::KeyMalformed(why)),
+        Found::InBody => {
+            tracing::error!(source = ?source, "the `IdempotencyKey` extractor reads the request's head, and this key is in its body: answered 500");
+            Err(Problem::Internal)
+        }
+    }
+}
+
+/// The source an extractor reads: the request's [`KeyFrom`] extension, or the default.
+#[cfg(feature = "axum")]
+fn source_of(parts: &Parts) -> KeyFrom {
+    parts
+        .extensions
+        .get::<KeyFrom>()
+        .cloned()
+        .unwrap_or_default()
+}
+
+#[cfg(feature = "axum")]
+fn rejection(source: &KeyFrom, problem: Problem) -> axum::response::Response {
+    problem.answer(&source.naming()).map(axum::body::Body::new)
+}
+
+#[cfg(feature = "axum")]
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for IdempotencyKey {
+    type Rejection = axum::response::Response;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        let source = source_of(parts);
+        match extracted(&source, parts) {
+            Ok(Some(key)) => Ok(key),
+            Ok(None) => Err(rejection(&source, Problem::KeyMissing)),
+            Err(problem) => Err(rejection(&source, problem)),
+        }
+    }
+}
+
+#[cfg(feature = "axum")]
+impl<S: Send + Sync> axum::extract::OptionalFromRequestParts<S> for IdempotencyKey {
+    type Rejection = axum::response::Response;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Option<Self>, Self::Rejection> {
+        let source = source_of(parts);
+        extracted(&source, parts).map_err(|problem| rejection(&source, problem))
     }
 }
 

@@ -269,23 +269,6 @@ impl axum::response::IntoResponse for Error {
     }
 }
 
-/// The `400` of a request without the key a handler requires (the `IdempotencyKey`
-/// extractor), as the layer answers it.
-#[cfg(feature = "axum")]
-pub(super) fn key_missing() -> axum::response::Response {
-    Problem::KeyMissing
-        .into_response()
-        .map(axum::body::Body::new)
-}
-
-/// The `400` of a malformed key, with the layer's own words for why.
-#[cfg(feature = "axum")]
-pub(super) fn key_malformed(why: &'static str) -> axum::response::Response {
-    Problem::KeyMalformed(why)
-        .into_response()
-        .map(axum::body::Body::new)
-}
-
 #[cfg(test)]
 mod tests {
     use http_body_util::BodyExt;
