@@ -479,7 +479,105 @@ impl<St: Store + Clone> Consumer<St> {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Mutex;
+
     use super::*;
+
+    /// A delivery of no broker: what a third-party implementation looks like.
+    struct Fake {
+        payload: &'static [u8],
+        id: Option<&'static str>,
+        headers: Vec<(&'static str, &'static str)>,
+        settled: Mutex<Vec<Disposition>>,
+    }
+
+    impl Fake {
+        fn new(payload: &'static [u8], id: Option<&'static str>) -> Self {
+            Self {
+                payload,
+                id,
+                headers: vec![("x-order-id", "o-7")],
+                settled: Mutex::default(),
+            }
+        }
+    }
+
+    #[crate::async_trait]
+    impl Delivery for Fake {
+        fn payload(&self) -> &[u8] {
+            self.payload
+        }
+        fn message_id(&self) -> Option<Cow<'_, str>> {
+            self.id.map(Cow::Borrowed)
+        }
+        fn header(&self, name: &str) -> Option<Cow<'_, str>> {
+            let found = self.headers.iter().find(|(n, _)| *n == name);
+            found.map(|(_, v)| Cow::Borrowed(*v))
+        }
+        fn deliveries(&self) -> Option<u64> {
+            None
+        }
+        async fn settle(&self, disposition: Disposition) -> Result<(), BoxError> {
+            self.settled.lock().unwrap().push(disposition);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn an_id_is_found_where_its_source_says() {
+        let fake = Fake::new(br#"{"order":{"id":42},"name":"x"}"#, Some("m-1"));
+        assert_eq!(MessageId::broker().of(&fake).as_deref(), Some("m-1"));
+        assert_eq!(
+            MessageId::header("x-order-id").of(&fake).as_deref(),
+            Some("o-7")
+        );
+        assert_eq!(MessageId::header("x-none").of(&fake), None);
+        assert_eq!(
+            MessageId::json("/order/id").of(&fake).as_deref(),
+            Some("42")
+        );
+        assert_eq!(MessageId::json("/name").of(&fake).as_deref(), Some("x"));
+        assert_eq!(
+            MessageId::json("/order").of(&fake),
+            None,
+            "an object is no id"
+        );
+        assert_eq!(
+            MessageId::broker().of(&Fake::new(b"{}", Some(""))),
+            None,
+            "empty"
+        );
+    }
+
+    #[cfg(feature = "memory")]
+    #[tokio::test]
+    async fn a_delivery_of_any_broker_is_handled_once_and_settled() {
+        let consumer = Consumer::new("consumer.unit").store(crate::MemoryStore::new());
+        let runs = std::sync::atomic::AtomicU32::new(0);
+        // Counted when the body runs, not when its future is made.
+        let handler = |n: u32| {
+            let runs = &runs;
+            async move {
+                runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                Ok::<_, Error>(n * 2)
+            }
+        };
+        let first = Fake::new(b"21", Some("m-1"));
+        let again = Fake::new(b"21", Some("m-1"));
+        let reused = Fake::new(b"22", Some("m-1"));
+        let poison = Fake::new(b"not json", Some("m-2"));
+        let anonymous = Fake::new(b"5", None);
+        for delivery in [&first, &again, &reused, &poison, &anonymous] {
+            consumer.handle(delivery, handler).await.unwrap();
+        }
+        assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+        let settled = |fake: &Fake| fake.settled.lock().unwrap().clone();
+        assert_eq!(settled(&first), [Disposition::Ack]);
+        assert_eq!(settled(&again), [Disposition::Ack]);
+        assert_eq!(settled(&reused), [Disposition::Reject]);
+        assert_eq!(settled(&poison), [Disposition::Reject]);
+        assert_eq!(settled(&anonymous), [Disposition::Reject]);
+    }
 
     #[test]
     fn every_error_has_its_disposition() {
