@@ -40,6 +40,12 @@ const DAY: Duration = Duration::from_secs(24 * 3600);
 /// A Stripe event's `pending_webhooks` (how many of its deliveries are still pending)
 /// changes between retries, so it is left out of the fingerprint; the rest of the body is
 /// compared as every JSON body is.
+///
+/// GitHub and Shopify sign no timestamp: a delivery captured on the way and sent again is
+/// replayed from its record while the record lasts, but runs again once it has expired.
+/// Keep their TTL at least as long as a replayed delivery would matter, or check a date
+/// the payload carries; Stripe and Standard Webhooks refuse a signature older than the
+/// tolerance.
 #[derive(Clone)]
 pub struct Webhook {
     sender: Sender,
