@@ -20,8 +20,11 @@ pub fn dynamodb_url() -> String {
 }
 
 /// A client of the endpoint `url`, over plain HTTP, with credentials the emulator accepts and
-/// the SDK's standard retries (three attempts), sent again after 20 ms rather than up to a
-/// second: the emulator is on this machine.
+/// the SDK's standard retries, sent again after 20 ms rather than up to a second: the
+/// emulator is on this machine. Six attempts rather than three: the conformance proxy
+/// throttles one request in 40, and a suite of thousands of requests met three throttles in
+/// a row about once in twenty runs (a store answers `Error::Store` then, as it must, and a
+/// test that needs the operation fails); six in a row is one in four billion.
 pub fn dynamodb_client(url: &str) -> aws_sdk_dynamodb::Client {
     let config = aws_sdk_dynamodb::Config::builder()
         .behavior_version(BehaviorVersion::latest())
@@ -29,7 +32,11 @@ pub fn dynamodb_client(url: &str) -> aws_sdk_dynamodb::Client {
         .endpoint_url(url)
         .credentials_provider(Credentials::new("idem", "idem", None, None, "idem-tests"))
         .http_client(aws_smithy_http_client::Builder::new().build_http())
-        .retry_config(RetryConfig::standard().with_initial_backoff(Duration::from_millis(20)))
+        .retry_config(
+            RetryConfig::standard()
+                .with_max_attempts(6)
+                .with_initial_backoff(Duration::from_millis(20)),
+        )
         .build();
     aws_sdk_dynamodb::Client::from_conf(config)
 }
