@@ -228,9 +228,9 @@ async fn rabbitmq_consumers_killed_mid_handler_ship_each_order_once() {
     let (kills, settled) = consume_with_kills(start, &expected_ids(&run), 2).await;
     check(&run, kills, &settled, &shipments(&pool, &run).await);
 
-    let left = rabbitmq::drain(&channel, &queue).await.unwrap();
+    let left = rabbitmq::drain(&channel, &queue, 0).await.unwrap();
     assert!(left.is_empty(), "left in the queue: {left:?}");
-    let mut dead = rabbitmq::drain(&channel, &format!("{queue}.dead"))
+    let mut dead = rabbitmq::drain(&channel, &format!("{queue}.dead"), 2)
         .await
         .unwrap();
     dead.sort();

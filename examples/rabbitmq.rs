@@ -247,24 +247,29 @@ pub async fn consume(
     Ok(())
 }
 
-/// The messages still in `queue`, taken: their ids.
-pub async fn drain(channel: &Channel, queue: &str) -> Result<Vec<String>, BoxError> {
+/// The messages in `queue`, taken: their ids, once at least `expected` have arrived (or 10 s
+/// have passed). A rejected message reaches its dead-letter queue after the reject, routed
+/// by the broker: it is waited for, not assumed.
+pub async fn drain(
+    channel: &Channel,
+    queue: &str,
+    expected: usize,
+) -> Result<Vec<String>, BoxError> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let mut ids = Vec::new();
-    while let Some(message) = channel
-        .basic_get(queue.into(), BasicGetOptions { no_ack: true })
-        .await?
-    {
-        ids.push(
-            message
-                .delivery
-                .properties
-                .message_id()
-                .clone()
-                .map(|id| id.to_string())
-                .unwrap_or_default(),
-        );
+    loop {
+        while let Some(message) = channel
+            .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+            .await?
+        {
+            let id = message.delivery.properties.message_id().clone();
+            ids.push(id.map(|id| id.to_string()).unwrap_or_default());
+        }
+        if ids.len() >= expected || tokio::time::Instant::now() >= deadline {
+            return Ok(ids);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    Ok(ids)
 }
 
 /// The demo: orders with duplicates, a poison and a reused id, consumed in this process.
@@ -310,8 +315,8 @@ async fn demo() -> Result<(), BoxError> {
     .bind(format!("{run}-%"))
     .fetch_all(&pool)
     .await?;
-    let dead = drain(&channel, &format!("{queue}.dead")).await?;
-    let left = drain(&channel, &queue).await?;
+    let dead = drain(&channel, &format!("{queue}.dead"), 2).await?;
+    let left = drain(&channel, &queue, 0).await?;
     println!(
         "shipped: {} orders, each {:?} time(s)",
         shipped.len(),
