@@ -22,9 +22,10 @@ pub fn dynamodb_url() -> String {
 /// A client of the endpoint `url`, over plain HTTP, with credentials the emulator accepts and
 /// the SDK's standard retries, sent again after 20 ms rather than up to a second: the
 /// emulator is on this machine. Six attempts rather than three: the conformance proxy
-/// throttles one request in 40, and a suite of thousands of requests met three throttles in
-/// a row about once in twenty runs (a store answers `Error::Store` then, as it must, and a
-/// test that needs the operation fails); six in a row is one in four billion.
+/// throttles one request in 40 at random, so three in a row is one request in 64 000, and
+/// the suite sends a few thousand (3 613 counted in one run): a run in twenty or so would
+/// see one, and the store answers `Error::Store` then, as it must, failing a test that
+/// needs the operation. Six in a row is one in four billion.
 pub fn dynamodb_client(url: &str) -> aws_sdk_dynamodb::Client {
     let config = aws_sdk_dynamodb::Config::builder()
         .behavior_version(BehaviorVersion::latest())
