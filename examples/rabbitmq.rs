@@ -98,12 +98,19 @@ pub async fn database(url: &str) -> Result<(PgPool, PostgresStore), BoxError> {
     let store = PostgresStore::connect(url).await?;
     store.migrate().await?;
     let pool = store.pool().clone();
+    // Under a lock: two processes creating the table at once could both find it missing,
+    // and the second's `CREATE … IF NOT EXISTS` then fails on PostgreSQL's catalog.
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem.examples.queue_shipments'))")
+        .execute(&mut *tx)
+        .await?;
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS queue_shipments (id bigserial PRIMARY KEY, \
             message_id text NOT NULL, order_no bigint NOT NULL)",
     )
-    .execute(&pool)
+    .execute(&mut *tx)
     .await?;
+    tx.commit().await?;
     Ok((pool, store))
 }
 
