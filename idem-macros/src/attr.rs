@@ -19,6 +19,7 @@ mod kw {
     syn::custom_keyword!(transaction);
     syn::custom_keyword!(ignore);
     syn::custom_keyword!(label);
+    syn::custom_keyword!(reconcile);
 }
 
 const NAMES: &[&str] = &[
@@ -35,6 +36,7 @@ const NAMES: &[&str] = &[
     "transaction",
     "ignore",
     "label",
+    "reconcile",
     "crate",
 ];
 
@@ -57,6 +59,9 @@ pub(crate) struct Args {
     pub ignore: Option<Vec<syn::Ident>>,
     /// A readable label for the claim, shown by an operator's listing.
     pub label: Option<Expr>,
+    /// The lookup that asks the effect's destination, before the body, whether an attempt
+    /// that died mid-body had its effect.
+    pub reconcile: Option<Expr>,
     pub krate: Option<Path>,
     /// Errors found while parsing; reported together, all at once.
     pub errors: Option<syn::Error>,
@@ -124,6 +129,7 @@ impl Parse for Args {
             transaction: None,
             ignore: None,
             label: None,
+            reconcile: None,
             krate: None,
             errors: None,
         };
@@ -201,6 +207,8 @@ impl Args {
             arg!(kw::wait, "wait", wait, |v| duration(v, "wait"))
         } else if lookahead.peek(kw::label) {
             arg!(kw::label, "label", label, Ok)
+        } else if lookahead.peek(kw::reconcile) {
+            arg!(kw::reconcile, "reconcile", reconcile, Ok)
         } else if lookahead.peek(kw::cache_err) {
             arg!(kw::cache_err, "cache_err", cache_err, Ok)
         } else if lookahead.peek(kw::on_cancel) {
@@ -562,6 +570,7 @@ mod tests {
                 "transaction" => args.transaction.is_some(),
                 "ignore" => args.ignore.is_some(),
                 "label" => args.label.is_some(),
+                "reconcile" => args.reconcile.is_some(),
                 "crate" => args.krate.is_some(),
                 other => panic!("the table documents `{other}`, which the parser does not take"),
             };

@@ -80,6 +80,12 @@ pub(crate) fn check(item: &ItemFn, args: &Args, parsed: bool) -> syn::Result<()>
                 "`transaction` cannot go with `on_cancel = \"complete\"`: the body runs on the caller's connection, which cannot be moved to a background task; remove `on_cancel` (a cancelled call leaves the transaction to the caller)",
             ));
         }
+        if let Some(reconcile) = &args.reconcile {
+            errors.push(syn::Error::new(
+                reconcile.span(),
+                "`reconcile` has nothing to ask with `transaction`: the claim, the effect and the record commit together, so no claim is ever left in doubt; remove `reconcile` (it is for a store outside the effect's database)",
+            ));
+        }
     } else if args.on_cancel == Some(OnCancel::Complete) {
         errors.extend(borrowed_inputs(item));
     }

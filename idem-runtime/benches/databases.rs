@@ -130,9 +130,12 @@ macro_rules! database {
         let claim = measure(
             &mut side(rt, || async {
                 let key = op.key(&fresh()).unwrap();
-                Store::claim(store, &key, None, Duration::from_secs(60))
-                    .await
-                    .unwrap()
+                Store::claim(
+                    store,
+                    &idem_runtime::ClaimRequest::new(&key, Duration::from_secs(60)),
+                )
+                .await
+                .unwrap()
             }),
             &mut side(rt, insert),
             BUDGET,

@@ -7,6 +7,7 @@
 //! `INFO commandstats`, so a phase's cost splits into server time and everything else
 //! (client, network, scheduling).
 
+use idem_runtime::ClaimRequest;
 use std::future::Future;
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -84,8 +85,8 @@ fn header(store: &str) {
 
 async fn claimed<S: Store>(store: &S, op: &Operation) -> (idem_runtime::Key, Token) {
     let key = op.key(&fresh()).unwrap();
-    match store.claim(&key, None, LEASE).await.unwrap() {
-        Claim::Acquired { token } => (key, token),
+    match store.claim(&ClaimRequest::new(&key, LEASE)).await.unwrap() {
+        Claim::Acquired { token, .. } => (key, token),
         other => panic!("a fresh key was not free: {other:?}"),
     }
 }

@@ -67,13 +67,8 @@ mod unset {
 
     #[async_trait::async_trait]
     impl Store for Unset {
-        async fn claim_with_nonce(
-            &self,
-            _: &Key,
-            _: Option<&Fingerprint>,
-            _: Duration,
-            _: u64,
-        ) -> Result<Claim, Error> {
+        async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, Error> {
+            let _ = request;
             Err(unset())
         }
 

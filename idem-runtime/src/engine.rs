@@ -11,6 +11,7 @@ mod held;
 pub(crate) mod label;
 mod lease;
 mod outcome;
+pub(crate) mod reconcile;
 mod settings;
 pub(crate) mod settle;
 pub(crate) mod steps;

@@ -39,6 +39,8 @@
 //! - [`attempt()`]: the key and fencing token of the claim a body runs under.
 //! - [`step()`]: a recorded step of a body, so that a retry after a crash resumes at the
 //!   first step that did not finish.
+//! - [`reconcile()`]: asks the destination of a body's effect whether an attempt that died
+//!   mid-body had it, before the body runs again.
 //! - `metrics` (feature `metrics`): outcome counts and claim latency, by namespace, through
 //!   the `metrics` facade.
 //!
@@ -88,6 +90,7 @@ pub use crate::codec::{CacheErrors, ErrorPolicy, ReleaseErrors};
 pub use crate::default_store::{default_store, set_default_store, DefaultStoreError};
 pub use crate::engine::attempt::{attempt, Attempt};
 pub use crate::engine::label::labelled;
+pub use crate::engine::reconcile::reconcile;
 pub use crate::engine::steps::step;
 pub use crate::engine::{InFlight, Operation, Outcome, DEFAULT_LEASE, DEFAULT_TTL};
 pub use crate::error::{BoxError, Error, RETRY_AFTER};
@@ -115,7 +118,7 @@ pub use crate::store::sqlite::SqliteStore;
 #[doc(inline)]
 pub use crate::store::tiered::TieredStore;
 #[doc(inline)]
-pub use crate::store::{Claim, Recorded, Store, Token};
+pub use crate::store::{Claim, ClaimRequest, Recorded, Store, Token};
 
 // For implementors of `Store`, documented in `store` where they belong; kept here too so
 // that `idem_runtime::{async_trait, Bytes}` go on working.

@@ -137,12 +137,18 @@ token_is_an_integer_in!("mysql", sqlx::MySql, u64);
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Claim {
-    /// The key was absent, expired, or its lease had run out: the caller now holds it with
-    /// this token and must run the operation, then [`complete`](Store::complete) or
-    /// [`release`](Store::release).
+    /// The key was absent, expired, released, or its lease had run out: the caller now
+    /// holds it with this token and must run the operation, then
+    /// [`complete`](Store::complete) or [`release`](Store::release).
     Acquired {
         /// The token to present to `complete`, `release` and `renew`.
         token: Token,
+        /// Whether this claim took the key over from another claim that was neither
+        /// completed nor released: its lease ran out while its body ran (its process died
+        /// or stalled), or an operator released it. That body's outcome is unknown, so the
+        /// engine runs the call's [`reconcile`](crate::reconcile()) step before its body.
+        /// A claim made again under its own nonce (its reply was lost) is not a takeover.
+        taken_over: bool,
     },
     /// Another holder's claim is live; nothing was changed.
     InProgress {
@@ -156,6 +162,111 @@ pub enum Claim {
         /// The fingerprint the record was claimed with.
         fingerprint: Option<Fingerprint>,
     },
+}
+
+impl Claim {
+    /// A claim of a key that no unsettled claim held before: absent, expired, released, or
+    /// the caller's own claim made again.
+    pub const fn acquired(token: Token) -> Self {
+        Self::Acquired {
+            token,
+            taken_over: false,
+        }
+    }
+
+    /// A claim that took the key over from an unsettled claim: one whose lease ran out
+    /// while it was held, or that an operator released.
+    pub const fn taken_over(token: Token) -> Self {
+        Self::Acquired {
+            token,
+            taken_over: true,
+        }
+    }
+}
+
+/// One claim, as the engine asks [`Store::claim`] for it: the key, the payload's
+/// fingerprint, the lease, how long the call's record is kept, the call's nonce and whose
+/// the claim is. Built with [`new`](Self::new) and its setters; read through its fields,
+/// so that a field added later is no new method.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_runtime::{ClaimRequest, Key};
+///
+/// let key = Key::derive("billing.charge.v1", &17)?;
+/// let request = ClaimRequest::new(&key, Duration::from_secs(8)).ttl(Duration::from_secs(3600));
+/// assert_eq!(request.lease, Duration::from_secs(8));
+/// # Ok::<_, idem_runtime::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub struct ClaimRequest<'a> {
+    /// The key to claim.
+    pub key: &'a Key,
+    /// The payload's fingerprint, kept with the claim and its record.
+    pub fingerprint: Option<&'a Fingerprint>,
+    /// How long the claim lives without renewal.
+    pub lease: Duration,
+    /// How long the call's record is kept: a completed result's TTL, and how long, after
+    /// its lease ran out, a claim that was never settled is remembered so that the claim
+    /// that takes it over is told ([`Claim::Acquired`]'s `taken_over`).
+    pub ttl: Duration,
+    /// A number the caller draws once per call (64 random bits) and sends again with every
+    /// retry of the same claim. A key in progress under a claim made with the same nonce is
+    /// the caller's own claim, whose reply was lost (a timeout after the store applied it):
+    /// it is answered [`Claim::Acquired`] with a whole lease (that claim's token renewed, or
+    /// the key taken again under a new token, which fences the old one), instead of leaving
+    /// the caller to wait out its own lease. A store that cannot keep the nonce may ignore
+    /// it: such a key then stays held until its lease lapses.
+    pub nonce: u64,
+    /// Whose the claim is: its operation's namespace, a label if the caller chose one, and
+    /// this process as its [`Holder`], which a store keeps beside the record so that an
+    /// operator's listing (`idem_runtime::admin`) can tell whose a key is.
+    pub claimant: Claimant<'a>,
+}
+
+impl<'a> ClaimRequest<'a> {
+    /// A claim of `key` for `lease`, with no fingerprint, the [default
+    /// TTL](crate::DEFAULT_TTL), a nonce of its own (a claim that is never sent again) and
+    /// no claimant's name.
+    pub fn new(key: &'a Key, lease: Duration) -> Self {
+        Self {
+            key,
+            fingerprint: None,
+            lease,
+            ttl: crate::DEFAULT_TTL,
+            nonce: nonce(),
+            claimant: Claimant::unnamed(),
+        }
+    }
+
+    /// With the payload's fingerprint.
+    #[must_use]
+    pub const fn fingerprint(mut self, fingerprint: Option<&'a Fingerprint>) -> Self {
+        self.fingerprint = fingerprint;
+        self
+    }
+
+    /// With how long the call's record is kept.
+    #[must_use]
+    pub const fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// With the call's nonce, sent again with every retry of this claim.
+    #[must_use]
+    pub const fn nonce(mut self, nonce: u64) -> Self {
+        self.nonce = nonce;
+        self
+    }
+
+    /// Saying whose the claim is.
+    #[must_use]
+    pub const fn claimant(mut self, claimant: Claimant<'a>) -> Self {
+        self.claimant = claimant;
+        self
+    }
 }
 
 /// A live completed record, as [`Store::lookup`] reads it.
@@ -203,20 +314,25 @@ impl Recorded {
     note = "use one of the stores below (`MemoryStore`, or one of a backend feature), an `Arc<dyn Store>`, or implement `idem_runtime::Store`"
 )]
 pub trait Store: Send + Sync + 'static {
-    /// Takes `key` for the caller, or reports what is there, in one atomic step.
+    /// Takes the request's key for the caller, or reports what is there, in one atomic
+    /// step.
     ///
-    /// If the record is absent, completed but past its TTL, or in progress with a lease that
-    /// ran out, it becomes in progress with `fingerprint`, a lease of `lease` and a new token
-    /// that differs from every earlier token of this key: [`Claim::Acquired`]. Otherwise
-    /// nothing changes and the live record is returned.
+    /// If the record is absent, completed but past its TTL, released, or in progress with a
+    /// lease that ran out, it becomes in progress with the request's fingerprint, a lease
+    /// of `lease` and a new token that differs from every earlier token of this key:
+    /// [`Claim::Acquired`]. Otherwise nothing changes and the live record is returned. A
+    /// key in progress under the request's [`nonce`](ClaimRequest::nonce) is the caller's
+    /// own claim, acquired again.
     ///
-    /// `nonce` is a number the caller draws once per call (64 random bits) and sends again
-    /// with every retry of the same claim. A key in progress under a claim made with the
-    /// same nonce is the caller's own claim, whose reply was lost (a timeout after the store
-    /// applied it): it is answered [`Claim::Acquired`] with a whole lease (that claim's token
-    /// renewed, or the key taken again under a new token, which fences the old one), instead
-    /// of leaving the caller to wait out its own lease. A store that cannot keep the nonce
-    /// may ignore it: such a key then stays held until its lease lapses.
+    /// **Takeovers are told.** A claim whose lease ran out before it was completed or
+    /// released (and one an operator released, [`admin`](crate::admin)) is remembered for
+    /// the request's [`ttl`](ClaimRequest::ttl) after its lease ended: the claim that takes
+    /// such a key answers `taken_over: true`, since the body that claim ran may have had
+    /// its effect. A completion, a release and [`remove`](Store::remove) forget it.
+    ///
+    /// The store keeps the [`claimant`](ClaimRequest::claimant) beside the record if it can
+    /// (what an operator's listing shows); one that keeps no such metadata loses nothing
+    /// else by ignoring it.
     ///
     /// A store whose claim tokens also grow (each larger than any earlier one of the key)
     /// answers [`fence`](Store::fence) with the claim's own token; one whose tokens only
@@ -226,53 +342,7 @@ pub trait Store: Send + Sync + 'static {
     ///
     /// [`Error::Store`] when the store cannot be reached or fails; the caller must then not
     /// run the operation.
-    async fn claim_with_nonce(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-    ) -> Result<Claim, Error>;
-
-    /// [`claim_with_nonce`](Store::claim_with_nonce) with a nonce of its own: a claim that
-    /// is never sent again.
-    ///
-    /// # Errors
-    ///
-    /// As [`claim_with_nonce`](Store::claim_with_nonce).
-    async fn claim(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-    ) -> Result<Claim, Error> {
-        self.claim_with_nonce(key, fingerprint, lease, nonce())
-            .await
-    }
-
-    /// [`claim_with_nonce`](Store::claim_with_nonce), saying whose the claim is: its
-    /// operation's namespace, a label if the caller chose one, and this process as its
-    /// [`Holder`], which a store may keep beside the record so that an operator's listing
-    /// (`idem_runtime::admin`) can tell whose a key is and whether its holder still renews
-    /// it (the memory store does). The engine claims through this method.
-    ///
-    /// The default forgets `claimant` and claims: a store that keeps no such metadata
-    /// loses nothing else by it. Wrappers around another store forward it.
-    ///
-    /// # Errors
-    ///
-    /// As [`claim_with_nonce`](Store::claim_with_nonce).
-    async fn claim_as(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-        claimant: &Claimant<'_>,
-    ) -> Result<Claim, Error> {
-        let _ = claimant;
-        self.claim_with_nonce(key, fingerprint, lease, nonce).await
-    }
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, Error>;
 
     /// Records `value` as the result of the claim `token`, replayed for `ttl`.
     ///
@@ -478,8 +548,8 @@ fn no_steps(store: &str) -> Error {
     ))
 }
 
-/// A claim's nonce ([`Store::claim_with_nonce`]), drawn once per call by the engine and by
-/// each store's own `claim`: 64 bits from a per-process random key (SipHash) and a counter,
+/// A claim's nonce ([`ClaimRequest::nonce`]), drawn once per call by the engine and by
+/// [`ClaimRequest::new`]: 64 bits from a per-process random key (SipHash) and a counter,
 /// so that no two calls of any process draw the same one but by chance, with no
 /// random-number crate and no lock.
 pub(crate) fn nonce() -> u64 {
@@ -569,34 +639,8 @@ macro_rules! forward_store {
     ($($ty:ty),*) => {$(
         #[async_trait]
         impl<S: Store + ?Sized> Store for $ty {
-            async fn claim(
-                &self,
-                key: &Key,
-                fingerprint: Option<&Fingerprint>,
-                lease: Duration,
-            ) -> Result<Claim, Error> {
-                (**self).claim(key, fingerprint, lease).await
-            }
-
-            async fn claim_with_nonce(
-                &self,
-                key: &Key,
-                fingerprint: Option<&Fingerprint>,
-                lease: Duration,
-                nonce: u64,
-            ) -> Result<Claim, Error> {
-                (**self).claim_with_nonce(key, fingerprint, lease, nonce).await
-            }
-
-            async fn claim_as(
-                &self,
-                key: &Key,
-                fingerprint: Option<&Fingerprint>,
-                lease: Duration,
-                nonce: u64,
-                claimant: &Claimant<'_>,
-            ) -> Result<Claim, Error> {
-                (**self).claim_as(key, fingerprint, lease, nonce, claimant).await
+            async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, Error> {
+                (**self).claim(request).await
             }
 
             async fn complete(

@@ -43,7 +43,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 
-use crate::{step, Claim, Error, Fingerprint, Key, Operation, Outcome, Store, Token};
+use crate::{step, Claim, ClaimRequest, Error, Fingerprint, Key, Operation, Outcome, Store, Token};
 
 mod faults;
 mod histories;
@@ -86,6 +86,7 @@ pub async fn conformance<S: Store + Clone>(store: &S) {
     lookup_reads_completed_records_only(store, &keys).await;
     lease_left_is_the_live_claims_only(store, &keys).await;
     a_claim_again_with_its_nonce_is_its_own(store, &keys).await;
+    a_takeover_is_told_until_a_claim_settles(store, &keys).await;
     step_records_are_fenced_by_the_calls_claim(store, &keys).await;
     steps_resume_where_the_last_attempt_stopped(store, &keys).await;
 }
@@ -121,15 +122,42 @@ async fn acquire<S: Store>(store: &S, key: &Key, fp: Option<&Fingerprint>) -> To
     acquire_for(store, key, fp, HELD).await
 }
 
+/// Claims a key that no unsettled claim held (fresh, released, completed and expired,
+/// removed): the claim must acquire it, and must not say it took anything over.
 async fn acquire_for<S: Store>(
     store: &S,
     key: &Key,
     fp: Option<&Fingerprint>,
     lease: Duration,
 ) -> Token {
-    match store.claim(key, fp, lease).await {
-        Ok(Claim::Acquired { token }) => token,
+    match store.claim(&ClaimRequest::new(key, lease).fingerprint(fp)).await {
+        Ok(Claim::Acquired {
+            token,
+            taken_over: false,
+        }) => token,
+        Ok(Claim::Acquired {
+            taken_over: true, ..
+        }) => panic!(
+            "a claim of a key no unsettled claim held (fresh, released, completed and expired, or removed) must not say `taken_over: true`"
+        ),
         other => panic!("claim of a free key must acquire it, got {other:?}"),
+    }
+}
+
+/// Claims a key whose last claim was never settled (its lease ran out, or an operator
+/// released it): the claim must acquire it and say so, `taken_over: true`.
+async fn take_over<S: Store>(store: &S, key: &Key, fp: Option<&Fingerprint>) -> Token {
+    match store.claim(&ClaimRequest::new(key, HELD).fingerprint(fp)).await {
+        Ok(Claim::Acquired {
+            token,
+            taken_over: true,
+        }) => token,
+        Ok(Claim::Acquired {
+            taken_over: false, ..
+        }) => panic!(
+            "a claim that takes a key over from a claim whose lease ran out unsettled must say `taken_over: true` (the store must remember a lapsed claim for the request's TTL)"
+        ),
+        other => panic!("a claim of a lapsed key must acquire it, got {other:?}"),
     }
 }
 
@@ -152,7 +180,7 @@ async fn fence_is_stale<S: Store>(store: &S, key: &Key, token: Token, newer: Tok
 
 async fn claim<S: Store>(store: &S, key: &Key, fp: Option<&Fingerprint>) -> Claim {
     store
-        .claim(key, fp, HELD)
+        .claim(&ClaimRequest::new(key, HELD).fingerprint(fp))
         .await
         .unwrap_or_else(|e| panic!("claim failed: {e}"))
 }
@@ -261,7 +289,7 @@ async fn release_frees_the_key_with_a_larger_fence<S: Store>(store: &S, keys: &K
 async fn lapsed_lease_is_taken_over_and_fences_the_old_holder<S: Store>(store: &S, keys: &Keys) {
     let (key, stale, stale_fence) = fenced_with_a_short_lease(store, keys).await;
     tokio::time::sleep(LEASE + LEASE / 2).await;
-    let owner = acquire(store, &key, Some(&fingerprint(2))).await;
+    let owner = take_over(store, &key, Some(&fingerprint(2))).await;
     assert_ne!(owner, stale, "a takeover must get another token");
     let owner_fence = fence(store, &key, owner).await;
     assert!(
@@ -449,7 +477,7 @@ async fn concurrent_claims_have_one_winner<S: Store + Clone>(store: &S, keys: &K
     let claims: Vec<_> = (0..64)
         .map(|_| {
             let store = store.clone();
-            tokio::spawn(async move { store.claim(&key, None, HELD).await })
+            tokio::spawn(async move { store.claim(&ClaimRequest::new(&key, HELD)).await })
         })
         .collect();
     let mut acquired = 0;
@@ -561,15 +589,19 @@ async fn a_claim_again_with_its_nonce_is_its_own<S: Store>(store: &S, keys: &Key
     let fp = fingerprint(7);
     let claim = |nonce: u64| async move {
         store
-            .claim_with_nonce(&key, Some(&fp), HELD, nonce)
+            .claim(
+                &ClaimRequest::new(&key, HELD)
+                    .fingerprint(Some(&fp))
+                    .nonce(nonce),
+            )
             .await
             .unwrap_or_else(|e| panic!("claim failed: {e}"))
     };
-    let Claim::Acquired { token: first } = claim(41).await else {
+    let Claim::Acquired { token: first, .. } = claim(41).await else {
         panic!("claim_with_nonce of a free key must acquire it");
     };
     let token = match claim(41).await {
-        Claim::Acquired { token } => token,
+        Claim::Acquired { token, .. } => token,
         Claim::InProgress { fingerprint } => {
             assert_eq!(fingerprint, Some(fp));
             first
@@ -603,6 +635,46 @@ async fn a_claim_again_with_its_nonce_is_its_own<S: Store>(store: &S, keys: &Key
         matches!(claim(41).await, Claim::Completed { .. }),
         "a completed key replays, whatever the nonce"
     );
+}
+
+/// A claim that lapsed unsettled is remembered: each claim that takes it over says so, as
+/// long as the claims keep lapsing, and a claim that settles (a completion or a release)
+/// ends it. A takeover and its lapse are told whatever the store's clock grain: each waits
+/// out two leases.
+async fn a_takeover_is_told_until_a_claim_settles<S: Store>(store: &S, keys: &Keys) {
+    for settle in ["release", "complete"] {
+        let key = keys.fresh();
+        acquire_for(store, &key, None, LEASE).await;
+        tokio::time::sleep(LEASE * 2).await;
+        // Taken over, and left to lapse again: the next claim is told again.
+        let lapsed = store
+            .claim(&ClaimRequest::new(&key, LEASE))
+            .await
+            .unwrap_or_else(|e| panic!("claim failed: {e}"));
+        assert!(
+            matches!(
+                lapsed,
+                Claim::Acquired {
+                    taken_over: true,
+                    ..
+                }
+            ),
+            "a claim of a key whose claim lapsed unsettled must say `taken_over: true`, got {lapsed:?}"
+        );
+        tokio::time::sleep(LEASE * 2).await;
+        let token = take_over(store, &key, None).await;
+        match settle {
+            "release" => assert!(store.release(&key, token).await.unwrap()),
+            _ => {
+                assert!(store
+                    .complete(&key, token, Bytes::from_static(b"v"), LEASE)
+                    .await
+                    .unwrap());
+                tokio::time::sleep(LEASE * 2).await; // past the record's TTL
+            }
+        }
+        acquire(store, &key, None).await;
+    }
 }
 
 /// The key of step `n` of `call`: its first 16 bytes are the call's, as the engine's are.

@@ -1,6 +1,7 @@
 //! Expiry: results live for their TTL; a claim whose holder stops renewing is taken over
 //! after its lease with a larger token, and the stale holder can no longer write.
 
+use idem_runtime::ClaimRequest;
 use std::time::Duration;
 
 use idem_runtime::store::Claim;
@@ -82,7 +83,9 @@ async fn a_lapsed_claim_is_taken_over_and_the_stale_holder_is_fenced() {
     let key = op.key(&1).unwrap();
 
     // A holder that stops renewing (a process paused past its lease).
-    let Claim::Acquired { token: stale } = store.claim(&key, None, lease).await.unwrap() else {
+    let Claim::Acquired { token: stale, .. } =
+        store.claim(&ClaimRequest::new(&key, lease)).await.unwrap()
+    else {
         panic!("the key was free");
     };
     let err = op

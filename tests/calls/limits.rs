@@ -2,6 +2,7 @@
 //! typed error that names the limit and runs nothing; stores handed extreme durations
 //! directly clamp them instead of panicking or writing a record that never expires.
 
+use idem_runtime::ClaimRequest;
 use std::time::Duration;
 
 use idem_runtime::{
@@ -90,8 +91,12 @@ async fn postgres_refuses_durations_out_of_range() {
 /// `MAX_DURATION`, and a completed record replays.
 async fn store_clamps<S: Store>(store: &S) -> idem_runtime::Key {
     let key = Operation::new(namespace("limits.clamp")).key(&1).unwrap();
-    let token = match store.claim(&key, None, Duration::MAX).await.unwrap() {
-        idem_runtime::Claim::Acquired { token } => token,
+    let token = match store
+        .claim(&ClaimRequest::new(&key, Duration::MAX))
+        .await
+        .unwrap()
+    {
+        idem_runtime::Claim::Acquired { token, .. } => token,
         other => panic!("{other:?}"),
     };
     assert!(store.renew(&key, token, Duration::MAX).await.unwrap());
@@ -100,7 +105,10 @@ async fn store_clamps<S: Store>(store: &S) -> idem_runtime::Key {
         .complete(&key, token, value.clone(), Duration::MAX)
         .await
         .unwrap());
-    let replay = store.claim(&key, None, Duration::MAX).await.unwrap();
+    let replay = store
+        .claim(&ClaimRequest::new(&key, Duration::MAX))
+        .await
+        .unwrap();
     assert_eq!(
         replay,
         idem_runtime::Claim::Completed {
@@ -125,7 +133,10 @@ async fn redis_clamps_what_it_is_handed_and_every_record_expires() {
     let key = Operation::new(namespace("limits.clamp.claim"))
         .key(&1)
         .unwrap();
-    store.claim(&key, None, Duration::MAX).await.unwrap();
+    store
+        .claim(&ClaimRequest::new(&key, Duration::MAX))
+        .await
+        .unwrap();
     let completed = store_clamps(&store).await;
     let mut redis = redis::Client::open(redis_url())
         .unwrap()

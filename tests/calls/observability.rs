@@ -1,6 +1,7 @@
 //! Tracing: every call reports its outcome in a span carrying the namespace and a short key
 //! digest, and the raw key value never reaches a span or an event.
 
+use idem_runtime::ClaimRequest;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -164,12 +165,10 @@ async fn a_wait_on_another_process_names_the_holder_and_its_lease() {
     let key = op.key(&1).unwrap();
     // A claim made outside this call's registry, as another process's would be.
     let claimed = store
-        .claim_as(
-            &key,
-            None,
-            std::time::Duration::from_secs(300),
-            1,
-            &Claimant::new("observability.wait"),
+        .claim(
+            &ClaimRequest::new(&key, std::time::Duration::from_secs(300))
+                .nonce(1)
+                .claimant(Claimant::new("observability.wait")),
         )
         .await
         .unwrap();

@@ -4,6 +4,7 @@
 //! replay decodes the record, and every one checks the fingerprint first. Such a replay
 //! takes nothing of its store but the record: not even a handle.
 
+use idem_runtime::ClaimRequest;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use idem_runtime::{
@@ -256,16 +257,8 @@ impl Clone for Handles {
 
 #[idem_runtime::async_trait]
 impl Store for Handles {
-    async fn claim_with_nonce(
-        &self,
-        key: &idem_runtime::Key,
-        fingerprint: Option<&idem_runtime::Fingerprint>,
-        lease: std::time::Duration,
-        nonce: u64,
-    ) -> Result<idem_runtime::Claim, Error> {
-        self.store
-            .claim_with_nonce(key, fingerprint, lease, nonce)
-            .await
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<idem_runtime::Claim, Error> {
+        self.store.claim(request).await
     }
     async fn complete(
         &self,

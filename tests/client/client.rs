@@ -642,42 +642,117 @@ async fn a_streamed_answer_cut_mid_body_is_handed_over_with_its_key_for_a_safe_r
     }
 }
 
-/// Inside a step, a request without a key of its own takes the step's key
-/// (`attempt().key()` in hex): the same on every attempt of the call, so the next service
-/// dedupes the step across a crash of this one. `step_keys(false)` turns it off.
+/// Inside a keyed call, a request without a key of its own takes one derived from the
+/// call: the same on every attempt of the call (here the first attempt's body fails after
+/// its request went out, and the second sends it again), a key per request of one body, and
+/// a step's requests keys of their own. Outside every keyed call, and with
+/// `keys_from_calls(false)`, a fresh UUIDv7 each time.
 #[tokio::test]
-async fn a_request_sent_inside_a_step_takes_the_steps_key() {
-    use idem_runtime::{attempt, step, MemoryStore, Operation, Store};
+async fn a_request_inside_a_keyed_call_takes_the_same_key_on_every_attempt() {
+    use idem_runtime::{step, MemoryStore, Operation, Store};
 
     let script = Script::new([]);
     let store = MemoryStore::new();
-    let op = Operation::new("client.step_keys");
+    let op = Operation::new("client.call_keys");
     let call = op.key(&"order-1").unwrap();
-    for (layer, from_step) in [
-        (IdempotencyKeyLayer::new(), true),
-        (IdempotencyKeyLayer::new().step_keys(false), false),
-    ] {
-        let client = ServiceBuilder::new()
-            .layer(layer.retry(fast()))
-            .service(script.service());
-        let step_key = op
-            .run(&store, &call, None, async {
-                step(if from_step { "charge" } else { "charge:uuid" }, async {
-                    let key = attempt().expect("inside a step").key().to_hex();
-                    let response = client
-                        .oneshot(post_body("{}"))
-                        .await
-                        .map_err(|e| idem_runtime::Error::store(e.to_string()))?;
-                    assert_eq!(response.status(), 200);
-                    Ok::<_, idem_runtime::Error>(key)
-                })
+    let client = ServiceBuilder::new()
+        .layer(IdempotencyKeyLayer::new().retry(fast()))
+        .service(script.service());
+    let send = |client: &Client, target: &'static str| {
+        let client = client.clone();
+        async move {
+            let request = Request::post(target)
+                .body(Full::<Bytes>::from("{}"))
+                .unwrap();
+            let response = client
+                .oneshot(request)
                 .await
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        let sent = script.seen().last().unwrap().key.clone().unwrap();
-        assert_eq!(sent == format!("\"{step_key}\""), from_step, "{sent}");
-        store.remove(&call).await.unwrap();
+                .map_err(|e: Error| idem_runtime::Error::store(e.to_string()))?;
+            assert_eq!(response.status(), 200);
+            Ok::<_, idem_runtime::Error>(())
+        }
+    };
+    type Client = tower::util::BoxCloneService<
+        Request<Full<Bytes>>,
+        Response<idem_runtime::http::client::AnswerBody>,
+        Error,
+    >;
+    let boxed = |client| -> Client { Client::new(client) };
+    let client = boxed(client);
+    let last_key = || script.seen().last().unwrap().key.clone().unwrap();
+
+    // The first attempt sends its request, then fails: the key is released.
+    let failed = op
+        .run(&store, &call, None, async {
+            send(&client, "http://payments.test/charges").await?;
+            Err::<(), _>(idem_runtime::Error::store("the order table is down"))
+        })
+        .await;
+    assert!(failed.is_err());
+    let first = last_key();
+    // The retry sends it again, then two more requests, one in a step.
+    let mut keys = Vec::new();
+    let _ = op
+        .run(&store, &call, None, async {
+            send(&client, "http://payments.test/charges").await?;
+            keys.push(last_key());
+            send(&client, "http://payments.test/charges").await?;
+            keys.push(last_key());
+            send(&client, "http://payments.test/refunds").await?;
+            keys.push(last_key());
+            step("notify", send(&client, "http://payments.test/charges")).await?;
+            keys.push(last_key());
+            Ok::<_, idem_runtime::Error>(())
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        keys[0], first,
+        "each attempt of the call sends its first request under one key"
+    );
+    let distinct: std::collections::HashSet<_> = keys.iter().collect();
+    assert_eq!(
+        distinct.len(),
+        4,
+        "a second request to the same target, one to another, and a step's each have a key of their own: {keys:?}"
+    );
+    for key in &keys {
+        assert_eq!(
+            key.len(),
+            66,
+            "a derived key is 64 hex digits, quoted: {key}"
+        );
+        assert_ne!(
+            *key,
+            format!("\"{}\"", call.to_hex()),
+            "not the call's own key"
+        );
     }
+    store.remove(&call).await.unwrap();
+
+    // Off, or outside every keyed call: a fresh UUIDv7 each time.
+    let off = boxed(
+        ServiceBuilder::new()
+            .layer(
+                IdempotencyKeyLayer::new()
+                    .keys_from_calls(false)
+                    .retry(fast()),
+            )
+            .service(script.service()),
+    );
+    let mut fresh = Vec::new();
+    for _ in 0..2 {
+        op.run(&store, &call, None, async {
+            send(&off, "http://payments.test/charges").await?;
+            Err::<(), _>(idem_runtime::Error::store("released"))
+        })
+        .await
+        .unwrap_err();
+        fresh.push(last_key());
+        send(&client, "http://payments.test/charges").await.unwrap();
+        fresh.push(last_key());
+    }
+    let distinct: std::collections::HashSet<_> = fresh.iter().collect();
+    assert_eq!(distinct.len(), 4, "{fresh:?}");
+    assert!(fresh.iter().all(|key| key.len() == 38), "UUIDs: {fresh:?}");
 }

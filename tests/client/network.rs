@@ -512,3 +512,64 @@ async fn the_middlewares_errors_are_typed_like_the_layers() {
     );
     assert_eq!(seen.load(Ordering::SeqCst), 5, "nothing more was sent");
 }
+
+/// `POST /charges` that keeps every `Idempotency-Key` it is sent.
+async fn record_key(
+    State(keys): State<Arc<Mutex<Vec<String>>>>,
+    headers: http::HeaderMap,
+) -> StatusCode {
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|value| value.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    keys.lock().unwrap().push(key);
+    StatusCode::CREATED
+}
+
+/// Through reqwest: two attempts of one keyed call (the first released by an `Err` after
+/// its request went out) each send one request without a key, and both carry the same
+/// `Idempotency-Key`, derived from the call's; the same request outside any keyed call
+/// gets a fresh one.
+#[tokio::test]
+async fn a_keyed_calls_request_through_reqwest_carries_one_key_on_every_attempt() {
+    use idem_runtime::{Operation, Store};
+
+    let keys = Arc::new(Mutex::new(Vec::new()));
+    let router = Router::new()
+        .route("/charges", post(record_key))
+        .with_state(Arc::clone(&keys));
+    let url = format!("http://{}/charges", support::serve(router).await);
+    let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+        .with(IdempotencyKeyMiddleware::new())
+        .build();
+    let charge = || async {
+        let response = client
+            .post(&url)
+            .body("{}")
+            .send()
+            .await
+            .map_err(|e| idem_runtime::Error::store(e.to_string()))?;
+        assert_eq!(response.status(), 201);
+        Ok::<_, idem_runtime::Error>(())
+    };
+    let store = MemoryStore::new();
+    let op = Operation::new("client.reqwest_call_keys");
+    let call = op.key(&"order-7").unwrap();
+    let failed = op
+        .run(&store, &call, None, async {
+            charge().await?;
+            Err::<(), _>(idem_runtime::Error::store("the ledger is down"))
+        })
+        .await;
+    assert!(failed.is_err());
+    let again = op.run(&store, &call, None, charge()).await.unwrap();
+    assert!(!again.is_replayed());
+    charge().await.unwrap();
+    store.remove(&call).await.unwrap();
+    let keys = keys.lock().unwrap();
+    assert_eq!(keys.len(), 3);
+    assert_eq!(keys[0], keys[1], "both attempts send one key: {keys:?}");
+    assert_eq!(keys[0].len(), 66, "derived from the call's key: {keys:?}");
+    assert_ne!(keys[2], keys[0], "outside the call, a fresh key");
+}

@@ -11,6 +11,7 @@ mod locks;
 mod network;
 mod stalls;
 
+use idem_runtime::ClaimRequest;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -121,7 +122,9 @@ async fn stuck_keys<S: Store>(store: &S, keys: &[Key]) -> usize {
     tokio::time::sleep(LEASE + Duration::from_millis(100)).await;
     let mut stuck = 0;
     for key in keys {
-        if let Ok(idem_runtime::Claim::InProgress { .. }) = store.claim(key, None, LEASE).await {
+        if let Ok(idem_runtime::Claim::InProgress { .. }) =
+            store.claim(&ClaimRequest::new(key, LEASE)).await
+        {
             stuck += 1;
         }
     }

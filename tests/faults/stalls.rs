@@ -2,13 +2,13 @@
 //! on a store that stalls fails after the store's timeout, not after one timeout per try.
 //! The clock is tokio's, paused: the figures are exact and a busy machine cannot move them.
 
+use idem_runtime::ClaimRequest;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use idem_runtime::{
-    async_trait, Bytes, Claim, Error, Fingerprint, Key, MemoryStore, Operation, Outcome, Store,
-    Token,
+    async_trait, Bytes, Claim, Error, Key, MemoryStore, Operation, Outcome, Store, Token,
 };
 use idem_tests::scenarios::namespace;
 use tokio::time::Instant;
@@ -45,13 +45,7 @@ impl Scripted {
 
 #[async_trait]
 impl Store for Scripted {
-    async fn claim_with_nonce(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        _: u64,
-    ) -> Result<Claim, Error> {
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, Error> {
         let n = self.claims.fetch_add(1, Ordering::SeqCst);
         match self.script.get(n) {
             Some(Try::Fails) => Err(Error::store("refused")),
@@ -59,7 +53,7 @@ impl Store for Scripted {
                 tokio::time::sleep(TIMEOUT).await;
                 Err(Error::store("no answer within the timeout"))
             }
-            None => self.inner.claim(key, fingerprint, lease).await,
+            None => self.inner.claim(request).await,
         }
     }
 

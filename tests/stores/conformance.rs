@@ -1,6 +1,7 @@
 //! The store conformance suite (`idem_runtime::testkit`) against every backend.
 
 use idem_runtime::testkit;
+use idem_runtime::ClaimRequest;
 use idem_runtime::MemoryStore;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -28,12 +29,14 @@ async fn memory_store_capacity_never_evicts_a_claim_in_progress() {
     // Fill the results far past capacity while 1000 claims are held.
     for key in &keys[..1_000] {
         assert!(matches!(
-            store.claim(key, None, lease).await.unwrap(),
+            store.claim(&ClaimRequest::new(key, lease)).await.unwrap(),
             Claim::Acquired { .. }
         ));
     }
     for key in &keys[1_000..] {
-        let Claim::Acquired { token } = store.claim(key, None, lease).await.unwrap() else {
+        let Claim::Acquired { token, .. } =
+            store.claim(&ClaimRequest::new(key, lease)).await.unwrap()
+        else {
             panic!("fresh key");
         };
         assert!(store
@@ -43,7 +46,7 @@ async fn memory_store_capacity_never_evicts_a_claim_in_progress() {
     }
     for key in &keys[..1_000] {
         assert_eq!(
-            store.claim(key, None, lease).await.unwrap(),
+            store.claim(&ClaimRequest::new(key, lease)).await.unwrap(),
             Claim::InProgress { fingerprint: None },
             "a claim in progress was evicted"
         );

@@ -16,6 +16,7 @@
 //! reads them), like each store's file; split by concern, those helpers would move to a
 //! module for nothing.
 
+use idem_runtime::ClaimRequest;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -141,7 +142,8 @@ async fn a_dead_claim_is_taken_a_lease_after_this_process_first_sees_it() {
     let key = Operation::new(namespace("dynamodb.first_sight"))
         .key(&1)
         .unwrap();
-    let idem_runtime::Claim::Acquired { token } = holder.claim(&key, None, LEASE).await.unwrap()
+    let idem_runtime::Claim::Acquired { token, .. } =
+        holder.claim(&ClaimRequest::new(&key, LEASE)).await.unwrap()
     else {
         panic!("a fresh key is free")
     };
@@ -151,15 +153,15 @@ async fn a_dead_claim_is_taken_a_lease_after_this_process_first_sees_it() {
     let other = DynamoDbStore::new(dynamodb_client(&url), DYNAMODB_TABLE);
     let first_look = Instant::now();
     assert_eq!(
-        other.claim(&key, None, LEASE).await.unwrap(),
+        other.claim(&ClaimRequest::new(&key, LEASE)).await.unwrap(),
         idem_runtime::Claim::InProgress { fingerprint: None },
         "a claim seen for the first time is not taken"
     );
     let left = other.lease_left(&key).await.unwrap();
     assert!(left.is_some_and(|left| left <= LEASE), "{left:?}");
     let taken = loop {
-        match other.claim(&key, None, LEASE).await.unwrap() {
-            idem_runtime::Claim::Acquired { token } => break token,
+        match other.claim(&ClaimRequest::new(&key, LEASE)).await.unwrap() {
+            idem_runtime::Claim::Acquired { token, .. } => break token,
             idem_runtime::Claim::InProgress { .. } => {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
@@ -655,7 +657,8 @@ async fn a_write_whose_reply_was_lost_is_read_back_and_known_to_have_landed() {
 
     let key = op.key(&1).unwrap();
     proxy.lose_next_landed.store(1, Ordering::SeqCst);
-    let idem_runtime::Claim::Acquired { token } = store.claim(&key, None, lease).await.unwrap()
+    let idem_runtime::Claim::Acquired { token, .. } =
+        store.claim(&ClaimRequest::new(&key, lease)).await.unwrap()
     else {
         panic!("a claim that landed is acquired")
     };
@@ -668,7 +671,7 @@ async fn a_write_whose_reply_was_lost_is_read_back_and_known_to_have_landed() {
         "a completion that landed is recorded"
     );
     assert!(matches!(
-        store.claim(&key, None, lease).await.unwrap(),
+        store.claim(&ClaimRequest::new(&key, lease)).await.unwrap(),
         idem_runtime::Claim::Completed { value, .. } if value == "v"
     ));
 
@@ -703,7 +706,9 @@ async fn a_write_whose_reply_was_lost_is_read_back_and_known_to_have_landed() {
     // took two).
     proxy.stalled.store(true, Ordering::SeqCst);
     let started = Instant::now();
-    let stalled = store.claim(&op.key(&3).unwrap(), None, lease).await;
+    let stalled = store
+        .claim(&ClaimRequest::new(&op.key(&3).unwrap(), lease))
+        .await;
     assert!(matches!(stalled, Err(Error::Store(_))), "{stalled:?}");
     assert!(
         started.elapsed() < timeout * 3 / 2,
@@ -842,8 +847,8 @@ async fn a_resent_write_whose_first_reply_was_lost_knows_it_landed() {
     let ttl = Duration::from_secs(60);
 
     proxy.drop_next_after.store(1, Ordering::SeqCst);
-    let idem_runtime::Claim::Acquired { token } = store
-        .claim(&key, None, Duration::from_secs(60))
+    let idem_runtime::Claim::Acquired { token, .. } = store
+        .claim(&ClaimRequest::new(&key, Duration::from_secs(60)))
         .await
         .unwrap()
     else {
@@ -856,7 +861,7 @@ async fn a_resent_write_whose_first_reply_was_lost_knows_it_landed() {
     );
     assert_eq!(
         other
-            .claim(&key, None, Duration::from_secs(60))
+            .claim(&ClaimRequest::new(&key, Duration::from_secs(60)))
             .await
             .unwrap(),
         idem_runtime::Claim::InProgress { fingerprint: None },
@@ -880,7 +885,7 @@ async fn a_resent_write_whose_first_reply_was_lost_knows_it_landed() {
         "a new completion of a completed key is refused"
     );
     assert!(matches!(
-        other.claim(&key, None, ttl).await.unwrap(),
+        other.claim(&ClaimRequest::new(&key, ttl)).await.unwrap(),
         idem_runtime::Claim::Completed { value, .. } if value == "landed"
     ));
 }
@@ -904,8 +909,8 @@ async fn without_the_failed_conditions_item_the_store_reads_it_and_keeps_the_con
     let key = Operation::new(namespace("dynamodb.no_old_item"))
         .key(&1)
         .unwrap();
-    let idem_runtime::Claim::Acquired { token } = store
-        .claim(&key, None, Duration::from_secs(60))
+    let idem_runtime::Claim::Acquired { token, .. } = store
+        .claim(&ClaimRequest::new(&key, Duration::from_secs(60)))
         .await
         .unwrap()
     else {
@@ -922,7 +927,7 @@ async fn without_the_failed_conditions_item_the_store_reads_it_and_keeps_the_con
     );
     let before = (proxy.requests("UpdateItem"), proxy.requests("GetItem"));
     assert!(matches!(
-        store.claim(&key, None, ttl).await.unwrap(),
+        store.claim(&ClaimRequest::new(&key, ttl)).await.unwrap(),
         idem_runtime::Claim::Completed { value, .. } if value == "landed"
     ));
     assert_eq!(
@@ -1010,8 +1015,8 @@ async fn tokens_grow_across_removals_and_deletions_and_steps_end_with_their_call
     let key = op.key(&1).unwrap();
     let held = Duration::from_secs(60);
     let claim = || async {
-        match store.claim(&key, None, held).await.unwrap() {
-            idem_runtime::Claim::Acquired { token } => token,
+        match store.claim(&ClaimRequest::new(&key, held)).await.unwrap() {
+            idem_runtime::Claim::Acquired { token, .. } => token,
             other => panic!("the key is free: {other:?}"),
         }
     };
@@ -1109,11 +1114,17 @@ async fn through_the_conformance_proxy_every_deviation_is_answered() {
     let calls = (0..100_u32).map(|n| {
         let (store, key) = (store.clone(), op.key(&n).unwrap());
         async move {
-            let first = store.claim_with_nonce(&key, None, lease, 7).await.unwrap();
-            let again = store.claim_with_nonce(&key, None, lease, 7).await.unwrap();
+            let first = store
+                .claim(&ClaimRequest::new(&key, lease).nonce(7))
+                .await
+                .unwrap();
+            let again = store
+                .claim(&ClaimRequest::new(&key, lease).nonce(7))
+                .await
+                .unwrap();
             let (
-                idem_runtime::Claim::Acquired { token: first },
-                idem_runtime::Claim::Acquired { token: again },
+                idem_runtime::Claim::Acquired { token: first, .. },
+                idem_runtime::Claim::Acquired { token: again, .. },
             ) = (first, again)
             else {
                 panic!("a claim sent again with its nonce is its own");
@@ -1126,7 +1137,7 @@ async fn through_the_conformance_proxy_every_deviation_is_answered() {
             // Replays: failed conditions, some answered without the item.
             for _ in 0..4 {
                 assert!(matches!(
-                    store.claim(&key, None, lease).await.unwrap(),
+                    store.claim(&ClaimRequest::new(&key, lease)).await.unwrap(),
                     idem_runtime::Claim::Completed { value, .. } if value == "v"
                 ));
             }
@@ -1189,8 +1200,8 @@ async fn units_consumed_are_the_rules_computed() {
 
     for (n, result) in [(1_u32, "r".to_string()), (2, "r".repeat(10 * 1024))] {
         let key = op.key(&n).unwrap();
-        let idem_runtime::Claim::Acquired { token } = store
-            .claim(&key, None, Duration::from_secs(60))
+        let idem_runtime::Claim::Acquired { token, .. } = store
+            .claim(&ClaimRequest::new(&key, Duration::from_secs(60)))
             .await
             .unwrap()
         else {

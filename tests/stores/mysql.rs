@@ -3,6 +3,7 @@
 //! SIGKILLed mid-body, 10 % faults, a crowded pool, tokens after an upgrade; and on a private
 //! server of the test's own, SIGKILLed and started again.
 
+use idem_runtime::ClaimRequest;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -184,21 +185,31 @@ async fn expired_rows_are_purged_and_live_ones_kept() {
     let op = Operation::new(namespace("mysql.purge"));
     let lapsing = op.key(&1).unwrap();
     let live = op.key(&2).unwrap();
+    let remembered = op.key(&3).unwrap();
     let short = Duration::from_millis(200);
+    // Remembered for no time once lapsed, and for a day: the purge takes the first only.
+    for (key, ttl) in [
+        (&lapsing, Duration::ZERO),
+        (&remembered, Duration::from_secs(86_400)),
+    ] {
+        let request = idem_runtime::ClaimRequest::new(key, short).ttl(ttl);
+        assert!(matches!(
+            idem_runtime::Store::claim(&store, &request).await.unwrap(),
+            idem_runtime::Claim::Acquired { .. }
+        ));
+    }
     assert!(matches!(
-        idem_runtime::Store::claim(&store, &lapsing, None, short)
-            .await
-            .unwrap(),
+        idem_runtime::Store::claim(
+            &store,
+            &idem_runtime::ClaimRequest::new(&live, Duration::from_secs(60))
+        )
+        .await
+        .unwrap(),
         idem_runtime::Claim::Acquired { .. }
     ));
-    assert!(matches!(
-        idem_runtime::Store::claim(&store, &live, None, Duration::from_secs(60))
-            .await
-            .unwrap(),
-        idem_runtime::Claim::Acquired { .. }
-    ));
-    // Until the short lease has lapsed by the server's clock.
+    // Until the short leases have lapsed by the server's clock.
     until_lapsed(&store, &lapsing).await;
+    until_lapsed(&store, &remembered).await;
     // At least the lapsed claim (an earlier run's claims may lapse meanwhile too).
     assert!(store.purge_expired().await.unwrap() >= 1);
     let rows = |key: idem_runtime::Key| {
@@ -213,6 +224,15 @@ async fn expired_rows_are_purged_and_live_ones_kept() {
     };
     assert_eq!(rows(lapsing).await, 0, "the lapsed claim's row is purged");
     assert_eq!(rows(live).await, 1, "the live claim's row stays");
+    assert_eq!(
+        rows(remembered).await,
+        1,
+        "a claim that lapsed unsettled stays for its call's TTL, so that its next claim is told"
+    );
+    idem_runtime::Store::remove(&store, &remembered)
+        .await
+        .unwrap();
+    assert_eq!(rows(remembered).await, 0, "a removal forgets it");
 }
 
 /// A table made by an earlier version, whose tokens came from tables of their own (a
@@ -281,7 +301,9 @@ async fn upgrade_from_an_earlier_version(store: &MySqlStore, counter: i64, drawn
     // Until migrated, its claims are refused (an insert would give each the token 0), in
     // a transaction too, and nothing is written.
     let fresh = op.key(&"fresh").unwrap();
-    let claimed = store.claim(&fresh, None, Duration::from_secs(60)).await;
+    let claimed = store
+        .claim(&ClaimRequest::new(&fresh, Duration::from_secs(60)))
+        .await;
     assert!(
         matches!(&claimed, Err(Error::Store(e)) if e.to_string().contains("migrate()")),
         "{claimed:?}"
@@ -305,7 +327,7 @@ async fn upgrade_from_an_earlier_version(store: &MySqlStore, counter: i64, drawn
 
     assert_eq!(
         store
-            .claim(&recorded, None, Duration::from_secs(60))
+            .claim(&ClaimRequest::new(&recorded, Duration::from_secs(60)))
             .await
             .unwrap(),
         Claim::Completed {
@@ -315,8 +337,10 @@ async fn upgrade_from_an_earlier_version(store: &MySqlStore, counter: i64, drawn
         "a record of the earlier version replays"
     );
     for key in [lapsed, fresh, op.key(&"new").unwrap()] {
-        let claimed = store.claim(&key, None, Duration::from_secs(60)).await;
-        let Claim::Acquired { token } = claimed.unwrap() else {
+        let claimed = store
+            .claim(&ClaimRequest::new(&key, Duration::from_secs(60)))
+            .await;
+        let Claim::Acquired { token, .. } = claimed.unwrap() else {
             panic!("a lapsed row or a new key is taken");
         };
         assert!(
@@ -340,7 +364,9 @@ async fn tokens_grow_after_the_rows_with_the_largest_are_deleted() {
     for round in 0..3 {
         let key = op.key(&round).unwrap();
         let lease = Duration::from_millis(100);
-        let Claim::Acquired { token } = store.claim(&key, None, lease).await.unwrap() else {
+        // Not remembered once lapsed: the purge takes it at once.
+        let request = ClaimRequest::new(&key, lease).ttl(Duration::ZERO);
+        let Claim::Acquired { token, .. } = store.claim(&request).await.unwrap() else {
             panic!("a fresh key is free");
         };
         assert!(token.get() > last, "{token:?} after {last}");
@@ -376,8 +402,8 @@ async fn a_server_killed_and_restarted_keeps_records_and_tokens_grow() {
     store.migrate().await.unwrap();
     let op = Operation::new(namespace("mysql.restart"));
     let (recorded, held) = (op.key(&1).unwrap(), op.key(&2).unwrap());
-    let Claim::Acquired { token } = store
-        .claim(&recorded, None, Duration::from_secs(60))
+    let Claim::Acquired { token, .. } = store
+        .claim(&ClaimRequest::new(&recorded, Duration::from_secs(60)))
         .await
         .unwrap()
     else {
@@ -389,13 +415,18 @@ async fn a_server_killed_and_restarted_keeps_records_and_tokens_grow() {
         .await
         .unwrap());
     let lease = Duration::from_secs(2);
-    let Claim::Acquired { token: before } = store.claim(&held, None, lease).await.unwrap() else {
+    let Claim::Acquired { token: before, .. } =
+        store.claim(&ClaimRequest::new(&held, lease)).await.unwrap()
+    else {
         panic!("a fresh key is free");
     };
     // The largest token drawn, in a row deleted before the crash: a server that took its
     // AUTO_INCREMENT from the rows on restart would give it again.
     let removed = op.key(&3).unwrap();
-    let Claim::Acquired { token: largest } = store.claim(&removed, None, lease).await.unwrap()
+    let Claim::Acquired { token: largest, .. } = store
+        .claim(&ClaimRequest::new(&removed, lease))
+        .await
+        .unwrap()
     else {
         panic!("a fresh key is free");
     };
@@ -406,7 +437,7 @@ async fn a_server_killed_and_restarted_keeps_records_and_tokens_grow() {
 
     assert_eq!(
         store
-            .claim(&recorded, None, Duration::from_secs(60))
+            .claim(&ClaimRequest::new(&recorded, Duration::from_secs(60)))
             .await
             .unwrap(),
         Claim::Completed {
@@ -417,7 +448,9 @@ async fn a_server_killed_and_restarted_keeps_records_and_tokens_grow() {
     );
     // Held until its lease ends by the server's clock, then taken over.
     until_lapsed(&store, &held).await;
-    let Claim::Acquired { token: after } = store.claim(&held, None, lease).await.unwrap() else {
+    let Claim::Acquired { token: after, .. } =
+        store.claim(&ClaimRequest::new(&held, lease)).await.unwrap()
+    else {
         panic!("the lapsed key is taken over");
     };
     assert!(
@@ -450,7 +483,8 @@ async fn a_purge_beside_an_open_transactions_claim_neither_waits_nor_fails() {
     // An expired row for the purge to delete.
     let lapsing = op.key(&0).unwrap();
     let short = Duration::from_millis(100);
-    let claimed = idem_runtime::Store::claim(&store, &lapsing, None, short).await;
+    let request = idem_runtime::ClaimRequest::new(&lapsing, short).ttl(Duration::ZERO);
+    let claimed = idem_runtime::Store::claim(&store, &request).await;
     assert!(matches!(
         claimed.unwrap(),
         idem_runtime::Claim::Acquired { .. }

@@ -4,6 +4,7 @@
 //! an abandoned claim behind, and its purge never waits. Against the MariaDB of
 //! `IDEM_MYSQL_URL`.
 
+use idem_runtime::ClaimRequest;
 use std::time::Duration;
 
 use idem_runtime::{Claim, Error, MySqlStore, Operation, Outcome, Store, Token};
@@ -195,7 +196,7 @@ async fn an_open_transaction_holds_its_key_but_not_the_pool() {
     // by an insert a caller abandoned.
     holder.rollback().await.unwrap();
     let claimed = store
-        .claim(&key, None, Duration::from_secs(30))
+        .claim(&ClaimRequest::new(&key, Duration::from_secs(30)))
         .await
         .unwrap();
     assert!(matches!(claimed, Claim::Acquired { .. }), "{claimed:?}");
@@ -212,10 +213,9 @@ async fn the_purge_skips_a_row_an_open_transaction_holds() {
     let op = Operation::new(namespace("sessions.purge"));
     let (taken, free) = (op.key(&"taken").unwrap(), op.key(&"free").unwrap());
     for key in [&taken, &free] {
-        let claimed = store
-            .claim(key, None, Duration::from_millis(1))
-            .await
-            .unwrap();
+        // Not remembered once lapsed, so that the purge may take it at once.
+        let request = ClaimRequest::new(key, Duration::from_millis(1)).ttl(Duration::ZERO);
+        let claimed = store.claim(&request).await.unwrap();
         assert!(matches!(claimed, Claim::Acquired { .. }));
         idem_tests::until_lapsed(&store, key).await;
     }

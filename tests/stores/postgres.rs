@@ -574,7 +574,7 @@ async fn renewals_go_through_while_the_application_holds_every_connection() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // Another process asks for the key: it is still held, by a renewed lease.
-    let claim = idem_runtime::Store::claim(&other, &key, None, lease)
+    let claim = idem_runtime::Store::claim(&other, &idem_runtime::ClaimRequest::new(&key, lease))
         .await
         .unwrap();
     assert!(

@@ -1,6 +1,7 @@
 //! `RedisStore` against a real Redis server: the store contract, cross-process exclusivity,
 //! crashes, zombies and a server that goes away.
 
+use idem_runtime::ClaimRequest;
 use std::time::Duration;
 
 use idem_runtime::testkit;
@@ -215,7 +216,7 @@ async fn a_wait_for_replicas_longer_than_the_default_timeout_gets_the_servers_an
         .key(&1)
         .unwrap();
     let err = store
-        .claim(&key, None, Duration::from_secs(60))
+        .claim(&ClaimRequest::new(&key, Duration::from_secs(60)))
         .await
         .unwrap_err();
     assert!(

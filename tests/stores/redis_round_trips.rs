@@ -1,7 +1,8 @@
 //! Commands per call, counted by a private Redis server itself (`INFO commandstats`): a
-//! replay is one native `SET` and nothing else, a first execution a `SET` and one script
-//! (complete), a release a `SET` and one script (release). Its own binary and server, so that
-//! nothing else adds to the counters.
+//! replay is one script (the claim, whose `SET … NX GET` finds the record) and nothing
+//! else, a first execution two scripts (claim, complete), a release two (claim, release):
+//! one round trip each. Its own binary and server, so that nothing else adds to the
+//! counters.
 //!
 //! The server also counts the commands a script runs inside it, under their own names; each
 //! delta below is asserted whole, with those named.
@@ -46,7 +47,7 @@ fn counts(commands: &[(&str, u64)]) -> BTreeMap<String, u64> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replay_is_one_native_command_and_a_first_execution_one_script() {
+async fn a_replay_is_one_script_and_a_first_execution_two() {
     let Some(server) = PrivateRedis::start() else {
         return;
     };
@@ -81,10 +82,11 @@ async fn a_replay_is_one_native_command_and_a_first_execution_one_script() {
     let work = delta(&before, &executed);
     assert_eq!(
         work,
-        // The claim's SET; the complete script, which reads the claim and SETs the record
-        // and, beside it, what the claim said of itself (one round trip, one slot).
-        counts(&[("set", 3), ("evalsha", 1), ("get", 1)]),
-        "first execution: a native claim, one script to complete"
+        // The claim script: its SET NX GET, and the trace of the unsettled claim; the
+        // complete script, which reads the claim, SETs the record and, beside it, what the
+        // claim said of itself, and deletes the trace (one round trip each, one slot).
+        counts(&[("set", 4), ("evalsha", 2), ("get", 1), ("del", 1)]),
+        "first execution: one script to claim, one to complete"
     );
 
     assert_eq!(call("k", true).await.unwrap(), Outcome::Replayed(1));
@@ -92,8 +94,8 @@ async fn a_replay_is_one_native_command_and_a_first_execution_one_script() {
     let work = delta(&executed, &replayed);
     assert_eq!(
         work,
-        counts(&[("set", 1)]),
-        "replay: the native claim (SET NX GET) alone, which finds the record and writes nothing"
+        counts(&[("evalsha", 1), ("set", 1)]),
+        "replay: the claim script alone, whose SET NX GET finds the record and writes nothing"
     );
 
     call("released", false).await.unwrap_err();
@@ -101,8 +103,9 @@ async fn a_replay_is_one_native_command_and_a_first_execution_one_script() {
     let work = delta(&replayed, &released);
     assert_eq!(
         work,
-        // The claim's SET; the release script, which reads the claim and deletes it.
-        counts(&[("set", 1), ("evalsha", 1), ("get", 1), ("del", 1)]),
-        "release: a native claim, one script to release"
+        // The claim script's two SETs; the release script, which reads the claim and
+        // deletes it and its trace.
+        counts(&[("set", 2), ("evalsha", 2), ("get", 1), ("del", 1)]),
+        "release: one script to claim, one to release"
     );
 }

@@ -5,6 +5,7 @@
 //! Over the suite's 600 lines for a reason: one store's whole behaviour, like each store's file;
 //! the write lock's contention has a file of its own (`sqlite_locks.rs`).
 
+use idem_runtime::ClaimRequest;
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -368,8 +369,8 @@ async fn a_result_outlives_the_process_that_recorded_it() {
     // The token counter outlived the process too: the next claim's token is past the
     // recording process's.
     let next = op.key(&"charge-8").unwrap();
-    let Claim::Acquired { token } = store
-        .claim(&next, None, Duration::from_secs(5))
+    let Claim::Acquired { token, .. } = store
+        .claim(&ClaimRequest::new(&next, Duration::from_secs(5)))
         .await
         .unwrap()
     else {
@@ -483,8 +484,8 @@ async fn a_token_binds_and_reads_back_as_an_integer() {
     let mut tokens = Vec::new();
     for n in 0..2 {
         let key = op.key(&n).unwrap();
-        let Claim::Acquired { token } = store
-            .claim(&key, None, Duration::from_secs(5))
+        let Claim::Acquired { token, .. } = store
+            .claim(&ClaimRequest::new(&key, Duration::from_secs(5)))
             .await
             .unwrap()
         else {
@@ -526,15 +527,14 @@ async fn a_token_binds_and_reads_back_as_an_integer() {
 
 async fn token(store: &SqliteStore, key: u8) -> idem_runtime::Token {
     match store
-        .claim(
+        .claim(&ClaimRequest::new(
             &idem_runtime::Key::from_bytes([key; 32]),
-            None,
             Duration::from_secs(60),
-        )
+        ))
         .await
         .unwrap()
     {
-        Claim::Acquired { token } => token,
+        Claim::Acquired { token, .. } => token,
         other => panic!("{other:?}"),
     }
 }
@@ -578,11 +578,10 @@ async fn a_table_without_the_token_triggers_is_refused_until_migrated() {
     }
     let old = SqliteStore::from_pool(migrated.pool().clone());
     let refused = old
-        .claim(
+        .claim(&ClaimRequest::new(
             &idem_runtime::Key::from_bytes([1; 32]),
-            None,
             Duration::from_secs(60),
-        )
+        ))
         .await
         .unwrap_err();
     assert!(

@@ -3,6 +3,7 @@
 //! lock; a writer that holds it past the leases does not hand live holders' keys away; a
 //! crowd never takes a key from a live holder, and every caller of a key gets one value.
 
+use idem_runtime::ClaimRequest;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -85,7 +86,11 @@ async fn the_store_timeout_bounds_the_wait_for_the_write_lock() {
     let key = op.key(&1).unwrap();
     let claim = {
         let store = store.clone();
-        tokio::spawn(async move { store.claim(&key, None, Duration::from_secs(5)).await })
+        tokio::spawn(async move {
+            store
+                .claim(&ClaimRequest::new(&key, Duration::from_secs(5)))
+                .await
+        })
     };
     tokio::time::sleep(Duration::from_secs(5)).await; // how long the other writer writes
     assert!(
@@ -103,12 +108,14 @@ async fn the_store_timeout_bounds_the_wait_for_the_write_lock() {
     let writer = lock_the_file(&path).await;
     let short = store.clone().with_timeout(Duration::from_millis(500));
     let key = op.key(&2).unwrap();
-    let failed = short.claim(&key, None, Duration::from_secs(5)).await;
+    let failed = short
+        .claim(&ClaimRequest::new(&key, Duration::from_secs(5)))
+        .await;
     assert!(matches!(failed, Err(Error::Store(_))), "{failed:?}");
     unlock(writer).await;
     assert!(matches!(
         store
-            .claim(&key, None, Duration::from_secs(5))
+            .claim(&ClaimRequest::new(&key, Duration::from_secs(5)))
             .await
             .unwrap(),
         Claim::Acquired { .. }
@@ -173,7 +180,9 @@ async fn a_claim_that_waited_out_a_lease_for_the_lock_gives_the_time_back() {
     let key = Operation::new(namespace("sqlite.time-back"))
         .key(&1)
         .unwrap();
-    let Claim::Acquired { token } = holder.claim(&key, None, lease).await.unwrap() else {
+    let Claim::Acquired { token, .. } =
+        holder.claim(&ClaimRequest::new(&key, lease)).await.unwrap()
+    else {
         panic!("a fresh key is free");
     };
 
@@ -184,7 +193,7 @@ async fn a_claim_that_waited_out_a_lease_for_the_lock_gives_the_time_back() {
     let (started, claiming) = tokio::sync::oneshot::channel();
     let claim = tokio::spawn(async move {
         let _ = started.send(());
-        duplicate.claim(&key, None, lease).await
+        duplicate.claim(&ClaimRequest::new(&key, lease)).await
     });
     claiming.await.unwrap();
     tokio::time::sleep(lease * 2).await; // how much longer the writer holds the lock
@@ -215,7 +224,9 @@ async fn a_duplicate_after_a_freeze_sees_the_holders_wait_and_takes_nothing() {
     let duplicate = open(&path).await.with_timeout(Duration::from_secs(20));
     let lease = Duration::from_secs(2);
     let key = Operation::new(namespace("sqlite.noted")).key(&1).unwrap();
-    let Claim::Acquired { token } = holder.claim(&key, None, lease).await.unwrap() else {
+    let Claim::Acquired { token, .. } =
+        holder.claim(&ClaimRequest::new(&key, lease)).await.unwrap()
+    else {
         panic!("a fresh key is free");
     };
 
@@ -228,7 +239,10 @@ async fn a_duplicate_after_a_freeze_sees_the_holders_wait_and_takes_nothing() {
     unlock(writer).await;
 
     assert_eq!(
-        duplicate.claim(&key, None, lease).await.unwrap(),
+        duplicate
+            .claim(&ClaimRequest::new(&key, lease))
+            .await
+            .unwrap(),
         Claim::InProgress { fingerprint: None },
         "the lapsed claim was given its time back, not taken over"
     );
@@ -342,8 +356,8 @@ async fn renewals_and_completions_go_through_while_the_application_holds_every_c
     let store = open(&path).await.with_timeout(Duration::from_secs(2));
     let op = Operation::new(namespace("sqlite.holders"));
     let key = op.key(&1).unwrap();
-    let Claim::Acquired { token } = store
-        .claim(&key, None, Duration::from_secs(5))
+    let Claim::Acquired { token, .. } = store
+        .claim(&ClaimRequest::new(&key, Duration::from_secs(5)))
         .await
         .unwrap()
     else {
@@ -373,7 +387,9 @@ async fn renewals_and_completions_go_through_while_the_application_holds_every_c
         .unwrap());
     // A claim does: it fails closed within the store's timeout.
     let other = op.key(&2).unwrap();
-    let crowded = store.claim(&other, None, Duration::from_secs(5)).await;
+    let crowded = store
+        .claim(&ClaimRequest::new(&other, Duration::from_secs(5)))
+        .await;
     assert!(matches!(crowded, Err(Error::Store(_))), "{crowded:?}");
     drop(held);
 }
@@ -461,7 +477,7 @@ async fn a_dead_holders_key_frees_within_two_leases_beside_a_process_hogging_the
     let claimed = std::time::Instant::now();
     // A holder that never renews: a process SIGKILLed after its claim.
     assert!(matches!(
-        dead.claim(&key, None, lease).await.unwrap(),
+        dead.claim(&ClaimRequest::new(&key, lease)).await.unwrap(),
         Claim::Acquired { .. }
     ));
     // The hog's first turn begins a little after the claim, so that the lease runs out
@@ -471,7 +487,11 @@ async fn a_dead_holders_key_frees_within_two_leases_beside_a_process_hogging_the
     let hog = Hog::start(&path, lease * 5 / 16);
     // The crowd's claims, as fast as they answer, until one takes the key.
     let taken = loop {
-        match claimer.claim(&key, None, lease).await.unwrap() {
+        match claimer
+            .claim(&ClaimRequest::new(&key, lease))
+            .await
+            .unwrap()
+        {
             Claim::Acquired { .. } => break claimed.elapsed(),
             other => {
                 eprintln!("T {} {other:?}", claimed.elapsed().as_millis());

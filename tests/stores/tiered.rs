@@ -3,11 +3,14 @@
 //! mismatch answered from the fast tier; copies that never outlive their durable record; a
 //! fast tier that is down; a running call that is never in the fast tier.
 
+use idem_runtime::ClaimRequest;
 use std::sync::Arc;
 use std::time::Duration;
 
 use idem_runtime::testkit;
-use idem_runtime::{Claim, Error, Fingerprint, Key, MemoryStore, Operation, Store, TieredStore};
+use idem_runtime::{
+    Claim, Error, Fingerprint, Key, MemoryStore, Operation, Outcome, Store, TieredStore,
+};
 use idem_tests::scenarios::namespace;
 use idem_tests::{postgres_store, redis_store, Down, Probe, Runs};
 
@@ -75,7 +78,11 @@ async fn a_fingerprint_mismatch_is_answered_from_the_fast_tier() {
     assert_eq!(durable.claims(), claims, "answered from the fast tier");
     assert_eq!(runs.count(), 1);
     // The fast tier's own answer carries the fingerprint the call was claimed with.
-    match store.fast().claim(&key, None, Duration::from_secs(1)).await {
+    match store
+        .fast()
+        .claim(&ClaimRequest::new(&key, Duration::from_secs(1)))
+        .await
+    {
         Ok(Claim::Completed { fingerprint, .. }) => {
             assert_eq!(fingerprint, Some(Fingerprint::of(&1_u32).unwrap()))
         }
@@ -203,7 +210,7 @@ async fn a_running_call_is_never_in_the_fast_tier() {
     let other = TieredStore::new(MemoryStore::new(), store.durable().clone());
     assert!(matches!(
         other
-            .claim(&key, None, Duration::from_secs(1))
+            .claim(&ClaimRequest::new(&key, Duration::from_secs(1)))
             .await
             .unwrap(),
         Claim::InProgress { .. }
@@ -230,13 +237,8 @@ struct Stalled;
 
 #[idem_runtime::async_trait]
 impl Store for Stalled {
-    async fn claim_with_nonce(
-        &self,
-        _: &Key,
-        _: Option<&Fingerprint>,
-        _: Duration,
-        _: u64,
-    ) -> Result<Claim, Error> {
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, Error> {
+        let _ = request;
         std::future::pending().await
     }
     async fn complete(
@@ -350,9 +352,9 @@ async fn a_removal_racing_copies_leaves_no_copy_behind() {
             let key = op
                 .key(&(&name, "replays", trial, std::process::id()))
                 .unwrap();
-            let Claim::Acquired { token } = store
+            let Claim::Acquired { token, .. } = store
                 .durable()
-                .claim(&key, Some(&fingerprint), lease)
+                .claim(&ClaimRequest::new(&key, lease).fingerprint(Some(&fingerprint)))
                 .await
                 .unwrap()
             else {
@@ -369,7 +371,10 @@ async fn a_removal_racing_copies_leaves_no_copy_behind() {
                     let (store, start) = (store.clone(), start.clone());
                     tokio::spawn(async move {
                         start.wait().await;
-                        store.claim(&key, Some(&fingerprint), lease).await.unwrap();
+                        store
+                            .claim(&ClaimRequest::new(&key, lease).fingerprint(Some(&fingerprint)))
+                            .await
+                            .unwrap();
                     })
                 })
                 .collect();
@@ -386,8 +391,10 @@ async fn a_removal_racing_copies_leaves_no_copy_behind() {
             let key = op
                 .key(&(&name, "completion", trial, std::process::id()))
                 .unwrap();
-            let Claim::Acquired { token } =
-                store.claim(&key, Some(&fingerprint), lease).await.unwrap()
+            let Claim::Acquired { token, .. } = store
+                .claim(&ClaimRequest::new(&key, lease).fingerprint(Some(&fingerprint)))
+                .await
+                .unwrap()
             else {
                 panic!("{name}: a fresh key is free");
             };
@@ -458,4 +465,87 @@ async fn a_copy_made_late_is_dropped_from_the_fast_tier() {
         .await
         .unwrap();
     assert_eq!(replay, idem_runtime::Outcome::Replayed(7));
+}
+
+/// A transfer in the caller's transaction through a tier of Redis over PostgreSQL: the
+/// claim, the effect and the record go in the caller's transaction, in the durable store.
+#[idem_runtime::idempotent(key = id, store = store, transaction = tx, namespace = "tiered.transfer.v1")]
+async fn transfer(
+    store: &TieredStore<idem_runtime::RedisStore, idem_runtime::PostgresStore>,
+    tx: &mut sqlx::PgConnection,
+    id: &str,
+) -> Result<i64, Error> {
+    sqlx::query("INSERT INTO tiered_transfers (id) VALUES ($1)")
+        .bind(id)
+        .execute(&mut *tx)
+        .await
+        .map_err(Error::store)?;
+    Ok(4_200)
+}
+
+/// `transaction = tx` with a tier of Redis over PostgreSQL: a rolled-back call leaves
+/// neither its effect nor its record; a committed one leaves both, once; its first replay
+/// copies the record into Redis, and the next is answered from there without a statement
+/// on the caller's connection (proved on a transaction that can run none: an aborted one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_over_postgres_claims_in_the_callers_transaction() {
+    let (Some(fast), Some(durable)) = (redis_store().await, postgres_store().await) else {
+        return;
+    };
+    let pool = durable.pool().clone();
+    sqlx::query("CREATE TABLE IF NOT EXISTS tiered_transfers (id text)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let store = TieredStore::new(fast, durable);
+    let id = namespace("tr");
+    let effects = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM tiered_transfers WHERE id = $1")
+            .bind(&id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+
+    let mut tx = pool.begin().await.unwrap();
+    assert_eq!(
+        transfer_outcome(&store, &mut tx, &id).await.unwrap(),
+        Outcome::Executed(4_200)
+    );
+    tx.rollback().await.unwrap();
+    assert_eq!(effects().await, 0, "rolled back: no effect");
+
+    let mut tx = pool.begin().await.unwrap();
+    assert_eq!(
+        transfer_outcome(&store, &mut tx, &id).await.unwrap(),
+        Outcome::Executed(4_200)
+    );
+    tx.commit().await.unwrap();
+    assert_eq!(effects().await, 1, "committed: the effect, once");
+
+    let key = Operation::new("tiered.transfer.v1").key(&id).unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    assert_eq!(
+        transfer_outcome(&store, &mut tx, &id).await.unwrap(),
+        Outcome::Replayed(4_200)
+    );
+    tx.commit().await.unwrap();
+    assert!(
+        store.fast().lookup(&key).await.unwrap().is_some(),
+        "the first replay copied the record into the fast tier"
+    );
+
+    let mut aborted = pool.begin().await.unwrap();
+    assert!(sqlx::query("SELECT 1/0")
+        .execute(&mut *aborted)
+        .await
+        .is_err());
+    assert_eq!(
+        transfer_outcome(&store, &mut aborted, &id).await.unwrap(),
+        Outcome::Replayed(4_200),
+        "served from the fast tier: nothing was sent on the (aborted) transaction"
+    );
+    aborted.rollback().await.unwrap();
+    assert_eq!(effects().await, 1);
+    store.remove(&key).await.unwrap();
 }

@@ -1,6 +1,7 @@
 //! What the failover tests share: waiting for a state, and callers that claim fresh keys
 //! until the primary is killed, keeping the claims it acknowledged.
 
+use idem_runtime::ClaimRequest;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -62,7 +63,10 @@ impl Claimers {
                             break;
                         }
                         let key = Key::derive(namespace, &(round, caller, n)).unwrap();
-                        match store.claim(&key, None, Duration::from_secs(60)).await {
+                        match store
+                            .claim(&ClaimRequest::new(&key, Duration::from_secs(60)))
+                            .await
+                        {
                             Ok(Claim::Acquired { .. }) => acknowledged.lock().unwrap().push(key),
                             Ok(other) => panic!("a fresh key: {other:?}"),
                             // The kill, or a store that could not make the claim durable
@@ -122,7 +126,7 @@ impl Count {
         self.refused += refused;
         for key in acknowledged {
             let claim = promoted
-                .claim(key, None, Duration::from_secs(60))
+                .claim(&ClaimRequest::new(key, Duration::from_secs(60)))
                 .await
                 .unwrap();
             if let Claim::Acquired { .. } = claim {

@@ -1,11 +1,12 @@
 //! Helpers shared by the integration tests of the idem workspace (see the `[[test]]` targets).
 
+use idem_runtime::ClaimRequest;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use idem_runtime::store::Claim;
-use idem_runtime::{async_trait, Bytes, Error, Fingerprint, Key, Store, Token};
+use idem_runtime::{async_trait, Bytes, Error, Key, Store, Token};
 
 mod child;
 pub mod dynamodb_conformance;
@@ -53,13 +54,8 @@ pub struct Down;
 
 #[async_trait]
 impl Store for Down {
-    async fn claim_with_nonce(
-        &self,
-        _: &Key,
-        _: Option<&Fingerprint>,
-        _: Duration,
-        _: u64,
-    ) -> Result<Claim, Error> {
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, Error> {
+        let _ = request;
         Err(Error::store(DOWN))
     }
 

@@ -1,13 +1,14 @@
 //! [`Probe`]: a store between a test and the store it tests, that counts what reaches the
 //! store and injects the faults the test asks for.
 
+use idem_runtime::ClaimRequest;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use idem_runtime::store::Claim;
 use idem_runtime::testkit::{Faults, Faulty};
-use idem_runtime::{async_trait, Bytes, Error, Fingerprint, Flights, Key, Store, Token};
+use idem_runtime::{async_trait, Bytes, Error, Flights, Key, Store, Token};
 
 use crate::Runs;
 
@@ -302,32 +303,9 @@ impl<S: Store + Clone> Probe<S> {
 
 #[async_trait]
 impl<S: Store + Clone> Store for Probe<S> {
-    async fn claim_with_nonce(
-        &self,
-        key: &Key,
-        fp: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-    ) -> Result<Claim, Error> {
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, Error> {
         self.claims.hit();
-        let claimed = self
-            .apply(self.inner.claim_with_nonce(key, fp, lease, nonce))
-            .await;
-        self.after_claim(claimed).await
-    }
-
-    async fn claim_as(
-        &self,
-        key: &Key,
-        fp: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-        claimant: &idem_runtime::store::Claimant<'_>,
-    ) -> Result<Claim, Error> {
-        self.claims.hit();
-        let claimed = self
-            .apply(self.inner.claim_as(key, fp, lease, nonce, claimant))
-            .await;
+        let claimed = self.apply(self.inner.claim(request)).await;
         self.after_claim(claimed).await
     }
 

@@ -260,7 +260,12 @@ mod held_by_an_ordinary_call {
         let op = Operation::new(idem_tests::scenarios::namespace("tx.held"))
             .wait(Duration::from_secs(3600));
         let key = op.key(&"t").unwrap();
-        let held = store.claim(&key, None, Duration::from_secs(3600)).await;
+        let held = store
+            .claim(&idem_runtime::ClaimRequest::new(
+                &key,
+                Duration::from_secs(3600),
+            ))
+            .await;
         assert!(matches!(held.unwrap(), Claim::Acquired { .. }));
         (op, key)
     }

@@ -333,7 +333,7 @@ macro_rules! suite {
                 let op = Operation::new(namespace("tx.lapsed"));
                 let key = op.key(&"t").unwrap();
                 let lease = Duration::from_millis(100);
-                let Claim::Acquired { token: lapsed } = db.store.claim(&key, None, lease).await.unwrap() else {
+                let Claim::Acquired { token: lapsed, .. } = db.store.claim(&idem_runtime::ClaimRequest::new(&key, lease)).await.unwrap() else {
                     panic!("a fresh key is free");
                 };
                 idem_tests::until_lapsed(&db.store, &key).await;

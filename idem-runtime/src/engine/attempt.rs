@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
@@ -73,6 +74,40 @@ struct Frame {
     /// What the body's [`step`](crate::step)s need: where and for how long they are
     /// recorded, and how their occurrences are counted; shared with the steps' own attempts.
     journal: Arc<Journal>,
+    /// Whether the claim took the key over from a claim that was never settled, and what
+    /// [`reconcile`](crate::reconcile()) made of it: a [`Doubt`] as a byte.
+    doubt: AtomicU8,
+    /// How many requests of each method and target the body sent so far without a key of
+    /// their own ([`request_key`]).
+    requests: Mutex<HashMap<Box<str>, u32>>,
+}
+
+/// What is known of the effect of an earlier claim that this call's claim took over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Doubt {
+    /// Nothing to know: the key was fresh, released, or expired; or a step's frame.
+    None = 0,
+    /// The earlier claim's outcome is unknown and nothing asked yet.
+    Unknown = 1,
+    /// `reconcile` is asking, or its lookup failed: still unknown.
+    Asking = 2,
+    /// `reconcile` found no effect: the body runs as on a fresh key.
+    Absent = 3,
+    /// `reconcile` found the effect: its value is the call's, answered as a replay.
+    Found = 4,
+}
+
+impl Doubt {
+    fn of(raw: u8) -> Self {
+        match raw {
+            1 => Self::Unknown,
+            2 => Self::Asking,
+            3 => Self::Absent,
+            4 => Self::Found,
+            _ => Self::None,
+        }
+    }
 }
 
 /// Where an attempt's fencing token comes from.
@@ -91,13 +126,27 @@ enum Fence {
 
 impl Attempt {
     /// The attempt of the body `store` runs for `key` under `token`, inside the current one;
-    /// its fencing token is taken from `store` when asked for.
-    pub(crate) fn enter(store: &Arc<dyn Store>, key: Key, token: Token, journal: Journal) -> Self {
+    /// its fencing token is taken from `store` when asked for. `taken_over` if the claim
+    /// took the key over from a claim that was never settled.
+    pub(crate) fn enter(
+        store: &Arc<dyn Store>,
+        key: Key,
+        token: Token,
+        journal: Journal,
+        taken_over: bool,
+    ) -> Self {
         let fence = Fence::Store {
             store: Arc::clone(store),
             taken: OnceLock::new(),
         };
-        Self::with_fence(&**store, key, token, fence, Arc::new(journal))
+        let attempt = Self::with_fence(&**store, key, token, fence, Arc::new(journal));
+        if taken_over {
+            attempt
+                .0
+                .doubt
+                .store(Doubt::Unknown as u8, Ordering::Relaxed);
+        }
+        attempt
     }
 
     /// Like [`enter`](Self::enter), for a claim whose token is already its fencing token.
@@ -125,6 +174,8 @@ impl Attempt {
             store: self.0.store,
             enclosing: Some(self.clone()),
             journal: Arc::clone(&self.0.journal),
+            doubt: AtomicU8::new(Doubt::None as u8),
+            requests: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -142,7 +193,52 @@ impl Attempt {
             store: store_id(store),
             enclosing: attempt(),
             journal,
+            doubt: AtomicU8::new(Doubt::None as u8),
+            requests: Mutex::new(HashMap::new()),
         }))
+    }
+
+    /// The attempt of the call this one belongs to: itself, or for a step, its call's.
+    pub(crate) fn call(&self) -> &Attempt {
+        match &self.0.fence {
+            Fence::Call(call) => call.call(),
+            _ => self,
+        }
+    }
+
+    /// What is known of the earlier claim this call's claim took over.
+    pub(crate) fn doubt(&self) -> Doubt {
+        Doubt::of(self.call().0.doubt.load(Ordering::Acquire))
+    }
+
+    /// Moves the call's [`Doubt`] from `from` to `to`; whether it was `from`.
+    pub(crate) fn resolve(&self, from: Doubt, to: Doubt) -> bool {
+        self.call()
+            .0
+            .doubt
+            .compare_exchange(from as u8, to as u8, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// Whether the body may not release the key when it ends without a value: the claim it
+    /// took over had an unknown outcome that is still unknown, or whose effect `reconcile`
+    /// found. The claim then lapses, and the next claim is told it took the key over.
+    pub(crate) fn in_doubt(&self) -> bool {
+        matches!(self.doubt(), Doubt::Asking | Doubt::Found)
+    }
+
+    /// Whether `reconcile` found the effect of the claim this call took over: the call's
+    /// value is then answered as a replay.
+    pub(crate) fn reconciled(&self) -> bool {
+        self.doubt() == Doubt::Found
+    }
+
+    /// Whether this call's claim took the key over from a claim that was never settled
+    /// (its holder's lease ran out while its body ran, or an operator released it): the
+    /// earlier body's effect may have happened. [`reconcile`](crate::reconcile()) asks the
+    /// destination first when this is true.
+    pub fn taken_over(&self) -> bool {
+        self.doubt() != Doubt::None
     }
 
     /// What this attempt's steps are recorded with.
@@ -231,20 +327,46 @@ pub fn attempt() -> Option<Attempt> {
         .flatten()
 }
 
-/// The key of the step the code that calls this runs in, if it runs inside one: what a
-/// client sends downstream as its `Idempotency-Key`.
+/// The `Idempotency-Key` a request sent from the body this code runs in takes downstream,
+/// if it runs inside a keyed call (or a step of one): derived from that call's (or step's)
+/// key, the request's `method` and `target`, and its occurrence (how many requests of that
+/// method and target the attempt sent before it), so that every attempt of the call, and
+/// every redelivery of the message that makes it, sends each of its requests under the
+/// same key, and two requests of one body under two. `None` outside every keyed call.
 #[cfg_attr(not(feature = "client"), allow(dead_code))]
-pub(crate) fn step_key() -> Option<Key> {
-    CURRENT
-        .try_with(|scope| {
-            scope
-                .attempt
-                .as_ref()
-                .filter(|attempt| matches!(attempt.0.fence, Fence::Call(_)))
-                .map(|attempt| attempt.0.key)
-        })
+pub(crate) fn request_key(method: &str, target: &str) -> Option<Key> {
+    let attempt = CURRENT
+        .try_with(|scope| scope.attempt.clone())
         .ok()
-        .flatten()
+        .flatten()?;
+    let frame = &*attempt.0;
+    let occurrence = {
+        let mut seen = frame
+            .requests
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let name = format!("{method} {target}");
+        let count = seen.entry(name.into_boxed_str()).or_insert(0);
+        *count += 1;
+        *count - 1
+    };
+    Some(derived_request_key(&frame.key, method, target, occurrence))
+}
+
+/// The key of occurrence `occurrence` of a request of `method` to `target` sent in the body
+/// of the call (or step) `parent`: a sha256 digest apart from every key [`Key::derive`] and
+/// every step's key make.
+fn derived_request_key(parent: &Key, method: &str, target: &str, occurrence: u32) -> Key {
+    use sha2::{Digest, Sha256};
+    let mut digest = Sha256::new();
+    digest.update(b"idem.request\0");
+    digest.update(parent.as_bytes());
+    for part in [method, target] {
+        digest.update((part.len() as u64).to_be_bytes());
+        digest.update(part.as_bytes());
+    }
+    digest.update(occurrence.to_be_bytes());
+    Key::from_bytes(digest.finalize().into())
 }
 
 /// Where a [`step`](crate::step) is called.
@@ -409,6 +531,32 @@ fn store_id<S: Store + ?Sized>(store: &S) -> usize {
 mod tests {
     use super::*;
     use crate::MemoryStore;
+
+    #[test]
+    fn request_keys_differ_by_call_method_target_and_occurrence() {
+        let call = Key::derive("requests", &1).unwrap();
+        let key = |parent: &Key, method: &str, target: &str, n: u32| {
+            derived_request_key(parent, method, target, n)
+        };
+        let base = key(&call, "POST", "https://pay.example/charges", 0);
+        assert_eq!(base, key(&call, "POST", "https://pay.example/charges", 0));
+        for differs in [
+            key(
+                &Key::derive("requests", &2).unwrap(),
+                "POST",
+                "https://pay.example/charges",
+                0,
+            ),
+            key(&call, "PATCH", "https://pay.example/charges", 0),
+            key(&call, "POST", "https://pay.example/refunds", 0),
+            key(&call, "POST", "https://pay.example/charges", 1),
+            // Lengths are part of the digest: no bytes shift between method and target.
+            key(&call, "POS", "Thttps://pay.example/charges", 0),
+        ] {
+            assert_ne!(base, differs);
+        }
+        assert_ne!(base, call, "apart from the call's own key");
+    }
 
     #[tokio::test]
     async fn a_key_is_held_by_the_caller_only_in_the_same_store() {

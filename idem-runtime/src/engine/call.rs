@@ -210,7 +210,8 @@ where
                 _ => Err(err.into()),
             },
             Step::Failed(err) => Err(err.into()),
-            Step::Executed => match this.output.take() {
+            Step::Executed { replayed } => match this.output.take() {
+                Some(output) if replayed => output.map(Outcome::Replayed),
                 Some(output) => output.map(Outcome::Executed),
                 None => unreachable!("a call is executed only once its body returned"),
             },
@@ -289,8 +290,10 @@ pub(crate) enum Phase<'a> {
     Unkeyed,
     /// The body runs under the claim.
     Running(Held, Beat),
-    /// Recording or releasing.
-    Ending(Pin<Box<dyn Future<Output = Verdict> + Send>>),
+    /// Recording or releasing; `true` if the value is the effect [`reconcile`] found.
+    ///
+    /// [`reconcile`]: crate::reconcile()
+    Ending(Pin<Box<dyn Future<Output = Verdict> + Send>>, bool),
     /// Answered.
     Done,
 }
@@ -300,8 +303,11 @@ enum Step {
     /// A record to replay, with its typed value if the store kept one and the call takes it.
     Replay(Found),
     Failed(Error),
-    /// The body ran; its output is in the call.
-    Executed,
+    /// The body ran; its output is in the call. `replayed` if its value is the effect that
+    /// [`reconcile`](crate::reconcile()) found of an earlier attempt.
+    Executed {
+        replayed: bool,
+    },
 }
 
 impl<'a> Phase<'a> {
@@ -356,7 +362,7 @@ impl<'a> Phase<'a> {
                         *self = Phase::Unkeyed;
                         return Poll::Pending;
                     }
-                    return Poll::Ready(Step::Executed);
+                    return Poll::Ready(Step::Executed { replayed: false });
                 }
                 Phase::Running(held, mut heartbeat) => {
                     let polled = held.poll_body(cx, &mut heartbeat, &mut |cx| body.poll_body(cx));
@@ -365,14 +371,19 @@ impl<'a> Phase<'a> {
                         return Poll::Pending;
                     }
                     let ending = body.ending(held.keeps_typed());
-                    *self = Phase::Ending(Box::pin(held.end(ending, settings.ttl)));
+                    let reconciled = held.reconciled();
+                    *self = Phase::Ending(Box::pin(held.end(ending, settings.ttl)), reconciled);
                 }
-                Phase::Ending(mut end) => match end.as_mut().poll(cx) {
+                Phase::Ending(mut end, reconciled) => match end.as_mut().poll(cx) {
                     Poll::Pending => {
-                        *self = Phase::Ending(end);
+                        *self = Phase::Ending(end, reconciled);
                         return Poll::Pending;
                     }
-                    Poll::Ready(Verdict::Own) => return Poll::Ready(Step::Executed),
+                    Poll::Ready(Verdict::Own) => {
+                        return Poll::Ready(Step::Executed {
+                            replayed: reconciled,
+                        })
+                    }
                     Poll::Ready(Verdict::Failed(err)) => return Poll::Ready(Step::Failed(err)),
                 },
                 Phase::Done => panic!("an idempotent call was polled after it returned"),

@@ -25,12 +25,14 @@ use super::attempt::{Attempt, Journal};
 use super::backoff::backoff;
 use super::lease::Lease;
 use super::settings::Settings;
+use super::settle::Granted;
 use crate::background;
 use crate::flights::{FlightRef, Landing};
 use crate::meter::{self, Event};
 use crate::namespace::Namespace;
+use crate::store::Claimant;
 use crate::store::Typed;
-use crate::{Claim, Error, Fingerprint, Key, Store, Token};
+use crate::{Claim, ClaimRequest, Error, Fingerprint, Key, Store};
 
 pub(super) struct Held {
     /// What the heartbeat shares with the guard.
@@ -47,8 +49,10 @@ pub(super) struct Held {
     started: Instant,
     /// The call's span: the body runs in it, and its end is logged in it.
     span: tracing::Span,
-    /// The operation's namespace, for the metrics.
+    /// The operation's namespace, for the metrics and for a claim made again to record.
     namespace: Namespace,
+    /// The call's label, if it has one, for a claim made again to record.
+    label: Option<Arc<str>>,
     /// Whether the call's outcome was counted: by [`end`](Self::end), or, for a call
     /// dropped mid-body, by the drop.
     counted: bool,
@@ -136,11 +140,15 @@ impl Held {
         store: Arc<dyn Store>,
         key: Key,
         fingerprint: Option<Fingerprint>,
-        token: Token,
-        sent: Instant,
+        granted: Granted,
         settings: &Settings,
         span: tracing::Span,
     ) -> Self {
+        let Granted {
+            token,
+            sent,
+            taken_over,
+        } = granted;
         let lease = settings.lease;
         // Counted from when the claim was sent, before the store started the lease: this
         // process never believes its lease lasts longer than the store's, however late the
@@ -166,7 +174,14 @@ impl Held {
             nonce: OnceLock::new(),
         });
         let journal = Journal::new(key, settings, fingerprint, Some(Arc::clone(&claim)));
-        let attempt = Attempt::enter(&claim.store, key, token, journal);
+        let attempt = Attempt::enter(&claim.store, key, token, journal, taken_over);
+        if taken_over {
+            tracing::warn!(
+                parent: &span,
+                outcome = "taken over",
+                "the key was taken over from a claim that was never settled (its holder died or stalled past its lease, or an operator released it): that body's effect may have happened; `reconcile` asks its destination before the body runs"
+            );
+        }
         Self {
             claim,
             flight,
@@ -177,6 +192,7 @@ impl Held {
             started: now,
             span,
             namespace: settings.namespace.clone(),
+            label: super::label::current(),
             counted: false,
             verdict: Mutex::new(None),
         }
@@ -280,6 +296,12 @@ impl Held {
         .await
     }
 
+    /// Whether the body's value is the effect [`reconcile`](crate::reconcile()) found of
+    /// the claim this one took over.
+    pub(super) fn reconciled(&self) -> bool {
+        self.attempt.reconciled()
+    }
+
     /// Whether the store keeps a result's typed value beside its encoding.
     pub(super) fn keeps_typed(&self) -> bool {
         self.claim.store.typed().is_some()
@@ -297,10 +319,27 @@ impl Held {
         verdict.unwrap_or(Verdict::Own)
     }
 
-    /// Releases the claim so that the next call runs the body.
+    /// Releases the claim so that the next call runs the body; or, while the outcome of
+    /// the claim it took over is in doubt, leaves it to lapse (see [`abandon`](Self::abandon)).
     async fn release(mut self) {
+        if self.attempt.in_doubt() {
+            return self.abandon();
+        }
         self.owed = Owed::Release;
         self.finish().await;
+    }
+
+    /// Tells the store nothing: the claim lapses at the end of its lease, and the claim
+    /// that takes it over then is told so. For a call that took the key over from a claim
+    /// whose outcome is unknown, and ended without a value while it is still unknown (its
+    /// `reconcile` failed, or was cancelled) or after `reconcile` found the effect: a
+    /// release would make the next attempt run the body without asking again.
+    fn abandon(&mut self) {
+        tracing::warn!(
+            outcome = "released",
+            "the call ended without a value while the outcome of the claim it took over is in doubt: the claim is left to lapse, so that the next attempt reconciles again"
+        );
+        self.settled(Landing::Released);
     }
 
     /// Tells the store what is owed, then lands the flight. A completion is retried here,
@@ -519,12 +558,22 @@ impl Held {
             return Some(Landing::Released);
         }
         let nonce = *claim.nonce.get_or_init(crate::store::nonce);
-        let claimed = claim
-            .store
-            .claim_with_nonce(&claim.key, claim.fingerprint.as_ref(), claim.lease, nonce)
-            .await;
+        // Whose the claim is, as the first claim said: the record lists under its namespace
+        // and label, whichever claim completed it.
+        let claimant = Claimant::of(&self.namespace);
+        let claimant = match &self.label {
+            Some(label) => claimant.labelled(label),
+            None => claimant,
+        };
+        let request = ClaimRequest::new(&claim.key, claim.lease)
+            .fingerprint(claim.fingerprint.as_ref())
+            .ttl(ttl)
+            .nonce(nonce)
+            .claimant(claimant);
+        let claimed = claim.store.claim(&request).await;
         let (landing, verdict) = match claimed {
-            Ok(Claim::Acquired { token }) => {
+            // Taken over or not, the key was free: this body ran, its result is recorded.
+            Ok(Claim::Acquired { token, .. }) => {
                 match claim
                     .store
                     .complete(&claim.key, token, record.clone(), ttl)
@@ -625,6 +674,12 @@ impl Drop for Held {
         if matches!(owed, Owed::Nothing) {
             return;
         }
+        if matches!(owed, Owed::Release) && self.attempt.in_doubt() {
+            if !self.counted {
+                meter::count(&self.namespace, Event::Released);
+            }
+            return self.abandon();
+        }
         if !self.counted {
             // Dropped mid-body: the claim is released.
             meter::count(&self.namespace, Event::Released);
@@ -658,6 +713,7 @@ impl Drop for Held {
             started: self.started,
             span: self.span.clone(),
             namespace: self.namespace.clone(),
+            label: self.label.clone(),
             counted: true,
             verdict: Mutex::new(None),
         };

@@ -18,7 +18,7 @@ use crate::flights::Landing;
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 use crate::store::{Call, Transactional};
 use crate::store::{Claimant, Kept, Typed};
-use crate::{limits, meter, Claim, Error, Fingerprint, Key, Store, Token};
+use crate::{limits, meter, Claim, ClaimRequest, Error, Fingerprint, Key, Store, Token};
 
 impl Settings {
     /// The record to replay, if the store has it at hand (in memory) and no call of the key
@@ -72,12 +72,11 @@ impl Settings {
         });
         Ok(match settled? {
             Settled::Replay(record) => Begun::Replay(record),
-            Settled::Run(token, sent) => Begun::Run(Held::new(
+            Settled::Run(granted) => Begun::Run(Held::new(
                 store.shared(),
                 key,
                 fingerprint,
-                token,
-                sent,
+                granted,
                 self,
                 span,
             )),
@@ -146,7 +145,13 @@ impl Settings {
             let nonce = *nonce.get_or_insert_with(crate::store::nonce);
             let (claim, sent) = self.claim(store, key, fingerprint, nonce).await?;
             match claim {
-                Claim::Acquired { token } => return Ok(Settled::Run(token, sent)),
+                Claim::Acquired { token, taken_over } => {
+                    return Ok(Settled::Run(Granted {
+                        token,
+                        sent,
+                        taken_over,
+                    }))
+                }
                 Claim::Completed {
                     value,
                     fingerprint: recorded,
@@ -189,9 +194,8 @@ impl Settings {
             Some(label) => Claimant::of(&self.namespace).labelled(label),
             None => Claimant::of(&self.namespace),
         };
-        let mut claimed = store
-            .claim_as(key, fingerprint, self.lease, nonce, &claimant)
-            .await;
+        let request = self.request(key, fingerprint, nonce, claimant);
+        let mut claimed = store.claim(&request).await;
         loop {
             match claimed {
                 Err(Error::Store(err)) if failures + 1 < CLAIM_TRIES => {
@@ -204,7 +208,7 @@ impl Settings {
                     // Boxed: the slow path's timers stay out of the state of every call.
                     Box::pin(tokio::time::sleep_until(again)).await;
                     sent = Instant::now();
-                    let again = store.claim_as(key, fingerprint, self.lease, nonce, &claimant);
+                    let again = store.claim(&request);
                     claimed = match deadline {
                         Some(deadline) => Box::pin(tokio::time::timeout_at(deadline, again))
                             .await
@@ -215,6 +219,22 @@ impl Settings {
                 claimed => return claimed.map(|claim| (claim, sent)),
             }
         }
+    }
+
+    /// The claim of `key` this operation sends: its lease and TTL, the call's `nonce`, and
+    /// whose it is.
+    pub(crate) fn request<'a>(
+        &self,
+        key: &'a Key,
+        fingerprint: Option<&'a Fingerprint>,
+        nonce: u64,
+        claimant: Claimant<'a>,
+    ) -> ClaimRequest<'a> {
+        ClaimRequest::new(key, self.lease)
+            .fingerprint(fingerprint)
+            .ttl(self.ttl)
+            .nonce(nonce)
+            .claimant(claimant)
     }
 
     /// The checks on a record found in progress: the fingerprint first, then whether the
@@ -343,12 +363,22 @@ pub(crate) async fn pause_before_polling(deadline: Instant, polls: u32) -> Resul
 /// How many times a call sends its claim when the store fails, the first included.
 const CLAIM_TRIES: u32 = 3;
 
-/// What settling a claim ended with: a record to replay, or the claim's token to run under.
+/// What settling a claim ended with: a record to replay, or the claim to run under.
 pub(crate) enum Settled {
     Replay(Bytes),
-    /// The claim's token, and when the claim that took it was sent: the store's lease
-    /// began after it.
-    Run(Token, Instant),
+    Run(Granted),
+}
+
+/// A claim the store granted.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Granted {
+    /// The claim's token.
+    pub(crate) token: Token,
+    /// When the claim that took it was sent: the store's lease began after it.
+    pub(crate) sent: Instant,
+    /// Whether it took the key over from a claim that was never settled: that claim's
+    /// outcome is unknown ([`Claim::Acquired`]).
+    pub(crate) taken_over: bool,
 }
 
 fn check_fingerprint(
@@ -411,12 +441,23 @@ impl Settings {
         // Before any statement: the enclosing call's uncommitted claim would make a claim on
         // another connection wait for the very transaction that waits for it.
         attempt::refuse_recursion(store, call.key)?;
+        // A record at hand outside the database (a tier's fast copy) is replayed without a
+        // statement on the caller's connection.
+        if let Some((value, recorded)) = store.__recorded(call.key).await {
+            return Settled::replay(value, recorded.as_ref(), call.fingerprint);
+        }
         let deadline = Instant::now() + self.wait_timeout.unwrap_or(self.lease);
         let mut polls = 0;
         loop {
             let sent = Instant::now();
             let settled = match store.__claim_in(connection, call, polls == 0).await? {
-                Claim::Acquired { token } => return Ok(Settled::Run(token, sent)),
+                Claim::Acquired { token, taken_over } => {
+                    return Ok(Settled::Run(Granted {
+                        token,
+                        sent,
+                        taken_over,
+                    }))
+                }
                 Claim::Completed {
                     value,
                     fingerprint: recorded,

@@ -110,7 +110,7 @@ impl<P> Operation<P> {
             };
             let token = match self.settings.settle_in(store, connection, &call).await? {
                 Settled::Replay(record) => return self.replay::<Json, _, _>(&record),
-                Settled::Run(token, _) => token,
+                Settled::Run(granted) => granted.token,
             };
             let journal = Journal::in_transaction(*key, &self.settings, fingerprint.copied());
             let attempt = Attempt::enter_fenced(store, *key, token, journal);

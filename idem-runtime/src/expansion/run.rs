@@ -166,3 +166,4 @@ pub fn label(label: impl Into<Arc<str>>) -> Arc<str> {
 }
 
 pub use crate::engine::label::labelled;
+pub use crate::engine::reconcile::reconciled;

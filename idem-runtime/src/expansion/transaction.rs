@@ -101,7 +101,7 @@ pub fn transactional<S: InTransaction>(store: &S) -> &NoTransactions {
 /// The stores `transaction =` works with: PostgreSQL's, SQLite's and MySQL's.
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 #[diagnostic::on_unimplemented(
-    message = "`transaction =` needs a `PostgresStore`, `SqliteStore` or `MySqlStore`, not `{Self}`",
+    message = "`transaction =` needs a `PostgresStore`, `SqliteStore` or `MySqlStore` (or a `TieredStore` over one), not `{Self}`",
     label = "not a store that claims inside a transaction",
     note = "the claim, the body's writes and the record commit together only in a SQL database: use `store = <a PostgresStore>` with `&mut PgConnection`, `<a SqliteStore>` with `&mut SqliteConnection`, or `<a MySqlStore>` with `&mut MySqlConnection`; or remove `transaction =` to use this store without a transaction"
 )]
@@ -136,6 +136,32 @@ impl InTransaction for crate::MySqlStore {
     }
 }
 
+// A tier over a store of each: the claim is its durable store's, in the caller's
+// transaction; replays come from its fast tier once a copy is there.
+#[cfg(feature = "postgres")]
+impl<F: crate::Store + Clone> InTransaction for crate::TieredStore<F, crate::PostgresStore> {
+    type Transactional = Self;
+    fn __idem_transactional(&self) -> &Self {
+        self
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl<F: crate::Store + Clone> InTransaction for crate::TieredStore<F, crate::SqliteStore> {
+    type Transactional = Self;
+    fn __idem_transactional(&self) -> &Self {
+        self
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl<F: crate::Store + Clone> InTransaction for crate::TieredStore<F, crate::MySqlStore> {
+    type Transactional = Self;
+    fn __idem_transactional(&self) -> &Self {
+        self
+    }
+}
+
 /// The store of `transaction =`, or the error that says it must be one.
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 pub fn transactional<S: InTransaction>(store: &S) -> &S::Transactional {
@@ -147,7 +173,7 @@ pub fn transactional<S: InTransaction>(store: &S) -> &S::Transactional {
 #[diagnostic::on_unimplemented(
     message = "`transaction =` is a `&mut {Self}`, and a `{S}` cannot claim in it",
     label = "not the connection of the store's database",
-    note = "each store claims in a connection to its own database: a `PostgresStore` (`SqlStore<Postgres>`) in a `&mut sqlx::PgConnection`, a `SqliteStore` (`SqlStore<Sqlite>`) in a `&mut sqlx::SqliteConnection`, a `MySqlStore` (`SqlStore<MySql>`) in a `&mut sqlx::MySqlConnection` (callers pass `&mut transaction`)"
+    note = "each store claims in a connection to its own database: a `PostgresStore` (`SqlStore<Postgres>`) in a `&mut sqlx::PgConnection`, a `SqliteStore` (`SqlStore<Sqlite>`) in a `&mut sqlx::SqliteConnection`, a `MySqlStore` (`SqlStore<MySql>`) in a `&mut sqlx::MySqlConnection`, a `TieredStore` in its durable store's (callers pass `&mut transaction`)"
 )]
 pub trait ConnectionOf<S: crate::store::Transactional> {
     #[doc(hidden)]
@@ -170,6 +196,33 @@ impl ConnectionOf<crate::SqliteStore> for sqlx::SqliteConnection {
 
 #[cfg(feature = "mysql")]
 impl ConnectionOf<crate::MySqlStore> for sqlx::MySqlConnection {
+    fn __idem_connection(&mut self) -> &mut Self {
+        self
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl<F: crate::Store + Clone> ConnectionOf<crate::TieredStore<F, crate::PostgresStore>>
+    for sqlx::PgConnection
+{
+    fn __idem_connection(&mut self) -> &mut Self {
+        self
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl<F: crate::Store + Clone> ConnectionOf<crate::TieredStore<F, crate::SqliteStore>>
+    for sqlx::SqliteConnection
+{
+    fn __idem_connection(&mut self) -> &mut Self {
+        self
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl<F: crate::Store + Clone> ConnectionOf<crate::TieredStore<F, crate::MySqlStore>>
+    for sqlx::MySqlConnection
+{
     fn __idem_connection(&mut self) -> &mut Self {
         self
     }

@@ -31,7 +31,8 @@
 //!
 //! | request or answer | what the layer does |
 //! |---|---|
-//! | a method in the set (default `POST`, `PATCH`, see [`methods`](IdempotencyKeyLayer::methods)) without `Idempotency-Key` | adds a fresh UUIDv7, quoted as a structured-field string, used for this request only |
+//! | a method in the set (default `POST`, `PATCH`, see [`methods`](IdempotencyKeyLayer::methods)) without `Idempotency-Key`, inside a keyed call | adds a key derived from the call (its key, the method, the URI, the request's occurrence in the body: [`keys_from_calls`](IdempotencyKeyLayer::keys_from_calls)), the same on every attempt and redelivery of the call |
+//! | the same, outside every keyed call | adds a fresh UUIDv7, quoted as a structured-field string, used for this request only |
 //! | any request with `Idempotency-Key` | keeps the caller's key, and is retried like a `POST` |
 //! | a method outside the set, without a key | sent once, untouched (no key, no retry, no [`Delivery`]) |
 //! | a malformed `Idempotency-Key` (the server's rules) | [`Error::KeyMalformed`]; nothing is sent |
@@ -242,7 +243,9 @@ struct Config {
     max_body: usize,
     /// `None`: answers are streamed as they come ([`IdempotencyKeyLayer::stream_answers`]).
     max_answer: Option<usize>,
-    step_keys: bool,
+    /// Whether a request without a key, sent inside a keyed call, takes one derived from
+    /// the call's key ([`IdempotencyKeyLayer::keys_from_calls`]).
+    call_keys: bool,
 }
 
 impl IdempotencyKeyLayer {
@@ -254,7 +257,7 @@ impl IdempotencyKeyLayer {
                 methods: vec![Method::POST, Method::PATCH],
                 max_body: DEFAULT_MAX_BODY,
                 max_answer: Some(DEFAULT_MAX_ANSWER),
-                step_keys: true,
+                call_keys: true,
             }),
         }
     }
@@ -298,14 +301,30 @@ impl IdempotencyKeyLayer {
         self
     }
 
-    /// Whether a request sent inside a [`step`](crate::step()) without a key of its own
-    /// takes the step's key (`attempt().key()`, in hex: the same on every attempt of the
-    /// call, so the next service dedupes the step across crashes of this one). On by
-    /// default; `false` gives it a fresh UUIDv7 like any other request. One keyed request
-    /// per step: a second one to the same service would be answered as the first's retry.
-    pub fn step_keys(mut self, on: bool) -> Self {
-        Arc::make_mut(&mut self.config).step_keys = on;
+    /// Whether a request sent without a key of its own inside a keyed call (the body of an
+    /// `#[idempotent]` function, of `Operation::run`, of a consumer's handler, an HTTP
+    /// handler behind the idempotency layer, or a [`step`](crate::step()) of one) takes a
+    /// key derived from that call: from the call's (or step's) key, the request's method
+    /// and target (its URI), and its occurrence (the first such request of a body is 0, the
+    /// next of the same method and target 1, …), in hex. Every attempt of the call, and
+    /// every redelivery of the message it handles, then sends each request under the same
+    /// key, so the next service dedupes it across crashes of this one; two requests of one
+    /// body go under two keys. On by default; `false` gives every request without a key a
+    /// fresh UUIDv7, as a request outside every keyed call always gets. A body must send
+    /// its requests in the same order on every attempt, as it creates its steps; a target
+    /// that changes between attempts (a timestamp in the query) gets a new key.
+    pub fn keys_from_calls(mut self, on: bool) -> Self {
+        Arc::make_mut(&mut self.config).call_keys = on;
         self
+    }
+
+    /// The former name of [`keys_from_calls`](Self::keys_from_calls), which now derives a
+    /// key inside any keyed call, not only inside a step.
+    #[deprecated(
+        note = "renamed `keys_from_calls`: a request inside any keyed call, not only a step, takes a derived key"
+    )]
+    pub fn step_keys(self, on: bool) -> Self {
+        self.keys_from_calls(on)
     }
 }
 
@@ -501,7 +520,7 @@ where
     let started = Instant::now();
     let retry = &config.retry;
     let (mut parts, body) = request.into_parts();
-    let key = attempts::assign(&parts.method, &mut parts.headers, &config)
+    let key = attempts::assign(&parts.method, &parts.uri, &mut parts.headers, &config)
         .map_err(Error::KeyMalformed)?;
     let body = attempts::within(
         started.checked_add(retry.budget),

@@ -20,6 +20,7 @@
 //! | `steps` | each recorded step's value and expiry, by the step's key in hex |
 //! | `expiration` | DynamoDB's TTL attribute (seconds): when the table may delete the item |
 //! | `written` | the id of the last write, so that a write the SDK sent again knows it landed |
+//! | `prior_state`, `prior_nonce` | what the item was when the claim in progress took it (`NONE`: no item): a claim that took over one in progress under another nonce, or one an operator released just before, says so ([`Claim::Acquired`]'s `taken_over`) |
 //!
 //! # Writes
 //!
@@ -31,7 +32,11 @@
 //! removed item, a completed one whose `expires_at` has passed, one in progress under the
 //! caller's own nonce (a claim whose reply was lost), or one this process has watched
 //! unchanged for its whole lease. The token only grows (`if_not_exists(token, :now_µs) + 1`):
-//! it is the fencing token too, and a holder that lost the key cannot write anything.
+//! it is the fencing token too, and a holder that lost the key cannot write anything. A
+//! claim's reply is the whole item (`ALL_NEW`), the attributes that say what it was before
+//! among them. An item in progress may be deleted by the table's TTL a day past its lease at
+//! the earliest, or its call's TTL if longer, so that the claim that takes a lapsed one
+//! over is told.
 //!
 //! # Sizes
 //!
@@ -82,8 +87,8 @@ use self::item::{
     NONCE, RELEASED, RELEASED_TOKEN, REMOVED, STATE, VERSION, WRITTEN,
 };
 use self::seen::{Held, Seen};
-use crate::store::{Claimant, Holder, Recorded};
-use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
+use crate::store::{Holder, Recorded};
+use crate::{Claim, ClaimRequest, Error, Flights, Key, Store, Token};
 
 #[cfg(feature = "admin")]
 mod admin;
@@ -333,6 +338,12 @@ impl DynamoDbStore {
             .map(str::to_owned))
     }
 
+    /// How long the item of this process's claim of `key` is kept past its lease, should it
+    /// lapse unsettled: the call's TTL, at least [`KEPT`].
+    fn kept(&self, key: &Key) -> Duration {
+        self.seen.kept(key).unwrap_or(KEPT).max(KEPT)
+    }
+
     /// One conditional `UpdateItem` on the item of `key`, `values` bound to its
     /// placeholders (`:written` added): `Ok(Ok(new))` with the attributes `returns` asks
     /// for, or `Ok(Err(old))` with the item as it was when the condition failed (`None`: no
@@ -524,28 +535,18 @@ impl fmt::Debug for DynamoDbStore {
 #[async_trait]
 impl Store for DynamoDbStore {
     /// A claim found in progress under this nonce is this call's own (a reply was lost):
-    /// it is taken again under the next token, with a whole lease.
-    async fn claim_with_nonce(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-    ) -> Result<Claim, Error> {
-        self.claim_as(key, fingerprint, lease, nonce, &Claimant::unnamed())
-            .await
-    }
-
-    /// The item says whose the claim is: its namespace, label and holder, for an
-    /// operator's listing.
-    async fn claim_as(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-        claimant: &Claimant<'_>,
-    ) -> Result<Claim, Error> {
+    /// it is taken again under the next token, with a whole lease. The item says whose the
+    /// claim is: its namespace, label and holder, for an operator's listing; and what the
+    /// item was before it, so that the claim tells whether it took an unsettled one over.
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, Error> {
+        let ClaimRequest {
+            key,
+            fingerprint,
+            lease,
+            nonce,
+            claimant,
+            ..
+        } = *request;
         let named = |name: Option<&str>| {
             name.filter(|name| name.len() <= NAME_BYTES)
                 .map_or(AttributeValue::Null(true), s)
@@ -567,7 +568,11 @@ impl Store for DynamoDbStore {
                 (":zero", n(0)),
                 (":one", n(1)),
                 (":lease", n(millis(lease))),
-                (":expiration", n(expiration(now, lease + KEPT))),
+                (
+                    ":expiration",
+                    n(expiration(now, lease + request.ttl.max(KEPT))),
+                ),
+                (":none", s(item::NONE)),
                 (":no_steps", AttributeValue::M(HashMap::new())),
                 (":namespace", named(claimant.namespace())),
                 (":label", named(claimant.label())),
@@ -581,15 +586,21 @@ impl Store for DynamoDbStore {
                 values.push((":fingerprint", b(fingerprint.as_bytes())));
             }
             let expression = expression::claim(fingerprint.is_some(), lapsed.is_some());
+            // The whole item as the claim left it: what it was before is in it too, as
+            // `UPDATED_NEW` would leave out an attribute set to the value it had.
             let claimed = self
-                .update(key, expression, values, ReturnValue::UpdatedNew, None)
+                .update(key, expression, values, ReturnValue::AllNew, None)
                 .await?;
             let old = match claimed {
                 Ok(new) => {
                     let held = item::acquired(&new, lease)?;
                     // This process's own claim: seen from the moment it was answered.
                     self.seen.saw(key, held, Instant::now());
-                    return Ok(Claim::Acquired { token: held.token });
+                    self.seen.claimed(key, request.ttl);
+                    return Ok(Claim::Acquired {
+                        token: held.token,
+                        taken_over: item::taken_over(&new, held.token, nonce),
+                    });
                 }
                 Err(old) => old,
             };
@@ -664,7 +675,7 @@ impl Store for DynamoDbStore {
             (":one", n(1)),
             (":lease", n(millis(lease))),
             (":now", n(now)),
-            (":expiration", n(expiration(now, lease + KEPT))),
+            (":expiration", n(expiration(now, lease + self.kept(key)))),
         ];
         let Some(new) = self.fenced(key, token, &RENEW, values, None).await? else {
             return Ok(false);

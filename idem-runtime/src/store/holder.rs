@@ -152,7 +152,7 @@ fn host_name() -> String {
         .unwrap_or_else(|| "unknown".to_owned())
 }
 
-/// What a claim says of itself beyond its key ([`Store::claim_as`](super::Store::claim_as)):
+/// What a claim says of itself beyond its key ([`ClaimRequest::claimant`](super::ClaimRequest::claimant)):
 /// its operation's namespace, and a readable label if the caller chose one (none by
 /// default: a key can hold an e-mail address). The holder is always
 /// [`Holder::this_process`].
@@ -174,9 +174,9 @@ impl<'a> Claimant<'a> {
         }
     }
 
-    /// A claim that says nothing of itself: what a store's `claim_with_nonce` passes to
-    /// its own `claim_as`, so that each store has one claim.
-    pub(crate) const fn unnamed() -> Self {
+    /// A claim that says nothing of itself (a test's, or a tool's): listed as namespace
+    /// unknown.
+    pub const fn unnamed() -> Self {
         Self {
             namespace: None,
             label: None,
@@ -213,7 +213,7 @@ impl<'a> Claimant<'a> {
     }
 
     /// The operation's namespace; `None` for a claim made without one
-    /// ([`Store::claim_with_nonce`](super::Store::claim_with_nonce)).
+    /// ([`Claimant::unnamed`]).
     pub const fn namespace(&self) -> Option<&'a str> {
         self.namespace
     }

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use crate::key::KeyHasher;
 use crate::namespace::Namespace;
 use crate::store::{Claimant, Holder, Holding, Kept, Recorded, Typed, TypedCompletion, TypedStore};
-use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
+use crate::{limits, Claim, ClaimRequest, Error, Fingerprint, Flights, Key, Store, Token};
 
 #[cfg(feature = "admin")]
 mod admin;
@@ -125,7 +125,8 @@ struct Inner {
 
 const SHARDS: usize = 64;
 
-/// The claims of one shard. Lapsed claims are swept
+/// The claims of one shard. A lapsed claim stays for its call's TTL after its lease ran
+/// out, so that the claim that takes its key over is told; claims past that are swept
 /// whenever the shard has doubled since the last sweep, which keeps the cost of sweeping
 /// constant per claim.
 #[derive(Default)]
@@ -138,7 +139,7 @@ impl Claims {
     fn insert(&mut self, key: Key, claim: ClaimRecord, now: Instant) {
         self.live.insert(key, claim);
         if self.live.len() >= self.sweep_at {
-            self.live.retain(|_, claim| claim.until > now);
+            self.live.retain(|_, claim| claim.remembered(now));
             self.sweep_at = (self.live.len() * 2).max(64);
         }
     }
@@ -155,9 +156,19 @@ struct ClaimRecord {
     token: Token,
     fingerprint: Option<Fingerprint>,
     until: Instant,
+    /// How long the claim is remembered once its lease ran out: its call's TTL.
+    ttl: Duration,
     /// Whose the claim is, for an operator (`idem_runtime::admin`); the holder is this
     /// process.
     about: About,
+}
+
+impl ClaimRecord {
+    /// Whether the claim is live, or lapsed within its call's TTL: a claim that was never
+    /// settled, which the next claim of its key takes over knowingly.
+    fn remembered(&self, now: Instant) -> bool {
+        self.until.checked_add(self.ttl).is_none_or(|end| end > now)
+    }
 }
 
 /// What a record says of itself: its operation and, if its caller chose one, a label.
@@ -271,13 +282,8 @@ impl MemoryStore {
     /// look outside the lock first: every call through the engine has just looked for a
     /// record at hand ([`Store::peek`], [`TypedStore::peek_typed`]), so a key that comes
     /// here is all but always new.
-    fn take(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        claimant: &Claimant<'_>,
-    ) -> Claim {
+    fn take(&self, request: &ClaimRequest<'_>) -> Claim {
+        let key = request.key;
         let now = Instant::now();
         let mut claims = self.claims(key);
         // Under the lock: `complete` moves a claim to the results under the same lock, so a
@@ -287,25 +293,33 @@ impl MemoryStore {
                 return done.into_claim();
             }
         }
-        if let Some(claim) = claims.live.get(key).filter(|claim| claim.until > now) {
-            return Claim::InProgress {
-                fingerprint: claim.fingerprint,
-            };
-        }
+        let lapsed = match claims.live.get(key) {
+            Some(claim) if claim.until > now => {
+                return Claim::InProgress {
+                    fingerprint: claim.fingerprint,
+                };
+            }
+            Some(claim) => claim.remembered(now),
+            None => false,
+        };
         // Completed within its TTL, but its result is gone: never run again.
         if let Some(mark) = self.marks().get(key, now) {
             return mark.into_claim();
         }
         let token = Token::new(self.inner.tokens.fetch_add(1, Ordering::Relaxed) + 1);
-        let lease = limits::clamp(lease);
+        let lease = limits::clamp(request.lease);
         let claim = ClaimRecord {
             token,
-            fingerprint: fingerprint.copied(),
+            fingerprint: request.fingerprint.copied(),
             until: now + lease,
-            about: About::of(claimant, lease),
+            ttl: limits::clamp(request.ttl),
+            about: About::of(&request.claimant, lease),
         };
         claims.insert(*key, claim, now);
-        Claim::Acquired { token }
+        Claim::Acquired {
+            token,
+            taken_over: lapsed,
+        }
     }
 
     /// Completes the claim `token` of `key` with `value` (and its typed value): whether the
@@ -496,25 +510,8 @@ impl MemoryStoreBuilder {
 #[async_trait]
 impl Store for MemoryStore {
     /// A claim in this process never loses its reply, so the nonce is not needed.
-    async fn claim_with_nonce(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        _: u64,
-    ) -> Result<Claim, Error> {
-        Ok(self.take(key, fingerprint, lease, &Claimant::unnamed()))
-    }
-
-    async fn claim_as(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        _: u64,
-        claimant: &Claimant<'_>,
-    ) -> Result<Claim, Error> {
-        Ok(self.take(key, fingerprint, lease, claimant))
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, Error> {
+        Ok(self.take(request))
     }
 
     async fn complete(
@@ -653,6 +650,7 @@ mod tests {
             token: Token::new(1),
             fingerprint: None,
             until,
+            ttl: Duration::ZERO,
             about: About::default(),
         }
     }
@@ -669,8 +667,9 @@ mod tests {
         );
         let mut kept = Vec::new();
         for (key, len) in [(&small, 70), (&large, 100)] {
-            let Ok(Claim::Acquired { token }) =
-                store.claim(key, None, Duration::from_secs(60)).await
+            let Ok(Claim::Acquired { token, .. }) = store
+                .claim(&ClaimRequest::new(key, Duration::from_secs(60)))
+                .await
             else {
                 panic!("a fresh key is acquired");
             };
@@ -716,11 +715,11 @@ mod tests {
     /// Claims a fresh `key`, and its token.
     async fn acquired(store: &MemoryStore, key: &Key) -> Token {
         match store
-            .claim(key, None, Duration::from_secs(30))
+            .claim(&ClaimRequest::new(key, Duration::from_secs(30)))
             .await
             .unwrap()
         {
-            Claim::Acquired { token } => token,
+            Claim::Acquired { token, .. } => token,
             other => panic!("a fresh key was not acquired: {other:?}"),
         }
     }
@@ -758,7 +757,7 @@ mod tests {
             .unwrap());
         assert!(matches!(
             store
-                .claim(&key, None, Duration::from_secs(30))
+                .claim(&ClaimRequest::new(&key, Duration::from_secs(30)))
                 .await
                 .unwrap(),
             Claim::Completed { value, .. } if value[..] == *crate::codec::GONE
@@ -775,7 +774,7 @@ mod tests {
             .unwrap());
         assert!(matches!(
             rerun
-                .claim(&key, None, Duration::from_secs(30))
+                .claim(&ClaimRequest::new(&key, Duration::from_secs(30)))
                 .await
                 .unwrap(),
             Claim::Acquired { .. }

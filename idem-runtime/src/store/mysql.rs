@@ -62,8 +62,8 @@ use sqlx::Row;
 
 pub use crate::store::sql::Purger;
 use crate::store::sql::{self, millis, Dialect, Engine, Fenced, Sealed, SqlStore, Table};
-use crate::store::{Claimant, Holder};
-use crate::{Claim, Error, Fingerprint, Key, Token};
+use crate::store::Holder;
+use crate::{Claim, ClaimRequest, Error, Key, Token};
 
 mod schema;
 mod statements;
@@ -190,16 +190,20 @@ impl MySqlEngine {
     async fn take(
         &self,
         bounded: &Bounded,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-        claimant: &Claimant<'_>,
-    ) -> Result<Result<Token, MySqlRow>, sqlx::Error> {
+        request: &ClaimRequest<'_>,
+    ) -> Result<Result<Claim, MySqlRow>, sqlx::Error> {
+        let ClaimRequest {
+            key,
+            fingerprint,
+            lease,
+            nonce,
+            claimant,
+            ..
+        } = *request;
         let mut conn = self.pool.acquire().await?;
         let nonce_bytes = nonce.to_be_bytes();
         // The claim's row, as `insert` and `take` write it.
-        let claim_row = |statement| {
+        let claim_row = |statement, taken_over: bool| {
             sqlx::query(statement)
                 .bind(&key.as_bytes()[..])
                 .bind(fingerprint.map(|f| &f.as_bytes()[..]))
@@ -209,14 +213,18 @@ impl MySqlEngine {
                 .bind(claimant.label())
                 .bind(Holder::this_process_text())
                 .bind(millis(lease))
+                .bind(sql::kept_ms(request.ttl))
+                .bind(taken_over)
         };
         for _ in 0..CLAIM_LOOKS {
             // No row: the primary key lets one insert in, which takes the next token. It
             // commits by itself, so the shared lock an ignored insert takes on the row ends
             // with it (in a transaction, claimers upgrading it below would deadlock).
-            let inserted = claim_row(&bounded.insert).execute(&mut *conn).await?;
+            let inserted = claim_row(&bounded.insert, false)
+                .execute(&mut *conn)
+                .await?;
             if inserted.rows_affected() == 1 {
-                return given(inserted.last_insert_id()).map(Ok);
+                return given(inserted.last_insert_id()).map(|token| Ok(Claim::acquired(token)));
             }
             // A row: locked, then looked at, then replaced if it lapsed, by a row whose
             // token is taken after the lock (so above the row's, whenever that was taken).
@@ -229,13 +237,19 @@ impl MySqlEngine {
                 continue; // purged meanwhile: insert again (the transaction rolls back)
             };
             let live: i64 = row.try_get(4)?;
-            if live != 0 && !sql::is_ours(&row, nonce) {
+            let ours = sql::is_ours(&row, nonce);
+            if live != 0 && !ours {
                 return Ok(Err(row)); // the transaction rolls back when dropped
             }
-            let taken = claim_row(&bounded.take).execute(&mut *tx).await?;
+            // A lapsed claim that is not the caller's own was never settled.
+            let completed: bool = row.try_get(1)?;
+            let taken_over = !completed && !ours;
+            let taken = claim_row(&bounded.take, taken_over)
+                .execute(&mut *tx)
+                .await?;
             let token = given(taken.last_insert_id())?;
             tx.commit().await?;
-            return Ok(Ok(token));
+            return Ok(Ok(Claim::Acquired { token, taken_over }));
         }
         Err(sqlx::Error::Protocol(
             "the key's row kept vanishing while it was claimed".into(),
@@ -274,15 +288,8 @@ impl Engine for MySqlEngine {
         self.bounded = Arc::default();
     }
 
-    async fn claim(
-        &self,
-        timeout: Duration,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-        claimant: &Claimant<'_>,
-    ) -> Result<Claim, Error> {
+    async fn claim(&self, timeout: Duration, request: &ClaimRequest<'_>) -> Result<Claim, Error> {
+        let (key, nonce) = (request.key, request.nonce);
         let bounded = self.bounded(timeout).await?;
         let claimed = sql::within("mysql", timeout, async {
             // A replay, or a key someone holds: answered by a read, which locks nothing.
@@ -292,17 +299,12 @@ impl Engine for MySqlEngine {
                 .await?;
             match live {
                 Some(row) if !sql::is_ours(&row, nonce) => Ok(Err(row)),
-                _ => {
-                    self.take(bounded, key, fingerprint, lease, nonce, claimant)
-                        .await
-                }
+                _ => self.take(bounded, request).await,
             }
         })
         .await;
         match claimed {
-            Ok(claimed) => {
-                claimed.map_or_else(|row| sql::held(&row), |token| Ok(Claim::Acquired { token }))
-            }
+            Ok(claimed) => claimed.or_else(|row| sql::held(&row)),
             Err(err) if waited_out(&err) => {
                 // Another transaction (a claim in a caller's transaction) holds the key's
                 // row: in progress, as a committed claim would answer.

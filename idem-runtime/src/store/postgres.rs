@@ -48,8 +48,8 @@ pub use crate::store::sql::Purger;
 use crate::store::sql::{
     self, fingerprint, millis, Dialect, Engine, Fenced, Sealed, SqlStore, Table,
 };
-use crate::store::{Claimant, Holder};
-use crate::{Claim, Error, Fingerprint, Key, Token};
+use crate::store::Holder;
+use crate::{Claim, ClaimRequest, Error, Key, Token};
 
 mod hosts;
 mod schema;
@@ -267,15 +267,15 @@ impl Engine for PostgresEngine {
 
     /// The nonce is kept in the in-progress row's `value` (empty until it completes); a row
     /// in progress under it is taken again with a new token and a whole lease.
-    async fn claim(
-        &self,
-        timeout: Duration,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-        claimant: &Claimant<'_>,
-    ) -> Result<Claim, Error> {
+    async fn claim(&self, timeout: Duration, request: &ClaimRequest<'_>) -> Result<Claim, Error> {
+        let ClaimRequest {
+            key,
+            fingerprint,
+            lease,
+            nonce,
+            claimant,
+            ..
+        } = *request;
         // Another attempt only when a concurrent claim inserted the row after this
         // statement's snapshot (or deleted the row it saw): the next statement sees it.
         // Under churn on one key that can repeat; each miss means another call made
@@ -301,6 +301,7 @@ impl Engine for PostgresEngine {
                         .bind(claimant.namespace())
                         .bind(claimant.label())
                         .bind(Holder::this_process_text())
+                        .bind(sql::kept_ms(request.ttl))
                         .fetch_optional(&self.pool)
                         .await?;
                     if let Some(row) = row {
@@ -415,8 +416,15 @@ fn parse_claim(row: &PgRow) -> Result<Claim, Error> {
     Ok(if acquired {
         let token =
             u64::try_from(raw_token).map_err(|_| Error::store("a negative fencing token"))?;
+        // Ordinary claims say whether they took an unsettled claim over; a claim in a
+        // transaction's function does not.
+        let taken_over = match row.len() > 5 {
+            true => row.try_get(5).map_err(Error::store)?,
+            false => false,
+        };
         Claim::Acquired {
             token: Token::new(token),
+            taken_over,
         }
     } else if completed {
         let value: Option<Vec<u8>> = row.try_get(4).map_err(Error::store)?;

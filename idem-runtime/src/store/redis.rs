@@ -16,7 +16,7 @@
 //! ```
 //!
 //! where `n` is one byte, 0 or 32. `about` is what the claim says of itself
-//! ([`Store::claim_as`]: what an operator's listing shows); a claim an earlier version
+//! ([`ClaimRequest::claimant`]: what an operator's listing shows); a claim an earlier version
 //! wrote ends at its fingerprint, and lists as namespace unknown. A completed record keeps
 //! its claim's `about` beside it, at the record's key followed by `:about`, with the same
 //! expiry, so that the record itself stays as every version reads it. An operator's release
@@ -26,18 +26,25 @@
 //! hash beside its record, at the record's key followed by `:steps` (the same hash tag),
 //! from each step's key to its value, expiring with the TTL of the last one recorded. The
 //! key's own expiry (`PX`, judged by the server's clock) is the lease while in progress and
-//! the TTL once completed.
+//! the TTL once completed. A claim leaves a trace at the record's key followed by
+//! `:unsettled` (its value the call's TTL), which its completion or release deletes and
+//! which lives the call's TTL past the claim's lease: a claim that finds the key free and
+//! the trace there took over a claim that lapsed (or that an operator released) unsettled,
+//! and says so ([`Claim::Acquired`]'s `taken_over`).
 //!
 //! # Commands
 //!
-//! - **Claim, and so every replay:** one native `SET key <in progress> NX GET PX <lease>`.
-//!   It writes the claim if the key is absent (never, or expired, or released) and otherwise
-//!   returns the record that is there, unchanged. No script and no clock reading: the
-//!   claim's token is a nonce this process draws (64 bits, `SipHash` of a per-process random
-//!   key and a counter), so claims of one key differ without asking the server.
+//! - **Claim, and so every replay:** one script around the native `SET key <in progress> NX
+//!   GET PX <lease>`. It writes the claim if the key is absent (never, or expired, or
+//!   released) and otherwise returns the record that is there, unchanged; a claim that took
+//!   the key writes its trace (`SET … GET`, which says whether an unsettled one was there).
+//!   No clock reading: the claim's token is a nonce this process draws (64 bits, `SipHash`
+//!   of a per-process random key and a counter), so claims of one key differ without
+//!   asking the server.
 //! - **Complete, release, renew:** a short script each, because Redis 7 has no native
 //!   compare-and-set: it acts only if the record still starts with `p` and this token. The
-//!   completion also writes the claim's `about` beside the record (in the same script).
+//!   completion also writes the claim's `about` beside the record (in the same script);
+//!   completion and release delete the claim's trace, renewal extends it.
 //! - **Fence** ([`Store::fence`], for [`Attempt::token`](crate::Attempt::token)): a script
 //!   that, while the claim is held, stamps the server's `TIME` in microseconds into the record
 //!   once and returns it. A later holder can only claim after this holder's record is gone,
@@ -45,7 +52,7 @@
 //!   does not go back (the assumption every expiry already makes).
 //! - **Record a step:** a script that writes the step into the call's hash only while the
 //!   call's record starts with `p` and this token; **read the steps:** one `HGETALL`.
-//! - **Remove:** a script that deletes the record, its steps and its `about`.
+//! - **Remove:** a script that deletes the record, its steps, its `about` and its trace.
 //! - **Operate** ([`Admin`](crate::admin::Admin), feature `admin`): a listing walks the
 //!   prefix's records with `SCAN … MATCH <prefix>{*}` (never `KEYS`), on every primary of a
 //!   cluster, and reads each record's head with a script; a release is one script that
@@ -68,12 +75,12 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Script, ScriptInvocation, Value};
 
 use self::record::{
-    head, holder, in_progress, malformed, parse_claim, unexpected, Head, COMPLETE, FENCE, INSPECT,
-    LEASE_LEFT, LOOKUP, RECORD_STEP, RELEASE, REMOVE, RENEW,
+    head, holder, in_progress, malformed, parse_claim, unexpected, Head, CLAIM, COMPLETE, FENCE,
+    INSPECT, LEASE_LEFT, LOOKUP, RECORD_STEP, RELEASE, REMOVE, RENEW,
 };
 use self::sentinel::Primary;
-use crate::store::{Claimant, Holding, Recorded};
-use crate::{limits, Claim, Error, Fingerprint, Flights, Key, Store, Token};
+use crate::store::{Holding, Recorded};
+use crate::{limits, Claim, ClaimRequest, Error, Flights, Key, Store, Token};
 
 #[cfg(feature = "admin")]
 mod admin;
@@ -389,6 +396,16 @@ impl RedisStore {
         about
     }
 
+    /// The Redis key of the trace of `key`'s claim while it is unsettled: written by the
+    /// claim, deleted by its completion or release, it outlives a claim that lapsed (or that
+    /// an operator released) by the call's TTL, so that the claim taking the key over is
+    /// told. Beside the record, in its slot.
+    fn unsettled_of(&self, key: &Key) -> Vec<u8> {
+        let mut unsettled = self.record(key);
+        unsettled.extend_from_slice(b":unsettled");
+        unsettled
+    }
+
     /// The Redis key of the mark an operator's release leaves ([`Admin`](crate::admin::Admin)):
     /// the released holder's prefix, so that it claims the key no more to record its
     /// result.
@@ -505,43 +522,24 @@ impl fmt::Debug for RedisStore {
 impl Store for RedisStore {
     /// The nonce is the claim's token: a retry that finds an in-progress record with its
     /// own token finds the claim its lost reply made, and renews it to a whole lease before
-    /// answering `Acquired` (a second round trip, on this rare path only).
-    async fn claim_with_nonce(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-    ) -> Result<Claim, Error> {
-        self.claim_as(key, fingerprint, lease, nonce, &Claimant::unnamed())
-            .await
-    }
-
-    /// The record says whose the claim is (namespace, label, this process) and its lease,
-    /// after the fingerprint: what an operator's listing shows.
-    async fn claim_as(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-        claimant: &Claimant<'_>,
-    ) -> Result<Claim, Error> {
-        let token = Token::new(nonce);
-        let claim = in_progress(token, fingerprint, millis(lease), claimant);
-        let record = self.record(key);
-        // Sized once: a command grown argument by argument reallocates four or five times.
-        let mut command = Cmd::with_capacity(7, record.len() + claim.len() + 32);
-        command
-            .arg("SET")
-            .arg(record)
-            .arg(&claim)
-            .arg("NX")
-            .arg("GET")
-            .arg("PX")
-            .arg(millis(lease));
+    /// answering `Acquired` (a second round trip, on this rare path only). The record says
+    /// whose the claim is (namespace, label, this process) and its lease, after the
+    /// fingerprint: what an operator's listing shows.
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, Error> {
+        let (key, lease) = (request.key, request.lease);
+        let token = Token::new(request.nonce);
+        let claim = in_progress(token, request.fingerprint, millis(lease), &request.claimant);
+        let ttl = millis(request.ttl);
+        let (record, unsettled) = (self.record(key), self.unsettled_of(key));
         loop {
-            let reply = self.send(&command).await?;
+            let mut invocation = CLAIM.key(&record[..]);
+            invocation
+                .key(&unsettled[..])
+                .arg(&claim)
+                .arg(millis(lease))
+                .arg(ttl)
+                .arg(millis(lease).saturating_add(ttl));
+            let reply = self.run_script(invocation).await?;
             let own = matches!(&reply, Value::BulkString(record) if record.get(..9) == Some(&holder(token)[..]));
             let claim = parse_claim(reply, token)?;
             if matches!(claim, Claim::Acquired { .. }) {
@@ -569,6 +567,7 @@ impl Store for RedisStore {
         let mut invocation = self.script(&COMPLETE, key, token);
         invocation
             .key(self.about_of(key))
+            .key(self.unsettled_of(key))
             .arg(&value[..])
             .arg(millis(ttl));
         self.fenced(invocation, "the completion").await
@@ -576,7 +575,9 @@ impl Store for RedisStore {
 
     async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
         // A release that a failover loses leaves the claim to lapse: nothing to wait for.
-        match self.run_script(self.script(&RELEASE, key, token)).await? {
+        let mut invocation = self.script(&RELEASE, key, token);
+        invocation.key(self.unsettled_of(key));
+        match self.run_script(invocation).await? {
             Value::Int(applied) => Ok(applied == 1),
             other => Err(unexpected(&other)),
         }
@@ -584,7 +585,7 @@ impl Store for RedisStore {
 
     async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
         let mut invocation = self.script(&RENEW, key, token);
-        invocation.arg(millis(lease));
+        invocation.key(self.unsettled_of(key)).arg(millis(lease));
         self.fenced(invocation, "the renewal").await
     }
 
@@ -704,7 +705,10 @@ impl Store for RedisStore {
 
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
         let mut invocation = REMOVE.key(self.record(key));
-        invocation.key(self.steps_of(key)).key(self.about_of(key));
+        invocation
+            .key(self.steps_of(key))
+            .key(self.about_of(key))
+            .key(self.unsettled_of(key));
         match self.run_script(invocation).await? {
             Value::Int(removed) => Ok(removed > 0),
             other => Err(unexpected(&other)),

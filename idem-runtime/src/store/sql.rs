@@ -37,9 +37,9 @@ pub use self::purger::Purger;
 pub(crate) use self::rows::fingerprint;
 #[cfg(any(feature = "sqlite", feature = "mysql"))]
 pub(crate) use self::rows::{held, is_ours};
-pub(crate) use self::rows::{is_identifier, millis, steps_range, Database, Table};
-use crate::store::{Claimant, Holder, Holding, Recorded};
-use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
+pub(crate) use self::rows::{is_identifier, kept_ms, millis, steps_range, Database, Table};
+use crate::store::{Holder, Holding, Recorded};
+use crate::{Claim, ClaimRequest, Error, Flights, Key, Store, Token};
 
 /// The default table name of every SQL store.
 pub(crate) const DEFAULT_TABLE: &str = "idem_records";
@@ -198,34 +198,14 @@ impl<D: Dialect> fmt::Debug for SqlStore<D> {
 
 #[async_trait]
 impl<D: Dialect> Store for SqlStore<D> {
-    async fn claim_with_nonce(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-    ) -> Result<Claim, Error> {
-        self.claim_as(key, fingerprint, lease, nonce, &Claimant::unnamed())
-            .await
-    }
-
     /// The nonce is kept in the in-progress row's `value` (the result replaces it); a row in
     /// progress under it is taken again with a new token and a whole lease. The row keeps
     /// the claimant's namespace and label, this process as its holder, and the lease, for
-    /// [`Admin`](crate::admin::Admin) to show.
-    async fn claim_as(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-        claimant: &Claimant<'_>,
-    ) -> Result<Claim, Error> {
-        self.watched(
-            self.dialect
-                .claim(self.timeout, key, fingerprint, lease, nonce, claimant),
-        )
-        .await
+    /// [`Admin`](crate::admin::Admin) to show, and the call's TTL: a row that lapses
+    /// unsettled is purged only that long after its lease ran out.
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, Error> {
+        self.watched(self.dialect.claim(self.timeout, request))
+            .await
     }
 
     async fn complete(

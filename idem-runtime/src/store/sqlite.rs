@@ -96,8 +96,7 @@ use tokio::time::Instant;
 
 pub use crate::store::sql::Purger;
 use crate::store::sql::{self, Dialect, Engine, Fenced, Sealed, SqlStore, Table};
-use crate::store::Claimant;
-use crate::{Claim, Error, Fingerprint, Key, Token};
+use crate::{Claim, ClaimRequest, Error, Key, Token};
 use beacon::Beacon;
 use statements::Statements;
 use writes::{Answered, Job, Writes};
@@ -342,15 +341,8 @@ impl Engine for SqliteEngine {
         Ok(())
     }
 
-    async fn claim(
-        &self,
-        timeout: Duration,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-        claimant: &Claimant<'_>,
-    ) -> Result<Claim, Error> {
+    async fn claim(&self, timeout: Duration, request: &ClaimRequest<'_>) -> Result<Claim, Error> {
+        let (key, nonce) = (request.key, request.nonce);
         let started = Instant::now();
         let deadline = started + timeout;
         sql::within(Self::NAME, timeout, async {
@@ -363,13 +355,13 @@ impl Engine for SqliteEngine {
                 Some(row) if !sql::is_ours(&row, nonce) => Ok(Err(row)),
                 _ => {
                     self.sql.checked(&self.pool).await?;
-                    let job = Job::take(key, fingerprint, lease, nonce, claimant, started);
+                    let job = Job::take(request, started);
                     self.write(job, deadline).await
                 }
             }
         })
         .await?
-        .map_or_else(|row| sql::held(&row), |token| Ok(Claim::Acquired { token }))
+        .or_else(|row| sql::held(&row))
     }
 
     async fn fenced(

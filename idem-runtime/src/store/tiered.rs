@@ -15,8 +15,11 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::{Claimant, Holding, Kept, Recorded, Typed, TypedCompletion, TypedStore};
-use crate::{Claim, Error, Fingerprint, Flights, Key, Store, Token};
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+mod transaction;
+
+use super::{Holding, Kept, Recorded, Typed, TypedCompletion, TypedStore};
+use crate::{Claim, ClaimRequest, Error, Fingerprint, Flights, Key, Store, Token};
 
 /// The lease of the claim through which a record is copied into the fast tier. The claim is
 /// taken before the durable record is read (a replay) or written (a completion), so that a
@@ -148,16 +151,20 @@ impl<F: Store, D: Store> TieredStore<F, D> {
     async fn begin_copy(&self, key: &Key, fingerprint: Option<&Fingerprint>) -> Option<Token> {
         let began = self
             .on_fast(async {
-                let mut claim = self.fast.claim(key, fingerprint, COPY_LEASE).await?;
+                // A copy's claim that lapses (its process died) need not be remembered.
+                let request = ClaimRequest::new(key, COPY_LEASE)
+                    .fingerprint(fingerprint)
+                    .ttl(COPY_LEASE);
+                let mut claim = self.fast.claim(&request).await?;
                 if matches!(&claim, Claim::Completed { value, .. } if value[..] == *crate::codec::GONE)
                 {
                     // The fast tier lost its copy and kept a mark: the durable record is
                     // whole, so the copy is made again.
                     self.fast.remove(key).await?;
-                    claim = self.fast.claim(key, fingerprint, COPY_LEASE).await?;
+                    claim = self.fast.claim(&request).await?;
                 }
                 Ok(match claim {
-                    Claim::Acquired { token } => Some(token),
+                    Claim::Acquired { token, .. } => Some(token),
                     Claim::Completed { .. } | Claim::InProgress { .. } => None,
                 })
             })
@@ -204,6 +211,28 @@ impl<F: Store, D: Store> TieredStore<F, D> {
                 tracing::debug!(error = %err, "copying a record into the fast tier failed");
                 self.abandon_copy(key, token).await;
             }
+        }
+    }
+
+    /// Copies the durable record of `key`, found completed with `fingerprint`, into the
+    /// fast tier: worth two more round trips once per key, for the next replays are the
+    /// fast tier's. Only a durable store that says how long the record has left is copied
+    /// from, and only what it holds once the copy has begun.
+    async fn copy(&self, key: &Key, fingerprint: Option<&Fingerprint>) {
+        let Some(copy) = self.begin_copy(key, fingerprint).await else {
+            return;
+        };
+        let asked = Instant::now();
+        match self.durable.lookup(key).await {
+            Ok(Some(Recorded {
+                value,
+                fingerprint: recorded,
+                expires_in: Some(left),
+                ..
+            })) if recorded.as_ref() == fingerprint => {
+                self.finish_copy(key, copy, value, None, asked + left).await;
+            }
+            _ => self.abandon_copy(key, copy).await,
         }
     }
 
@@ -262,64 +291,26 @@ async fn within<T>(
 
 #[async_trait]
 impl<F: Store, D: Store> Store for TieredStore<F, D> {
-    /// The durable store's, so that a claim whose reply was lost is recognised there.
-    async fn claim_with_nonce(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-    ) -> Result<Claim, Error> {
-        self.claim_as(key, fingerprint, lease, nonce, &Claimant::unnamed())
-            .await
-    }
-
     /// The fast tier's copy answers a replay; claims go to the durable store, which keeps
-    /// whose they are.
-    async fn claim_as(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-        claimant: &Claimant<'_>,
-    ) -> Result<Claim, Error> {
+    /// whose they are, recognises a claim whose reply was lost, and remembers claims that
+    /// lapsed.
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, Error> {
+        let key = request.key;
         if let Some(copy) = self.read_fast(key).await {
             return Ok(Claim::Completed {
                 value: copy.value,
                 fingerprint: copy.fingerprint,
             });
         }
-        let claim = self
-            .durable
-            .claim_as(key, fingerprint, lease, nonce, claimant)
-            .await?;
+        let claim = self.durable.claim(request).await?;
         match &claim {
-            Claim::Acquired { token } => {
+            Claim::Acquired { token, .. } => {
                 let mut claims = self.claims();
                 if claims.len() < REMEMBERED_CLAIMS {
-                    claims.insert((*key, *token), fingerprint.copied());
+                    claims.insert((*key, *token), request.fingerprint.copied());
                 }
             }
-            Claim::Completed { fingerprint, .. } => {
-                // Worth two more round trips once per key: the next replays are the fast
-                // tier's. Only a durable store that says how long the record has left is
-                // copied from, and only what it holds once the copy has begun.
-                if let Some(copy) = self.begin_copy(key, fingerprint.as_ref()).await {
-                    let asked = Instant::now();
-                    match self.durable.lookup(key).await {
-                        Ok(Some(Recorded {
-                            value,
-                            fingerprint: recorded,
-                            expires_in: Some(left),
-                            ..
-                        })) if recorded == *fingerprint => {
-                            self.finish_copy(key, copy, value, None, asked + left).await;
-                        }
-                        _ => self.abandon_copy(key, copy).await,
-                    }
-                }
-            }
+            Claim::Completed { fingerprint, .. } => self.copy(key, fingerprint.as_ref()).await,
             Claim::InProgress { .. } => {}
         }
         Ok(claim)

@@ -9,6 +9,8 @@ use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use bytes::Bytes;
+
 use crate::{Claim, Error, Fingerprint, Key, Store, Token};
 
 /// A store that claims keys inside the caller's own transaction, on its connection:
@@ -20,6 +22,17 @@ use crate::{Claim, Error, Fingerprint, Key, Store, Token};
 pub trait Transactional: Store + Clone + sealed::Sealed {
     /// The connection the caller's transaction runs on.
     type Connection: Send;
+
+    /// A completed record of `key` at hand outside the database (a tier's fast copy): a
+    /// replay answered with it takes no savepoint and sends nothing on the connection.
+    #[doc(hidden)]
+    fn __recorded(
+        &self,
+        key: &Key,
+    ) -> impl Future<Output = Option<(Bytes, Option<Fingerprint>)>> + Send {
+        let _ = key;
+        std::future::ready(None)
+    }
 
     /// Takes the call's savepoint (on the `first` claim only) and claims the key under it.
     /// On an error, whatever the call did on the connection is rolled back first.

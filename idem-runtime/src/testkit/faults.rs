@@ -7,7 +7,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use crate::{Claim, Error, Fingerprint, Flights, Key, Recorded, Store, Token};
+use crate::{Claim, ClaimRequest, Error, Flights, Key, Recorded, Store, Token};
 
 /// How often each kind of fault hits an operation of a [`Faulty`] store: each a share of
 /// every operation, drawn independently per operation from the seed.
@@ -213,30 +213,8 @@ impl<S: Store> Faulty<S> {
 
 #[async_trait]
 impl<S: Store + Clone> Store for Faulty<S> {
-    async fn claim_with_nonce(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-    ) -> Result<Claim, Error> {
-        self.apply(self.inner.claim_with_nonce(key, fingerprint, lease, nonce))
-            .await
-    }
-
-    async fn claim_as(
-        &self,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-        claimant: &crate::store::Claimant<'_>,
-    ) -> Result<Claim, Error> {
-        self.apply(
-            self.inner
-                .claim_as(key, fingerprint, lease, nonce, claimant),
-        )
-        .await
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, Error> {
+        self.apply(self.inner.claim(request)).await
     }
 
     async fn holding(&self, key: &Key) -> Result<Option<crate::store::Holding>, Error> {

@@ -7,6 +7,7 @@
 //! `IDEM_FAILOVERS=200 cargo test -p idem-tests --all-features --test redis_failover -- --nocapture`
 //! runs the count over 200 failovers per mode (CI runs 10).
 
+use idem_runtime::ClaimRequest;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -259,7 +260,11 @@ async fn with_replicas_fails_what_no_replica_acknowledged() {
         op.key(&3).unwrap(),
     );
     let lease = Duration::from_secs(30);
-    let Claim::Acquired { token } = patient.claim(&held, None, lease).await.unwrap() else {
+    let Claim::Acquired { token, .. } = patient
+        .claim(&ClaimRequest::new(&held, lease))
+        .await
+        .unwrap()
+    else {
         panic!("a fresh key is free, and the replica acknowledges its claim");
     };
 
@@ -269,7 +274,7 @@ async fn with_replicas_fails_what_no_replica_acknowledged() {
     let completed = store
         .complete(&held, token, "v\"done\"".into(), Duration::from_secs(60))
         .await;
-    let claimed = store.claim(&refused, None, lease).await;
+    let claimed = store.claim(&ClaimRequest::new(&refused, lease)).await;
     signal(replica.pid(), "CONT");
 
     assert!(matches!(renewed, Err(Error::Store(_))), "{renewed:?}");
@@ -285,12 +290,18 @@ async fn with_replicas_fails_what_no_replica_acknowledged() {
     assert_eq!(&record.value[..], b"v\"done\"");
     assert!(plain.lookup(&refused).await.unwrap().is_none());
     assert!(matches!(
-        plain.claim(&refused, None, lease).await.unwrap(),
+        plain
+            .claim(&ClaimRequest::new(&refused, lease))
+            .await
+            .unwrap(),
         Claim::Acquired { .. }
     ));
 
     assert!(matches!(
-        patient.claim(&later, None, lease).await.unwrap(),
+        patient
+            .claim(&ClaimRequest::new(&later, lease))
+            .await
+            .unwrap(),
         Claim::Acquired { .. }
     ));
 }

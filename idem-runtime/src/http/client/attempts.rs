@@ -60,11 +60,13 @@ impl Answer for http::Response<super::AnswerBody> {
 }
 
 /// The key of a request: its own, when it has one (checked as the server checks it: `Err`
-/// says why it would be refused); for a method in the config's `methods`, the key of the
-/// step it is sent in (unless the config says otherwise), or a fresh UUIDv7, set in
-/// `headers`; else `None`, a request the client's half leaves alone.
+/// says why it would be refused); for a method in the config's `methods`, a key derived
+/// from the keyed call it is sent in (unless the config says otherwise), or a fresh UUIDv7
+/// outside every keyed call, set in `headers`; else `None`, a request the client's half
+/// leaves alone.
 pub(super) fn assign(
     method: &Method,
+    target: &impl std::fmt::Display,
     headers: &mut HeaderMap,
     config: &super::Config,
 ) -> Result<Option<IdempotencyKey>, &'static str> {
@@ -74,12 +76,12 @@ pub(super) fn assign(
     if !config.methods.contains(method) {
         return Ok(None);
     }
-    let step = config
-        .step_keys
-        .then(crate::engine::attempt::step_key)
-        .flatten();
-    let key = match step {
-        Some(step) => step.to_hex(),
+    let derived = match config.call_keys {
+        true => crate::engine::attempt::request_key(method.as_str(), &target.to_string()),
+        false => None,
+    };
+    let key = match derived {
+        Some(derived) => derived.to_hex(),
         None => uuid::Uuid::now_v7().hyphenated().to_string(),
     };
     let value = HeaderValue::try_from(format!("\"{key}\""))

@@ -80,10 +80,18 @@ impl IdempotencyKeyMiddleware {
         IdempotencyKeyLayer::from(self).stream_answers().into()
     }
 
-    /// Whether a request sent inside a [`step`](crate::step()) without a key of its own
-    /// takes the step's key (on by default); see [`IdempotencyKeyLayer::step_keys`].
+    /// Whether a request sent without a key of its own inside a keyed call takes a key
+    /// derived from the call (on by default); see [`IdempotencyKeyLayer::keys_from_calls`].
+    pub fn keys_from_calls(self, on: bool) -> Self {
+        IdempotencyKeyLayer::from(self).keys_from_calls(on).into()
+    }
+
+    /// The former name of [`keys_from_calls`](Self::keys_from_calls).
+    #[deprecated(
+        note = "renamed `keys_from_calls`: a request inside any keyed call, not only a step, takes a derived key"
+    )]
     pub fn step_keys(self, on: bool) -> Self {
-        IdempotencyKeyLayer::from(self).step_keys(on).into()
+        self.keys_from_calls(on)
     }
 }
 
@@ -121,7 +129,8 @@ impl Middleware for IdempotencyKeyMiddleware {
         let started = Instant::now();
         let config = &self.config;
         let method = request.method().clone();
-        let key = attempts::assign(&method, request.headers_mut(), config)
+        let target = request.url().clone();
+        let key = attempts::assign(&method, &target, request.headers_mut(), config)
             .map_err(|why| reqwest_middleware::Error::middleware(Error::KeyMalformed(why)))?;
         let Some(key) = key else {
             return next.run(request, extensions).await;

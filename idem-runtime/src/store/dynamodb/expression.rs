@@ -8,8 +8,8 @@ use std::sync::LazyLock;
 #[cfg(feature = "admin")]
 use super::item::RELEASED_TOKEN;
 use super::item::{
-    EXPIRATION, EXPIRES_AT, FINGERPRINT, HOLDER, ID, LABEL, LEASE_MS, NAMESPACE, NONCE, RENEWED_AT,
-    STATE, STEPS, TOKEN, VALUE, VERSION, WRITTEN,
+    EXPIRATION, EXPIRES_AT, FINGERPRINT, HOLDER, ID, LABEL, LEASE_MS, NAMESPACE, NONCE,
+    PRIOR_NONCE, PRIOR_STATE, RENEWED_AT, STATE, STEPS, TOKEN, VALUE, VERSION, WRITTEN,
 };
 
 /// One `UpdateItem`'s expressions. Every update sets the write's id first (`:written`), so
@@ -76,8 +76,12 @@ pub(super) fn claim(fingerprint: bool, lapsed: bool) -> &'static Expression {
         let or_lapsed = format!(
             "{free} OR (#{STATE} = :in_progress AND #{TOKEN} = :seen_token AND #{VERSION} = :seen_version)"
         );
+        // What the item was (operands read the item before the update): whether the claim
+        // takes an unsettled one over.
         let set = format!(
-            "SET #{STATE} = :in_progress, #{TOKEN} = if_not_exists(#{TOKEN}, :start) + :one, \
+            "SET #{PRIOR_STATE} = if_not_exists(#{STATE}, :none), \
+             #{PRIOR_NONCE} = if_not_exists(#{NONCE}, :zero), \
+             #{STATE} = :in_progress, #{TOKEN} = if_not_exists(#{TOKEN}, :start) + :one, \
              #{VERSION} = if_not_exists(#{VERSION}, :zero) + :one, #{NONCE} = :nonce, \
              #{LEASE_MS} = :lease, #{RENEWED_AT} = :now, #{EXPIRATION} = :expiration, \
              #{STEPS} = if_not_exists(#{STEPS}, :no_steps), #{NAMESPACE} = :namespace, \

@@ -51,6 +51,12 @@ pub(super) const RELEASED_TOKEN: &str = "released_token";
 /// The id of the last write, drawn per request: a write sent again by the SDK after a lost
 /// reply finds it and knows it landed.
 pub(super) const WRITTEN: &str = "written";
+/// The state the item was in when the claim in progress took it (`NONE`: no item), and the
+/// nonce it was in progress under, if any: whether that claim took an unsettled one over.
+pub(super) const PRIOR_STATE: &str = "prior_state";
+pub(super) const PRIOR_NONCE: &str = "prior_nonce";
+/// [`PRIOR_STATE`] of a claim that found no item.
+pub(super) const NONE: &str = "NONE";
 
 pub(super) const IN_PROGRESS: &str = "IN_PROGRESS";
 pub(super) const COMPLETED: &str = "COMPLETED";
@@ -76,6 +82,22 @@ pub(super) enum State {
 
 pub(super) type Item = HashMap<String, AttributeValue>;
 
+/// Whether the claim of token `token` and nonce `nonce`, whose item is `new` as the claim
+/// left it, took the key over from a claim that was never settled: one in progress under
+/// another nonce (lapsed, since the claim could take it), or released by an operator just
+/// before (its token the one before this claim's; tokens grow by one a claim).
+pub(super) fn taken_over(new: &Item, token: Token, nonce: u64) -> bool {
+    match new.get(PRIOR_STATE) {
+        Some(AttributeValue::S(prior)) if prior == IN_PROGRESS => {
+            number(new, PRIOR_NONCE).ok() != Some(nonce)
+        }
+        Some(AttributeValue::S(prior)) if prior == RELEASED => {
+            number(new, RELEASED_TOKEN).ok() == token.get().checked_sub(1)
+        }
+        _ => false,
+    }
+}
+
 /// Reads an item (or its absence) into the state a claim acts on.
 pub(super) fn state(item: Option<&Item>) -> Result<State, Error> {
     let Some(item) = item else {
@@ -100,12 +122,8 @@ pub(super) fn state(item: Option<&Item>) -> Result<State, Error> {
     }
 }
 
-/// The claim a claim's `UPDATED_NEW` reply says was taken, under the `lease` it asked for.
-///
-/// The reply holds the attributes the update changed: the token and the version always do
-/// (each is one more than it was). Whether an attribute set to the value it already had
-/// counts as updated is not documented (moto leaves it out), so the lease is the one the
-/// claim sent, never read back from the reply.
+/// The claim a claim's `ALL_NEW` reply (or its item read back) says was taken, under the
+/// `lease` it asked for: the lease is the one the claim sent, never read back.
 pub(super) fn acquired(reply: &Item, lease: Duration) -> Result<Held, Error> {
     Ok(Held {
         token: Token::new(number(reply, TOKEN)?),

@@ -28,6 +28,9 @@ const REMEMBERED: usize = 4096;
 #[derive(Default)]
 pub(super) struct Seen {
     claims: Mutex<HashMap<Key, (Held, Instant)>>,
+    /// The TTL of each claim this process holds, by key: how long its item is kept past a
+    /// renewal's lease, should the claim lapse unsettled.
+    ttls: Mutex<HashMap<Key, Duration>>,
 }
 
 impl Seen {
@@ -79,6 +82,27 @@ impl Seen {
     /// Forgets `key`: it is no longer in progress, as far as this process knows.
     pub(super) fn forget(&self, key: &Key) {
         self.lock().remove(key);
+        self.ttls().remove(key);
+    }
+
+    /// Notes the TTL of this process's claim of `key`. Past [`REMEMBERED`] claims, it is not
+    /// noted, and a renewal keeps the item a day past its lease ([`kept`](Self::kept)).
+    pub(super) fn claimed(&self, key: &Key, ttl: Duration) {
+        let mut ttls = self.ttls();
+        if ttls.len() < REMEMBERED || ttls.contains_key(key) {
+            ttls.insert(*key, ttl);
+        }
+    }
+
+    /// The TTL of this process's claim of `key`, if it noted one.
+    pub(super) fn kept(&self, key: &Key) -> Option<Duration> {
+        self.ttls().get(key).copied()
+    }
+
+    fn ttls(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Duration>> {
+        self.ttls
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, (Held, Instant)>> {

@@ -207,10 +207,13 @@ impl Admin for MemoryStore {
         if let Some(refusal) = admin::refusal(&entry, Some(token), how) {
             return Ok(Verdict::Refused(refusal));
         }
-        // Fenced before the claim goes, under its shard's lock: the holder's completion
-        // is refused only after this, so it always finds itself fenced.
+        // Fenced before the claim lapses, under its shard's lock: the holder's completion
+        // is refused only after this, so it always finds itself fenced. The claim lapses
+        // rather than goes: its body's outcome is unknown, and the next claim is told so.
         self.inner.flights.released(key);
-        claims.live.remove(key);
+        if let Some(claim) = claims.live.get_mut(key) {
+            claim.until = claim.until.min(now);
+        }
         Ok(Verdict::Done)
     }
 
@@ -229,8 +232,8 @@ impl Admin for MemoryStore {
         Ok(Verdict::Done)
     }
 
-    /// Lapsed claims go; expired results and marks are moka's and the marks' own to drop,
-    /// so only the claims are counted.
+    /// Claims lapsed longer than their call's TTL go; expired results and marks are moka's
+    /// and the marks' own to drop, so only the claims are counted.
     async fn purge(&self) -> Result<u64, Error> {
         let now = Instant::now();
         let mut purged = 0;
@@ -239,7 +242,7 @@ impl Admin for MemoryStore {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             let before = claims.live.len();
-            claims.live.retain(|_, claim| claim.until > now);
+            claims.live.retain(|_, claim| claim.remembered(now));
             purged += (before - claims.live.len()) as u64;
         }
         self.inner.results.run_pending_tasks();

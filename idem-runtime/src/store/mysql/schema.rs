@@ -219,14 +219,17 @@ impl MySqlEngine {
 }
 
 /// The columns that say whose a record is, added in place to a table of an earlier
-/// version: the claim's namespace, label, holder and lease, and whether a row is a step's
-/// record.
-const ABOUT: [(&str, &str); 5] = [
+/// version: the claim's namespace, label, holder and lease, whether a row is a step's
+/// record, how long a claim that lapsed unsettled is kept (its call's TTL), and whether a
+/// claim took one over.
+const ABOUT: [(&str, &str); 7] = [
     ("namespace", "TEXT NULL"),
     ("label", "TEXT NULL"),
     ("holder", "TEXT NULL"),
     ("lease_ms", "BIGINT NULL"),
     ("step", "BOOLEAN NULL"),
+    ("ttl_ms", "BIGINT NULL"),
+    ("taken_over", "BOOLEAN NULL"),
 ];
 
 /// Whether a column's `EXTRA` in `information_schema` says it is an `AUTO_INCREMENT`.

@@ -289,7 +289,7 @@ impl Statements {
                     value LONGBLOB NULL, \
                     expires_at BIGINT NOT NULL, \
                     namespace TEXT NULL, label TEXT NULL, holder TEXT NULL, \
-                    lease_ms BIGINT NULL, step BOOLEAN NULL, \
+                    lease_ms BIGINT NULL, step BOOLEAN NULL, ttl_ms BIGINT NULL, taken_over BOOLEAN NULL, \
                     INDEX {token_index} (token), \
                     INDEX {index} (expires_at)) ENGINE = InnoDB"
             ),
@@ -306,8 +306,8 @@ impl Statements {
             ),
             live: format!("SELECT token, completed, fingerprint, value FROM {t} WHERE {live_row}"),
             insert: format!(
-                "INSERT IGNORE INTO {t} (`key`, completed, fingerprint, value, expires_at, namespace, label, holder, lease_ms) \
-                 VALUES (?, FALSE, ?, ?, {NOW} + ?, ?, ?, ?, ?)"
+                "INSERT IGNORE INTO {t} (`key`, completed, fingerprint, value, expires_at, namespace, label, holder, lease_ms, ttl_ms, taken_over) \
+                 VALUES (?, FALSE, ?, ?, {NOW} + ?, ?, ?, ?, ?, ?, ?)"
             ),
             lock: format!(
                 "SELECT token, completed, fingerprint, value, expires_at > {NOW} FROM {t} \
@@ -315,8 +315,8 @@ impl Statements {
             ),
             // The row replaced by a new one, which takes the next token.
             take: format!(
-                "REPLACE INTO {t} (`key`, completed, fingerprint, value, expires_at, namespace, label, holder, lease_ms) \
-                 VALUES (?, FALSE, ?, ?, {NOW} + ?, ?, ?, ?, ?)"
+                "REPLACE INTO {t} (`key`, completed, fingerprint, value, expires_at, namespace, label, holder, lease_ms, ttl_ms, taken_over) \
+                 VALUES (?, FALSE, ?, ?, {NOW} + ?, ?, ?, ?, ?, ?, ?)"
             ),
             // `token + 0` in the statements that write a holder's row: kept off the token
             // index, which the optimizer would take for a range (with `key` filtered after),
@@ -377,19 +377,25 @@ impl Statements {
             // a locking range scan would wait for the first row past the range when an open
             // transaction holds it (a claim in a caller's transaction), and hold a gap that
             // new claims insert into meanwhile.
+            // A claim that lapsed unsettled stays for its call's TTL, so that the claim
+            // taking it over is told.
             expired: format!(
-                "SELECT `key` FROM {t} WHERE expires_at <= {NOW} ORDER BY expires_at LIMIT {PURGE_BATCH}"
+                "SELECT `key` FROM {t} WHERE expires_at <= {NOW} \
+                 AND (completed OR expires_at + COALESCE(ttl_ms, 0) <= {NOW}) \
+                 ORDER BY expires_at LIMIT {PURGE_BATCH}"
             ),
             // `expires_at + 0`: kept off the expiry index, which the optimizer would take for
             // a range scan (with the lock past the range), where the keys are point lookups.
             delete_expired: format!(
-                "DELETE FROM {t} WHERE expires_at + 0 <= {NOW} AND `key` IN "
+                "DELETE FROM {t} WHERE expires_at + 0 <= {NOW} \
+                 AND (completed OR expires_at + COALESCE(ttl_ms, 0) <= {NOW}) AND `key` IN "
             ),
             // Point lookups on the primary key (no range, no gap past it), each row locked
             // unless an open transaction holds it, which is skipped: the delete that follows
             // in the same transaction then waits for nothing.
             lock_expired: format!(
-                "SELECT `key` FROM {t} WHERE expires_at + 0 <= {NOW} AND `key` IN "
+                "SELECT `key` FROM {t} WHERE expires_at + 0 <= {NOW} \
+                 AND (completed OR expires_at + COALESCE(ttl_ms, 0) <= {NOW}) AND `key` IN "
             ),
         }
     }
@@ -403,6 +409,7 @@ fn admin(t: &str) -> crate::store::sql::AdminSql {
         key: "`key`",
         param: |_| "?".to_string(),
         live: &format!("expires_at > {NOW}"),
+        now: NOW,
         left_ms: &format!("CAST(expires_at - {NOW} AS SIGNED)"),
         size: "CAST(LENGTH(value) AS SIGNED)",
         head: "SUBSTRING(value, 1, 1)",
@@ -411,7 +418,7 @@ fn admin(t: &str) -> crate::store::sql::AdminSql {
         prefix: |len, prefix| {
             format!("CAST(SUBSTRING(COALESCE(namespace, ''), 1, {len}) AS BINARY) = CAST({prefix} AS BINARY)")
         },
-        token_is: |token| format!("token + 0 = {token}"),
+        token_is: |token| format!("ABS(token) = {token}"),
         silent: &format!("(expires_at <= {NOW} OR (expires_at - {NOW}) * 2 < lease_ms)"),
         trace: &format!(
             "INSERT INTO {t} (`key`, token, completed, expires_at, step) \

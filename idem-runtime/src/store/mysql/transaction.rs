@@ -180,7 +180,7 @@ impl MySqlStore {
         let message = format!("{set_wait}; {insert}; {restore}");
         for _ in 0..CLAIM_LOOKS {
             match inserted(connection, &message).await {
-                Ok(Some(token)) => return Ok(Claim::Acquired { token }),
+                Ok(Some(token)) => return Ok(Claim::acquired(token)),
                 Ok(None) => {}
                 Err(err) => {
                     // The message stopped before its end: the wait is put back before the error.
@@ -226,7 +226,7 @@ impl MySqlStore {
             .take_literal(call.key, call.fingerprint, call.lease);
         let taken = sqlx::Executor::execute(&mut *connection, sqlx::raw_sql(&take)).await?;
         let token = super::given(taken.last_insert_id())?;
-        Ok(Some(Claim::Acquired { token }))
+        Ok(Some(Claim::acquired(token)))
     }
 }
 

@@ -85,7 +85,8 @@ impl Schema {
                     fingerprint bytea, \
                     value bytea, \
                     expires_at timestamptz NOT NULL, \
-                    namespace text, label text, holder text, lease_ms bigint, step boolean)"
+                    namespace text, label text, holder text, lease_ms bigint, step boolean, \
+                    ttl_ms bigint, taken_over boolean)"
             ));
         } else if !found.about {
             // A table of an earlier version: the columns an operator is shown, added in
@@ -127,13 +128,16 @@ struct Found {
 }
 
 /// The columns that say whose a record is, added in place to a table of an earlier version: the claim's
-/// namespace, label, holder and lease, and whether a row is a step's record.
-const ABOUT: [(&str, &str); 5] = [
+/// namespace, label, holder and lease, whether a row is a step's record, how long a claim
+/// that lapsed unsettled is kept (its call's TTL), and whether a claim took one over.
+const ABOUT: [(&str, &str); 7] = [
     ("namespace", "text"),
     ("label", "text"),
     ("holder", "text"),
     ("lease_ms", "bigint"),
     ("step", "boolean"),
+    ("ttl_ms", "bigint"),
+    ("taken_over", "boolean"),
 ];
 
 fn relation_kind(relkind: &str) -> &'static str {

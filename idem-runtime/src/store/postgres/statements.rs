@@ -95,10 +95,12 @@ impl Statements {
                  SELECT coalesce(bool_or(live), false) FROM removed"
             ),
             // One batch: expired rows that no one holds a lock on (a claim taking an expired
-            // key over, say) are skipped, never waited for.
+            // key over, say) are skipped, never waited for. A claim that lapsed unsettled
+            // stays for its call's TTL, so that the claim taking it over is told.
             purge: format!(
                 "DELETE FROM {t} WHERE key = ANY(ARRAY(\
                     SELECT key FROM {t} WHERE expires_at <= now() \
+                    AND (completed OR expires_at + coalesce(ttl_ms, 0) * interval '1 millisecond' <= now()) \
                     LIMIT $1 FOR UPDATE SKIP LOCKED))"
             ),
             schema: objects,
@@ -129,12 +131,19 @@ pub(super) enum Conflict {
 /// nonce is the caller's own claim, made by a try whose reply was lost: it is taken again
 /// like a lapsed one, with a new token and a whole lease, so the caller never holds a claim
 /// whose lease was spent while the reply was lost.
+///
+/// With a `ttl` (ordinary claims, milliseconds), the row keeps it (`ttl_ms`: how long the
+/// purge leaves the row once its lease ran out unsettled) and whether the claim took over a
+/// row in progress that was not the caller's own (`taken_over`, written from the row it
+/// replaced), which the statement returns as a sixth column.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn claim_query(
     t: &str,
     sequence: &str,
     now: &str,
     params: [&str; 3],
     nonce: Option<&str>,
+    ttl: Option<&str>,
     about: [&str; 3],
     conflict: Conflict,
 ) -> String {
@@ -148,13 +157,31 @@ pub(super) fn claim_query(
         ),
         None => ("NULL".to_string(), String::new(), String::new()),
     };
+    // Whether the row replaced was a claim that was never settled: in progress, and not
+    // the caller's own.
+    let unsettled = format!(
+        "NOT r.completed{}",
+        nonce.map_or(String::new(), |nonce| format!(
+            " AND r.value IS DISTINCT FROM {nonce}"
+        ))
+    );
+    let (ttl_column, ttl_value, ttl_update, taken_over, not_taken) = match ttl {
+        Some(ttl) => (
+            ", ttl_ms, taken_over",
+            format!(", {ttl}, false"),
+            format!(", ttl_ms = EXCLUDED.ttl_ms, taken_over = {unsettled}"),
+            ", taken_over",
+            ", false",
+        ),
+        None => ("", String::new(), String::new(), "", ""),
+    };
     let on_conflict = match conflict {
         Conflict::TakeOver => format!(
             "DO UPDATE SET \
                 token = EXCLUDED.token, completed = false, fingerprint = EXCLUDED.fingerprint, \
                 value = EXCLUDED.value, expires_at = EXCLUDED.expires_at, \
                 namespace = EXCLUDED.namespace, label = EXCLUDED.label, holder = EXCLUDED.holder, \
-                lease_ms = EXCLUDED.lease_ms, step = NULL \
+                lease_ms = EXCLUDED.lease_ms, step = NULL{ttl_update} \
             WHERE r.expires_at <= {now}{ours}"
         ),
         Conflict::Skip => "DO NOTHING".to_string(),
@@ -164,15 +191,15 @@ pub(super) fn claim_query(
             SELECT token, completed, fingerprint, value FROM {t} \
             WHERE key = {key} AND expires_at > {now}{not_ours}), \
          claimed AS (\
-            INSERT INTO {t} AS r (key, token, completed, fingerprint, value, expires_at, namespace, label, holder, lease_ms) \
+            INSERT INTO {t} AS r (key, token, completed, fingerprint, value, expires_at, namespace, label, holder, lease_ms{ttl_column}) \
             SELECT {key}, nextval('{sequence}'), false, {fingerprint}, {value}, {now} + {lease} * interval '1 millisecond', \
-                {namespace}, {label}, {holder}, {lease} \
+                {namespace}, {label}, {holder}, {lease}{ttl_value} \
             WHERE NOT EXISTS (SELECT 1 FROM live) \
             ON CONFLICT (key) {on_conflict} \
-            RETURNING r.token, r.completed, r.fingerprint, r.value) \
-         SELECT true, token, completed, fingerprint, value FROM claimed \
+            RETURNING r.token, r.completed, r.fingerprint, r.value{taken_over}) \
+         SELECT true, token, completed, fingerprint, value{taken_over} FROM claimed \
          UNION ALL \
-         SELECT false, token, completed, fingerprint, value FROM live"
+         SELECT false, token, completed, fingerprint, value{not_taken} FROM live"
     )
 }
 
@@ -195,6 +222,7 @@ fn ordinary_claim(t: &str, sequence: &str, conflict: Conflict) -> String {
         "now()",
         ["$1", "$2", "$3"],
         Some("$5"),
+        Some("$9"),
         ["$6", "$7", "$8"],
         conflict,
     )
@@ -214,6 +242,7 @@ fn admin(t: &str) -> crate::store::sql::AdminSql {
         key: "key",
         param: |n| format!("${n}"),
         live: "expires_at > now()",
+        now: "now()",
         left_ms: "ceil(extract(epoch FROM expires_at - now()) * 1000)::bigint",
         size: "octet_length(value)::bigint",
         head: "substring(value FROM 1 FOR 1)",
@@ -221,7 +250,7 @@ fn admin(t: &str) -> crate::store::sql::AdminSql {
         prefix: |len, prefix| {
             format!("substr(coalesce(namespace, ''), 1, {len}::integer) = {prefix}::text")
         },
-        token_is: |token| format!("token = {token}"),
+        token_is: |token| format!("abs(token) = {token}"),
         silent: "(expires_at <= now() \
                  OR (expires_at - now()) * 2 < lease_ms * interval '1 millisecond')",
         trace: &format!(
@@ -360,6 +389,7 @@ impl InTransaction {
             sequence,
             "clock_timestamp()",
             ["p_key", "p_fingerprint", "p_lease"],
+            None,
             None,
             ["NULL::text", "NULL::text", "NULL::text"],
             super::statements::Conflict::TakeOver,

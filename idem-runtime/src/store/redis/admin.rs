@@ -294,10 +294,10 @@ impl RedisStore {
         }
     }
 
-    /// Deletes a call's steps.
+    /// Deletes a call's steps, and the trace of its claim: a reset forgets the call whole.
     async fn forget_steps(&self, key: &Key) -> Result<(), Error> {
         let mut command = redis::cmd("DEL");
-        command.arg(self.steps_of(key));
+        command.arg(self.steps_of(key)).arg(self.unsettled_of(key));
         self.send(&command).await.map(drop)
     }
 }

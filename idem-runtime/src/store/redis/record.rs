@@ -21,9 +21,29 @@ pub(super) const NO_FENCE: &[u8; FENCE_DIGITS] = b"00000000000000000000";
 // In every script, ARGV[1] is the holder's prefix: "p" and its 8-byte token; the
 // fingerprint and what follows start at byte 30 (Lua counts from 1).
 
+// KEYS[1] a record, KEYS[2] the trace of its claim while unsettled; ARGV[1] the claim,
+// ARGV[2] its lease, ARGV[3] how long the trace lives once the lease ran out (the call's
+// TTL), ARGV[4] the two together (milliseconds). The native `SET … NX GET` writes the
+// claim if the key is free and answers the record that is there otherwise; a claim that
+// took the key writes the trace and answers whether one was there (1) or not (0): a trace
+// outlives its claim only when the claim lapsed, or an operator released it, unsettled.
+const CLAIM_LUA: &str = r"
+local found = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'GET', 'PX', ARGV[2])
+if found then
+    return found
+end
+if redis.call('SET', KEYS[2], ARGV[3], 'GET', 'PX', ARGV[4]) then
+    return 1
+end
+return 0
+";
+
+/// The claim: the record that is there, or the key taken and whether it was taken over.
+pub(super) static CLAIM: LazyLock<Script> = LazyLock::new(|| Script::new(CLAIM_LUA));
+
 // KEYS[2] is the call's `about`: what its claim said of itself (after the fingerprint),
 // kept beside the completed record with the same expiry, so that the record stays as every
-// version reads it.
+// version reads it. KEYS[3] is the trace of the claim, which a settled claim deletes.
 const COMPLETE_LUA: &str = r"
 local record = redis.call('GET', KEYS[1])
 if not record or string.sub(record, 1, 9) ~= ARGV[1] then
@@ -35,28 +55,35 @@ local about = string.sub(record, 31 + n)
 if #about > 0 then
     redis.call('SET', KEYS[2], about, 'PX', ARGV[3])
 end
+redis.call('DEL', KEYS[3])
 return 1
 ";
 
 pub(super) static COMPLETE: LazyLock<Script> = LazyLock::new(|| Script::new(COMPLETE_LUA));
 
+// KEYS[2] is the trace of the claim, which a settled claim deletes.
 const RELEASE_LUA: &str = r"
 local record = redis.call('GET', KEYS[1])
 if not record or string.sub(record, 1, 9) ~= ARGV[1] then
     return 0
 end
-redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[1], KEYS[2])
 return 1
 ";
 
 pub(super) static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(RELEASE_LUA));
 
+// KEYS[2] is the trace of the claim: it lives the call's TTL (its value) past the lease.
 const RENEW_LUA: &str = r"
 local record = redis.call('GET', KEYS[1])
 if not record or string.sub(record, 1, 9) ~= ARGV[1] then
     return 0
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local ttl = redis.call('GET', KEYS[2])
+if ttl then
+    redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[2]) + tonumber(ttl))
+end
 return 1
 ";
 
@@ -95,11 +122,12 @@ pub(super) static RECORD_STEP: LazyLock<Script> = LazyLock::new(|| Script::new(R
 
 const REMOVE_LUA: &str = r"
 local removed = redis.call('DEL', KEYS[1])
-redis.call('DEL', KEYS[2], KEYS[3])
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
 return removed
 ";
 
-/// Removes a call's record, its steps and its `about`: whether there was a record.
+/// Removes a call's record, its steps, its `about` and the trace of its claim: whether
+/// there was a record.
 pub(super) static REMOVE: LazyLock<Script> = LazyLock::new(|| Script::new(REMOVE_LUA));
 
 const LOOKUP_LUA: &str = r"
@@ -164,16 +192,6 @@ pub(super) struct InProgress<'a> {
 }
 
 impl InProgress<'_> {
-    /// The record's length in bytes.
-    pub(super) fn len(&self) -> usize {
-        let names: usize = self
-            .names()
-            .iter()
-            .map(|name| 2 + name.map_or(0, <[u8]>::len))
-            .sum();
-        self.len + About::LEN_BEFORE_NAMES + names
-    }
-
     /// The namespace, the label and the holder, as written (each `None` beyond
     /// [`About::LONGEST`]).
     fn names(&self) -> [Option<&[u8]>; 3] {
@@ -222,8 +240,6 @@ impl About {
     const NONE: u16 = u16::MAX;
     /// The longest name kept: a longer one is written as none.
     const LONGEST: usize = 4096;
-    /// The version and the lease.
-    const LEN_BEFORE_NAMES: usize = 9;
 
     /// Reads what [`InProgress`] wrote: anything else (an unknown version, a short or
     /// malformed text) says nothing.
@@ -350,15 +366,23 @@ pub(super) fn head(reply: Value) -> Result<Option<Head>, Error> {
     }))
 }
 
-/// What a claim found: nothing (the claim is ours) or the record that was there.
+/// What a claim found: the key taken (and whether it was taken over from an unsettled
+/// claim), or the record that was there.
 pub(super) fn parse_claim(reply: Value, token: Token) -> Result<Claim, Error> {
     let record = match reply {
-        Value::Nil => return Ok(Claim::Acquired { token }),
+        Value::Nil => return Ok(Claim::acquired(token)),
+        Value::Int(taken_over) => {
+            return Ok(Claim::Acquired {
+                token,
+                taken_over: taken_over == 1,
+            })
+        }
         Value::BulkString(record) => record,
         other => return Err(unexpected(&other)),
     };
     match record.first() {
-        Some(b'p') if record.get(..9) == Some(&holder(token)[..]) => Ok(Claim::Acquired { token }),
+        // This caller's own claim, whose reply was lost: not a takeover.
+        Some(b'p') if record.get(..9) == Some(&holder(token)[..]) => Ok(Claim::acquired(token)),
         Some(b'p') => {
             let rest = record
                 .get(HEAD - 1..)
@@ -389,9 +413,7 @@ mod tests {
         let record = in_progress(token, fingerprint, 60_000, claimant);
         let mut args = record.to_redis_args();
         assert_eq!(args.len(), 1, "one argument");
-        let bytes = args.pop().unwrap();
-        assert_eq!(bytes.len(), record.len());
-        bytes
+        args.pop().unwrap()
     }
 
     #[test]

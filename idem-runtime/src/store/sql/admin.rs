@@ -2,8 +2,10 @@
 //! three dialects: each spells its statements ([`Spelling`]), the core runs them.
 //!
 //! A listing reads the table in key order after the cursor, a bounded batch at a time
-//! (`LIMIT`, on the primary key's index), and keeps what the filter selects; a release
-//! and a reset are each one conditional `DELETE`, judged by the database's clock.
+//! (`LIMIT`, on the primary key's index), and keeps what the filter selects; a release is
+//! one conditional `UPDATE` that ends the claim's lease now (the claim stays, lapsed, so
+//! that the next claim is told it takes over a call whose outcome is unknown), and a reset
+//! one conditional `DELETE`, each judged by the database's clock.
 
 use std::time::Duration;
 
@@ -47,6 +49,8 @@ pub(crate) struct Spelling<'a> {
     pub(crate) param: fn(usize) -> String,
     /// Whether a row's expiry is in the future.
     pub(crate) live: &'a str,
+    /// The database's clock, as `expires_at` counts it.
+    pub(crate) now: &'a str,
     /// The milliseconds left until the row's expiry, as a signed 64-bit integer.
     pub(crate) left_ms: &'a str,
     /// The value's size in bytes, as a signed 64-bit integer.
@@ -57,7 +61,8 @@ pub(crate) struct Spelling<'a> {
     pub(crate) not_step: &'a str,
     /// The row's namespace's first `len` characters equal `prefix` (NULL as empty).
     pub(crate) prefix: fn(len: &str, prefix: &str) -> String,
-    /// Whether the token column equals `param`.
+    /// Whether the claim's token is `param`, whether or not an operator released it (a
+    /// release negates the row's token, so that its holder's writes find it no more).
     pub(crate) token_is: fn(param: &str) -> String,
     /// Whether the claim's holder is silent: its lease ran out, or less than half of it
     /// (`lease_ms`) is left.
@@ -74,8 +79,11 @@ pub(crate) struct AdminSql {
     page: [String; 2],
     /// One record, whole (key).
     entry: String,
-    /// Deletes a claim in progress under a token (key, token, whether forced).
+    /// Ends the lease of a claim under a token now, and negates its token so that its
+    /// holder writes nothing more (key, token, whether forced).
     release: String,
+    /// Deletes a claim in progress under a token (key, token, whether forced).
+    drop_claim: String,
     /// Deletes a completed record (key).
     forget: String,
     /// Deletes a call's steps (first and last key of its range, the call's key).
@@ -114,6 +122,16 @@ impl AdminSql {
                 s.live
             ),
             release: format!(
+                "UPDATE {t} SET expires_at = CASE WHEN {} THEN {} ELSE expires_at END, token = -abs(token) \
+                 WHERE {key} = {} AND {} AND NOT completed AND ({} OR {})",
+                s.live,
+                s.now,
+                p(1),
+                (s.token_is)(&p(2)),
+                p(3),
+                s.silent
+            ),
+            drop_claim: format!(
                 "DELETE FROM {t} WHERE {key} = {} AND {} AND NOT completed AND ({} OR {})",
                 p(1),
                 (s.token_is)(&p(2)),
@@ -309,11 +327,20 @@ impl<D: Dialect + AdminRows> SqlStore<D> {
         .map(drop)
     }
 
-    /// Deletes the claim `entry` showed as `how` allows, fencing a holder of this process
-    /// first: whether it was deleted. The database judges the holder's silence by its own
-    /// clock, in the same statement, unless the release is forced or the holder's process
-    /// has exited (it can renew no more).
-    async fn delete_claim(&self, entry: &Entry, token: Token, how: Release) -> Result<bool, Error> {
+    /// Ends the claim `entry` showed as `how` allows, fencing a holder of this process
+    /// first: whether it ended. The database judges the holder's silence by its own clock,
+    /// in the same statement, unless the release is forced or the holder's process has
+    /// exited (it can renew no more). A release (`forget` false) ends the lease now and
+    /// keeps the row, lapsed, so that the next claim is told it takes an unsettled call
+    /// over, its token negated so that its holder's writes (which look for the token, and
+    /// on SQLite for nothing else) find it no more; a reset (`forget`) deletes it.
+    async fn end_claim(
+        &self,
+        entry: &Entry,
+        token: Token,
+        how: Release,
+        forget: bool,
+    ) -> Result<bool, Error> {
         let key = entry.key();
         let unconditional = how == Release::Force || entry.holder().is_some_and(Holder::has_exited);
         let token = i64::try_from(token.get()).unwrap_or(i64::MAX);
@@ -332,9 +359,14 @@ impl<D: Dialect + AdminRows> SqlStore<D> {
             self.flights.fence(key, false);
             return Err(err);
         }
+        let statement = if forget {
+            &self.admin_sql().drop_claim
+        } else {
+            &self.admin_sql().release
+        };
         let deleted = self
             .delete(
-                &self.admin_sql().release,
+                statement,
                 Binds::Release(&key.as_bytes()[..], token, unconditional),
             )
             .await;
@@ -410,7 +442,7 @@ impl<D: Dialect + AdminRows> Admin for SqlStore<D> {
             if let Some(refusal) = admin::refusal(&entry, Some(token), how) {
                 return Ok(Verdict::Refused(refusal));
             }
-            if self.delete_claim(&entry, token, how).await? {
+            if self.end_claim(&entry, token, how, false).await? {
                 return Ok(Verdict::Done);
             }
         }
@@ -429,7 +461,7 @@ impl<D: Dialect + AdminRows> Admin for SqlStore<D> {
             }
             let deleted = match entry.token() {
                 Some(token) if matches!(entry.state(), State::Held | State::Lapsed) => {
-                    self.delete_claim(&entry, token, how).await?
+                    self.end_claim(&entry, token, how, true).await?
                 }
                 _ => {
                     self.delete(&self.admin_sql().forget, Binds::Key(&key.as_bytes()[..]))

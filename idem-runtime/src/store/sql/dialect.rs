@@ -10,8 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use super::rows::{Database, Table};
-use crate::store::Claimant;
-use crate::{Claim, Error, Fingerprint, Key, Token};
+use crate::{Claim, ClaimRequest, Error, Key, Token};
 
 /// A holder's write, found by its token: whether the row was there to write is the answer.
 #[derive(Debug)]
@@ -60,16 +59,13 @@ pub trait Engine: Clone + Send + Sync + 'static {
     /// with several hosts looks for the primary again).
     fn failed(&self, _err: &Error, _timeout: Duration) {}
 
-    /// Claims `key` for `lease`, as [`Store::claim_as`](crate::Store::claim_as): the row
-    /// keeps the claimant's namespace and label, this process as its holder, and the lease.
+    /// Claims as [`Store::claim`](crate::Store::claim): the row keeps the claimant's
+    /// namespace and label, this process as its holder, the lease, and the call's TTL
+    /// (how long a claim that lapses unsettled is kept).
     fn claim(
         &self,
         timeout: Duration,
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-        claimant: &Claimant<'_>,
+        request: &ClaimRequest<'_>,
     ) -> impl Future<Output = Result<Claim, Error>> + Send;
 
     /// Runs a holder's `write` under `token`: whether its row was there.

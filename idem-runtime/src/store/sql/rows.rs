@@ -33,6 +33,12 @@ pub(crate) fn millis(duration: Duration) -> i64 {
         .max(1)
 }
 
+/// How long a claim that lapses unsettled is kept, in milliseconds as a row keeps it: its
+/// call's TTL, zero included (a claim not to be remembered).
+pub(crate) fn kept_ms(ttl: Duration) -> i64 {
+    i64::try_from(limits::clamp(ttl).as_millis()).unwrap_or(i64::MAX)
+}
+
 /// The keys a call's steps can have, first and last (a step's key starts with its call's
 /// first 16 bytes): the range every SQL store reads a call's steps from. The call's own
 /// key is in it too, and is left out by the statements.

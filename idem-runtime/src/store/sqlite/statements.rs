@@ -36,14 +36,17 @@ pub(super) struct Statements {
 }
 
 /// The columns that say whose a record is, added in place to a table of an earlier
-/// version: the claim's namespace, label, holder and lease, and whether a row is a step's
-/// record.
-pub(super) const ABOUT: [(&str, &str); 5] = [
+/// version: the claim's namespace, label, holder and lease, whether a row is a step's
+/// record, how long a claim that lapsed unsettled is kept (its call's TTL), and whether a
+/// claim took one over.
+pub(super) const ABOUT: [(&str, &str); 7] = [
     ("namespace", "TEXT"),
     ("label", "TEXT"),
     ("holder", "TEXT"),
     ("lease_ms", "INTEGER"),
     ("step", "INTEGER"),
+    ("ttl_ms", "INTEGER"),
+    ("taken_over", "INTEGER"),
 ];
 
 impl Statements {
@@ -60,25 +63,30 @@ impl Statements {
         // One statement: the token is the counter's next (the triggers move the counter up
         // to it), and a row is taken over when it lapsed or is the caller's own claim (its
         // nonce in `value`); a live row of another caller is left as it is, and nothing is
-        // returned. `row` is where the new row's values come from.
+        // returned. `row` is where the new row's values come from. It returns the token,
+        // and whether the row it replaced was a claim never settled (in progress, and not
+        // the caller's own).
         let take = |row: &str| {
             format!(
                 "INSERT INTO {t} (key, token, completed, fingerprint, value, expires_at, \
-                    namespace, label, holder, lease_ms) {row} \
+                    namespace, label, holder, lease_ms, ttl_ms, taken_over) {row} \
                  ON CONFLICT (key) DO UPDATE SET token = excluded.token, completed = 0, \
                  fingerprint = excluded.fingerprint, value = excluded.value, expires_at = excluded.expires_at, \
                  namespace = excluded.namespace, label = excluded.label, holder = excluded.holder, \
-                 lease_ms = excluded.lease_ms, step = NULL \
+                 lease_ms = excluded.lease_ms, step = NULL, ttl_ms = excluded.ttl_ms, \
+                 taken_over = (NOT {t}.completed AND substr({t}.value, 1, 8) IS NOT excluded.value) \
                  WHERE {t}.expires_at <= {NOW} \
                     OR (NOT {t}.completed AND substr({t}.value, 1, 8) = excluded.value) \
-                 RETURNING token"
+                 RETURNING token, taken_over"
             )
         };
         // The key, fingerprint, lease and nonce, then the claimant's namespace, label and
-        // holder.
-        let values = format!(
-            "?1, (SELECT last + 1 FROM {counter} WHERE id = 1), 0, ?2, ?4, {NOW} + ?3, ?5, ?6, ?7, ?3"
-        );
+        // holder, then the call's TTL (`ttl`, a parameter).
+        let values = |ttl: &str| {
+            format!(
+                "?1, (SELECT last + 1 FROM {counter} WHERE id = 1), 0, ?2, ?4, {NOW} + ?3, ?5, ?6, ?7, ?3, {ttl}, 0"
+            )
+        };
         let insert_trigger = format!("\"{name}_token_inserted\"");
         let update_trigger = format!("\"{name}_token_updated\"");
         Self {
@@ -91,7 +99,8 @@ impl Statements {
                         fingerprint BLOB, \
                         value BLOB, \
                         expires_at INTEGER NOT NULL, \
-                        namespace TEXT, label TEXT, holder TEXT, lease_ms INTEGER, step INTEGER) \
+                        namespace TEXT, label TEXT, holder TEXT, lease_ms INTEGER, step INTEGER, \
+                        ttl_ms INTEGER, taken_over INTEGER) \
                      WITHOUT ROWID"
                 ),
                 format!("CREATE INDEX IF NOT EXISTS {index} ON {t} (expires_at)"),
@@ -124,11 +133,11 @@ impl Statements {
                  WHERE key = ?1 AND expires_at > {NOW}"
             ),
             held: format!("SELECT token, completed, fingerprint, value FROM {t} WHERE key = ?1"),
-            take: take(&format!("VALUES ({values})")),
+            take: take(&format!("VALUES ({})", values("?8"))),
             // `NOW` is read once the statement holds the file's write lock: it writes
             // nothing unless that is before `?8`, when its caller stops waiting or would
             // have waited long enough that leases get time back first (see `writes.rs`).
-            take_in_time: take(&format!("SELECT {values} WHERE {NOW} < ?8")),
+            take_in_time: take(&format!("SELECT {} WHERE {NOW} < ?8", values("?9"))),
             // The holder's own statements ask for its token in the row, not for a live lease:
             // a lease that ran out while nobody took the key over is still the holder's (a
             // takeover writes another token), so a renewal or a completion that was held up
@@ -189,9 +198,12 @@ impl Statements {
             add_about: format!("ALTER TABLE {t} ADD COLUMN "),
             remove_steps: format!("DELETE FROM {t} WHERE key BETWEEN ?2 AND ?3 AND key <> ?1"),
             remove: format!("DELETE FROM {t} WHERE key = ?1 RETURNING expires_at > {NOW}"),
+            // A claim that lapsed unsettled stays for its call's TTL, so that the claim
+            // taking it over is told.
             purge: format!(
                 "DELETE FROM {t} WHERE key IN \
-                 (SELECT key FROM {t} WHERE expires_at <= {NOW} LIMIT ?1)"
+                 (SELECT key FROM {t} WHERE expires_at <= {NOW} \
+                    AND (completed OR expires_at + coalesce(ttl_ms, 0) <= {NOW}) LIMIT ?1)"
             ),
         }
     }
@@ -205,12 +217,13 @@ fn admin(t: &str) -> crate::store::sql::AdminSql {
         key: "key",
         param: |n| format!("?{n}"),
         live: &format!("expires_at > {NOW}"),
+        now: NOW,
         left_ms: &format!("expires_at - {NOW}"),
         size: "length(value)",
         head: "substr(value, 1, 1)",
         not_step: "coalesce(step, 0) = 0",
         prefix: |len, prefix| format!("substr(coalesce(namespace, ''), 1, {len}) = {prefix}"),
-        token_is: |token| format!("token = {token}"),
+        token_is: |token| format!("abs(token) = {token}"),
         silent: &format!("(expires_at <= {NOW} OR (expires_at - {NOW}) * 2 < lease_ms)"),
         trace: &format!(
             "INSERT INTO {t} (key, token, completed, expires_at, step) \

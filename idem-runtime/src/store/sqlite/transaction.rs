@@ -128,7 +128,7 @@ async fn claim(
     call: &Call<'_>,
     caller: i64,
 ) -> Result<Claim, sqlx::Error> {
-    let token: Option<i64> = sqlx::query_scalar(&sql.take)
+    let taken: Option<(i64, bool)> = sqlx::query_as(&sql.take)
         .bind(&call.key.as_bytes()[..])
         .bind(call.fingerprint.map(|f| &f.as_bytes()[..]))
         .bind(millis(call.lease))
@@ -136,13 +136,14 @@ async fn claim(
         .bind(None::<&str>) // and no claimant: its namespace is not the store's to know
         .bind(None::<&str>)
         .bind(None::<&str>)
+        .bind(None::<i64>) // and no TTL: it never lapses unsettled (a crash rolls it back)
         .fetch_optional(&mut *connection)
         .await?;
     set_busy_timeout(connection, caller).await?;
-    if let Some(token) = token {
-        return Ok(Claim::Acquired {
-            token: Token::new(token.unsigned_abs()),
-        });
+    if let Some((token, _)) = taken {
+        // Not told as a takeover: the transaction's claim commits with the effect, so its
+        // body has nothing to reconcile.
+        return Ok(Claim::acquired(Token::new(token.unsigned_abs())));
     }
     let held = sqlx::query(&sql.held)
         .bind(&call.key.as_bytes()[..])

@@ -30,8 +30,8 @@ use super::statements::Statements;
 use super::{locked_out, lockout, LOCKED_OUT_FLOOR};
 use crate::namespace::Namespace;
 use crate::store::sql::{millis, Fenced};
-use crate::store::{Claimant, Holder};
-use crate::{Fingerprint, Key, Token};
+use crate::store::Holder;
+use crate::{Claim, ClaimRequest, Fingerprint, Key, Token};
 
 /// How long SQLite's busy handler waits for the file's lock before a write looks again.
 ///
@@ -82,18 +82,20 @@ struct Write {
 }
 
 pub(super) enum Job {
-    /// Takes `key` unless a live row of another caller holds it: the token, or that row.
+    /// Takes `key` unless a live row of another caller holds it: the claim, or that row.
     Take {
         key: Key,
         fingerprint: Option<Fingerprint>,
         lease: Duration,
+        /// How long a claim that lapses unsettled is kept.
+        ttl: Duration,
         nonce: u64,
         /// The claimant's namespace and label, kept on the row.
         namespace: Option<Namespace>,
         label: Option<String>,
         /// When the claim began: a claim that waited long gives leases time back.
         started: Instant,
-        answer: Answer<Result<Token, SqliteRow>>,
+        answer: Answer<Result<Claim, SqliteRow>>,
     },
     /// A holder's statement (completion, release, renewal), which finds its row by its
     /// token: whether it did.
@@ -440,24 +442,21 @@ async fn give_time_back(
 }
 
 impl Job {
-    /// Takes `key` for a claim that began at `started`, unless a live row of another caller
-    /// holds it: the new token, or that row.
+    /// Takes the request's key for a claim that began at `started`, unless a live row of
+    /// another caller holds it: the claim, or that row.
     pub(super) fn take(
-        key: &Key,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-        nonce: u64,
-        claimant: &Claimant<'_>,
+        request: &ClaimRequest<'_>,
         started: Instant,
-    ) -> (Self, Answered<Result<Token, SqliteRow>>) {
+    ) -> (Self, Answered<Result<Claim, SqliteRow>>) {
         let (answer, answered) = Answer::new();
         let job = Job::Take {
-            key: *key,
-            fingerprint: fingerprint.copied(),
-            lease,
-            nonce,
-            namespace: claimant.kept(),
-            label: claimant.label().map(str::to_owned),
+            key: *request.key,
+            fingerprint: request.fingerprint.copied(),
+            lease: request.lease,
+            ttl: request.ttl,
+            nonce: request.nonce,
+            namespace: request.claimant.kept(),
+            label: request.claimant.label().map(str::to_owned),
             started,
             answer,
         };
@@ -509,6 +508,7 @@ impl Job {
             key,
             fingerprint,
             lease,
+            ttl,
             nonce,
             namespace,
             label,
@@ -546,9 +546,9 @@ impl Job {
         // there, and a commit that fails (a full disk) fails the take. Fetching one row
         // would reset it after the `RETURNING` row, and the reset's error is not seen: the
         // take would answer a token that was never written, and the body run unclaimed.
-        let tokens: Vec<i64> = loop {
+        let tokens: Vec<(i64, bool)> = loop {
             let tried = Instant::now();
-            let tokens = sqlx::query_scalar(&sql.take_in_time)
+            let tokens = sqlx::query_as(&sql.take_in_time)
                 .bind(&key.as_bytes()[..])
                 .bind(fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
                 .bind(millis(*lease))
@@ -557,16 +557,20 @@ impl Job {
                 .bind(label.as_deref())
                 .bind(Holder::this_process_text())
                 .bind(until)
+                .bind(crate::store::sql::kept_ms(*ttl))
                 .fetch_all(&mut *conn)
                 .await;
             if !again(&tokens, deadline, tried, looks).await {
                 break tokens?;
             }
         };
-        let Some(&token) = tokens.first() else {
+        let Some(&(token, taken_over)) = tokens.first() else {
             return Ok(false);
         };
-        answer.done = Some(Ok(Token::new(token.unsigned_abs())));
+        answer.done = Some(Ok(Claim::Acquired {
+            token: Token::new(token.unsigned_abs()),
+            taken_over,
+        }));
         Ok(true)
     }
 
@@ -618,6 +622,7 @@ impl Job {
                 key,
                 fingerprint,
                 lease,
+                ttl,
                 nonce,
                 namespace,
                 label,
@@ -626,7 +631,7 @@ impl Job {
             } => {
                 // One statement takes the key (see `Statements::take`); when a live row of
                 // another caller stays, that row, read under the same lock, is the answer.
-                let token: Option<i64> = sqlx::query_scalar(&sql.take)
+                let taken: Option<(i64, bool)> = sqlx::query_as(&sql.take)
                     .bind(&key.as_bytes()[..])
                     .bind(fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
                     .bind(millis(*lease))
@@ -634,10 +639,14 @@ impl Job {
                     .bind(namespace.as_deref())
                     .bind(label.as_deref())
                     .bind(Holder::this_process_text())
+                    .bind(crate::store::sql::kept_ms(*ttl))
                     .fetch_optional(&mut *tx)
                     .await?;
-                answer.done = Some(match token {
-                    Some(token) => Ok(Token::new(token.unsigned_abs())),
+                answer.done = Some(match taken {
+                    Some((token, taken_over)) => Ok(Claim::Acquired {
+                        token: Token::new(token.unsigned_abs()),
+                        taken_over,
+                    }),
                     None => Err(sqlx::query(&sql.held)
                         .bind(&key.as_bytes()[..])
                         .fetch_one(&mut *tx)
@@ -694,6 +703,7 @@ impl Job {
 mod tests {
     use super::*;
     use crate::store::sqlite::SqliteStore;
+    use crate::store::Claimant;
     use crate::Store;
 
     /// A file of the test's own, deleted (with its WAL) when dropped.
@@ -719,16 +729,12 @@ mod tests {
     }
 
     /// A claim of the key made of `byte`, its nonce `byte` too, begun now.
-    fn take(byte: u8) -> (Job, Answered<Result<Token, SqliteRow>>) {
+    fn take(byte: u8) -> (Job, Answered<Result<Claim, SqliteRow>>) {
         let key = Key::from_bytes([byte; 32]);
-        Job::take(
-            &key,
-            None,
-            Duration::from_secs(5),
-            byte.into(),
-            &Claimant::new("test"),
-            Instant::now(),
-        )
+        let request = ClaimRequest::new(&key, Duration::from_secs(5))
+            .nonce(byte.into())
+            .claimant(Claimant::new("test"));
+        Job::take(&request, Instant::now())
     }
 
     /// `job` as it waits in the store's queue.
@@ -754,8 +760,9 @@ mod tests {
     async fn a_bad_write_fails_only_its_own_caller() {
         let (store, _file) = store("bad").await;
         let key = Key::from_bytes([1; 32]);
-        let Ok(crate::Claim::Acquired { token }) =
-            store.claim(&key, None, Duration::from_secs(5)).await
+        let Ok(crate::Claim::Acquired { token, .. }) = store
+            .claim(&ClaimRequest::new(&key, Duration::from_secs(5)))
+            .await
         else {
             panic!("a fresh key is free");
         };
@@ -838,7 +845,9 @@ mod tests {
         assert!(held(&store, 4).await);
         // The turn comes back once that commit is over: a write after it goes through.
         let later_key = Key::from_bytes([6; 32]);
-        let after = store.claim(&later_key, None, Duration::from_secs(5)).await;
+        let after = store
+            .claim(&ClaimRequest::new(&later_key, Duration::from_secs(5)))
+            .await;
         assert!(
             matches!(after, Ok(crate::Claim::Acquired { .. })),
             "a later claim is taken"
@@ -870,8 +879,9 @@ mod tests {
     async fn beside_a_busy_body(test: &str, step: bool) {
         let (store, _file) = store(test).await;
         let held = Key::from_bytes([7; 32]);
-        let Ok(crate::Claim::Acquired { token }) =
-            store.claim(&held, None, Duration::from_secs(5)).await
+        let Ok(crate::Claim::Acquired { token, .. }) = store
+            .claim(&ClaimRequest::new(&held, Duration::from_secs(5)))
+            .await
         else {
             panic!("a fresh key is free");
         };
@@ -901,7 +911,9 @@ mod tests {
             write.await
         });
         let fresh = Key::from_bytes([8; 32]);
-        let claimed = other.claim(&fresh, None, Duration::from_secs(5)).await;
+        let claimed = other
+            .claim(&ClaimRequest::new(&fresh, Duration::from_secs(5)))
+            .await;
         landed.send(()).unwrap();
         assert!(
             matches!(claimed, Ok(crate::Claim::Acquired { .. })),
