@@ -290,8 +290,8 @@ async fn nats_consumer() {
             .map(|id| id.as_str().to_string())
             .unwrap_or_default();
         let disposition = settle
-            .inbox(&message, |order: Order, id| {
-                rabbitmq::handle(&pool, &store, order, id, first, stall)
+            .inbox(&message, |order: Order, key| {
+                rabbitmq::handle(&pool, &store, order, key, first, stall)
             })
             .await
             .unwrap();

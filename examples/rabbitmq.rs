@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use idem_runtime::consumer::Consumer;
-use idem_runtime::{idempotent, Error, PostgresStore};
+use idem_runtime::{idempotent, Error, IdempotencyKey, PostgresStore};
 use lapin::options::{
     BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, BasicQosOptions,
     ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
@@ -50,10 +50,10 @@ pub enum Stall {
     AfterCommit,
 }
 
-/// Ships `order` once per message `id`: the claim, the row and the record commit in `tx`.
-#[idempotent(key = id, fingerprint = order, store = store, transaction = tx, namespace = "shop.ship.v1")]
+/// Ships `order` once per message `key`: the claim, the row and the record commit in `tx`.
+#[idempotent(key = key, fingerprint = order, store = store, transaction = tx, namespace = "shop.ship.v1")]
 pub async fn ship(
-    id: &str,
+    key: &IdempotencyKey,
     order: &Order,
     store: &PostgresStore,
     tx: &mut PgConnection,
@@ -61,7 +61,7 @@ pub async fn ship(
     sqlx::query_scalar(
         "INSERT INTO queue_shipments (message_id, order_no) VALUES ($1, $2) RETURNING id",
     )
-    .bind(id)
+    .bind(key.as_str())
     .bind(order.order as i64)
     .fetch_one(&mut *tx)
     .await
@@ -74,20 +74,20 @@ pub async fn handle(
     pool: &PgPool,
     store: &PostgresStore,
     order: Order,
-    id: String,
+    key: IdempotencyKey,
     first: bool,
     stall: bool,
 ) -> Result<i64, Error> {
     let stall_at = |here| stall && first && order.stall == Some(here);
     let mut tx = pool.begin().await.map_err(Error::store)?;
-    let shipment = ship(&id, &order, store, &mut tx).await?;
+    let shipment = ship(&key, &order, store, &mut tx).await?;
     if stall_at(Stall::BeforeCommit) {
-        println!("stalled before commit {id}");
+        println!("stalled before commit {key}");
         std::future::pending::<()>().await;
     }
     tx.commit().await.map_err(Error::store)?;
     if stall_at(Stall::AfterCommit) {
-        println!("stalled after commit {id}");
+        println!("stalled after commit {key}");
         std::future::pending::<()>().await;
     }
     Ok(shipment)
@@ -239,8 +239,8 @@ pub async fn consume(
             .map(|id| id.to_string())
             .unwrap_or_default();
         let disposition = consumer
-            .inbox(&delivery, |order: Order, id| {
-                handle(&pool, &store, order, id, first, stall)
+            .inbox(&delivery, |order: Order, key| {
+                handle(&pool, &store, order, key, first, stall)
             })
             .await?;
         println!("settled {id} {disposition:?}");

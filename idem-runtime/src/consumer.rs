@@ -71,7 +71,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use crate::{BoxError, Error, Fingerprint, Operation, Outcome, Store, RETRY_AFTER};
+use crate::{BoxError, Error, Fingerprint, IdempotencyKey, Operation, Outcome, Store, RETRY_AFTER};
 
 /// What to do with a delivery once its handler is done.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -329,9 +329,34 @@ impl<St> Consumer<St> {
     }
 
     /// Handles `delivery` with `handler`, which claims the message's id itself, in its own
-    /// transaction (the inbox pattern): `handler` gets the decoded payload and the id, and
-    /// returns once its transaction committed. The delivery is then settled as the result
-    /// says, and the disposition returned.
+    /// transaction (the inbox pattern): `handler` gets the decoded payload and the id as an
+    /// [`IdempotencyKey`] (the name the key has on every surface that claims in the
+    /// handler's transaction: an HTTP endpoint's, a webhook receiver's), and returns once
+    /// its transaction committed. The delivery is then settled as the result says, and the
+    /// disposition returned.
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "postgres")]
+    /// # async fn consume(delivery: &dyn idem_runtime::consumer::Delivery, store: idem_runtime::PostgresStore) -> Result<(), idem_runtime::BoxError> {
+    /// use idem_runtime::consumer::Consumer;
+    /// use idem_runtime::{idempotent, Error, IdempotencyKey, PostgresStore};
+    /// # #[derive(serde::Deserialize)] struct Order { id: u64 }
+    ///
+    /// #[idempotent(key = key, store = store, transaction = tx, ignore = order, namespace = "shop.ship.v1")]
+    /// async fn ship(key: &IdempotencyKey, order: &Order, store: &PostgresStore, tx: &mut sqlx::PgConnection) -> Result<u64, Error> {
+    ///     Ok(order.id) // the shipment's row, through `tx`
+    /// }
+    ///
+    /// let consumer = Consumer::new("shop.orders.v1");
+    /// consumer
+    ///     .inbox(delivery, |order: Order, key: IdempotencyKey| async {
+    ///         let mut tx = store.pool().begin().await.map_err(Error::store)?;
+    ///         ship(&key, &order, &store, &mut tx).await?;
+    ///         tx.commit().await.map_err(Error::store)
+    ///     })
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
     ///
     /// # Errors
     ///
@@ -346,14 +371,14 @@ impl<St> Consumer<St> {
         D: Delivery + ?Sized,
         M: DeserializeOwned,
         E: Classify,
-        F: FnOnce(M, String) -> Fut,
+        F: FnOnce(M, IdempotencyKey) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
         let (id, message) = match self.admit(delivery) {
             Ok(admitted) => admitted,
             Err(disposition) => return self.settle(delivery, disposition).await,
         };
-        let disposition = match handler(message, id).await {
+        let disposition = match handler(message, IdempotencyKey::new(id)).await {
             Ok(_) => Disposition::Ack,
             Err(err) => err.disposition(),
         };

@@ -180,4 +180,4 @@ pub use self::problem::problem;
 pub use self::rate_limit::{RateLimit, DEFAULT_RATE_LIMIT_BYTES, LIMITER_BYTES};
 pub use self::record::{IDEMPOTENT_REPLAYED, IDEMPOTENT_UNRECORDED};
 pub use self::service::{IdempotencyService, ResponseFuture};
-pub use self::webhook::Webhook;
+pub use self::webhook::{Webhook, WebhookFuture, WebhookService};

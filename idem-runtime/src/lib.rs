@@ -74,6 +74,7 @@ mod flights;
 pub mod guide;
 #[cfg(feature = "http")]
 pub mod http;
+mod idempotency_key;
 mod key;
 mod limits;
 mod meter;
@@ -95,6 +96,7 @@ pub use crate::engine::steps::step;
 pub use crate::engine::{InFlight, Operation, Outcome, DEFAULT_LEASE, DEFAULT_TTL};
 pub use crate::error::{BoxError, Error, RETRY_AFTER};
 pub use crate::flights::Flights;
+pub use crate::idempotency_key::IdempotencyKey;
 pub use crate::key::{Fingerprint, Key, FORMAT_VERSION};
 pub use crate::limits::{MAX_DURATION, MIN_LEASE};
 #[cfg(feature = "dynamodb")]

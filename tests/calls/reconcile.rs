@@ -241,3 +241,166 @@ async fn the_attribute_asks_only_after_a_takeover() {
     );
     assert_eq!((ledger.asked(), ledger.ran()), (1, 1));
 }
+
+/// The effect in PostgreSQL, the record in Redis: the window between the two, closed by
+/// `reconcile`. A child process of this binary credits an event (a row in PostgreSQL,
+/// committed), says so, and is SIGKILLed before its record reaches Redis; the retry, in
+/// this process, takes the key over once the child's lease has run out.
+mod killed_between_effect_and_record {
+    use super::*;
+    use idem_runtime::RedisStore;
+    use idem_tests::{postgres_url, redis_store, Child};
+
+    const NAMESPACE: &str = "IDEM_RECONCILE_NAMESPACE";
+    const EVENT: &str = "IDEM_RECONCILE_EVENT";
+    const CHILD_LEASE: Duration = Duration::from_millis(500);
+
+    async fn ledger() -> Option<sqlx::PgPool> {
+        let pool = match sqlx::PgPool::connect(&postgres_url()).await {
+            Ok(pool) => pool,
+            Err(err) => {
+                idem_tests::unavailable::<()>("postgresql", err);
+                return None;
+            }
+        };
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem.tests.reconcile_credits'))")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS reconcile_credits (event text NOT NULL, credit bigint NOT NULL)",
+        )
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+        Some(pool)
+    }
+
+    /// Credits `event`: a row, committed at once (no transaction of the store's: the
+    /// record is in Redis). The credit's number is the row's.
+    async fn credit(pool: &sqlx::PgPool, event: &str, credit: i64) -> Result<i64, Error> {
+        sqlx::query("INSERT INTO reconcile_credits (event, credit) VALUES ($1, $2)")
+            .bind(event)
+            .bind(credit)
+            .execute(pool)
+            .await
+            .map_err(Error::store)?;
+        Ok(credit)
+    }
+
+    /// What the ledger says of `event`: its credit, if it has one.
+    async fn find_credit(pool: &sqlx::PgPool, event: &str) -> Result<Option<i64>, Error> {
+        sqlx::query_scalar("SELECT credit FROM reconcile_credits WHERE event = $1 LIMIT 1")
+            .bind(event)
+            .fetch_optional(pool)
+            .await
+            .map_err(Error::store)
+    }
+
+    async fn credits(pool: &sqlx::PgPool, event: &str) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM reconcile_credits WHERE event = $1")
+            .bind(event)
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+
+    /// The child: claims the event's key on Redis, commits the credit, says so, and waits
+    /// to be killed before its record is written.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "a child of the tests below, SIGKILLed between its effect and its record"]
+    async fn child() {
+        let store = RedisStore::connect(&idem_tests::redis_url()).await.unwrap();
+        let pool = ledger().await.unwrap();
+        let op = Operation::new(std::env::var(NAMESPACE).unwrap()).lease(CHILD_LEASE);
+        let event = std::env::var(EVENT).unwrap();
+        let key = op.key(&event).unwrap();
+        let _ = op
+            .run(&store, &key, None, async {
+                credit(&pool, &event, 1).await?;
+                println!("committed");
+                std::future::pending::<()>().await;
+                Ok::<_, Error>(0)
+            })
+            .await;
+    }
+
+    /// Runs the child on a fresh event until it committed its credit, SIGKILLs it, and
+    /// returns what the retry needs.
+    async fn killed_after_its_credit(
+        test: &str,
+    ) -> Option<(RedisStore, sqlx::PgPool, Operation, String)> {
+        let store = redis_store().await?;
+        let pool = ledger().await?;
+        let namespace = namespace(test);
+        let event = namespace.replace("scenario.", "evt.");
+        let mut child = Child::start(
+            "killed_between_effect_and_record::child",
+            &[(NAMESPACE, &namespace), (EVENT, &event)],
+        );
+        child.wait_for("committed").await;
+        child.kill("");
+        assert_eq!(
+            credits(&pool, &event).await,
+            1,
+            "the child's credit committed"
+        );
+        let op = Operation::new(namespace)
+            .lease(CHILD_LEASE)
+            .wait(Duration::from_secs(30));
+        Some((store, pool, op, event))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn with_reconcile_the_effect_happens_once_and_the_retry_replays_it() {
+        let Some((store, pool, op, event)) = killed_after_its_credit("reconcile.killed").await
+        else {
+            return;
+        };
+        let key = op.key(&event).unwrap();
+        // Waits out the dead holder's lease, takes the key over, asks the ledger.
+        let retried = op
+            .run(&store, &key, None, async {
+                if let Some(found) = reconcile(find_credit(&pool, &event)).await? {
+                    return Ok(found);
+                }
+                credit(&pool, &event, 2).await
+            })
+            .await
+            .unwrap();
+        assert_eq!(
+            retried,
+            Outcome::Replayed(1),
+            "the child's credit, found and recorded"
+        );
+        assert_eq!(credits(&pool, &event).await, 1, "credited once");
+        let again = op
+            .run(&store, &key, None, credit(&pool, &event, 3))
+            .await
+            .unwrap();
+        assert_eq!(again, Outcome::Replayed(1));
+        assert_eq!(credits(&pool, &event).await, 1);
+        store.remove(&key).await.unwrap();
+    }
+
+    /// Without `reconcile`, the same kill credits twice: the window the README states for
+    /// an effect outside the store's database.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn without_reconcile_the_effect_happens_twice() {
+        let Some((store, pool, op, event)) =
+            killed_after_its_credit("reconcile.killed.blind").await
+        else {
+            return;
+        };
+        let key = op.key(&event).unwrap();
+        let retried = op
+            .run(&store, &key, None, credit(&pool, &event, 2))
+            .await
+            .unwrap();
+        assert_eq!(retried, Outcome::Executed(2));
+        assert_eq!(credits(&pool, &event).await, 2, "credited twice");
+        store.remove(&key).await.unwrap();
+    }
+}

@@ -527,3 +527,167 @@ async fn the_key_extractor_reads_the_source_in_the_request_extensions() {
     assert_eq!(answer.status, StatusCode::INTERNAL_SERVER_ERROR);
     answer.problem();
 }
+
+/// What the transactional receivers below write: one credit row per run of their claim.
+async fn credits_table(pool: &sqlx::PgPool) {
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem.tests.webhook_tx_credits'))")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query("CREATE TABLE IF NOT EXISTS webhook_tx_credits (delivery text NOT NULL)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+}
+
+/// Credits a delivery once: the claim of its key, the row and the record commit in `tx`.
+#[idem_runtime::idempotent(key = key, store = store, transaction = tx, namespace = "tests.webhook.tx.v1")]
+async fn credit_once(
+    key: &idem_runtime::IdempotencyKey,
+    store: &idem_runtime::PostgresStore,
+    tx: &mut sqlx::PgConnection,
+) -> Result<String, idem_runtime::Error> {
+    sqlx::query("INSERT INTO webhook_tx_credits (delivery) VALUES ($1)")
+        .bind(key.as_str())
+        .execute(&mut *tx)
+        .await
+        .map_err(idem_runtime::Error::store)?;
+    Ok(format!("credited {key}"))
+}
+
+/// The receiver's handler: the key the preset found, a transaction, the credit, the commit.
+async fn credit_in_transaction(
+    axum::extract::State(store): axum::extract::State<idem_runtime::PostgresStore>,
+    key: idem_runtime::IdempotencyKey,
+) -> Result<idem_runtime::Outcome<String>, idem_runtime::Error> {
+    let mut tx = store
+        .pool()
+        .begin()
+        .await
+        .map_err(idem_runtime::Error::store)?;
+    let credited = credit_once_outcome(&key, &store, &mut tx).await?;
+    tx.commit().await.map_err(idem_runtime::Error::store)?;
+    Ok(credited)
+}
+
+/// A preset used as a layer of its own checks the signature of every request first (a
+/// forged, an unsigned and a `GET` one are answered `401`, and the handler never runs),
+/// finds the delivery's id where the sender puts it (in the body for Stripe, two headers
+/// for GitHub), and hands it to the handler's `IdempotencyKey` extractor; the handler
+/// claims it in its own PostgreSQL transaction. Resends, concurrent ones too, credit once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preset_as_a_layer_hands_the_handler_the_delivery_key_to_claim_in_its_transaction() {
+    let Some(store) = postgres_store().await else {
+        return;
+    };
+    let pool = store.pool().clone();
+    credits_table(&pool).await;
+    let (stripe_secret, github_secret) = ("whsec_tx", "github tx secret");
+    let app = Router::new()
+        .route(
+            "/stripe",
+            post(credit_in_transaction).layer(Webhook::stripe(stripe_secret)),
+        )
+        .route(
+            "/github",
+            post(credit_in_transaction).layer(Webhook::github(github_secret)),
+        )
+        .with_state(store);
+    let client = Client_::new(serve(app).await);
+    let credits = |delivery: String| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM webhook_tx_credits WHERE delivery = $1",
+            )
+            .bind(delivery)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+
+    let event = unique("evt_tx");
+    let body = format!(r#"{{"id":"{event}","type":"charge.succeeded"}}"#);
+    let signed = stripe_signature(stripe_secret, now(), &body);
+    let send = |method: Method, signature: Option<String>, body: String| {
+        let client = client.clone();
+        async move {
+            let headers: Vec<(&str, &str)> = signature
+                .as_deref()
+                .map(|s| vec![("stripe-signature", s)])
+                .unwrap_or_default();
+            client.send(method, "/stripe", &headers, &body).await
+        }
+    };
+    let forged = stripe_signature("whsec_guessed", now(), &body);
+    for (method, signature) in [
+        (Method::POST, Some(forged)),
+        (Method::POST, None),
+        (Method::GET, None),
+    ] {
+        let answer = send(method.clone(), signature, body.clone()).await;
+        assert_eq!(
+            answer.status,
+            StatusCode::UNAUTHORIZED,
+            "{method} {answer:?}"
+        );
+        assert!(answer.problem()["type"]
+            .as_str()
+            .unwrap()
+            .ends_with("#signature-invalid"));
+    }
+    assert_eq!(
+        credits(event.clone()).await,
+        0,
+        "nothing ran for an unsigned delivery"
+    );
+
+    let first = send(Method::POST, Some(signed.clone()), body.clone()).await;
+    assert_eq!(first.status, StatusCode::OK, "{first:?}");
+    assert_eq!(first.body, format!("credited {event}").as_bytes());
+    let resends = futures_util::future::join_all(
+        (0..6).map(|_| send(Method::POST, Some(signed.clone()), body.clone())),
+    )
+    .await;
+    for resend in &resends {
+        assert_eq!(resend.status, StatusCode::OK, "{resend:?}");
+        assert!(resend.replayed(), "a resend is a replay: {resend:?}");
+    }
+    assert_eq!(credits(event.clone()).await, 1, "the event credited once");
+
+    let unkeyed = r#"{"type":"charge.succeeded"}"#;
+    let answer = send(
+        Method::POST,
+        Some(stripe_signature(stripe_secret, now(), unkeyed)),
+        unkeyed.to_owned(),
+    )
+    .await;
+    assert_eq!(
+        answer.status,
+        StatusCode::BAD_REQUEST,
+        "a signed delivery without its id"
+    );
+
+    // GitHub: a delivery to two hooks is two keys, each credited once.
+    let delivery = unique("gh");
+    let body = r#"{"action":"created"}"#;
+    for hook in ["1", "2", "1"] {
+        let headers = github_headers(github_secret, hook, &delivery, body);
+        let headers: Vec<(&str, &str)> = headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .collect();
+        let answer = client.send(Method::POST, "/github", &headers, body).await;
+        assert_eq!(answer.status, StatusCode::OK, "{answer:?}");
+    }
+    for hook in ["1", "2"] {
+        assert_eq!(
+            credits(format!("{hook}/{delivery}")).await,
+            1,
+            "hook {hook}"
+        );
+    }
+}

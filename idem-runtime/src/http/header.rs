@@ -3,60 +3,13 @@
 
 use http::HeaderMap;
 
+pub use crate::IdempotencyKey;
+
 /// The header's name.
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 
 /// The longest key accepted, in characters (the draft's recommendation, Stripe's limit).
 pub const MAX_KEY_LEN: usize = 255;
-
-/// The `Idempotency-Key` a request carries. It serializes as its string, so it can be part
-/// of an `#[idempotent]` key (`key = (customer.id, key)`).
-///
-/// Behind [`IdempotencyLayer`](super::IdempotencyLayer) it is a request extension (axum:
-/// `Option<Extension<IdempotencyKey>>`). Without the layer, with the feature `axum`, it is
-/// an **extractor** that reads and checks the header exactly as the layer does: a handler
-/// that takes `key: IdempotencyKey` answers a request without a key, or with a malformed
-/// one, `400` problem+json (`key-missing`, `key-malformed`) before it runs; one that takes
-/// `Option<IdempotencyKey>` runs without a key and refuses only a malformed one. A
-/// [`KeyFrom`](super::KeyFrom) in the request's extensions (axum:
-/// `.layer(Extension(KeyFrom::header("x-request-id")))`) names another header, or several,
-/// to read instead; a key in the body is the handler's to read from the body it parses
-/// (`key = event.id`), and such a source answers `500`. That is
-/// the shape of an endpoint whose effect is a write in the same database: the key's claim,
-/// the write and the answer commit in one transaction (`transaction =`; see the
-/// [HTTP guide](crate::guide::http)'s "One request, one transaction").
-///
-/// ```
-/// # #[cfg(feature = "axum")] {
-/// use axum::{routing::post, Router};
-/// use idem_runtime::http::IdempotencyKey;
-///
-/// async fn create(key: IdempotencyKey) -> String {
-///     format!("created under {key}")
-/// }
-/// let app: Router = Router::new().route("/orders", post(create));
-/// # }
-/// ```
-#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize)]
-#[serde(transparent)]
-pub struct IdempotencyKey(String);
-
-impl std::fmt::Display for IdempotencyKey {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl IdempotencyKey {
-    pub(super) fn new(key: String) -> Self {
-        Self(key)
-    }
-
-    /// The key as the client sent it (a structured-field string unquoted and unescaped).
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
 
 /// Why a present header is refused.
 pub(super) type Malformed = &'static str;
@@ -82,7 +35,7 @@ pub(super) fn parse(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, Malfo
     if key.len() > MAX_KEY_LEN {
         return Err("the `Idempotency-Key` is longer than 255 characters");
     }
-    Ok(Some(IdempotencyKey(key)))
+    Ok(Some(IdempotencyKey::new(key)))
 }
 
 /// The inside of a structured-field string (RFC 8941 §3.3.3): printable ASCII, with `\"`
@@ -127,7 +80,7 @@ mod tests {
 
     #[test]
     fn a_key_serializes_as_its_string() {
-        let key = IdempotencyKey("8e03978e-40d5".to_string());
+        let key = IdempotencyKey::new("8e03978e-40d5".to_string());
         assert_eq!(serde_json::to_value(&key).unwrap(), "8e03978e-40d5");
     }
 
@@ -136,7 +89,7 @@ mod tests {
         for value in values {
             headers.append(IDEMPOTENCY_KEY, HeaderValue::from_bytes(value).unwrap());
         }
-        parse(&headers).map(|key| key.map(|k| k.0))
+        parse(&headers).map(|key| key.map(|k| k.as_str().to_owned()))
     }
 
     #[test]

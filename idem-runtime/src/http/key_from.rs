@@ -263,8 +263,14 @@ impl KeyFrom {
 
 /// The key of a request's head, read from `source`: `Ok(None)` when there is none, the
 /// problem when it is malformed or cannot be read from the head.
+/// The request's key as a handler extracts it: the one a layer in front found (the
+/// idempotency layer, or a webhook preset, which may have read it from the body), else the
+/// one `source` finds in the head.
 #[cfg(feature = "axum")]
 fn extracted(source: &KeyFrom, parts: &Parts) -> Result<Option<IdempotencyKey>, Problem> {
+    if let Some(found) = parts.extensions.get::<IdempotencyKey>() {
+        return Ok(Some(found.clone()));
+    }
     match source.in_head(&parts.headers) {
         Found::Key(keyed) => Ok(Some(keyed.shown)),
         Found::Missing => Ok(None),

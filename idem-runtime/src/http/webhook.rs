@@ -14,6 +14,10 @@ use sha2::Sha256;
 use super::key_from::KeyFrom;
 use crate::Error;
 
+mod verify;
+
+pub use self::verify::{WebhookFuture, WebhookService};
+
 type HmacSha256 = Hmac<Sha256>;
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
@@ -52,6 +56,8 @@ pub struct Webhook {
     secret: Vec<u8>,
     tolerance: Duration,
     ttl: Duration,
+    /// The largest body read when the preset is a layer of its own.
+    max_body: usize,
 }
 
 /// The senders with a preset.
@@ -94,6 +100,7 @@ impl Webhook {
             secret,
             tolerance: Duration::from_secs(300),
             ttl,
+            max_body: super::DEFAULT_MAX_BODY,
         }
     }
 
@@ -148,6 +155,17 @@ impl Webhook {
     #[must_use]
     pub fn ttl(mut self, ttl: Duration) -> Self {
         self.ttl = ttl;
+        self
+    }
+
+    /// The largest delivery body read when the preset is a layer of its own (default
+    /// [`DEFAULT_MAX_BODY`](super::DEFAULT_MAX_BODY), 1 MiB): a larger one is answered
+    /// `413` before its signature is checked. Behind
+    /// [`IdempotencyLayer::webhook`](super::IdempotencyLayer::webhook), the idempotency
+    /// layer's own [`max_body`](super::IdempotencyLayer::max_body) bounds it.
+    #[must_use]
+    pub fn max_body(mut self, bytes: usize) -> Self {
+        self.max_body = bytes;
         self
     }
 
