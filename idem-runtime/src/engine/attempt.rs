@@ -221,10 +221,11 @@ impl Attempt {
     }
 
     /// Whether the body may not release the key when it ends without a value: the claim it
-    /// took over had an unknown outcome that is still unknown, or whose effect `reconcile`
-    /// found. The claim then lapses, and the next claim is told it took the key over.
+    /// took over had an unknown outcome that is still unknown (nothing asked, or the asking
+    /// failed), or whose effect `reconcile` found. The claim then lapses, and the next claim
+    /// is told it took the key over. Only `reconcile` finding no effect settles the doubt.
     pub(crate) fn in_doubt(&self) -> bool {
-        matches!(self.doubt(), Doubt::Asking | Doubt::Found)
+        matches!(self.doubt(), Doubt::Unknown | Doubt::Asking | Doubt::Found)
     }
 
     /// Whether `reconcile` found the effect of the claim this call took over: the call's

@@ -23,6 +23,11 @@ use crate::Error;
 ///   is then not released but left to lapse at the end of its lease, so that the next
 ///   attempt asks again.
 ///
+/// The doubt lasts until it is settled: a body of a call that took its key over, and ends
+/// without a value (an error, a panic, a cancellation) before `reconcile` said the effect
+/// was not there, leaves its claim to lapse rather than releasing it, whether it asked or
+/// not, so that no later attempt runs the body unwarned.
+///
 /// The lookup runs under the call's claim, renewed as the body's time is, and its value is
 /// recorded by the claim's token: a call whose claim was taken over meanwhile records
 /// nothing. The attribute's `reconcile = …` is this, before the body.

@@ -81,7 +81,7 @@ use aws_sdk_dynamodb::types::{
 use aws_sdk_dynamodb::Client;
 use bytes::Bytes;
 
-use self::expression::{Expression, COMPLETE, RECORD_STEP, RELEASE, REMOVE, RENEW};
+use self::expression::{Expression, COMPLETE, OWN, RECORD_STEP, RELEASE, REMOVE, RENEW};
 use self::item::{
     b, millis, n, now_ms, number, s, state, Item, State, COMPLETED, EXPIRATION, ID, IN_PROGRESS,
     NONCE, RELEASED, RELEASED_TOKEN, REMOVED, STATE, VERSION, WRITTEN,
@@ -599,11 +599,44 @@ impl Store for DynamoDbStore {
                     self.seen.claimed(key, request.ttl);
                     return Ok(Claim::Acquired {
                         token: held.token,
-                        taken_over: item::taken_over(&new, held.token, nonce),
+                        taken_over: item::taken_over(&new, nonce),
                     });
                 }
                 Err(old) => old,
             };
+            let own = old
+                .as_ref()
+                .is_some_and(|old| number(old, NONCE).ok() == Some(nonce));
+            if own && matches!(state(old.as_ref())?, State::InProgress { .. }) {
+                // This caller's own claim, whose answer was lost: taken again.
+                let values = vec![
+                    (":in_progress", s(IN_PROGRESS)),
+                    (":nonce", n(nonce)),
+                    (":one", n(1)),
+                    (":now", n(now)),
+                    (":lease", n(millis(lease))),
+                    (
+                        ":expiration",
+                        n(expiration(now, lease + request.ttl.max(KEPT))),
+                    ),
+                    (":namespace", named(claimant.namespace())),
+                    (":label", named(claimant.label())),
+                    (":holder", s(Holder::this_process_text())),
+                ];
+                if let Ok(new) = self
+                    .update(key, &OWN, values, ReturnValue::AllNew, None)
+                    .await?
+                {
+                    let held = item::acquired(&new, lease)?;
+                    self.seen.saw(key, held, Instant::now());
+                    self.seen.claimed(key, request.ttl);
+                    return Ok(Claim::Acquired {
+                        token: held.token,
+                        taken_over: item::taken_over(&new, nonce),
+                    });
+                }
+                continue; // changed since: the next round sees it as it is now
+            }
             match state(old.as_ref())? {
                 State::InProgress {
                     held, fingerprint, ..

@@ -241,9 +241,11 @@ impl MySqlEngine {
             if live != 0 && !ours {
                 return Ok(Err(row)); // the transaction rolls back when dropped
             }
-            // A lapsed claim that is not the caller's own was never settled.
+            // A lapsed claim that is not the caller's own was never settled; the caller's
+            // own keeps what its lost answer said.
             let completed: bool = row.try_get(1)?;
-            let taken_over = !completed && !ours;
+            let own_taken_over: bool = row.try_get(5)?;
+            let taken_over = !completed && (!ours || own_taken_over);
             let taken = claim_row(&bounded.take, taken_over)
                 .execute(&mut *tx)
                 .await?;

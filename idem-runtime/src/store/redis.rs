@@ -540,7 +540,7 @@ impl Store for RedisStore {
                 .arg(ttl)
                 .arg(millis(lease).saturating_add(ttl));
             let reply = self.run_script(invocation).await?;
-            let own = matches!(&reply, Value::BulkString(record) if record.get(..9) == Some(&holder(token)[..]));
+            let own = matches!(&reply, Value::Array(own) if own.len() == 2);
             let claim = parse_claim(reply, token)?;
             if matches!(claim, Claim::Acquired { .. }) {
                 if let Err(err) = self.replicated("the claim").await {

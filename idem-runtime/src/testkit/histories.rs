@@ -12,7 +12,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::faults::{Faults, Faulty, SplitMix};
-use crate::{step, Error, Fingerprint, Operation, Outcome, Store};
+use crate::{
+    attempt, reconcile, step, Claim, ClaimRequest, Error, Fingerprint, Operation, Outcome, Store,
+};
 
 /// What a call answered, as the checker sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -106,12 +108,20 @@ struct BodyEntry {
     steps: Vec<u32>,
     /// Whether a step of this execution was answered `Unrecorded`.
     step_unrecorded: bool,
+    /// Whether this execution's effect landed outside the store ([`History::effect`]).
+    effect: bool,
+    /// The value [`reconcile`](crate::reconcile()) found for this execution: the effect of
+    /// an earlier one, which this one answered instead of running.
+    reconciled: Option<u64>,
 }
 
 #[derive(Default, Debug)]
 struct Entries {
     calls: Vec<CallEntry>,
     bodies: Vec<BodyEntry>,
+    /// Whether every key's effect must land at most once, with no excuse
+    /// ([`History::effects_exactly_once`]).
+    effects_once: bool,
 }
 
 /// The record of a run: every call and every body execution. Cheap to clone (shared).
@@ -201,8 +211,37 @@ impl History {
             ended: None,
             steps: Vec::new(),
             step_unrecorded: false,
+            effect: false,
+            reconciled: None,
         });
         (entries.bodies.len() - 1) as BodyId
+    }
+
+    /// The body `body` had its effect outside the store (a row in another database, a
+    /// request to an API): [`check`](Self::check) counts every key's effects.
+    pub fn effect(&self, body: BodyId) {
+        self.entries().bodies[body as usize].effect = true;
+    }
+
+    /// The body `body` found, by [`reconcile`](crate::reconcile()), the effect of the body
+    /// whose value is `value`, and answered it instead of running: it is no run of the key,
+    /// and `value` is the key's.
+    pub fn reconciled(&self, body: BodyId, value: u64) {
+        let ended = self.epoch.elapsed();
+        let mut entries = self.entries();
+        let body = &mut entries.bodies[body as usize];
+        body.reconciled = Some(value);
+        body.ended = Some((ended, Ok(value)));
+    }
+
+    /// Holds every key of this history to one effect at most, with no excuse: what the
+    /// bodies' effects promise when they are reconciled (and fenced) or committed with the
+    /// record. Without it, a key's second effect is excused as a second run is, and counted
+    /// ([`Report::effects_twice`]).
+    #[must_use]
+    pub fn effects_exactly_once(self) -> Self {
+        self.entries().effects_once = true;
+        self
     }
 
     /// The body `body` returned: `Ok(value)` or an error.
@@ -278,7 +317,8 @@ impl History {
                         .any(|b| matches!(b.ended, Some((_, ref r)) if r.is_ok() == ok))
                 };
                 match body_ran(answer).filter(|_| !call.rolled_back) {
-                    Some(false) if !own.is_empty() => {
+                    // A body that found an earlier effect answers it as a replay.
+                    Some(false) if own.iter().any(|b| b.reconciled.is_none()) => {
                         return Err(violation(format!(
                             "call {id} answered {answer:?}, which says its body did not run, but it ran"
                         )));
@@ -335,6 +375,7 @@ impl History {
             // A step is one per payload: the call's fingerprint is part of its key.
             let mut steps: BTreeMap<(u64, u32), usize> = BTreeMap::new();
             let mut ok = 0;
+            let mut effects = 0;
             for &b in bodies {
                 let body = &entries.bodies[b as usize];
                 report.bodies += 1;
@@ -342,11 +383,27 @@ impl History {
                     continue; // its writes went with its transaction
                 }
                 excused |= body.step_unrecorded;
-                ok += usize::from(matches!(body.ended, Some((_, Ok(_)))));
+                effects += usize::from(body.effect);
+                // A body that answered an earlier effect did not run to a value of its own.
+                ok += usize::from(
+                    body.reconciled.is_none() && matches!(body.ended, Some((_, Ok(_)))),
+                );
+                report.reconciled += usize::from(body.reconciled.is_some());
                 let payload = entries.calls[body.call].payload;
                 for &index in &body.steps {
                     *steps.entry((payload, index)).or_default() += 1;
                 }
+            }
+            report.effects += effects;
+            if effects > 1 && entries.effects_once {
+                return Err(violation(format!(
+                    "the key's effect landed {effects} times, and its effects are exactly once (reconciled, or committed with the record)"
+                )));
+            }
+            if effects > 1 && !excused {
+                return Err(violation(format!(
+                    "the key's effect landed {effects} times, and no caller was told Unrecorded or Gone, or killed"
+                )));
             }
             let twice = ok > 1 || steps.values().any(|&n| n > 1);
             if twice && !excused {
@@ -357,6 +414,9 @@ impl History {
             report.keys += 1;
             if twice {
                 report.excused += 1;
+            }
+            if effects > 1 {
+                report.effects_twice += 1;
             }
         }
         Ok(report)
@@ -396,14 +456,29 @@ pub struct Report {
     pub faults: usize,
     /// Claims an operator released while the calls ran ([`histories_with_operator`]).
     pub released: usize,
+    /// Effects that landed outside the store ([`History::effect`]).
+    pub effects: usize,
+    /// Keys whose effect landed more than once (each excused: a caller killed or told
+    /// `Unrecorded`); always 0 when the history's effects are exactly once.
+    pub effects_twice: usize,
+    /// Bodies that found an earlier attempt's effect by `reconcile` and answered it.
+    pub reconciled: usize,
 }
 
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} calls, {} bodies, {} keys, {} faults injected, {} claims released by an operator; keys run twice with an Unrecorded or Gone said or a caller killed: {}; answers:",
-            self.calls, self.bodies, self.keys, self.faults, self.released, self.excused
+            "{} calls, {} bodies, {} keys, {} faults injected, {} claims released by an operator; keys run twice with an Unrecorded or Gone said or a caller killed: {}; effects {} (keys with two or more: {}, reconciled bodies: {}); answers:",
+            self.calls,
+            self.bodies,
+            self.keys,
+            self.faults,
+            self.released,
+            self.excused,
+            self.effects,
+            self.effects_twice,
+            self.reconciled
         )?;
         for (kind, n) in &self.answers {
             write!(f, " {kind} {n},")?;
@@ -450,7 +525,7 @@ impl Violation {
             events.push((
                 body.started,
                 format!(
-                    "body {id} of call {} starts; steps run {:?}{}; ends {:?}",
+                    "body {id} of call {} starts; steps run {:?}{}{}{}; ends {:?}",
                     body.call,
                     body.steps,
                     if body.step_unrecorded {
@@ -458,6 +533,14 @@ impl Violation {
                     } else {
                         ""
                     },
+                    if body.effect {
+                        "; its effect landed"
+                    } else {
+                        ""
+                    },
+                    body.reconciled
+                        .map(|v| format!("; reconciled the effect of {v}"))
+                        .unwrap_or_default(),
                     body.ended.as_ref().map(|(at, r)| (*at - body.started, r))
                 ),
             ));
@@ -511,6 +594,27 @@ pub struct Plan {
     /// What a call may take past its bound (the store's timeout, the wait, the completion's
     /// retries and the stalls): time a loaded machine adds.
     pub slack: Duration,
+    /// Whether bodies have an effect outside the store, and callers die between it and
+    /// the record ([`Effects`]).
+    pub effects: Option<Effects>,
+}
+
+/// Bodies with an effect outside the store: a ledger beside it, which each body that runs
+/// to its end writes under its call's fencing token (a write under a token smaller than
+/// one the ledger has seen is refused, as a fenced destination refuses a holder whose key
+/// was taken over); and callers whose process dies after their claim, half of them after
+/// their effect too, before the record (their claims lapse, and the next claim of the key
+/// takes them over).
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct Effects {
+    /// Whether each body asks the ledger first, by [`reconcile`](crate::reconcile())
+    /// (which raises the ledger's fence to the call's token): each key's effect then lands
+    /// exactly once, which the history holds it to. Without, a caller killed after its
+    /// effect lets the next one have it again, and the report counts those keys.
+    pub reconcile: bool,
+    /// The share of calls whose process dies mid-call.
+    pub crashes: f64,
 }
 
 impl Plan {
@@ -528,6 +632,7 @@ impl Plan {
             other_payloads: 0.02,
             steps: false,
             slack: Duration::from_secs(10),
+            effects: None,
         }
     }
 
@@ -558,6 +663,53 @@ impl Plan {
     pub fn with_steps(mut self) -> Self {
         self.steps = true;
         self
+    }
+
+    /// This plan with bodies that have an effect outside the store, reconciled or not,
+    /// and 5 % of the calls dying mid-call ([`Effects`]).
+    #[must_use]
+    pub fn with_effects(mut self, reconcile: bool) -> Self {
+        self.effects = Some(Effects {
+            reconcile,
+            crashes: 0.05,
+        });
+        self
+    }
+}
+
+/// The effects' destination of [`Effects`]: per key, the fence (the largest token it was
+/// asked or written under) and the bodies whose effect landed.
+#[derive(Clone, Default)]
+struct Ledger(Arc<Mutex<LedgerEntries>>);
+
+/// Each key's fence and landed effects.
+type LedgerEntries = std::collections::HashMap<u64, (crate::Token, Vec<BodyId>)>;
+
+impl Ledger {
+    fn entries(&self) -> std::sync::MutexGuard<'_, LedgerEntries> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// What `reconcile` asks under `token`: the effect of `key` that landed, if one did;
+    /// no write under a smaller token lands after this.
+    fn ask(&self, key: u64, token: crate::Token) -> Option<BodyId> {
+        let mut entries = self.entries();
+        let (fence, landed) = entries.entry(key).or_insert((token, Vec::new()));
+        *fence = (*fence).max(token);
+        landed.first().copied()
+    }
+
+    /// Lands the effect of `body` on `key` under `token`, unless a larger token came first:
+    /// whether it landed.
+    fn write(&self, key: u64, token: crate::Token, body: BodyId) -> bool {
+        let mut entries = self.entries();
+        let (fence, landed) = entries.entry(key).or_insert((token, Vec::new()));
+        if token < *fence {
+            return false;
+        }
+        *fence = token;
+        landed.push(body);
+        true
     }
 }
 
@@ -751,7 +903,13 @@ async fn record<S: Store + Clone>(
     operator: Option<Operator>,
 ) -> (History, Vec<Faulty<S>>, usize) {
     assert!(!stores.is_empty(), "histories need a store");
-    let history = History::new();
+    let history = match plan.effects {
+        Some(Effects {
+            reconcile: true, ..
+        }) => History::new().effects_exactly_once(),
+        _ => History::new(),
+    };
+    let ledger = Ledger::default();
     let namespace = format!(
         "idem.testkit.histories.{}.{}",
         plan.seed,
@@ -789,7 +947,7 @@ async fn record<S: Store + Clone>(
     for caller in 0..plan.callers.max(1) {
         let store = faulty[caller % faulty.len()].clone();
         let (op, history, plan) = (Arc::clone(&op), history.clone(), plan.clone());
-        let handover = handover.clone();
+        let (handover, ledger) = (handover.clone(), ledger.clone());
         let mut rng =
             SplitMix::new(plan.seed ^ (caller as u64).wrapping_mul(0xA24B_AED4_963E_E407));
         tasks.spawn(async move {
@@ -806,7 +964,37 @@ async fn record<S: Store + Clone>(
                     .filter(|_| rng.unit() < 0.25)
                     .map(|to| (to.clone(), k));
                 let call = history.begin(key, payload, bound);
-                let body = body(&history, call, fails, work, plan.steps, handed);
+                // Drawn only with effects, as the handovers are.
+                let effects = plan.effects.map(|effects| {
+                    let dies = rng.unit() < effects.crashes;
+                    (effects, dies, rng.unit() < 0.5)
+                });
+                if let Some((effects, true, after_effect)) = effects {
+                    let ttl = op.settings.ttl;
+                    let request = ClaimRequest::new(&k, plan.lease)
+                        .fingerprint(Some(&fp))
+                        .ttl(ttl);
+                    let reconciles = effects.reconcile;
+                    crash(
+                        &store,
+                        &request,
+                        &history,
+                        call,
+                        &ledger,
+                        key,
+                        after_effect,
+                        reconciles,
+                    )
+                    .await;
+                    history.end(call, Answer::Killed);
+                    continue;
+                }
+                let effect = effects.map(|(effects, _, _)| Effect {
+                    ledger: ledger.clone(),
+                    key,
+                    reconcile: effects.reconcile,
+                });
+                let body = body(&history, call, fails, work, plan.steps, handed, effect);
                 let result = op.run(&store, &k, Some(&fp), body).await;
                 let answer = Answer::of_call(&result);
                 history.end(call, answer);
@@ -830,9 +1018,55 @@ async fn record<S: Store + Clone>(
     (history, faulty, released)
 }
 
+/// A caller whose process dies mid-call: it claims `key` through `store`, lands its
+/// effect too if `after_effect` (its body's value is then its id; a taker that
+/// `reconciles` asks the ledger first), and never settles the claim, which lapses.
+#[allow(clippy::too_many_arguments)]
+async fn crash<S: Store>(
+    store: &S,
+    request: &ClaimRequest<'_>,
+    history: &History,
+    call: CallId,
+    ledger: &Ledger,
+    key: u64,
+    after_effect: bool,
+    reconciles: bool,
+) {
+    let Ok(Claim::Acquired { token, taken_over }) = store.claim(request).await else {
+        return; // died before it had the key
+    };
+    let id = history.body_started(call);
+    if !after_effect {
+        return;
+    }
+    let Ok(Some(fence)) = store.fence(request.key, token).await else {
+        return;
+    };
+    // It runs the body every caller runs: a taker asks the ledger first, and dies after
+    // what it found, which it has no effect of its own to add to.
+    if reconciles && taken_over && ledger.ask(key, fence).is_some() {
+        return;
+    }
+    if ledger.write(key, fence, id) {
+        history.effect(id);
+        // Its effect is its value, though nobody was told: it died before the record.
+        history.body_ended(id, Ok(id));
+    }
+}
+
+/// A body's effect outside the store: the ledger, the key, and whether the body asks the
+/// ledger first.
+struct Effect {
+    ledger: Ledger,
+    key: u64,
+    reconcile: bool,
+}
+
 /// The body of `call`: recorded on the way in and out, two steps if `steps`, `work` long,
-/// failing if `fails`, its key handed to the operator (after its first step) if `handed`.
-/// Its value is its own id.
+/// failing if `fails`, its key handed to the operator (after its first step) if `handed`,
+/// its effect landed in a ledger beside the store if it has one (asked first by
+/// `reconcile`, if it reconciles). Its value is its own id, or the id of the earlier body
+/// whose effect it found.
 fn body(
     history: &History,
     call: CallId,
@@ -840,10 +1074,34 @@ fn body(
     work: Duration,
     steps: bool,
     mut handed: Option<(tokio::sync::mpsc::UnboundedSender<Handover>, crate::Key)>,
+    effect: Option<Effect>,
 ) -> impl std::future::Future<Output = Result<u64, Failure>> + Send + 'static {
     let history = history.clone();
     async move {
         let id = history.body_started(call);
+        // The token the effect is fenced by; a store that fails to give it ends the body.
+        let fence = match &effect {
+            Some(_) => match attempt() {
+                Some(attempt) => match attempt.token().await {
+                    Ok(fence) => Some(fence),
+                    Err(_) => {
+                        history.body_ended(id, Err(()));
+                        return Err(Failure::Body);
+                    }
+                },
+                None => None,
+            },
+            None => None,
+        };
+        if let (Some(effect), Some(fence)) = (&effect, fence) {
+            if effect.reconcile {
+                let asked = async { Ok::<_, Failure>(effect.ledger.ask(effect.key, fence)) };
+                if let Some(found) = reconcile(asked).await? {
+                    history.reconciled(id, found);
+                    return Ok(found);
+                }
+            }
+        }
         if steps {
             for index in 0..2_u32 {
                 if index == 1 {
@@ -868,6 +1126,14 @@ fn body(
         if fails {
             history.body_ended(id, Err(()));
             return Err(Failure::Body);
+        }
+        if let (Some(effect), Some(fence)) = (&effect, fence) {
+            if !effect.ledger.write(effect.key, fence, id) {
+                // Fenced: a claim that took the key over asked or wrote under a larger token.
+                history.body_ended(id, Err(()));
+                return Err(Failure::Body);
+            }
+            history.effect(id);
         }
         history.body_ended(id, Ok(id));
         Ok(id)
@@ -1022,6 +1288,59 @@ mod tests {
         // A replay of the rolled-back value was never recorded.
         answered(&history, 1, Answer::Replayed(body));
         assert!(broken(&history).contains("no body of this key"));
+    }
+
+    /// A caller killed after its effect: the history of its key, then of a taker that
+    /// found the effect (`reconciled`) or ran the body blind.
+    fn killed_then_taken(once: bool, reconciled: bool) -> History {
+        let history = if once {
+            History::new().effects_exactly_once()
+        } else {
+            History::new()
+        };
+        let killed = history.begin(1, 0, BOUND);
+        let first = history.body_started(killed);
+        history.effect(first);
+        history.body_ended(first, Ok(first));
+        history.end(killed, Answer::Killed);
+        let taker = history.begin(1, 0, BOUND);
+        let body = history.body_started(taker);
+        if reconciled {
+            history.reconciled(body, first);
+            history.end(taker, Answer::Replayed(first));
+        } else {
+            history.effect(body);
+            history.body_ended(body, Ok(body));
+            history.end(taker, Answer::Executed(body));
+        }
+        history
+    }
+
+    /// A key's second effect is excused as a second run is (a caller killed), unless the
+    /// history's effects are exactly once; a body that found an earlier effect answers it
+    /// as a replay, and is no run.
+    #[test]
+    fn effects_are_counted_and_held_to_once_when_reconciled() {
+        for once in [false, true] {
+            let report = killed_then_taken(once, true).check().expect("one effect");
+            assert_eq!(
+                (report.effects, report.reconciled, report.excused),
+                (1, 1, 0)
+            );
+        }
+        let report = killed_then_taken(false, false).check().expect("excused");
+        assert_eq!((report.effects, report.effects_twice), (2, 1));
+        assert!(broken(&killed_then_taken(true, false)).contains("landed 2 times"));
+        // Without a killed caller, a second effect is a violation anyway.
+        let history = History::new();
+        for _ in 0..2 {
+            let call = history.begin(1, 0, BOUND);
+            let body = history.body_started(call);
+            history.effect(body);
+            history.body_ended(body, Err(()));
+            history.end(call, Answer::BodyFailed);
+        }
+        assert!(broken(&history).contains("landed 2 times"));
     }
 
     #[test]

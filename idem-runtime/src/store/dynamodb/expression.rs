@@ -9,7 +9,8 @@ use std::sync::LazyLock;
 use super::item::RELEASED_TOKEN;
 use super::item::{
     EXPIRATION, EXPIRES_AT, FINGERPRINT, HOLDER, ID, LABEL, LEASE_MS, NAMESPACE, NONCE,
-    PRIOR_NONCE, PRIOR_STATE, RENEWED_AT, STATE, STEPS, TOKEN, VALUE, VERSION, WRITTEN,
+    PRIOR_NONCE, PRIOR_STATE, PRIOR_TOKEN, RENEWED_AT, STATE, STEPS, TOKEN, VALUE, VERSION,
+    WRITTEN,
 };
 
 /// One `UpdateItem`'s expressions. Every update sets the write's id first (`:written`), so
@@ -68,10 +69,11 @@ fn held_by_token() -> String {
 /// seen unchanged for its whole lease (`:seen_token`, `:seen_version`) to take over.
 pub(super) fn claim(fingerprint: bool, lapsed: bool) -> &'static Expression {
     static CLAIMS: LazyLock<[Expression; 4]> = LazyLock::new(|| {
+        // The caller's own claim in progress (its answer lost) is taken again by `OWN`,
+        // which keeps what the first claim found before it.
         let free = format!(
             "attribute_not_exists(#{ID}) OR #{STATE} IN (:released, :removed) \
-             OR (#{STATE} = :completed AND #{EXPIRES_AT} <= :now) \
-             OR (#{STATE} = :in_progress AND #{NONCE} = :nonce)"
+             OR (#{STATE} = :completed AND #{EXPIRES_AT} <= :now)"
         );
         let or_lapsed = format!(
             "{free} OR (#{STATE} = :in_progress AND #{TOKEN} = :seen_token AND #{VERSION} = :seen_version)"
@@ -81,6 +83,7 @@ pub(super) fn claim(fingerprint: bool, lapsed: bool) -> &'static Expression {
         let set = format!(
             "SET #{PRIOR_STATE} = if_not_exists(#{STATE}, :none), \
              #{PRIOR_NONCE} = if_not_exists(#{NONCE}, :zero), \
+             #{PRIOR_TOKEN} = if_not_exists(#{TOKEN}, :zero), \
              #{STATE} = :in_progress, #{TOKEN} = if_not_exists(#{TOKEN}, :start) + :one, \
              #{VERSION} = if_not_exists(#{VERSION}, :zero) + :one, #{NONCE} = :nonce, \
              #{LEASE_MS} = :lease, #{RENEWED_AT} = :now, #{EXPIRATION} = :expiration, \
@@ -98,6 +101,21 @@ pub(super) fn claim(fingerprint: bool, lapsed: bool) -> &'static Expression {
     });
     &CLAIMS[usize::from(fingerprint) * 2 + usize::from(lapsed)]
 }
+
+/// The caller's own claim in progress, found again after its answer was lost: taken again
+/// under the next token with a whole lease, keeping what the first claim found before it
+/// (`prior_*`), so that its answer says whether it took an unsettled claim over.
+pub(super) static OWN: LazyLock<Expression> = LazyLock::new(|| {
+    let update = format!(
+        "SET #{TOKEN} = #{TOKEN} + :one, #{VERSION} = #{VERSION} + :one, \
+         #{LEASE_MS} = :lease, #{RENEWED_AT} = :now, #{EXPIRATION} = :expiration, \
+         #{NAMESPACE} = :namespace, #{LABEL} = :label, #{HOLDER} = :holder"
+    );
+    Expression::new(
+        &update,
+        format!("#{STATE} = :in_progress AND #{NONCE} = :nonce"),
+    )
+});
 
 pub(super) static COMPLETE: LazyLock<Expression> = LazyLock::new(|| {
     let update = format!(

@@ -51,10 +51,12 @@ pub(super) const RELEASED_TOKEN: &str = "released_token";
 /// The id of the last write, drawn per request: a write sent again by the SDK after a lost
 /// reply finds it and knows it landed.
 pub(super) const WRITTEN: &str = "written";
-/// The state the item was in when the claim in progress took it (`NONE`: no item), and the
-/// nonce it was in progress under, if any: whether that claim took an unsettled one over.
+/// The state the item was in when the claim in progress took it (`NONE`: no item), the
+/// nonce it was in progress under and its token, if any: whether that claim took an
+/// unsettled one over.
 pub(super) const PRIOR_STATE: &str = "prior_state";
 pub(super) const PRIOR_NONCE: &str = "prior_nonce";
+pub(super) const PRIOR_TOKEN: &str = "prior_token";
 /// [`PRIOR_STATE`] of a claim that found no item.
 pub(super) const NONE: &str = "NONE";
 
@@ -82,17 +84,18 @@ pub(super) enum State {
 
 pub(super) type Item = HashMap<String, AttributeValue>;
 
-/// Whether the claim of token `token` and nonce `nonce`, whose item is `new` as the claim
-/// left it, took the key over from a claim that was never settled: one in progress under
-/// another nonce (lapsed, since the claim could take it), or released by an operator just
-/// before (its token the one before this claim's; tokens grow by one a claim).
-pub(super) fn taken_over(new: &Item, token: Token, nonce: u64) -> bool {
+/// Whether the claim of nonce `nonce`, whose item is `new` as the claim left it, took the
+/// key over from a claim that was never settled: one in progress under another nonce
+/// (lapsed, since the claim could take it), or one an operator released (its token the
+/// released one).
+pub(super) fn taken_over(new: &Item, nonce: u64) -> bool {
     match new.get(PRIOR_STATE) {
         Some(AttributeValue::S(prior)) if prior == IN_PROGRESS => {
             number(new, PRIOR_NONCE).ok() != Some(nonce)
         }
         Some(AttributeValue::S(prior)) if prior == RELEASED => {
-            number(new, RELEASED_TOKEN).ok() == token.get().checked_sub(1)
+            let released = number(new, RELEASED_TOKEN).ok();
+            released.is_some() && released == number(new, PRIOR_TOKEN).ok()
         }
         _ => false,
     }

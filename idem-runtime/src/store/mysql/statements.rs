@@ -310,7 +310,8 @@ impl Statements {
                  VALUES (?, FALSE, ?, ?, {NOW} + ?, ?, ?, ?, ?, ?, ?)"
             ),
             lock: format!(
-                "SELECT token, completed, fingerprint, value, expires_at > {NOW} FROM {t} \
+                "SELECT token, completed, fingerprint, value, expires_at > {NOW}, \
+                    COALESCE(taken_over, FALSE) FROM {t} \
                  WHERE `key` = ? FOR UPDATE"
             ),
             // The row replaced by a new one, which takes the next token.

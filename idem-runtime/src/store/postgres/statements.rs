@@ -158,11 +158,12 @@ pub(super) fn claim_query(
         None => ("NULL".to_string(), String::new(), String::new()),
     };
     // Whether the row replaced was a claim that was never settled: in progress, and not
-    // the caller's own.
+    // the caller's own (whose lost answer said, and whose row keeps, whether it took one
+    // over itself).
     let unsettled = format!(
         "NOT r.completed{}",
         nonce.map_or(String::new(), |nonce| format!(
-            " AND r.value IS DISTINCT FROM {nonce}"
+            " AND (r.value IS DISTINCT FROM {nonce} OR coalesce(r.taken_over, false))"
         ))
     );
     let (ttl_column, ttl_value, ttl_update, taken_over, not_taken) = match ttl {

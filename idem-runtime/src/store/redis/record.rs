@@ -24,15 +24,26 @@ pub(super) const NO_FENCE: &[u8; FENCE_DIGITS] = b"00000000000000000000";
 // KEYS[1] a record, KEYS[2] the trace of its claim while unsettled; ARGV[1] the claim,
 // ARGV[2] its lease, ARGV[3] how long the trace lives once the lease ran out (the call's
 // TTL), ARGV[4] the two together (milliseconds). The native `SET … NX GET` writes the
-// claim if the key is free and answers the record that is there otherwise; a claim that
-// took the key writes the trace and answers whether one was there (1) or not (0): a trace
-// outlives its claim only when the claim lapsed, or an operator released it, unsettled.
+// claim if the key is free and answers the record that is there otherwise. A claim that
+// took the key writes its trace, `T` or `F` and the TTL: whether a trace was there (a
+// trace outlives its claim only when the claim lapsed, or an operator released it,
+// unsettled), which it answers (1 or 0). The caller's own claim, found again after its
+// answer was lost, answers with the record what its trace says.
 const CLAIM_LUA: &str = r"
 local found = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'GET', 'PX', ARGV[2])
 if found then
+    if string.sub(found, 1, 9) == string.sub(ARGV[1], 1, 9) then
+        local trace = redis.call('GET', KEYS[2])
+        if trace and string.sub(trace, 1, 1) == 'T' then
+            return {found, 1}
+        end
+        return {found, 0}
+    end
     return found
 end
-if redis.call('SET', KEYS[2], ARGV[3], 'GET', 'PX', ARGV[4]) then
+local taken = redis.call('GET', KEYS[2])
+redis.call('SET', KEYS[2], (taken and 'T' or 'F') .. ARGV[3], 'PX', ARGV[4])
+if taken then
     return 1
 end
 return 0
@@ -73,16 +84,17 @@ return 1
 
 pub(super) static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(RELEASE_LUA));
 
-// KEYS[2] is the trace of the claim: it lives the call's TTL (its value) past the lease.
+// KEYS[2] is the trace of the claim: it lives the call's TTL (after its first byte) past
+// the lease.
 const RENEW_LUA: &str = r"
 local record = redis.call('GET', KEYS[1])
 if not record or string.sub(record, 1, 9) ~= ARGV[1] then
     return 0
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
-local ttl = redis.call('GET', KEYS[2])
-if ttl then
-    redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[2]) + tonumber(ttl))
+local trace = redis.call('GET', KEYS[2])
+if trace then
+    redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[2]) + tonumber(string.sub(trace, 2)))
 end
 return 1
 ";
@@ -377,11 +389,25 @@ pub(super) fn parse_claim(reply: Value, token: Token) -> Result<Claim, Error> {
                 taken_over: taken_over == 1,
             })
         }
+        // The caller's own claim, whose answer was lost, and what its trace says.
+        Value::Array(mut own) if own.len() == 2 => {
+            return match (own.pop(), own.pop()) {
+                (Some(Value::Int(taken_over)), Some(Value::BulkString(record)))
+                    if record.get(..9) == Some(&holder(token)[..]) =>
+                {
+                    Ok(Claim::Acquired {
+                        token,
+                        taken_over: taken_over == 1,
+                    })
+                }
+                _ => Err(malformed("an own claim's answer")),
+            };
+        }
         Value::BulkString(record) => record,
         other => return Err(unexpected(&other)),
     };
     match record.first() {
-        // This caller's own claim, whose reply was lost: not a takeover.
+        // This caller's own claim (from a script of an earlier version).
         Some(b'p') if record.get(..9) == Some(&holder(token)[..]) => Ok(Claim::acquired(token)),
         Some(b'p') => {
             let rest = record

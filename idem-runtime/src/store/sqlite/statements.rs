@@ -65,7 +65,7 @@ impl Statements {
         // nonce in `value`); a live row of another caller is left as it is, and nothing is
         // returned. `row` is where the new row's values come from. It returns the token,
         // and whether the row it replaced was a claim never settled (in progress, and not
-        // the caller's own).
+        // the caller's own; the caller's own keeps what its lost answer said).
         let take = |row: &str| {
             format!(
                 "INSERT INTO {t} (key, token, completed, fingerprint, value, expires_at, \
@@ -74,7 +74,8 @@ impl Statements {
                  fingerprint = excluded.fingerprint, value = excluded.value, expires_at = excluded.expires_at, \
                  namespace = excluded.namespace, label = excluded.label, holder = excluded.holder, \
                  lease_ms = excluded.lease_ms, step = NULL, ttl_ms = excluded.ttl_ms, \
-                 taken_over = (NOT {t}.completed AND substr({t}.value, 1, 8) IS NOT excluded.value) \
+                 taken_over = (NOT {t}.completed AND (substr({t}.value, 1, 8) IS NOT excluded.value \
+                    OR coalesce({t}.taken_over, 0))) \
                  WHERE {t}.expires_at <= {NOW} \
                     OR (NOT {t}.completed AND substr({t}.value, 1, 8) = excluded.value) \
                  RETURNING token, taken_over"
