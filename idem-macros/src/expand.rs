@@ -123,7 +123,8 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
         // `Option` behind a reference is still an optional key.
         let value = unreferenced(value);
         let derive = respan(quote!(#private::key), value.span());
-        let key = quote_spanned!(value.span()=> #derive(&#op, (&#private::KeyArg(&(#value))).__idem_key()));
+        let parts = borrowed_parts(value);
+        let key = quote_spanned!(value.span()=> #derive(&#op, (&#private::KeyArg(&(#parts))).__idem_key()));
         // At the call site: one of the two traits is always unused, and must not say so.
         quote!({
             use #private::{OptionalKey as _, RequiredKey as _};
@@ -132,7 +133,8 @@ fn generate(args: Args, function: ItemFn) -> TokenStream {
     });
     let fingerprint_value = match &args.fingerprint {
         Some(value) => {
-            let value = quote_spanned!(value.span()=> #private::fingerprint(&(#value)));
+            let parts = borrowed_parts(value);
+            let value = quote_spanned!(value.span()=> #private::fingerprint(&(#parts)));
             quote!(::core::option::Option::Some(#value))
         }
         None => quote!(::core::option::Option::None),
@@ -470,6 +472,23 @@ fn parts(expr: &Expr) -> Vec<&Expr> {
         Expr::Reference(reference) if reference.mutability.is_none() => parts(&reference.expr),
         Expr::Path(_) | Expr::Field(_) => vec![expr],
         _ => Vec::new(),
+    }
+}
+
+/// A tuple with its elements borrowed, `(&order.id, &order.sku)`, down through nested
+/// tuples, so that a key or fingerprint of fields that are not `Copy` moves nothing out of
+/// the arguments. `&T` serializes as `T` does: the key is the one the tuple of values
+/// derives. Anything else as it is written.
+fn borrowed_parts(expr: &Expr) -> TokenStream {
+    match expr {
+        Expr::Tuple(tuple) => {
+            let elems = tuple.elems.iter().map(|elem| {
+                let elem_parts = borrowed_parts(elem);
+                quote_spanned!(elem.span()=> &#elem_parts)
+            });
+            quote!((#(#elems,)*))
+        }
+        _ => expr.to_token_stream(),
     }
 }
 
