@@ -337,7 +337,7 @@ impl<St> Consumer<St> {
     ///
     /// ```no_run
     /// # #[cfg(feature = "postgres")]
-    /// # async fn consume(delivery: &dyn idem_runtime::consumer::Delivery, store: idem_runtime::PostgresStore) -> Result<(), idem_runtime::BoxError> {
+    /// # async fn consume(delivery: &dyn idem_runtime::consumer::Delivery, store: &idem_runtime::PostgresStore) -> Result<(), idem_runtime::BoxError> {
     /// use idem_runtime::consumer::Consumer;
     /// use idem_runtime::{idempotent, Error, IdempotencyKey, PostgresStore};
     /// # #[derive(serde::Deserialize)] struct Order { id: u64 }
@@ -349,9 +349,9 @@ impl<St> Consumer<St> {
     ///
     /// let consumer = Consumer::new("shop.orders.v1");
     /// consumer
-    ///     .inbox(delivery, |order: Order, key: IdempotencyKey| async {
+    ///     .inbox(delivery, |order: Order, key: IdempotencyKey| async move {
     ///         let mut tx = store.pool().begin().await.map_err(Error::store)?;
-    ///         ship(&key, &order, &store, &mut tx).await?;
+    ///         ship(&key, &order, store, &mut tx).await?;
     ///         tx.commit().await.map_err(Error::store)
     ///     })
     ///     .await?;
