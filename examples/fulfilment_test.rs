@@ -131,9 +131,9 @@ async fn two_instances_killed_fifty_times_have_every_effect_once() {
             user: format!("user-{round}"),
             stall: Some(Stall::AfterCommit),
         };
-        let (hook, delivery) = ("7001", format!("{run}-gh-{round}"));
+        let delivery = format!("{run}-gh-{round}");
         let sponsorship = Sponsorship {
-            sponsor: format!("sponsor-{round}"),
+            sponsor: format!("{run}-sponsor-{round}"),
             cents: 100 + round as i64,
             stall: Some(Stall::AfterCommit),
         };
@@ -145,11 +145,9 @@ async fn two_instances_killed_fifty_times_have_every_effect_once() {
         let second = {
             let (sender, delivery, sponsorship) =
                 (sender.clone(), delivery.clone(), sponsorship.clone());
-            tokio::spawn(async move {
-                sender
-                    .github_once(to_victim, hook, &delivery, &sponsorship)
-                    .await
-            })
+            tokio::spawn(
+                async move { sender.github_once(to_victim, &delivery, &sponsorship).await },
+            )
         };
         // Orders for whichever instance pulls them: the victim stalls on the marked ones.
         let published: Vec<Order> = (0..4)
@@ -181,13 +179,13 @@ async fn two_instances_killed_fifty_times_have_every_effect_once() {
             sender.standard_once(addrs[n as usize % 2], &standard_id, &event)
         });
         let resent_github = fulfilment::until_delivered(|n| {
-            sender.github_once(addrs[n as usize % 2], hook, &delivery, &sponsorship)
+            sender.github_once(addrs[n as usize % 2], &delivery, &sponsorship)
         });
         let (standard, github) = tokio::join!(resent_standard, resent_github);
         standard.expect("the Standard Webhooks delivery was answered 2xx");
         github.expect("the GitHub delivery was answered 2xx");
         deliveries.push(("notification", standard_id));
-        deliveries.push(("credit", format!("{hook}/{delivery}")));
+        deliveries.push(("credit", sponsorship.sponsor.clone()));
         // The victim back, steady; the other killed wherever it is, and back as the victim.
         instances[victim] = Some(instance(addrs[victim], &config, false).await);
         instances[steady] = None;

@@ -4,7 +4,8 @@
 //! `cargo run -p idem-examples --example webhooks -- --demo` (PostgreSQL on 127.0.0.1:5432,
 //! or `IDEM_POSTGRES_URL`): serves on a loopback port and plays a sender: an event, its
 //! resends (sequential and concurrent), a forged delivery (`401`, nothing recorded), a
-//! GitHub delivery to two hooks (credited once per hook); then checks the ledger. `--serve`
+//! GitHub delivery sent again under new delivery ids (credited once: GitHub signs the body
+//! alone, so the body is the key); then checks the ledger. `--serve`
 //! serves on `IDEM_WEBHOOKS_ADDR` until killed: `examples/webhooks_test.rs` runs two such
 //! receivers on one database and SIGKILLs them mid-delivery.
 //!
@@ -19,12 +20,11 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use axum::extract::State;
-use axum::http::HeaderMap;
 use axum::routing::post;
 use axum::{Json, Router};
 use hmac::{Hmac, Mac};
 use idem_runtime::http::{IdempotencyLayer, Webhook};
-use idem_runtime::{idempotent, Error, PostgresStore};
+use idem_runtime::{idempotent, Error, IdempotencyKey, PostgresStore};
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 use sqlx::{PgConnection, PgPool};
@@ -121,24 +121,14 @@ pub struct Sponsorship {
     pub cents: i64,
 }
 
-/// `POST /webhooks/github`: credits the sponsorship once per hook that receives it.
+/// `POST /webhooks/github`: credits the sponsorship once, by the key the layer found (the
+/// event's kind and the signed body's digest, whatever `X-GitHub-Delivery` came with it).
 async fn github(
     State(app): State<App>,
-    headers: HeaderMap,
+    key: IdempotencyKey,
     Json(sponsorship): Json<Sponsorship>,
 ) -> Result<String, Error> {
-    let header = |name: &str| {
-        headers
-            .get(name)
-            .and_then(|value| value.to_str().ok())
-            .unwrap_or_default()
-            .to_string()
-    };
-    // The layer admitted the delivery only with both headers.
-    let source = (
-        format!("github-hook-{}", header("x-github-hook-id")),
-        header("x-github-delivery"),
-    );
+    let source = ("github".to_string(), key.to_string());
     let mut tx = app.pool.begin().await.map_err(Error::store)?;
     let credited = credit(
         &source,
@@ -179,9 +169,12 @@ pub async fn router(url: &str) -> Result<Router, BoxError> {
         store: store.clone(),
         stall: std::env::var_os("IDEM_WEBHOOKS_STALL").is_some(),
     };
-    // Each route has its sender's layer.
-    let stripe_layer = IdempotencyLayer::webhook(store.clone(), Webhook::stripe(STRIPE_SECRET));
-    let github_layer = IdempotencyLayer::webhook(store, Webhook::github(GITHUB_SECRET));
+    // Each route has its sender's layer, named for the endpoint it is: its records stay
+    // its own, through a rotation of its secret too.
+    let stripe_endpoint = Webhook::stripe(STRIPE_SECRET)?.endpoint("example-stripe")?;
+    let github_endpoint = Webhook::github(GITHUB_SECRET)?.endpoint("example-github")?;
+    let stripe_layer = IdempotencyLayer::webhook(store.clone(), stripe_endpoint);
+    let github_layer = IdempotencyLayer::webhook(store, github_endpoint);
     Ok(Router::new()
         .route("/webhooks/stripe", post(stripe).layer(stripe_layer))
         .route("/webhooks/github", post(github).layer(github_layer))
@@ -254,10 +247,9 @@ impl Sender {
             .await?)
     }
 
-    /// Delivers `sponsorship` to hook `hook` once, as delivery `delivery`.
+    /// Delivers `sponsorship` once, as delivery `delivery`.
     pub async fn github_once(
         &self,
-        hook: &str,
         delivery: &str,
         sponsorship: &Sponsorship,
     ) -> Result<reqwest::Response, BoxError> {
@@ -268,7 +260,6 @@ impl Sender {
             .post(format!("{}/webhooks/github", self.base))
             .header("content-type", "application/json")
             .header("x-github-event", "sponsorship")
-            .header("x-github-hook-id", hook)
             .header("x-github-delivery", delivery)
             .header("x-hub-signature-256", format!("sha256={signature}"))
             .body(body)
@@ -303,10 +294,12 @@ impl Sender {
     }
 }
 
-/// How often each delivery of a run was credited: `(source, delivery) → rows`.
+/// How often each delivery of a run was credited: `(source, delivery) → rows`, for the
+/// deliveries or the accounts that start with `prefix`.
 pub async fn credits(pool: &PgPool, prefix: &str) -> Result<Vec<(String, String, i64)>, BoxError> {
     Ok(sqlx::query_as(
-        "SELECT source, delivery, count(*) FROM webhook_credits WHERE delivery LIKE $1 \
+        "SELECT source, delivery, count(*) FROM webhook_credits \
+            WHERE delivery LIKE $1 OR account LIKE $1 \
             GROUP BY source, delivery ORDER BY source, delivery",
     )
     .bind(format!("{prefix}%"))
@@ -368,29 +361,31 @@ async fn demo() -> Result<(), BoxError> {
     let forged = sender.stripe_once(&forged_event, "whsec_guessed").await?;
     println!("forged:              {}", forged.status());
 
-    let delivery = format!("{run}_delivery");
     let sponsorship = Sponsorship {
-        sponsor: "octocat".into(),
+        sponsor: format!("{run}_octocat"),
         cents: 500,
     };
-    for hook in ["101", "202", "101"] {
-        let answer = sender.github_once(hook, &delivery, &sponsorship).await?;
+    // One sponsorship, delivered, redelivered, and sent again by someone who captured it
+    // under a delivery id of their own: one credit.
+    for delivery in ["1", "2", "1"] {
+        let delivery = format!("{run}_delivery_{delivery}");
+        let answer = sender.github_once(&delivery, &sponsorship).await?;
         let replayed = answer.headers().get("idempotent-replayed").is_some();
-        println!(
-            "github hook {hook}:     {} replayed={replayed}",
-            answer.status()
-        );
+        println!("github {delivery}: {} replayed={replayed}", answer.status());
     }
 
     let ledger = credits(&pool, &run).await?;
     println!("ledger:              {ledger:?}");
-    let expected = vec![
-        ("github-hook-101".to_string(), delivery.clone(), 1),
-        ("github-hook-202".to_string(), delivery, 1),
-        ("stripe".to_string(), run, 1),
-    ];
-    if ledger != expected || forged.status() != 401 || crowd.iter().any(Result::is_err) {
-        return Err(format!("the ledger is {ledger:?}, expected {expected:?}").into());
+    let credited = |source: &str| {
+        ledger
+            .iter()
+            .filter(|(s, _, _)| s == source)
+            .map(|(_, _, n)| n)
+            .collect::<Vec<_>>()
+    };
+    let once = credited("github") == [&1] && ledger.contains(&("stripe".to_string(), run, 1));
+    if !once || ledger.len() != 2 || forged.status() != 401 || crowd.iter().any(Result::is_err) {
+        return Err(format!("the ledger is {ledger:?}: each delivery once, expected").into());
     }
     println!("each delivery credited once; the forged one not at all");
     Ok(())

@@ -138,6 +138,7 @@ pub const MAX_PAGE: usize = 1_000;
 #[derive(Clone, Debug)]
 pub struct Filter {
     prefix: Option<String>,
+    label: Option<String>,
     states: u8,
     limit: usize,
     values: bool,
@@ -148,6 +149,7 @@ impl Filter {
     pub fn all() -> Self {
         Self {
             prefix: None,
+            label: None,
             states: 0,
             limit: 100,
             values: false,
@@ -161,6 +163,15 @@ impl Filter {
             prefix: Some(prefix.into()),
             ..Self::all()
         }
+    }
+
+    /// Only the records labelled exactly `label`: a call by what an operator knows of it (a
+    /// webhook preset labels its claims with the delivery's id as its sender names it; the
+    /// attribute's `label = …` and [`labelled`](crate::labelled) label any call).
+    #[must_use]
+    pub fn label(mut self, label: impl Into<String>) -> Self {
+        self.label = Some(label.into());
+        self
     }
 
     /// Also (or only, if it is the first state named) records in `state`.
@@ -214,6 +225,11 @@ impl Filter {
         self.prefix.as_deref()
     }
 
+    /// The label asked for, if any.
+    pub fn label_asked(&self) -> Option<&str> {
+        self.label.as_deref()
+    }
+
     /// The page's size.
     pub fn page_size(&self) -> usize {
         self.limit
@@ -224,7 +240,19 @@ impl Filter {
         self.values
     }
 
-    /// Whether a record of `namespace` in `state` is listed.
+    /// Whether `entry` is listed: its namespace, its label and its state. What a store
+    /// implementing [`Admin::list`] asks of each record it reads.
+    pub fn admits(&self, entry: &Entry) -> bool {
+        self.matches(entry.namespace(), entry.state()) && self.labelled(entry.label())
+    }
+
+    /// Whether a record labelled `label` is listed.
+    pub fn labelled(&self, label: Option<&str>) -> bool {
+        self.label.is_none() || self.label.as_deref() == label
+    }
+
+    /// Whether a record of `namespace` in `state` is listed, whatever its label
+    /// ([`admits`](Self::admits) asks that too).
     pub fn matches(&self, namespace: Option<&str>, state: State) -> bool {
         let state_ok = self.states == 0 || self.states & state.bit() != 0;
         let namespace_ok = match (&self.prefix, namespace) {
@@ -294,7 +322,16 @@ impl Cursor {
     }
 
     /// The key a listing in key order starts after: [`Error::Config`] for a position of
-    /// another store's listing.
+    /// another store's listing. (For the stores that list in key order, when compiled in.)
+    #[cfg_attr(
+        not(any(
+            feature = "memory",
+            feature = "postgres",
+            feature = "mysql",
+            feature = "sqlite"
+        )),
+        allow(dead_code)
+    )]
     pub(crate) fn key_order(cursor: Option<&Self>) -> Result<Option<Key>, Error> {
         match cursor.map(|cursor| &cursor.0) {
             None => Ok(None),
@@ -369,11 +406,32 @@ pub fn parse_digest(text: &str) -> Result<Key, Error> {
 /// `Key::derive` in Rust prints. An `Option` key and an enum variant are not expressible
 /// either: `Some(5)` is not `5`, a unit variant is not its name as a string.
 pub fn key_from_json(namespace: &str, json: &str) -> Result<Key, Error> {
-    let value: serde_json::Value = serde_json::from_str(json)
+    let json = integers(json)?;
+    let value: serde_json::Value = serde_json::from_str(&json)
         .map_err(|err| Error::config(format!("the key value is not JSON: {err}")))?;
     refuse_ambiguous(&value)?;
-    refuse_wide_integers(json)?;
     Key::derive(namespace, &value)
+}
+
+/// The key an HTTP layer ([`IdempotencyLayer`](crate::http::IdempotencyLayer)) derives in
+/// `namespace` (its own, `idem.http` by default) for the `Idempotency-Key` value `key` sent
+/// by the principal its scope named (`None` for an unscoped layer): how an operator names a
+/// request by what its client sent (`idem show --http KEY --scope PRINCIPAL`).
+///
+/// ```
+/// use idem_runtime::admin::http_key;
+/// use idem_runtime::Operation;
+///
+/// let key = http_key("idem.http", Some("alice"), "k-1")?;
+/// assert_eq!(key, Operation::new("idem.http").key(&(Some("alice"), "k-1"))?);
+/// # Ok::<(), idem_runtime::Error>(())
+/// ```
+///
+/// # Errors
+///
+/// None in practice: a string pair always encodes; the `Result` is the derivation's.
+pub fn http_key(namespace: &str, scope: Option<&str>, key: &str) -> Result<Key, Error> {
+    Key::derive(namespace, &(scope, key))
 }
 
 /// Refuses the JSON values whose Rust encoding is ambiguous (see [`key_from_json`]).
@@ -391,8 +449,12 @@ fn refuse_ambiguous(value: &serde_json::Value) -> Result<(), Error> {
     }
 }
 
-/// Refuses an integer literal beyond 64 bits, which JSON parsing rounds to a float.
-fn refuse_wide_integers(json: &str) -> Result<(), Error> {
+/// `json` with each integer literal checked: one beyond 64 bits is refused, since JSON
+/// parsing rounds it to a float, and `-0` is written `0`, the integer it names (JSON
+/// parsers read it as the float negative zero, whose key is another).
+fn integers(json: &str) -> Result<String, Error> {
+    let mut normal = String::with_capacity(json.len());
+    let mut copied = 0;
     let (mut in_string, mut escaped) = (false, false);
     let mut chars = json.char_indices().peekable();
     while let Some((start, c)) = chars.next() {
@@ -423,9 +485,15 @@ fn refuse_wide_integers(json: &str) -> Result<(), Error> {
                     "the integer {token} is beyond 64 bits, which JSON rounds: name the call by its digest"
                 )));
             }
+            if token == "-0" {
+                normal.push_str(&json[copied..start]);
+                normal.push('0');
+                copied = end;
+            }
         }
     }
-    Ok(())
+    normal.push_str(&json[copied..]);
+    Ok(normal)
 }
 
 /// One page of a listing.
@@ -749,7 +817,19 @@ pub trait Admin: Send + Sync {
     async fn purge(&self) -> Result<u64, Error>;
 }
 
-/// Judges a claim in progress against a release: `None` when it may go.
+/// Judges a claim in progress against a release: `None` when it may go. (For the stores
+/// compiled in: none uses it with `admin` alone.)
+#[cfg_attr(
+    not(any(
+        feature = "memory",
+        feature = "postgres",
+        feature = "mysql",
+        feature = "sqlite",
+        feature = "redis",
+        feature = "dynamodb"
+    )),
+    allow(dead_code)
+)]
 pub(crate) fn refusal(entry: &Entry, token: Option<Token>, how: Release) -> Option<Refusal> {
     match entry.state {
         State::Completed | State::Gone if token.is_some() => {
@@ -885,6 +965,36 @@ mod tests {
         }
         // Digits inside a string are the string's.
         assert!(key_from_json(ns, r#""99999999999999999999""#).is_ok());
+        // `-0` is the integer zero (a JSON parser reads the float negative zero); `-0.0`
+        // is the float, and a string keeps its `-0`.
+        assert_eq!(
+            key_from_json(ns, "-0").unwrap(),
+            Key::derive(ns, &0_i64).unwrap()
+        );
+        assert_eq!(
+            key_from_json(ns, r#"[-0, "-0"]"#).unwrap(),
+            Key::derive(ns, &(0_u8, "-0")).unwrap()
+        );
+        assert_eq!(
+            key_from_json(ns, "-0.0").unwrap(),
+            Key::derive(ns, &-0.0_f64).unwrap()
+        );
+        assert!(key_from_json(ns, "-00").is_err());
+    }
+
+    #[test]
+    fn a_label_filter_admits_that_label_alone() {
+        let entry = |label: Option<&str>| {
+            Entry::new(Key::from_bytes([1; 32]), State::Held).with_names(
+                Some("idem.webhook.stripe.billing".into()),
+                label.map(Into::into),
+            )
+        };
+        let filter = Filter::namespace("idem.webhook.stripe.").label("evt_1");
+        assert!(filter.admits(&entry(Some("evt_1"))));
+        assert!(!filter.admits(&entry(Some("evt_12"))));
+        assert!(!filter.admits(&entry(None)));
+        assert!(Filter::all().admits(&entry(None)));
     }
 
     #[test]

@@ -1,7 +1,20 @@
 //! Queue consumers whose deliveries are settled right: acknowledged only once the handler's
 //! result (or its transaction) is durable, requeued with a bounded backoff when a retry may
 //! succeed, rejected once (dead-lettered, where the queue has a dead-letter target) when it
-//! never will. Never a redelivery loop.
+//! never will.
+//!
+//! **Redeliveries are bounded where the broker counts them**: a message that keeps failing
+//! transiently is rejected after [`max_deliveries`](Consumer::max_deliveries) (default 10)
+//! on a RabbitMQ quorum queue (`x-delivery-count`) and on JetStream. Two cases are not:
+//!
+//! - **A RabbitMQ classic queue counts no deliveries**: a message that fails transiently
+//!   there is requeued after the first backoff (1 s) each time, for as long as it fails.
+//!   Use a quorum queue (`x-queue-type: quorum`), or a handler error that
+//!   [`Classify`]s as [`Reject`](Disposition::Reject) once it knows better.
+//! - **A JetStream consumer whose `max_deliver` is below `max_deliveries`** stops
+//!   redelivering on its own, before the consumer rejects: the message is dropped, with no
+//!   `+TERM` and no advisory of a termination (only `MAX_DELIVERIES`). Set `max_deliver`
+//!   above `max_deliveries`, or unlimited (`-1`).
 //!
 //! Brokers deliver at least once: a consumer that dies between its effect and its ack gets
 //! the message again, and so does another consumer. The message's id keys the handler, so
@@ -217,7 +230,10 @@ impl MessageId {
     }
 
     /// The member of the JSON payload at `pointer` (RFC 6901: `"/id"`), a string or an
-    /// integer.
+    /// integer. The integer `1` and the string `"1"` are one id: a producer that writes
+    /// both for two messages has them deduplicated as one (their payloads then differ, so
+    /// the second is refused as [`Error::PayloadMismatch`], never replayed the first's
+    /// result).
     pub fn json(pointer: impl Into<Arc<str>>) -> Self {
         Self {
             source: IdSource::Json(pointer.into()),
@@ -376,13 +392,18 @@ impl<St> Consumer<St> {
     {
         let (id, message) = match self.admit(delivery) {
             Ok(admitted) => admitted,
-            Err(disposition) => return self.settle(delivery, disposition).await,
+            Err(disposition) => return self.settle(delivery, disposition, None).await,
         };
-        let disposition = match handler(message, IdempotencyKey::new(id)).await {
+        // The handler's claims are labelled with the message's id, for an operator.
+        let handled = crate::labelled(
+            id.clone(),
+            handler(message, IdempotencyKey::new(id.clone())),
+        );
+        let disposition = match handled.await {
             Ok(_) => Disposition::Ack,
             Err(err) => err.disposition(),
         };
-        self.settle(delivery, disposition).await
+        self.settle(delivery, disposition, Some(&id)).await
     }
 
     /// The id and decoded payload of `delivery`, or why it is rejected unhandled.
@@ -407,12 +428,15 @@ impl<St> Consumer<St> {
         }
     }
 
-    /// Settles `delivery`: a requeue's delay scaled by the deliveries so far, and a requeue
-    /// past the last delivery turned into a reject.
+    /// Settles `delivery` (of message `id`, once it has one): a requeue's delay scaled by
+    /// the deliveries so far, and a requeue past the last delivery turned into a reject.
+    /// Every reject is logged with the message's id (ids are not personal data): an
+    /// operator finds the message, and its claim by the label it carries.
     async fn settle<D: Delivery + ?Sized>(
         &self,
         delivery: &D,
         disposition: Disposition,
+        id: Option<&str>,
     ) -> Result<Disposition, BoxError> {
         let disposition = match disposition {
             Disposition::Requeue { after } => {
@@ -420,6 +444,7 @@ impl<St> Consumer<St> {
                 if deliveries.is_some_and(|n| n >= self.max_deliveries) {
                     tracing::error!(
                         namespace = self.namespace(),
+                        message_id = id,
                         deliveries,
                         "a message failed transiently on its last delivery: rejected"
                     );
@@ -429,6 +454,14 @@ impl<St> Consumer<St> {
                         after: self.backoff_after(after, deliveries.unwrap_or(1)),
                     }
                 }
+            }
+            Disposition::Reject if id.is_some() => {
+                tracing::warn!(
+                    namespace = self.namespace(),
+                    message_id = id,
+                    "a message whose handling failed for good (its id reused with another payload, or an error its handler classed final): rejected"
+                );
+                Disposition::Reject
             }
             other => other,
         };
@@ -479,7 +512,7 @@ impl<St: Store + Clone> Consumer<St> {
     {
         let (id, message) = match self.admit(delivery) {
             Ok(admitted) => admitted,
-            Err(disposition) => return self.settle(delivery, disposition).await,
+            Err(disposition) => return self.settle(delivery, disposition, None).await,
         };
         let keyed = self.operation.key(&id).and_then(|key| {
             let digest: [u8; 32] = Sha256::digest(delivery.payload()).into();
@@ -487,10 +520,11 @@ impl<St: Store + Clone> Consumer<St> {
         });
         let disposition = match keyed {
             Ok((key, fingerprint)) => {
-                let result = self
-                    .operation
-                    .run(&self.store, &key, Some(&fingerprint), handler(message))
-                    .await;
+                // Labelled with the message's id, for an operator.
+                let run =
+                    self.operation
+                        .run(&self.store, &key, Some(&fingerprint), handler(message));
+                let result = crate::labelled(id.clone(), run).await;
                 match result {
                     Ok(Outcome::Executed(_) | Outcome::Replayed(_)) => Disposition::Ack,
                     Err(err) => err.disposition(),
@@ -498,7 +532,7 @@ impl<St: Store + Clone> Consumer<St> {
             }
             Err(err) => err.disposition(),
         };
-        self.settle(delivery, disposition).await
+        self.settle(delivery, disposition, Some(&id)).await
     }
 }
 

@@ -54,7 +54,7 @@ mod unset {
 
     use bytes::Bytes;
 
-    use crate::{Claim, Error, Fingerprint, Key, Store, Token};
+    use crate::{Claim, ClaimRequest, Error, Key, Store, Token};
 
     /// Stands in for the default store when there is none to build.
     pub(super) struct Unset;

@@ -51,6 +51,16 @@ pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
 /// [`guide::leases`](crate::guide::leases) for what a shorter or longer one costs.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(8);
 
+/// How long a duplicate waits for the call that holds its key unless told otherwise
+/// ([`Operation::wait`], the attribute's `wait = …`): 10 seconds, whatever the lease.
+///
+/// The wait is what the duplicate's own caller can bear (an HTTP client's timeout, a
+/// webhook sender's), not how long a crashed holder keeps a key: with a five-minute lease a
+/// duplicate still answers [`Error::InProgress`] (transient:
+/// retry later) within 10 s, and with a lease shorter than the body a duplicate waits
+/// while the live holder renews, instead of giving up a moment before it records.
+pub const DEFAULT_WAIT: Duration = Duration::from_secs(10);
+
 /// One idempotent operation: its stable name and its policies.
 ///
 /// This is the API the `#[idempotent]` attribute expands to; use it directly to make any
@@ -121,7 +131,8 @@ impl<P> Operation<P> {
     }
 
     /// How long a duplicate waits for the holder at most ([`InFlight::Wait`]), before it
-    /// fails with [`Error::InProgress`] (default: the lease). `Duration::ZERO` refuses at
+    /// fails with [`Error::InProgress`] (default [`DEFAULT_WAIT`], 10 s, whatever the
+    /// lease). `Duration::ZERO` refuses at
     /// once. While a call waits on a key held in another process, it logs the holder and
     /// the lease it has left (`tracing`, `info`), so that a wait is never silent.
     ///

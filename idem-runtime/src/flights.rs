@@ -229,7 +229,13 @@ impl Flights {
     /// the holder's completion, refused once the row is gone, finds it.
     #[cfg(all(
         feature = "admin",
-        any(feature = "postgres", feature = "mysql", feature = "sqlite")
+        any(
+            feature = "postgres",
+            feature = "mysql",
+            feature = "sqlite",
+            feature = "redis",
+            feature = "dynamodb"
+        )
     ))]
     pub(crate) fn fence(&self, key: &Key, fenced: bool) {
         if let Some(flight) = self.get(key) {
@@ -241,7 +247,17 @@ impl Flights {
     /// operator released its claim (`idem_runtime::admin`), so its waiters in this process
     /// ask the store again instead of waiting out the holder, and the holder, whose
     /// completion the store then refuses, does not take the key again to record it.
-    #[cfg(feature = "admin")]
+    #[cfg(all(
+        feature = "admin",
+        any(
+            feature = "memory",
+            feature = "postgres",
+            feature = "mysql",
+            feature = "sqlite",
+            feature = "redis",
+            feature = "dynamodb"
+        )
+    ))]
     pub(crate) fn released(&self, key: &Key) {
         if let Some(flight) = self.get(key) {
             flight.state().fenced = true;

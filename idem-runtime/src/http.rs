@@ -52,17 +52,19 @@
 //!
 //! [`IdempotencyLayer::webhook`] with a [`Webhook`] preset (Stripe, GitHub, Shopify, Standard
 //! Webhooks) is a receiver in one line: the sender's signature is checked before anything is
-//! claimed (`401` [signature-invalid](#signature-invalid) otherwise), the key is where the
-//! sender puts it, the record outlives the sender's retries, and a duplicate delivery is
-//! answered `2xx`.
+//! claimed (`401` [signature-invalid](#signature-invalid) otherwise), the key is what the
+//! signature vouches for, in the receiving endpoint's namespace, the record outlives the
+//! sender's retries, and a duplicate delivery is answered `2xx`.
 //!
 //! ```
 //! use idem_runtime::http::{IdempotencyLayer, Webhook};
 //! use idem_runtime::MemoryStore;
 //!
-//! let stripe = IdempotencyLayer::webhook(MemoryStore::new(), Webhook::stripe("whsec_…"));
+//! let billing = Webhook::stripe("whsec_…")?.endpoint("billing")?;
+//! let stripe = IdempotencyLayer::webhook(MemoryStore::new(), billing);
 //! // axum: Router::new().route("/webhooks/stripe", post(credit)).layer(stripe)
 //! # let _ = stripe;
+//! # Ok::<_, idem_runtime::Error>(())
 //! ```
 //!
 //! The key is (namespace, scope, header value), hashed like every idem key. The fingerprint

@@ -83,6 +83,14 @@ impl Key {
         &self.0
     }
 
+    /// The key of 64 hex digits, as [`to_hex`](Self::to_hex) wrote it.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn from_hex(text: &str) -> Option<Self> {
+        let mut bytes = [0_u8; 32];
+        hex::decode_to_slice(text, &mut bytes).ok()?;
+        Some(Self(bytes))
+    }
+
     /// The key as 64 lowercase hex digits, the form network stores use in their own keys.
     pub fn to_hex(&self) -> String {
         hex::encode(self.0)

@@ -93,7 +93,7 @@ pub use crate::engine::attempt::{attempt, Attempt};
 pub use crate::engine::label::labelled;
 pub use crate::engine::reconcile::reconcile;
 pub use crate::engine::steps::step;
-pub use crate::engine::{InFlight, Operation, Outcome, DEFAULT_LEASE, DEFAULT_TTL};
+pub use crate::engine::{InFlight, Operation, Outcome, DEFAULT_LEASE, DEFAULT_TTL, DEFAULT_WAIT};
 pub use crate::error::{BoxError, Error, RETRY_AFTER};
 pub use crate::flights::Flights;
 pub use crate::idempotency_key::IdempotencyKey;

@@ -538,7 +538,40 @@ pub trait Store: Send + Sync + 'static {
     fn typed(&self) -> Option<&dyn TypedStore> {
         None
     }
+
+    /// Starts telling `watch` of every completed record removed from this storage, by any
+    /// process (an operator's `idem reset`, a [`remove`](Store::remove) elsewhere), so that
+    /// a [`TieredStore`](crate::TieredStore) in front of it forgets its copies at once:
+    /// [`Removal::Listening`] once it listens (and again each time it listens after it
+    /// lost its feed), each [`Removal::Removed`], and [`Removal::Lost`] when it may have
+    /// missed some. It stops when `watch` answers `false`. Called within a tokio runtime.
+    ///
+    /// `false` (the default): this store cannot tell, and a tier in front of it replays its
+    /// copies of a record removed by another process until they expire. PostgreSQL tells,
+    /// through `LISTEN`/`NOTIFY`.
+    fn watch_removals(&self, watch: RemovalWatch) -> bool {
+        let _ = watch;
+        false
+    }
 }
+
+/// What a store tells a tier in front of it ([`Store::watch_removals`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Removal<'a> {
+    /// The store listens for removals: from now on, each one is told. Once after a
+    /// [`Lost`](Self::Lost), too: whatever the tier copied before may have been removed
+    /// meanwhile.
+    Listening,
+    /// The completed record of this key was removed.
+    Removed(&'a Key),
+    /// The feed was lost: removals may be missed until the next
+    /// [`Listening`](Self::Listening).
+    Lost,
+}
+
+/// Told of each [`Removal`]; answers whether to go on telling.
+pub type RemovalWatch = Arc<dyn Fn(Removal<'_>) -> bool + Send + Sync>;
 
 /// What a store that does not record steps answers: steps need a conditional write that
 /// the store does not make, so none runs.
@@ -713,6 +746,10 @@ macro_rules! forward_store {
 
             fn typed(&self) -> Option<&dyn TypedStore> {
                 (**self).typed()
+            }
+
+            fn watch_removals(&self, watch: RemovalWatch) -> bool {
+                (**self).watch_removals(watch)
             }
         }
     )*};

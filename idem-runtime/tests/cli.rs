@@ -149,6 +149,10 @@ fn child_service() {
             Some(("dynamodb", table)) => {
                 serve(DynamoDbStore::new(dynamodb_client(), table), &effects).await
             }
+            Some(("webhook", rest)) => {
+                let (table, id) = rest.split_once(':').unwrap();
+                receive(store(table).await.unwrap(), id, &effects).await
+            }
             _ => panic!("a child told to serve {spec:?}"),
         }
     });
@@ -167,6 +171,88 @@ async fn serve<S: Store + Clone>(store: S, effects: &str) {
         .await;
     // Only a failure gets here: its parent sees it end without a start.
     eprintln!("the service's call ended: {ran:?}");
+}
+
+/// The Standard Webhooks secret of the receiver below (`whsec_` and a key in base64).
+const WEBHOOK_SECRET: &str = "whsec_Y2xpIHdlYmhvb2sgc2VjcmV0IGtleQ==";
+
+/// A Standard Webhooks delivery of message `id`, signed now.
+fn delivery(id: &str) -> http::Request<http_body_util::Full<bytes::Bytes>> {
+    use base64::Engine as _;
+    use hmac::Mac as _;
+    let engine = base64::engine::general_purpose::STANDARD;
+    let key = engine
+        .decode(WEBHOOK_SECRET.trim_start_matches("whsec_"))
+        .unwrap();
+    let body = r#"{"type":"invoice.paid"}"#;
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        .to_string();
+    let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(&key).unwrap();
+    mac.update(format!("{id}.{t}.{body}").as_bytes());
+    let signature = engine.encode(mac.finalize().into_bytes());
+    http::Request::post("/webhooks/standard")
+        .header("content-type", "application/json")
+        .header("webhook-id", id)
+        .header("webhook-timestamp", t)
+        .header("webhook-signature", format!("v1,{signature}"))
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .unwrap()
+}
+
+/// The body a Standard Webhooks receiver's handler sees.
+type Delivered = http::Request<
+    http_body_util::Either<http_body_util::Full<bytes::Bytes>, http_body_util::Full<bytes::Bytes>>,
+>;
+
+/// A Standard Webhooks receiver on `store` (endpoint `cli`) whose handler runs `handler`.
+fn receiver<S, F, Fut>(
+    store: S,
+    handler: F,
+) -> impl tower::Service<
+    http::Request<http_body_util::Full<bytes::Bytes>>,
+    Response = http::Response<impl http_body::Body>,
+    Error = std::convert::Infallible,
+>
+where
+    S: Store + Clone,
+    F: Fn() -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = &'static str> + Send + 'static,
+{
+    use idem_runtime::http::{IdempotencyLayer, Webhook};
+    use tower::Layer as _;
+    let preset = Webhook::standard(WEBHOOK_SECRET)
+        .unwrap()
+        .endpoint("cli")
+        .unwrap();
+    IdempotencyLayer::webhook(store, preset).layer(tower::service_fn(move |_: Delivered| {
+        let handler = handler.clone();
+        async move {
+            let answer = handler().await;
+            Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Full::new(
+                bytes::Bytes::from(answer),
+            )))
+        }
+    }))
+}
+
+/// The child's webhook receiver: delivery `id` comes in, its handler makes its effect,
+/// says so, and hangs until the process is killed.
+async fn receive<S: Store + Clone>(store: S, id: &str, effects: &str) {
+    use tower::ServiceExt as _;
+    let effects = effects.to_string();
+    let service = receiver(store, move || {
+        let effects = effects.clone();
+        async move {
+            effect(Path::new(&effects), "killed handler");
+            println!("\nthe handler started");
+            std::future::pending::<&'static str>().await
+        }
+    });
+    let answered = service.oneshot(delivery(id)).await;
+    eprintln!("the receiver answered: {:?}", answered.map(|r| r.status()));
 }
 
 /// Runs `idem` on `place` with `args`, its standard input empty (no terminal to confirm
@@ -286,7 +372,7 @@ async fn killed_holder<S: Store + Clone>(store: &S, place: &Place, effects: &Pat
     assert_eq!(entry["silent"], true);
     assert_eq!(entry["lease_ms"], 300_000);
     assert!(entry["lease_left_ms"].as_u64().unwrap() > 60_000, "{entry}");
-    let token = entry["token"].as_u64().unwrap().to_string();
+    let token = entry["token"].as_str().unwrap().to_string();
 
     // Without a terminal and without --yes: nothing is done.
     let unasked = idem(place, &["release", NAMESPACE, "7", "--token", &token]);
@@ -296,7 +382,7 @@ async fn killed_holder<S: Store + Clone>(store: &S, place: &Place, effects: &Pat
         "held"
     );
     // Another token than the one shown: refused.
-    let other = (entry["token"].as_u64().unwrap() + 1_000).to_string();
+    let other = (token.parse::<u64>().unwrap() + 1_000).to_string();
     let stale = idem(
         place,
         &["release", NAMESPACE, "7", "--token", &other, "--yes"],
@@ -345,6 +431,186 @@ async fn killed_holder<S: Store + Clone>(store: &S, place: &Place, effects: &Pat
     let _ = std::fs::remove_file(effects);
 }
 
+/// The operator's 3 a.m. with a webhook: a Standard Webhooks delivery whose receiver was
+/// SIGKILLed mid-handler is found by the id the sender's dashboard shows (`idem show
+/// --webhook standard msg_…`, the label the preset writes), released by it, and the
+/// sender's retry runs at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_webhook_delivery_is_found_by_its_id_and_released() {
+    use tower::ServiceExt as _;
+
+    let (table, effects) = fresh("webhook");
+    let Some(store) = store(&table).await else {
+        return;
+    };
+    store.migrate().await.unwrap();
+    let place = Place::Table(table.clone());
+    let id = format!("msg_stuck_{}", std::process::id());
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_service",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, format!("webhook:{table}:{id}"))
+        .env(EFFECTS, &effects)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    assert!(
+        lines.any(|line| line.is_ok_and(|line| line.ends_with("the handler started"))),
+        "the receiver's handler started"
+    );
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    let shown = json(&idem(
+        &place,
+        &["--json", "show", "--webhook", "standard", &id],
+    ));
+    assert_eq!(shown["state"], "held", "{shown}");
+    assert_eq!(shown["label"], id.as_str());
+    assert_eq!(shown["namespace"], "idem.webhook.standard.cli");
+    assert_eq!(shown["silent"], true, "its process exited: {shown}");
+    let token = shown["token"].as_str().unwrap().to_string();
+    // Another endpoint's name finds nothing; the listing shows the label.
+    let elsewhere = idem(
+        &place,
+        &["show", "--webhook", "standard", "--endpoint", "other", &id],
+    );
+    assert_eq!(elsewhere.status.code(), Some(4));
+    let listed = json(&idem(&place, &["--json", "list", "--label", &id]));
+    assert_eq!(listed["entries"].as_array().unwrap().len(), 1, "{listed}");
+
+    let released = idem(
+        &place,
+        &[
+            "release",
+            "--webhook",
+            "standard",
+            &id,
+            "--token",
+            &token,
+            "--yes",
+        ],
+    );
+    assert!(
+        released.status.success(),
+        "{}",
+        String::from_utf8_lossy(&released.stderr)
+    );
+    // The sender's retry runs at once, and is recorded.
+    let retry = receiver(store.clone(), || async { "retried" })
+        .oneshot(delivery(&id))
+        .await
+        .unwrap();
+    assert_eq!(retry.status(), http::StatusCode::OK);
+    assert!(!retry.headers().contains_key("idempotent-replayed"));
+    let done = json(&idem(
+        &place,
+        &["--json", "show", "--webhook", "standard", &id],
+    ));
+    assert_eq!(done["state"], "completed", "{done}");
+    assert_eq!(
+        std::fs::read_to_string(&effects).unwrap(),
+        "killed handler\n"
+    );
+    let _ = std::fs::remove_file(&effects);
+    drop_table(&store, &table).await;
+}
+
+/// A request through an HTTP layer is found by what its client sent: its `Idempotency-Key`
+/// and the principal the layer's scope named. A call named by its namespace and digest is
+/// found too, and refused under another namespace. A record completed by a claim made again
+/// after its lease ran out lists under its namespace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_request_is_found_by_its_key_and_a_call_by_namespace_and_digest() {
+    use idem_runtime::http::IdempotencyLayer;
+    use tower::{Layer as _, ServiceExt as _};
+
+    let (table, _) = fresh("http");
+    let Some(store) = store(&table).await else {
+        return;
+    };
+    store.migrate().await.unwrap();
+    let place = Place::Table(table.clone());
+    let layer = IdempotencyLayer::new(store.clone()).scope(|parts: &http::request::Parts| {
+        parts
+            .headers
+            .get("x-user")
+            .and_then(|user| user.to_str().ok())
+            .map(str::to_owned)
+    });
+    let service = layer.layer(tower::service_fn(|_: Delivered| async {
+        Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Full::new(
+            bytes::Bytes::from_static(b"paid"),
+        )))
+    }));
+    let request = http::Request::post("/payments")
+        .header("idempotency-key", "k-1")
+        .header("x-user", "alice")
+        .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+        .unwrap();
+    let answer = service.oneshot(request).await.unwrap();
+    assert_eq!(answer.status(), http::StatusCode::OK);
+
+    let shown = json(&idem(
+        &place,
+        &["--json", "show", "--http", "k-1", "--scope", "alice"],
+    ));
+    assert_eq!(shown["state"], "completed", "{shown}");
+    assert_eq!(shown["namespace"], "idem.http");
+    // Another principal's key of that value is another request.
+    let bob = idem(&place, &["show", "--http", "k-1", "--scope", "bob"]);
+    assert_eq!(bob.status.code(), Some(4));
+    // By namespace and digest; refused under a namespace the record does not have.
+    let digest = shown["key"].as_str().unwrap();
+    assert!(idem(&place, &["show", "idem.http", digest])
+        .status
+        .success());
+    let wrong = idem(&place, &["show", "billing.v1", digest]);
+    assert_eq!(wrong.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&wrong.stderr).contains("of namespace idem.http"));
+    drop_table(&store, &table).await;
+}
+
+/// A password in the store's URL is never printed: not by `--help` (the environment's
+/// value is hidden), and not in an error that quotes the URL.
+#[test]
+fn the_stores_password_is_never_printed() {
+    let secret = "hunter2-cli";
+    let help = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .arg("--help")
+        .env(
+            "IDEM_STORE",
+            format!("postgres://app:{secret}@127.0.0.1:1/app"),
+        )
+        .output()
+        .unwrap();
+    assert!(help.status.success());
+    assert!(!String::from_utf8_lossy(&help.stdout).contains(secret));
+    for url in [
+        format!("postgrex://app:{secret}@127.0.0.1:1/app"),
+        format!("postgres://app:{secret}@127.0.0.1:1/app"),
+        format!("redis://:{secret}@127.0.0.1:1/0"),
+    ] {
+        let failed = Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args(["--store", &url, "list"])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert_eq!(failed.status.code(), Some(1), "{url}");
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&failed.stdout),
+            String::from_utf8_lossy(&failed.stderr)
+        );
+        assert!(!said.contains(secret), "{said}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_live_holder_is_not_released_and_completes_alone() {
     let (table, _) = fresh("live");
@@ -374,7 +640,7 @@ async fn a_live_holder_is_not_released_and_completes_alone() {
     let shown = json(&idem(&place, &["--json", "show", NAMESPACE, "8"]));
     assert_eq!(shown["silent"], false, "{shown}");
     assert_eq!(shown["holder"]["exited"], false);
-    let token = shown["token"].as_u64().unwrap().to_string();
+    let token = shown["token"].as_str().unwrap().to_string();
     let refused = idem(
         &place,
         &["release", NAMESPACE, "8", "--token", &token, "--yes"],
@@ -417,6 +683,13 @@ fn key_prints_the_digest_the_macro_derives_and_refuses_ambiguous_json() {
             .unwrap()
             .to_hex()
     );
+    // `-0` is the integer zero, as `0` is.
+    assert_eq!(
+        String::from_utf8_lossy(&run(&["key", NAMESPACE, "-0"]).stdout).trim(),
+        idem_runtime::Key::derive(NAMESPACE, &0_u32)
+            .unwrap()
+            .to_hex()
+    );
     for ambiguous in [
         "null",
         r#"{"id": 1}"#,
@@ -442,4 +715,62 @@ async fn drop_table(store: &PostgresStore, table: &str) {
     .execute(store.pool())
     .await
     .unwrap();
+}
+
+/// Two replicas of a service, each a `TieredStore` of its own memory over one PostgreSQL
+/// table, replay a completed call from memory; `idem reset`, which speaks to PostgreSQL
+/// alone, reaches both: once each has forgotten its copy (told by the server), the next
+/// call runs the body, and the other replica replays the new value, never the old one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_reaches_the_memory_tier_of_every_replica() {
+    use idem_runtime::{MemoryStore, TieredStore};
+
+    let (table, _) = fresh("tiered");
+    let (Some(a), Some(b)) = (store(&table).await, store(&table).await) else {
+        return;
+    };
+    a.migrate().await.unwrap();
+    let place = Place::Table(table.clone());
+    let replicas = [
+        TieredStore::new(MemoryStore::new(), a.clone()),
+        TieredStore::new(MemoryStore::new(), b),
+    ];
+    let op = Operation::new(NAMESPACE);
+    let key = op.key(&9_u32).unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let call = |replica: &TieredStore<MemoryStore, PostgresStore>| {
+        let (op, replica, runs) = (op.clone(), replica.clone(), Arc::clone(&runs));
+        async move {
+            op.run(&replica, &key, None, async move {
+                Ok::<_, Error>(runs.fetch_add(1, Ordering::SeqCst) + 1)
+            })
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(call(&replicas[0]).await, Outcome::Executed(1));
+    for replica in &replicas {
+        assert_eq!(call(replica).await, Outcome::Replayed(1));
+        assert!(replica.fast().peek(&key).is_some(), "a copy in memory");
+    }
+    let reset = idem(&place, &["reset", NAMESPACE, "9", "--yes"]);
+    assert!(
+        reset.status.success(),
+        "{}",
+        String::from_utf8_lossy(&reset.stderr)
+    );
+    for replica in &replicas {
+        // Each replica's own signal: its memory no longer holds the copy.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while replica.fast().peek(&key).is_some() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "a replica kept its copy"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    assert_eq!(call(&replicas[1]).await, Outcome::Executed(2));
+    assert_eq!(call(&replicas[0]).await, Outcome::Replayed(2));
+    drop_table(&a, &table).await;
 }

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_runtime::{Error, InFlight, MemoryStore, Operation, Outcome};
+use idem_runtime::{Error, InFlight, MemoryStore, Operation, Outcome, DEFAULT_WAIT};
 use idem_tests::{Probe, Runs};
 use tokio::time::Instant;
 
@@ -242,12 +242,49 @@ async fn duplicates_in_one_process_wait_without_store_traffic() {
     );
 }
 
+/// The default wait is the caller's patience, not the lease: beside a five-minute lease a
+/// duplicate answers `InProgress` after [`DEFAULT_WAIT`], and beside a lease shorter than
+/// the holder's body it waits on while the holder renews, for the same 10 s.
 #[tokio::test(start_paused = true)]
-async fn by_default_a_waiter_waits_one_lease() {
-    let lease = Duration::from_millis(150);
-    let waited =
-        waiter_gives_up_after(Operation::new("concurrency.default_wait").lease(lease)).await;
-    assert_eq!(waited, lease, "waited {waited:?} for a lease of {lease:?}");
+async fn by_default_a_waiter_waits_ten_seconds_whatever_the_lease() {
+    for lease in [Duration::from_secs(300), Duration::from_millis(200)] {
+        let op = Operation::new("concurrency.default_wait").lease(lease);
+        let waited = waiter_gives_up_after(op).await;
+        assert_eq!(
+            waited, DEFAULT_WAIT,
+            "waited {waited:?} beside a lease of {lease:?}"
+        );
+    }
+}
+
+/// A body longer than its lease, renewed as it runs: a duplicate that comes while it runs
+/// waits for it and replays its value, instead of giving up a moment before it records
+/// (which a wait of one lease did).
+#[tokio::test(start_paused = true)]
+async fn a_duplicate_outwaits_a_renewing_holder_whose_body_outlasts_the_lease() {
+    let store = MemoryStore::new();
+    let op = Operation::new("concurrency.renewing_holder").lease(Duration::from_millis(200));
+    let key = op.key(&1).unwrap();
+    let (claimed_tx, claimed) = tokio::sync::oneshot::channel();
+    let holder = {
+        let (op, store) = (op.clone(), store.clone());
+        tokio::spawn(async move {
+            op.run(&store, &key, None, async {
+                let _ = claimed_tx.send(());
+                // Five leases long, renewed all along.
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                Ok::<_, Error>(1)
+            })
+            .await
+        })
+    };
+    claimed.await.unwrap();
+    let duplicate = op
+        .run(&store, &key, None, async { Ok::<_, Error>(2) })
+        .await
+        .unwrap();
+    assert_eq!(duplicate, Outcome::Replayed(1));
+    assert_eq!(holder.await.unwrap().unwrap(), Outcome::Executed(1));
 }
 
 /// A body that blocks its thread (a synchronous write, a long computation) keeps its claim:

@@ -192,3 +192,49 @@ async fn a_wait_on_another_process_names_the_holder_and_its_lease() {
     assert!(line.contains("lease_left_ms="), "{line}");
     assert!(line.contains("wait_ms="), "{line}");
 }
+
+/// A store that is away for a while, under one call: its renewals and its completion fail
+/// many times before they land. The call says so once at `warn` for each kind of write
+/// (the renewals' outage, the completion's), and the retries at `debug`: an outage is a
+/// line or two in the logs, not one per try.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn an_outage_under_one_call_is_a_warning_or_two_not_one_a_try() {
+    let capture = Capture::default();
+    let _guard = tracing::subscriber::set_default(capture.clone());
+
+    let store = Probe::new(MemoryStore::new());
+    let lease = std::time::Duration::from_secs(8);
+    let op = Operation::new("observability.outage").lease(lease);
+    let key = op.key(&1).unwrap();
+    store.fail_renewals(6);
+    store.fail_completes(6);
+    let done = op
+        .run(&store, &key, None, async {
+            // Long enough for the renewals (every quarter lease) to fail their six times.
+            tokio::time::sleep(lease * 3).await;
+            Ok::<_, Error>(1)
+        })
+        .await
+        .unwrap();
+    assert_eq!(done, Outcome::Executed(1));
+    let lines = capture.lines.lock().unwrap().clone();
+    let warnings: Vec<_> = lines
+        .iter()
+        .filter(|l| l.starts_with("event WARN"))
+        .collect();
+    let retried = lines
+        .iter()
+        .filter(|l| l.starts_with("event DEBUG") && l.contains("failed; retrying"))
+        .count();
+    assert!(
+        retried >= 8,
+        "the retries are at debug:\n{}",
+        lines.join("\n")
+    );
+    assert!(
+        warnings.len() <= 2,
+        "{} warnings for one outage:\n{}",
+        warnings.len(),
+        lines.join("\n")
+    );
+}

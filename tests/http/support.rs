@@ -224,8 +224,13 @@ impl Client_ {
     ) -> Answer {
         let mut request = http::Request::builder()
             .method(method)
-            .uri(format!("http://{}{path}", self.addr))
-            .header("content-type", "application/json");
+            .uri(format!("http://{}{path}", self.addr));
+        if !headers
+            .iter()
+            .any(|(name, _)| name.eq_ignore_ascii_case("content-type"))
+        {
+            request = request.header("content-type", "application/json");
+        }
         for (name, value) in headers {
             request = request.header(*name, *value);
         }

@@ -1073,3 +1073,60 @@ async fn a_duplicate_waits_as_long_as_it_is_told_then_answers_in_progress() {
 fn released(entry: Option<Entry>) -> bool {
     entry.is_none_or(|entry| entry.state() == State::Lapsed)
 }
+
+/// A holder whose lease ran out while its body blocked the only thread (no renewal could be
+/// sent), nobody taking the key meanwhile, records its result all the same: on a store
+/// where the lapsed claim is gone (Redis), by claiming the key again, which carries the
+/// call's namespace and label as the first claim did. Either way the record lists under
+/// its namespace, with its label, and is found by a filter of either.
+async fn recorded_after_its_lease<S: Store + Admin + Clone>(store: S, prefix: &str) {
+    let lease = Duration::from_millis(200);
+    let op = Operation::new(format!("{prefix}.late")).lease(lease);
+    let key = op.key(&1_u32).unwrap();
+    let done = idem_runtime::labelled(
+        "order 1",
+        op.run(&store, &key, None, async move {
+            // The current-thread runtime runs nothing else meanwhile: no renewal.
+            std::thread::sleep(lease * 3);
+            Ok::<_, Error>(1_u32)
+        }),
+    )
+    .await
+    .unwrap();
+    assert_eq!(done, Outcome::Executed(1));
+    let entry = store
+        .inspect(&key)
+        .await
+        .unwrap()
+        .expect("the result is recorded");
+    assert_eq!(entry.state(), State::Completed);
+    assert_eq!(entry.namespace(), Some(op.namespace()), "{entry:?}");
+    assert_eq!(entry.label(), Some("order 1"), "{entry:?}");
+    let by_namespace = listing(&store, &Filter::namespace(op.namespace())).await;
+    assert!(
+        by_namespace.iter().any(|e| e.key() == &key),
+        "{by_namespace:?}"
+    );
+    let by_label = listing(&store, &Filter::namespace(prefix).label("order 1")).await;
+    assert_eq!(by_label.len(), 1, "{by_label:?}");
+}
+
+#[tokio::test]
+async fn a_record_completed_after_its_lease_ran_out_lists_under_its_namespace() {
+    let prefix = namespace("admin.late");
+    recorded_after_its_lease(MemoryStore::new(), &prefix).await;
+    if let Some(store) = redis_store("admin.late").await {
+        recorded_after_its_lease(store, &prefix).await;
+    }
+    if let Some(store) = idem_tests::postgres_store().await {
+        recorded_after_its_lease(store, &prefix).await;
+    }
+    if let Some(store) = idem_tests::mysql_store().await {
+        recorded_after_its_lease(store, &prefix).await;
+    }
+    if let Some(store) = idem_tests::dynamodb_store().await {
+        recorded_after_its_lease(store, &prefix).await;
+    }
+    let (store, _) = sqlite_store_at("late").await;
+    recorded_after_its_lease(store, &prefix).await;
+}

@@ -521,3 +521,130 @@ async fn a_purge_beside_an_open_transactions_claim_neither_waits_nor_fails() {
         "the open transaction's claim was left to it and committed with it"
     );
 }
+
+/// The purge beside an open transaction that took an expired row over (a completed record
+/// past its TTL, and a claim that lapsed unsettled and is kept for its call's TTL, each
+/// claimed again in the caller's transaction, which then holds the row's lock): the purge
+/// answers at once, under a store timeout of 2 s, and leaves the row to the transaction.
+/// Twenty rounds, each on keys of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purge_beside_an_open_transaction_that_took_an_expired_row_answers_at_once() {
+    let Some(store) = on_table("idem_open_takeover").await else {
+        return;
+    };
+    let store = store.with_timeout(Duration::from_secs(2));
+    let pool = sqlx::mysql::MySqlPool::connect(&mysql_url()).await.unwrap();
+    let op = Operation::new(namespace("mysql.purge.takeover"))
+        .lease(Duration::from_millis(200))
+        .ttl(Duration::from_millis(300));
+    for round in 0..20_u32 {
+        let (completed, lapsed) = (
+            op.key(&(round, "c")).unwrap(),
+            op.key(&(round, "l")).unwrap(),
+        );
+        // A record past its TTL, and a claim whose lease ran out, kept for a day.
+        let done = op
+            .run(&store, &completed, None, async { Ok::<u32, Error>(1) })
+            .await
+            .unwrap();
+        assert_eq!(done, idem_runtime::Outcome::Executed(1));
+        let request =
+            ClaimRequest::new(&lapsed, Duration::from_millis(50)).ttl(Duration::from_secs(86_400));
+        let claimed = idem_runtime::Store::claim(&store, &request).await.unwrap();
+        assert!(matches!(claimed, idem_runtime::Claim::Acquired { .. }));
+        until_lapsed(&store, &lapsed).await;
+        idem_tests::failover::until("the record expired", || {
+            let (store, completed) = (store.clone(), completed);
+            async move {
+                idem_runtime::Store::lookup(&store, &completed)
+                    .await
+                    .unwrap()
+                    .is_none()
+            }
+        })
+        .await;
+        let mut open = pool.begin().await.unwrap();
+        for key in [&completed, &lapsed] {
+            let ran = op
+                .run_in_transaction(&store, &mut open, key, None, async |_| Ok::<u32, Error>(2))
+                .await;
+            assert_eq!(
+                ran.unwrap(),
+                idem_runtime::Outcome::Executed(2),
+                "round {round}"
+            );
+        }
+        let started = std::time::Instant::now();
+        let purged = store.purge_expired().await;
+        assert!(
+            purged.is_ok(),
+            "round {round}: {purged:?} after {:?}",
+            started.elapsed()
+        );
+        open.commit().await.unwrap();
+        for key in [&completed, &lapsed] {
+            let replayed = op
+                .run(&store, key, None, async { Ok::<u32, Error>(3) })
+                .await;
+            assert_eq!(
+                replayed.unwrap(),
+                idem_runtime::Outcome::Replayed(2),
+                "round {round}: the transaction's record was left to it"
+            );
+        }
+    }
+}
+
+/// A table made by an earlier version in a `latin1` database (its text columns in the
+/// database's default character set) is made UTF-8 by `migrate`: a namespace and a label
+/// beyond ASCII read back as they were written, and a prefix of them finds the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_latin1_table_lists_and_filters_non_ascii_namespaces() {
+    use idem_runtime::admin::{Admin, Filter};
+
+    let Some(store) = mysql_store().await else {
+        return;
+    };
+    let table = format!("idem_latin1_{}", std::process::id());
+    let pool = store.pool().clone();
+    sqlx::query(&format!("DROP TABLE IF EXISTS `{table}`"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query(&format!(
+        "CREATE TABLE `{table}` (`key` VARBINARY(32) NOT NULL PRIMARY KEY, \
+         token BIGINT NOT NULL AUTO_INCREMENT, completed BOOLEAN NOT NULL, \
+         fingerprint VARBINARY(32) NULL, value LONGBLOB NULL, expires_at BIGINT NOT NULL, \
+         namespace TEXT NULL, label TEXT NULL, holder TEXT NULL, lease_ms BIGINT NULL, \
+         step BOOLEAN NULL, ttl_ms BIGINT NULL, taken_over BOOLEAN NULL, INDEX (token), \
+         INDEX (expires_at)) ENGINE = InnoDB DEFAULT CHARSET = latin1"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let store = store.with_table(&table).unwrap();
+    store.migrate().await.unwrap();
+    let prefix = format!("{}.café.日本", namespace("mysql.latin1"));
+    let op = Operation::new(format!("{prefix}.créer"));
+    let key = op.key(&1).unwrap();
+    let ran = idem_runtime::labelled(
+        "commande n°1 ✓",
+        op.run(&store, &key, None, async { Ok::<u8, Error>(1) }),
+    )
+    .await;
+    assert_eq!(ran.unwrap(), idem_runtime::Outcome::Executed(1));
+    let page = store.list(&Filter::namespace(&prefix), None).await.unwrap();
+    assert_eq!(page.entries().len(), 1, "{page:?}");
+    let entry = &page.entries()[0];
+    assert_eq!(entry.namespace(), Some(op.namespace()));
+    assert_eq!(entry.label(), Some("commande n°1 ✓"));
+    let labelled = store
+        .list(&Filter::all().label("commande n°1 ✓"), None)
+        .await
+        .unwrap();
+    assert_eq!(labelled.entries().len(), 1);
+    sqlx::query(&format!("DROP TABLE `{table}`"))
+        .execute(&pool)
+        .await
+        .unwrap();
+}

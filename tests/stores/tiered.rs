@@ -549,3 +549,140 @@ async fn redis_over_postgres_claims_in_the_callers_transaction() {
     assert_eq!(effects().await, 1);
     store.remove(&key).await.unwrap();
 }
+
+/// Two replicas of a service, each a `TieredStore` of its own memory over one PostgreSQL
+/// table, both replaying a completed call from memory. An operator resets the call through
+/// the durable store alone (as `idem reset` does): each replica's copy is forgotten, told by
+/// PostgreSQL (`LISTEN`/`NOTIFY`), and the next call runs the body once, then replays its
+/// new value on both, never the old one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operators_reset_reaches_every_replicas_fast_tier() {
+    use idem_runtime::admin::{Admin, Release, Verdict};
+
+    let (Some(a), Some(b), Some(operator)) = (
+        postgres_store().await,
+        postgres_store().await,
+        postgres_store().await,
+    ) else {
+        return;
+    };
+    let replicas = [
+        TieredStore::new(MemoryStore::new(), a),
+        TieredStore::new(MemoryStore::new(), b),
+    ];
+    let op = Operation::new(namespace("tiered.reset.replicas"));
+    let key = op.key(&1).unwrap();
+    let runs = Runs::default();
+    assert_eq!(
+        call(&op, &replicas[0], &key, 1, &runs).await.unwrap(),
+        (1, false)
+    );
+    for replica in &replicas {
+        assert_eq!(call(&op, replica, &key, 1, &runs).await.unwrap(), (1, true));
+        assert!(
+            fast_copy(replica, &key).await,
+            "the replica replays from memory"
+        );
+    }
+    assert_eq!(
+        operator.reset(&key, Release::IfSilent).await.unwrap(),
+        Verdict::Done
+    );
+    for replica in &replicas {
+        // The replica's own signal that it forgot its copy: its memory no longer has it.
+        idem_tests::failover::until("the replica forgot its copy", || {
+            let replica = replica.clone();
+            async move { !fast_copy(&replica, &key).await }
+        })
+        .await;
+    }
+    // The next call, on either replica, runs the body; the other replays its new value.
+    let runs_before = runs.count();
+    assert_eq!(
+        call(&op, &replicas[1], &key, 2, &runs).await.unwrap(),
+        (2, false)
+    );
+    assert_eq!(
+        call(&op, &replicas[0], &key, 2, &runs).await.unwrap(),
+        (2, true)
+    );
+    assert_eq!(runs.count(), runs_before + 1);
+}
+
+/// A replica whose feed of removals is lost (its listening connection killed by the
+/// server) may have missed a removal: once it listens again, no copy it made before is
+/// read. The record is deleted behind the store's back (no removal is told, as if its
+/// notification had been lost with the connection), the listener killed; once the replica
+/// listens again, its next call runs the body instead of replaying the old copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_lost_its_feed_reads_no_copy_made_before() {
+    let Some(durable) = postgres_store().await else {
+        return;
+    };
+    // A table of its own, so that its channel's listener is this test's alone.
+    let table = format!("idem_feed_{}", std::process::id());
+    let durable = durable.with_table(&table).unwrap();
+    durable.migrate().await.unwrap();
+    let pool = durable.pool().clone();
+    let replica = TieredStore::new(MemoryStore::new(), durable);
+    let op = Operation::new(namespace("tiered.reset.lost"));
+    let key = op.key(&1).unwrap();
+    let runs = Runs::default();
+    assert_eq!(
+        call(&op, &replica, &key, 1, &runs).await.unwrap(),
+        (1, false)
+    );
+    assert_eq!(
+        call(&op, &replica, &key, 1, &runs).await.unwrap(),
+        (1, true)
+    );
+    assert!(fast_copy(&replica, &key).await);
+
+    let channel = channel_of(&table);
+    let listening = |pool: sqlx::PgPool, channel: String| async move {
+        sqlx::query_scalar::<_, i32>(
+            "SELECT pid FROM pg_stat_activity WHERE query = 'LISTEN \"' || $1 || '\"'",
+        )
+        .bind(channel)
+        .fetch_optional(&pool)
+        .await
+        .unwrap()
+    };
+    let first = listening(pool.clone(), channel.clone())
+        .await
+        .expect("the replica listens");
+    sqlx::query(&format!("DELETE FROM \"{table}\""))
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(first)
+        .execute(&pool)
+        .await
+        .unwrap();
+    idem_tests::failover::until("the replica listens again", || {
+        let (pool, channel) = (pool.clone(), channel.clone());
+        async move {
+            listening(pool, channel)
+                .await
+                .is_some_and(|pid| pid != first)
+        }
+    })
+    .await;
+    assert_eq!(
+        call(&op, &replica, &key, 2, &runs).await.unwrap(),
+        (2, false)
+    );
+    sqlx::query(&format!("DROP TABLE \"{table}\""))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
+/// The channel PostgreSQL tells the removals from `table` on (`idem_removed_` and 16 hex
+/// digits of its name's SHA-256).
+fn channel_of(table: &str) -> String {
+    use sha2::Digest as _;
+    let digest = sha2::Sha256::digest(table.as_bytes());
+    format!("idem_removed_{}", hex::encode(&digest[..8]))
+}

@@ -652,7 +652,12 @@ impl Held {
     /// is [`Error::Unrecorded`].
     fn failed_try(&self, err: Error) -> Option<Landing> {
         let attempts = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
-        tracing::warn!(error = %err, attempts, "{} failed; retrying", self.owed.what());
+        // Once at `warn` per call: an outage retried many times is one line, not one a try.
+        if attempts == 1 {
+            tracing::warn!(error = %err, attempts, "{} failed; retrying (later failures at debug)", self.owed.what());
+        } else {
+            tracing::debug!(error = %err, attempts, "{} failed; retrying", self.owed.what());
+        }
         if matches!(self.owed, Owed::Complete { .. }) {
             *self.verdict.lock().unwrap_or_else(PoisonError::into_inner) = Some(unrecorded(err));
         }

@@ -84,7 +84,12 @@ impl Lease {
                 }
                 Err(err) => {
                     failures += 1;
-                    tracing::warn!(error = %err, "renewing the lease failed; retrying");
+                    // Once at `warn` per outage: the renewals retried meanwhile at debug.
+                    if failures == 1 {
+                        tracing::warn!(error = %err, "renewing the lease failed; retrying (later failures at debug)");
+                    } else {
+                        tracing::debug!(error = %err, failures, "renewing the lease failed; retrying");
+                    }
                 }
             }
         }
@@ -260,7 +265,11 @@ impl Lease {
                     {
                         return Err(err);
                     }
-                    tracing::warn!(error = %err, attempts = failures, "recording a step failed; retrying");
+                    if failures == 1 {
+                        tracing::warn!(error = %err, attempts = failures, "recording a step failed; retrying (later failures at debug)");
+                    } else {
+                        tracing::debug!(error = %err, attempts = failures, "recording a step failed; retrying");
+                    }
                     tokio::time::sleep(pause).await;
                 }
             }

@@ -35,6 +35,11 @@ pub(crate) struct Settings {
 }
 
 impl Settings {
+    /// How long a duplicate waits for the holder: as told, else [`DEFAULT_WAIT`](super::DEFAULT_WAIT).
+    pub(crate) fn wait(&self) -> std::time::Duration {
+        self.wait_timeout.unwrap_or(super::DEFAULT_WAIT)
+    }
+
     /// The span of one call: the namespace and a short digest of the key, never its value.
     /// A disabled span when nothing could see it: building and entering one that no
     /// subscriber takes still cost a memory replay a tenth of its time.

@@ -94,8 +94,7 @@ impl Settings {
         // The clock is read only once a call has to wait: replays and first calls never do.
         let mut deadline = None;
         let wait_until = |deadline: &mut Option<Instant>| {
-            *deadline
-                .get_or_insert_with(|| Instant::now() + self.wait_timeout.unwrap_or(self.lease))
+            *deadline.get_or_insert_with(|| Instant::now() + self.wait())
         };
         let mut polls = 0_u32;
         // Drawn at the first claim, and sent with every claim of this call.
@@ -446,7 +445,7 @@ impl Settings {
         if let Some((value, recorded)) = store.__recorded(call.key).await {
             return Settled::replay(value, recorded.as_ref(), call.fingerprint);
         }
-        let deadline = Instant::now() + self.wait_timeout.unwrap_or(self.lease);
+        let deadline = Instant::now() + self.wait();
         let mut polls = 0;
         loop {
             let sent = Instant::now();

@@ -105,7 +105,7 @@ impl<P> Operation<P> {
                 lease: self.settings.lease,
                 wait: match self.settings.in_flight {
                     InFlight::Reject => None,
-                    _ => Some(self.settings.wait_timeout.unwrap_or(self.settings.lease)),
+                    _ => Some(self.settings.wait()),
                 },
             };
             let token = match self.settings.settle_in(store, connection, &call).await? {

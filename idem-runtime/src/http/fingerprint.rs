@@ -29,18 +29,18 @@ pub(super) fn of_request(parts: &Parts, body: &Bytes) -> Result<Fingerprint, Err
 }
 
 /// The default fingerprint but that the named members of a JSON object body are left out:
-/// for senders that resend one event with a member that counts its deliveries. A body that
-/// is not a JSON object counts as [`of_request`] counts it.
+/// for senders that resend one event with a member that counts its deliveries. The body is
+/// read as JSON whatever its `Content-Type` says (a sender's, not a client's, so the
+/// member is left out however the delivery is labelled); a body that is not a JSON object
+/// counts as [`of_request`] counts it.
 pub(super) fn of_request_without(
     parts: &Parts,
     body: &Bytes,
     left_out: &[&str],
 ) -> Result<Fingerprint, Error> {
-    if is_json(parts) {
-        if let Some(canonical) = canonical_json_without(body, left_out) {
-            let digest: [u8; 32] = Sha256::digest(&canonical).into();
-            return Fingerprint::of(&(parts.method.as_str(), target(parts), 1_u8, Raw(&digest)));
-        }
+    if let Some(canonical) = canonical_json_without(body, left_out) {
+        let digest: [u8; 32] = Sha256::digest(&canonical).into();
+        return Fingerprint::of(&(parts.method.as_str(), target(parts), 1_u8, Raw(&digest)));
     }
     of_request(parts, body)
 }

@@ -57,6 +57,11 @@ enum Source {
     Json(Arc<str>),
     /// The service's own function.
     With(KeyFn),
+    /// The first of these headers the request has (one sender, two spellings).
+    FirstOf(Arc<[HeaderName]>),
+    /// What a sender that signs the body alone authenticates: the topic header's value (not
+    /// signed, but it names which kind of event the body is), and the body's SHA-256.
+    SignedBody(HeaderName),
 }
 
 /// What looking for a key found.
@@ -135,7 +140,9 @@ impl KeyFrom {
 
     /// The member of the JSON body at `pointer` (RFC 6901: `"/id"`, `"/data/object/id"`), a
     /// string or an integer. A body that is not JSON, or has no such member, has no key;
-    /// any other type there is malformed.
+    /// any other type there is malformed. The integer `1` and the string `"1"` are one key
+    /// (what a handler reads is the same text): two requests that differ so differ in their
+    /// bodies too, and the second is a `422`, never the first's response.
     ///
     /// # Panics
     ///
@@ -173,9 +180,28 @@ impl KeyFrom {
         }
     }
 
+    /// The first of `names` the request carries (a sender that spells its header two
+    /// ways, such as Standard Webhooks' `webhook-id` and Svix's `svix-id`).
+    pub(super) fn first_of(names: &[&'static str]) -> Self {
+        Self {
+            source: Source::FirstOf(names.iter().map(|n| HeaderName::from_static(n)).collect()),
+        }
+    }
+
+    /// The topic header's value and the SHA-256 of the body: the key of a sender that signs
+    /// the body and nothing else, so that the key is what the signature vouches for.
+    pub(super) fn signed_body(topic: &'static str) -> Self {
+        Self {
+            source: Source::SignedBody(HeaderName::from_static(topic)),
+        }
+    }
+
     /// Whether the key is found only once the body is read.
     pub(super) fn reads_body(&self) -> bool {
-        matches!(self.source, Source::Json(_) | Source::With(_))
+        matches!(
+            self.source,
+            Source::Json(_) | Source::With(_) | Source::SignedBody(_)
+        )
     }
 
     /// The key of a request whose body is not read yet.
@@ -209,7 +235,11 @@ impl KeyFrom {
                 }
                 Found::Key(Keyed::of(values))
             }
-            Source::Json(_) | Source::With(_) => Found::InBody,
+            Source::FirstOf(names) => match names.iter().find(|name| headers.contains_key(*name)) {
+                Some(name) => Self::headers([name.as_str()]).in_head(headers),
+                None => Found::Missing,
+            },
+            Source::Json(_) | Source::With(_) | Source::SignedBody(_) => Found::InBody,
         }
     }
 
@@ -234,7 +264,27 @@ impl KeyFrom {
                 Some(key) => keyed(key),
                 None => Found::Missing,
             },
-            Source::IdempotencyKey | Source::Headers(_) => self.in_head(&parts.headers),
+            Source::SignedBody(topic) => {
+                use sha2::Digest as _;
+                let topic = match parts.headers.get(topic).map(|t| t.to_str().map(str::trim)) {
+                    None => "",
+                    Some(Ok(topic)) if topic.len() <= 64 => topic,
+                    Some(_) => return Found::Malformed("the topic header is not a short text"),
+                };
+                let digest = hex::encode(sha2::Sha256::digest(body));
+                let shown = if topic.is_empty() {
+                    digest.clone()
+                } else {
+                    format!("{topic}/{digest}")
+                };
+                Found::Key(Keyed {
+                    values: KeyValues::Several(vec![topic.to_owned(), digest]),
+                    shown: IdempotencyKey::new(shown),
+                })
+            }
+            Source::IdempotencyKey | Source::Headers(_) | Source::FirstOf(_) => {
+                self.in_head(&parts.headers)
+            }
         }
     }
 
@@ -257,6 +307,11 @@ impl KeyFrom {
             }
             Source::Json(pointer) => format!("the body's `{pointer}`"),
             Source::With(_) => "the request's key".to_owned(),
+            Source::FirstOf(names) => {
+                let names: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
+                format!("the {} header", names.join(" or "))
+            }
+            Source::SignedBody(_) => "the signed body".to_owned(),
         }
     }
 }

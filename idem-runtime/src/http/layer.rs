@@ -123,22 +123,28 @@ impl<St: Store + Clone> IdempotencyLayer<St, ScopeNotChosen> {
     ///
     /// A duplicate delivery answers `2xx`, since a sender resends anything else: the
     /// recorded response once the first is done, the same after waiting for a first still
-    /// running (`409` only past the lease), and `200` when the first completed but its
-    /// response was not kept (where a plain layer answers `410`, which senders such as
-    /// Standard Webhooks read as "disable this endpoint"). A handler's non-`2xx` answer is
-    /// not recorded: the sender's retry runs it again.
+    /// running (`409` with `Retry-After` once the preset's wait, below the sender's timeout,
+    /// runs out), and `200` when the first completed but its response was not kept (where a
+    /// plain layer answers `410`, which senders such as Standard Webhooks read as "disable
+    /// this endpoint"). A handler's non-`2xx` answer is not recorded: the sender's retry runs
+    /// it again. A request of another method than `POST` is verified too, then passed on
+    /// unclaimed.
     ///
-    /// The key space is the sender's (the layer is [`unscoped`](Self::unscoped)): the
-    /// signature is what says whose the delivery is. Other settings (the namespace, the
-    /// TTL, a [`key_from`](Self::key_from)) can still be changed after.
+    /// The key space is the receiving endpoint's (the layer is
+    /// [`unscoped`](Self::unscoped): the signature is what says whose the delivery is, and
+    /// the namespace is the endpoint's, see [`Webhook::endpoint`]). Each claim is labelled
+    /// with the delivery's id, for an operator. Other settings (the namespace, the TTL, the
+    /// wait, a [`key_from`](Self::key_from)) can still be changed after.
     ///
     /// ```
     /// use idem_runtime::http::{IdempotencyLayer, Webhook};
     /// use idem_runtime::MemoryStore;
     ///
-    /// let layer = IdempotencyLayer::webhook(MemoryStore::new(), Webhook::github("hook secret"));
+    /// let preset = Webhook::github("hook secret")?.endpoint("github-ci")?;
+    /// let layer = IdempotencyLayer::webhook(MemoryStore::new(), preset);
     /// // axum: Router::new().route("/webhooks/github", post(receive)).layer(layer)
     /// # let _ = layer;
+    /// # Ok::<_, idem_runtime::Error>(())
     /// ```
     pub fn webhook(store: St, sender: Webhook) -> IdempotencyLayer<St, Unscoped> {
         let layer = Self::new(store)
@@ -148,6 +154,7 @@ impl<St: Store + Clone> IdempotencyLayer<St, ScopeNotChosen> {
             .methods([Method::POST])
             .required()
             .in_flight(InFlight::Wait)
+            .wait(sender.wait())
             .key_from(sender.key_from());
         let left_out = sender.unfingerprinted();
         layer.with(|c| {
@@ -262,14 +269,15 @@ impl<St: Clone, Sc: Clone> IdempotencyLayer<St, Sc> {
 
     /// What a request whose key is in flight gets: `409` with `Retry-After`
     /// ([`InFlight::Reject`], the default), or the first request's response once it is
-    /// done ([`InFlight::Wait`], bounded by the lease).
+    /// done ([`InFlight::Wait`], bounded by [`wait`](Self::wait)).
     pub fn in_flight(self, in_flight: InFlight) -> Self {
         self.with(|c| c.operation = c.operation.clone().in_flight(in_flight))
     }
 
     /// With [`InFlight::Wait`], how long a duplicate waits for the first request's response
-    /// (default: the lease), then `409` with `Retry-After`, as a duplicate that does not
-    /// wait gets at once.
+    /// (default [`DEFAULT_WAIT`](crate::DEFAULT_WAIT), 10 s, whatever the lease; a webhook
+    /// preset's is below its sender's timeout), then `409` with `Retry-After`, as a
+    /// duplicate that does not wait gets at once.
     pub fn wait(self, wait: Duration) -> Self {
         self.with(|c| c.operation = c.operation.clone().wait(wait))
     }

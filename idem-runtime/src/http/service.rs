@@ -153,7 +153,9 @@ where
         let naming = config.key_from.naming();
         Ok(problem.answer(&naming).map(ResponseBody::full))
     };
-    if !config.methods.contains(request.method()) {
+    // A webhook's every request is verified, whatever its method; only its methods claim.
+    let claims = config.methods.contains(request.method());
+    if !claims && config.webhook.is_none() {
         return pass(inner, request).await;
     }
     let (parts, body) = request.into_parts();
@@ -181,11 +183,16 @@ where
             return problem(Problem::BodyUnreadable);
         }
     };
+    let mut label = None;
     if let Some(sender) = &config.webhook {
         if let Err(why) = sender.verify(&parts.headers, &body) {
-            tracing::info!(reason = %why, "a webhook delivery without its sender's signature: answered 401, nothing claimed");
+            tracing::info!(reason = %why, method = %parts.method, "a webhook delivery without its sender's signature: answered 401, nothing claimed");
             return problem(Problem::SignatureInvalid);
         }
+        if !claims {
+            return pass_read(inner, parts, body).await;
+        }
+        label = sender.delivery_id(&parts.headers, &body);
     }
     let (key, derived) = match admitted {
         Some(admitted) => admitted,
@@ -218,15 +225,19 @@ where
     let run = {
         let config = Arc::clone(&config);
         async move {
-            config
+            let run = config
                 .operation
                 .run_to_completion_as::<HttpRecord, _, _, _>(
                     &config.store,
                     Ok(Some((derived, Some(fingerprint)))),
                     handler,
                     false,
-                )
-                .await
+                );
+            // A webhook's claim says which delivery it is, for an operator.
+            match label {
+                Some(label) => crate::labelled(label, run).await,
+                None => run.await,
+            }
         }
     };
     // A response recorded while it is sent reaches its client as soon as it exists; the

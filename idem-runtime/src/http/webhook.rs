@@ -2,7 +2,9 @@
 //! [`IdempotencyLayer::webhook`](super::IdempotencyLayer::webhook). Each knows where its
 //! sender puts a delivery's id, how it signs a delivery, and how long it retries one.
 
+use std::borrow::Cow;
 use std::fmt;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::engine::general_purpose::STANDARD as BASE64;
@@ -22,38 +24,60 @@ type HmacSha256 = Hmac<Sha256>;
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
 
-/// A webhook sender: where its deliveries carry their id, how they are signed, and how long
-/// the sender retries one. Given to [`IdempotencyLayer::webhook`](super::IdempotencyLayer::webhook).
+/// A webhook sender: how it signs a delivery, what identifies one, how long it retries one,
+/// and the receiving endpoint the records belong to. Given to
+/// [`IdempotencyLayer::webhook`](super::IdempotencyLayer::webhook), or used as a layer of
+/// its own in front of a handler that claims the delivery in its transaction.
 ///
-/// | preset | key | signature (HMAC-SHA256) | timestamp tolerance | sender retries | kept (TTL) |
-/// |---|---|---|---|---|---|
-/// | [`stripe`](Self::stripe) | the body's `/id` (the event) | `Stripe-Signature: t=…,v1=<hex>` over `t.body` | 5 min | 3 days | 4 days |
-/// | [`github`](Self::github) | `X-GitHub-Hook-ID` and `X-GitHub-Delivery` | `X-Hub-Signature-256: sha256=<hex>` over the body | none (unsigned) | redelivered by hand, 3 days | 4 days |
-/// | [`shopify`](Self::shopify) | `X-Shopify-Webhook-Id` | `X-Shopify-Hmac-Sha256: <base64>` over the body | none (unsigned) | 8 times over 4 hours (formerly 19 over 48 hours) | 3 days |
-/// | [`standard`](Self::standard) | `webhook-id` | `webhook-signature: v1,<base64>` over `id.timestamp.body` | 5 min | Svix: past 51 hours | 4 days |
+/// | preset | key (what the signature vouches for) | signature (HMAC-SHA256) | timestamp tolerance | sender retries | kept (TTL) | duplicate waits |
+/// |---|---|---|---|---|---|---|
+/// | [`stripe`](Self::stripe) | the body's `/id` (the event) | `Stripe-Signature: t=…,v1=<hex>` over `t.body` | 5 min | 3 days | 4 days | 8 s |
+/// | [`github`](Self::github) | `X-GitHub-Event` and the body's SHA-256 | `X-Hub-Signature-256: sha256=<hex>` over the body | none (unsigned) | redelivered by hand, 3 days | 4 days | 8 s |
+/// | [`shopify`](Self::shopify) | `X-Shopify-Topic` and the body's SHA-256 | `X-Shopify-Hmac-Sha256: <base64>` over the body | none (unsigned) | 8 times over 4 hours (formerly 19 over 48 hours) | 3 days | 4 s |
+/// | [`standard`](Self::standard) | `webhook-id` (Svix: `svix-id`) | `webhook-signature: v1,<base64>` (Svix: `svix-signature`) over `id.timestamp.body` | 5 min | Svix: past 51 hours | 4 days | 8 s |
+///
+/// **Every endpoint keeps its own records.** Senders send one event id to every endpoint
+/// subscribed to it (Stripe, Standard Webhooks; GitHub to every hook an event triggers),
+/// so a preset's keys live in a namespace of the receiving endpoint,
+/// `idem.webhook.<sender>.<endpoint>`: the name [`endpoint`](Self::endpoint) gives it, or,
+/// unnamed, one derived from its secret (`key-` and 12 hex digits of a SHA-256 of it, which
+/// tells nothing of the secret). Two endpoints of one sender on one store each run each
+/// event once. **Name an endpoint whose secret will change**: an unnamed one is its secret,
+/// and a new secret starts its records afresh, where a named one keeps them through the
+/// rotation (Stripe and Standard Webhooks sign with the old and the new secret together
+/// while a rotation lasts; the preset accepts a delivery one of whose signatures is its
+/// secret's). Endpoints that share a secret (one GitHub App, hooks sharing one) must be
+/// named apart, or they share their records.
+///
+/// **What each sender lets a receiver defend** (a secret leaked to an attacker defends
+/// nothing):
+///
+/// | | Stripe | Standard Webhooks / Svix | GitHub | Shopify |
+/// |---|---|---|---|---|
+/// | a forged delivery | `401` | `401` | `401` | `401` |
+/// | a captured delivery sent again | replayed while kept; `401` past the 5 min tolerance | replayed while kept; `401` past the tolerance | replayed while kept, **under any delivery id** (the key is the signed body); runs again once its record expired | as GitHub |
+/// | an id taken by another body | impossible: the id is in the signed body | impossible: the id is signed | nothing to take: the key is the signed body, so an old body under a new delivery's id is its old self, and the real delivery runs | as GitHub |
+/// | a captured body under another topic header | (signed) | (signed) | runs as that topic, once: the topic header is not signed | as GitHub |
+/// | a secret's rotation | both signatures accepted while it lasts; records kept if named | as Stripe | one secret at a time; records kept if named | as GitHub |
 ///
 /// Every comparison of a signature is in constant time. A request whose signature is
 /// missing, malformed, outside the tolerance or not the sender's is answered `401`
-/// problem+json before anything is claimed, so a forged delivery can never take an id and
-/// turn the real delivery away.
+/// problem+json before anything is claimed, whatever its method, and a request of another
+/// method than `POST` is passed on unclaimed only once verified. GitHub and Shopify sign no
+/// timestamp: keep their TTL at least as long as a replayed delivery would matter, or check
+/// a date the payload carries. A Stripe event's `pending_webhooks` (how many of its
+/// deliveries are still pending) changes between retries, so it is left out of the
+/// fingerprint, whatever the `Content-Type`.
 ///
-/// A GitHub delivery is keyed by its hook too: GitHub sends one delivery id to every hook
-/// an event triggers, and each hook's delivery runs once. A Shopify delivery is keyed per
-/// subscription (`X-Shopify-Webhook-Id`); to run an event once across subscriptions, key by
-/// `X-Shopify-Event-Id` instead (`.key_from(KeyFrom::header("x-shopify-event-id"))`).
-/// A Stripe event's `pending_webhooks` (how many of its deliveries are still pending)
-/// changes between retries, so it is left out of the fingerprint; the rest of the body is
-/// compared as every JSON body is.
-///
-/// GitHub and Shopify sign no timestamp: a delivery captured on the way and sent again is
-/// replayed from its record while the record lasts, but runs again once it has expired.
-/// Keep their TTL at least as long as a replayed delivery would matter, or check a date
-/// the payload carries; Stripe and Standard Webhooks refuse a signature older than the
-/// tolerance.
+/// Each claim is labelled with the delivery's id as the sender names it (Stripe's event id,
+/// `X-GitHub-Delivery`, `X-Shopify-Webhook-Id`, `webhook-id`): an operator finds a stuck
+/// delivery by it, `idem show --webhook stripe evt_…`. Ids are not personal data.
 #[derive(Clone)]
 pub struct Webhook {
     sender: Sender,
     secret: Vec<u8>,
+    /// The receiving endpoint's name, if it was given one.
+    endpoint: Option<Arc<str>>,
     tolerance: Duration,
     ttl: Duration,
     /// The largest body read when the preset is a layer of its own.
@@ -67,6 +91,17 @@ enum Sender {
     GitHub,
     Shopify,
     Standard,
+}
+
+impl Sender {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Stripe => "stripe",
+            Self::GitHub => "github",
+            Self::Shopify => "shopify",
+            Self::Standard => "standard",
+        }
+    }
 }
 
 /// Why a delivery's signature is refused: said in `tracing`, never to the client.
@@ -93,43 +128,73 @@ impl fmt::Display for Refused {
     }
 }
 
+/// The headers of a Standard Webhooks delivery, in the spelling it came with: the
+/// specification's (`webhook-*`), or Svix's default (`svix-*`).
+const STANDARD_HEADERS: [[&str; 3]; 2] = [
+    ["webhook-id", "webhook-timestamp", "webhook-signature"],
+    ["svix-id", "svix-timestamp", "svix-signature"],
+];
+
 impl Webhook {
-    fn new(sender: Sender, secret: Vec<u8>, ttl: Duration) -> Self {
-        Self {
+    fn new(sender: Sender, secret: Vec<u8>, ttl: Duration) -> Result<Self, Error> {
+        if secret.iter().all(u8::is_ascii_whitespace) {
+            // A missing environment variable read as "" would let anyone sign.
+            return Err(Error::config(format!(
+                "the {} webhook secret is empty: anyone could sign a delivery with it (is the variable that holds it set?)",
+                sender.name()
+            )));
+        }
+        Ok(Self {
             sender,
             secret,
+            endpoint: None,
             tolerance: Duration::from_secs(300),
             ttl,
             max_body: super::DEFAULT_MAX_BODY,
-        }
+        })
     }
 
     /// Stripe: the endpoint's signing secret (`whsec_…`, used as it is shown).
-    pub fn stripe(secret: impl AsRef<[u8]>) -> Self {
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] when the secret is empty.
+    pub fn stripe(secret: impl AsRef<[u8]>) -> Result<Self, Error> {
         Self::new(Sender::Stripe, secret.as_ref().to_vec(), 4 * DAY)
     }
 
     /// GitHub: the hook's secret.
-    pub fn github(secret: impl AsRef<[u8]>) -> Self {
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] when the secret is empty.
+    pub fn github(secret: impl AsRef<[u8]>) -> Result<Self, Error> {
         Self::new(Sender::GitHub, secret.as_ref().to_vec(), 4 * DAY)
     }
 
     /// Shopify: the app's client secret.
-    pub fn shopify(secret: impl AsRef<[u8]>) -> Self {
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] when the secret is empty.
+    pub fn shopify(secret: impl AsRef<[u8]>) -> Result<Self, Error> {
         Self::new(Sender::Shopify, secret.as_ref().to_vec(), 3 * DAY)
     }
 
     /// Standard Webhooks (Svix and the senders that follow its specification): the
-    /// endpoint's secret, `whsec_` and the key in base64.
+    /// endpoint's secret, `whsec_` and the key in base64. Deliveries are accepted with the
+    /// specification's headers (`webhook-id`, `webhook-timestamp`, `webhook-signature`)
+    /// and with Svix's default ones (`svix-id`, `svix-timestamp`, `svix-signature`).
     ///
     /// # Errors
     ///
-    /// [`Error::Config`] when the secret is not base64 after its `whsec_` prefix.
+    /// [`Error::Config`] when the secret is not base64 after its `whsec_` prefix, or is
+    /// empty.
     ///
     /// ```
     /// use idem_runtime::http::Webhook;
     ///
-    /// let preset = Webhook::standard("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")?;
+    /// let preset = Webhook::standard("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")?.endpoint("orders")?;
     /// # let _ = preset;
     /// # Ok::<_, idem_runtime::Error>(())
     /// ```
@@ -138,7 +203,30 @@ impl Webhook {
         let key = BASE64.decode(encoded).map_err(|_| {
             Error::config("a Standard Webhooks secret is `whsec_` and the key in base64")
         })?;
-        Ok(Self::new(Sender::Standard, key, 4 * DAY))
+        Self::new(Sender::Standard, key, 4 * DAY)
+    }
+
+    /// Names the receiving endpoint (`"billing"`, `"stripe-eu"`): its records are kept
+    /// under `idem.webhook.<sender>.<name>`, apart from every other endpoint's, and through
+    /// a rotation of its secret. Without a name, an endpoint is known by its secret.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] when `name` is empty, longer than 64 bytes, or has a character
+    /// other than ASCII letters, digits, `-`, `_` and `.`.
+    pub fn endpoint(mut self, name: &str) -> Result<Self, Error> {
+        let fits = !name.is_empty()
+            && name.len() <= 64
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+        if !fits {
+            return Err(Error::config(format!(
+                "a webhook endpoint's name is 1 to 64 ASCII letters, digits, `-`, `_` and `.`, not {name:?}"
+            )));
+        }
+        self.endpoint = Some(name.into());
+        Ok(self)
     }
 
     /// How far a signed timestamp may be from this machine's clock (default 5 minutes), for
@@ -174,24 +262,71 @@ impl Webhook {
         self.ttl
     }
 
-    /// The namespace of the preset's keys.
-    pub(super) fn namespace(&self) -> &'static str {
+    /// How long a duplicate waits for a delivery still running: well within the sender's
+    /// own timeout (GitHub's 10 s, Shopify's 5 s), so that it is answered (`409` at worst,
+    /// which the sender retries) rather than cut off.
+    pub(super) fn wait(&self) -> Duration {
         match self.sender {
-            Sender::Stripe => "idem.webhook.stripe",
-            Sender::GitHub => "idem.webhook.github",
-            Sender::Shopify => "idem.webhook.shopify",
-            Sender::Standard => "idem.webhook.standard",
+            Sender::Shopify => Duration::from_secs(4),
+            Sender::Stripe | Sender::GitHub | Sender::Standard => Duration::from_secs(8),
         }
     }
 
-    /// Where the sender puts a delivery's id.
+    /// The receiving endpoint as its records know it: its name, or one derived from its
+    /// secret.
+    pub(super) fn identity(&self) -> Cow<'_, str> {
+        use sha2::Digest as _;
+        match &self.endpoint {
+            Some(name) => Cow::Borrowed(name),
+            None => {
+                let mut digest = Sha256::new();
+                digest.update(b"idem webhook endpoint\0");
+                digest.update(&self.secret);
+                let digest = digest.finalize();
+                Cow::Owned(format!("key-{}", hex::encode(&digest[..6])))
+            }
+        }
+    }
+
+    /// The namespace of the preset's keys: the sender's, and the receiving endpoint's.
+    pub(super) fn namespace(&self) -> String {
+        format!("idem.webhook.{}.{}", self.sender.name(), self.identity())
+    }
+
+    /// What identifies a delivery: what its signature vouches for.
     pub(super) fn key_from(&self) -> KeyFrom {
         match self.sender {
             Sender::Stripe => KeyFrom::json("/id"),
-            Sender::GitHub => KeyFrom::headers(["x-github-hook-id", "x-github-delivery"]),
-            Sender::Shopify => KeyFrom::header("x-shopify-webhook-id"),
-            Sender::Standard => KeyFrom::header("webhook-id"),
+            Sender::GitHub => KeyFrom::signed_body("x-github-event"),
+            Sender::Shopify => KeyFrom::signed_body("x-shopify-topic"),
+            Sender::Standard => {
+                KeyFrom::first_of(&[STANDARD_HEADERS[0][0], STANDARD_HEADERS[1][0]])
+            }
         }
+    }
+
+    /// The delivery's id as its sender names it, for an operator: the claim's label. `None`
+    /// when it has none that reads as a label (at most 255 bytes of visible ASCII).
+    pub(super) fn delivery_id(&self, headers: &HeaderMap, body: &[u8]) -> Option<String> {
+        let id = match self.sender {
+            Sender::Stripe => {
+                #[derive(serde::Deserialize)]
+                struct Event {
+                    id: String,
+                }
+                serde_json::from_slice::<Event>(body).ok()?.id
+            }
+            Sender::GitHub => text(headers, "x-github-delivery").ok()?.to_owned(),
+            Sender::Shopify => text(headers, "x-shopify-webhook-id").ok()?.to_owned(),
+            Sender::Standard => STANDARD_HEADERS
+                .iter()
+                .find_map(|[id, ..]| text(headers, id).ok())?
+                .to_owned(),
+        };
+        let readable = !id.is_empty()
+            && id.len() <= super::header::MAX_KEY_LEN
+            && id.bytes().all(|b| b.is_ascii_graphic());
+        readable.then_some(id)
     }
 
     /// The top-level members of a delivery's JSON body its fingerprint leaves out: those
@@ -244,9 +379,14 @@ impl Webhook {
                 any_matches(&self.mac([body]), &[signature])
             }
             Sender::Standard => {
-                let id = text(headers, "webhook-id")?;
-                let timestamp = text(headers, "webhook-timestamp")?;
-                let header = text(headers, "webhook-signature")?;
+                // Svix's own spelling when the specification's signature is not there.
+                let [id, timestamp, signature] = STANDARD_HEADERS
+                    .into_iter()
+                    .find(|[_, _, signature]| headers.contains_key(*signature))
+                    .unwrap_or(STANDARD_HEADERS[0]);
+                let id = text(headers, id)?;
+                let timestamp = text(headers, timestamp)?;
+                let header = text(headers, signature)?;
                 self.fresh(timestamp, now)?;
                 let mut signatures = Vec::new();
                 for entry in header.split(' ').filter(|entry| !entry.is_empty()) {
@@ -288,6 +428,7 @@ impl fmt::Debug for Webhook {
         // Never the secret.
         f.debug_struct("Webhook")
             .field("sender", &self.sender)
+            .field("endpoint", &self.identity())
             .field("tolerance", &self.tolerance)
             .field("ttl", &self.ttl)
             .finish_non_exhaustive()
@@ -345,7 +486,7 @@ mod tests {
     /// sign as this digest.
     #[test]
     fn github_publishes_this_vector() {
-        let hook = Webhook::github("It's a Secret to Everybody");
+        let hook = Webhook::github("It's a Secret to Everybody").unwrap();
         let signed = headers(&[(
             "x-hub-signature-256",
             "sha256=757107ea0eb2509fc211221cce984b8a37570b6d7586c22c46f4379c8b043e17",
@@ -355,7 +496,7 @@ mod tests {
             hook.verify_at(&signed, b"Hello, World?", at(0)),
             Err(Refused::Mismatch)
         );
-        let other = Webhook::github("It's a Secret to Somebody");
+        let other = Webhook::github("It's a Secret to Somebody").unwrap();
         assert_eq!(
             other.verify_at(&signed, b"Hello, World!", at(0)),
             Err(Refused::Mismatch)
@@ -412,7 +553,7 @@ mod tests {
     /// apart (Python's `hmac`): Stripe publishes the scheme but no vector.
     #[test]
     fn stripe_signs_the_timestamp_and_the_body() {
-        let hook = Webhook::stripe("whsec_test_secret");
+        let hook = Webhook::stripe("whsec_test_secret").unwrap();
         let body = br#"{"id":"evt_1","object":"event"}"#;
         let signed = |header: &str| headers(&[("stripe-signature", header)]);
         let now = at(1_700_000_100);
@@ -446,7 +587,7 @@ mod tests {
     /// computed apart (Python's `hmac`).
     #[test]
     fn shopify_signs_the_body_in_base64() {
-        let hook = Webhook::shopify("shpss_secret");
+        let hook = Webhook::shopify("shpss_secret").unwrap();
         let body = br#"{"id":820982911946154508}"#;
         let signed = |header: &str| headers(&[("x-shopify-hmac-sha256", header)]);
         assert_eq!(hook.verify_at(&signed(SHOPIFY_VECTOR), body, at(0)), Ok(()));
@@ -463,9 +604,87 @@ mod tests {
     /// `base64(hmac.new(b"shpss_secret", b'{"id":820982911946154508}', sha256))`
     const SHOPIFY_VECTOR: &str = "jqbalbO3Z8mDmrF2/+wzM3KYvbgqzVBF969vgiIy80I=";
 
+    /// Svix sends its deliveries with headers of its own name by default: the same scheme.
+    #[test]
+    fn standard_webhooks_takes_svix_headers_too() {
+        let hook = Webhook::standard("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
+        let payload = br#"{"test": 2432232314}"#;
+        let svix = headers(&[
+            ("svix-id", "msg_p5jXN8AQM9LWM0D4loKWxJek"),
+            ("svix-timestamp", "1614265330"),
+            (
+                "svix-signature",
+                "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=",
+            ),
+        ]);
+        let now = at(1_614_265_330 + 60);
+        assert_eq!(hook.verify_at(&svix, payload, now), Ok(()));
+        assert_eq!(
+            hook.delivery_id(&svix, payload).as_deref(),
+            Some("msg_p5jXN8AQM9LWM0D4loKWxJek")
+        );
+        // Another id under Svix's names is not what was signed.
+        let moved = headers(&[
+            ("svix-id", "msg_other"),
+            ("svix-timestamp", "1614265330"),
+            (
+                "svix-signature",
+                "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=",
+            ),
+        ]);
+        assert_eq!(hook.verify_at(&moved, payload, now), Err(Refused::Mismatch));
+    }
+
+    /// A missing environment variable read as "" would open the endpoint to anyone.
+    #[test]
+    fn an_empty_secret_is_refused_at_construction() {
+        for refused in [
+            Webhook::stripe("").err(),
+            Webhook::github("").err(),
+            Webhook::shopify(" ").err(),
+            Webhook::standard("whsec_").err(),
+            Webhook::standard("").err(),
+        ] {
+            let err = refused.expect("an empty secret is refused");
+            assert!(matches!(err, Error::Config(_)), "{err}");
+            assert!(err.to_string().contains("empty"), "{err}");
+        }
+    }
+
+    /// Two endpoints of one sender keep their records apart: by name, or, unnamed, by
+    /// secret; a named endpoint keeps its namespace through a new secret.
+    #[test]
+    fn each_endpoint_has_a_namespace_of_its_own() {
+        let a = Webhook::stripe("whsec_a").unwrap();
+        let b = Webhook::stripe("whsec_b").unwrap();
+        assert_ne!(a.namespace(), b.namespace());
+        assert!(
+            a.namespace().starts_with("idem.webhook.stripe.key-"),
+            "{}",
+            a.namespace()
+        );
+        assert!(!a.namespace().contains("whsec"), "{}", a.namespace());
+        let named = Webhook::stripe("whsec_a")
+            .unwrap()
+            .endpoint("billing")
+            .unwrap();
+        let rotated = Webhook::stripe("whsec_new")
+            .unwrap()
+            .endpoint("billing")
+            .unwrap();
+        assert_eq!(named.namespace(), "idem.webhook.stripe.billing");
+        assert_eq!(named.namespace(), rotated.namespace());
+        for bad in ["", "a b", "é", &"x".repeat(65)] {
+            assert!(
+                Webhook::github("s").unwrap().endpoint(bad).is_err(),
+                "{bad:?}"
+            );
+        }
+    }
+
     #[test]
     fn the_secret_is_never_shown() {
-        let shown = format!("{:?}", Webhook::github("hunter2"));
+        let shown = format!("{:?}", Webhook::github("hunter2").unwrap());
         assert!(!shown.contains("hunter2"), "{shown}");
     }
 }

@@ -491,6 +491,8 @@ impl DynamoDbStore {
         })
     }
 
+    /// `operation`'s output, or [`Error::Store`] once the store's timeout passes.
+    #[cfg(feature = "admin")]
     async fn within<T>(&self, operation: impl std::future::Future<Output = T>) -> Result<T, Error> {
         self.within_until(tokio::time::Instant::now() + self.timeout, operation)
             .await

@@ -12,12 +12,19 @@
 //!     fingerprint VARBINARY(32),                      -- 32 bytes, or NULL
 //!     value       LONGBLOB,                           -- the result once completed; the claim's nonce before
 //!     expires_at  BIGINT        NOT NULL,             -- lease end or result expiry, Unix ms
-//!     namespace   TEXT, label TEXT, holder TEXT,      -- whose it is, for an operator (`admin`)
+//!     namespace   TEXT CHARACTER SET utf8mb4,        -- whose it is, for an operator (`admin`),
+//!     label       TEXT CHARACTER SET utf8mb4,        -- UTF-8 whatever the database's default
+//!     holder      TEXT CHARACTER SET utf8mb4,
 //!     lease_ms    BIGINT, step BOOLEAN,               -- the claim's lease; a step's record
+//!     ttl_ms      BIGINT, taken_over BOOLEAN,         -- how long a lapsed claim is kept; a takeover
 //!     INDEX idem_records_token (token),
 //!     INDEX idem_records_expires_at (expires_at)
 //! ) ENGINE = InnoDB;
 //! ```
+//!
+//! `migrate` upgrades a table of an earlier version in place: the columns it lacks are
+//! added, and text columns made in a `latin1` or `utf8mb3` database are converted to
+//! `utf8mb4`, so that a namespace beyond ASCII lists as written and a prefix finds it.
 //!
 //! A call's steps ([`step`](crate::step())) are completed rows of the same table, keyed by
 //! the step's key, which starts with the call key's first 16 bytes: one range of the

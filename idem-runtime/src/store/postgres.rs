@@ -52,6 +52,7 @@ use crate::store::Holder;
 use crate::{Claim, ClaimRequest, Error, Key, Token};
 
 mod hosts;
+mod removals;
 mod schema;
 mod statements;
 mod transaction;
@@ -238,6 +239,17 @@ impl Engine for PostgresEngine {
     fn set_table(&mut self, table: &str) -> Result<(), Error> {
         self.sql = Arc::new(Statements::new(table)?);
         Ok(())
+    }
+
+    /// Listens on the table's channel, on a connection of its own, for as long as `watch`
+    /// wants: every completed record removed is told there, in the removal's transaction.
+    fn watch_removals(&self, watch: crate::store::RemovalWatch) -> bool {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return false;
+        }
+        let channel = self.sql.removals.clone();
+        tokio::spawn(removals::listen(self.clone(), channel, watch));
+        true
     }
 
     /// With several hosts: after a failure that may mean the primary is gone (no answer, a

@@ -289,6 +289,10 @@ impl<D: Dialect> Store for SqlStore<D> {
     fn flights(&self) -> Option<&Flights> {
         Some(&self.flights)
     }
+
+    fn watch_removals(&self, watch: crate::store::RemovalWatch) -> bool {
+        self.dialect.watch_removals(watch)
+    }
 }
 
 /// Runs one operation of `database` under `timeout`.

@@ -15,6 +15,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::time::Instant;
 
+mod fresh;
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 mod transaction;
 
@@ -64,9 +65,14 @@ const REMEMBERED_CLAIMS: usize = 65_536;
 /// - [`remove`](Store::remove) removes from both, and no copy in flight survives it.
 /// - A failing `F` is skipped (logged at `debug`): calls then go to `D` alone.
 ///
-/// A record removed from `D` by another process (an administrative reset elsewhere) can
-/// still be replayed from this process's `F` until its copy expires: reset through a
-/// `TieredStore` on every process, or give `F` a short TTL by sharing one `F` (Redis).
+/// - A record removed from `D` by another process (an operator's `idem reset`) is
+///   forgotten by every process's `F` when `D` tells its removals
+///   ([`Store::watch_removals`]: PostgreSQL, through `LISTEN`/`NOTIFY`): each tier drops
+///   its copy as it hears the removal, reads no copy while its feed is lost, and never
+///   one made before the feed was lost once it listens again. A `D` that cannot tell
+///   (MySQL, SQLite, DynamoDB, Redis) leaves a copy in another process's `F` until it
+///   expires: reset through the tier itself in every process, or share one `F` (Redis)
+///   and name it to `idem` (`--fast`).
 ///
 /// ```no_run
 /// # #[cfg(all(feature = "memory", feature = "postgres"))]
@@ -79,10 +85,11 @@ const REMEMBERED_CLAIMS: usize = 65_536;
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Clone)]
 pub struct TieredStore<F, D> {
-    fast: F,
+    fast: Arc<F>,
     durable: D,
+    /// What this tier knows of removals made elsewhere.
+    fresh: Arc<fresh::Freshness>,
     /// The fingerprint of each claim held through this store, until it completes or is
     /// released: the copy of its record into `F` must carry it.
     claims: Arc<Mutex<Fingerprints>>,
@@ -92,15 +99,43 @@ pub struct TieredStore<F, D> {
 /// The fingerprint each running claim was taken with.
 type Fingerprints = HashMap<(Key, Token), Option<Fingerprint>>;
 
+impl<F, D: Clone> Clone for TieredStore<F, D> {
+    fn clone(&self) -> Self {
+        Self {
+            fast: Arc::clone(&self.fast),
+            durable: self.durable.clone(),
+            fresh: Arc::clone(&self.fresh),
+            claims: Arc::clone(&self.claims),
+            fast_timeout: self.fast_timeout,
+        }
+    }
+}
+
 impl<F: Store, D: Store> TieredStore<F, D> {
     /// `fast` in front of `durable`.
     pub fn new(fast: F, durable: D) -> Self {
         Self {
-            fast,
+            fast: Arc::new(fast),
             durable,
+            fresh: Arc::default(),
             claims: Arc::default(),
             fast_timeout: DEFAULT_FAST_TIMEOUT,
         }
+    }
+
+    /// The key of `key`'s copy in the fast tier, when a copy may be read or begun now
+    /// (the watch of removals elsewhere started, listening, and not forgetting this key).
+    fn fast_key(&self, key: &Key) -> Option<Key> {
+        self.fresh.start(&self.fast, &self.durable);
+        self.fresh.fast_key(key)
+    }
+
+    /// [`fast_key`](Self::fast_key), once the durable store's feed of removals listens (a
+    /// first call waits for it, within the fast tier's timeout).
+    async fn fast_key_heard(&self, key: &Key) -> Option<Key> {
+        self.fresh.start(&self.fast, &self.durable);
+        self.fresh.first_heard(self.fast_timeout).await;
+        self.fresh.fast_key(key)
     }
 
     /// Sets how long the fast tier may take over one step (a read, a copy) before the tier
@@ -131,8 +166,10 @@ impl<F: Store, D: Store> TieredStore<F, D> {
         &self.durable
     }
 
-    /// The fast tier's live completed record of `key`; `None` when it has none, or fails.
+    /// The fast tier's live completed record of `key`; `None` when it has none, or fails,
+    /// or may not be read now.
     async fn read_fast(&self, key: &Key) -> Option<Recorded> {
+        let key = &self.fast_key_heard(key).await?;
         if let Some(Claim::Completed { value, fingerprint }) = self.fast.peek(key) {
             return Some(Recorded::new(value, fingerprint, None));
         }
@@ -147,8 +184,14 @@ impl<F: Store, D: Store> TieredStore<F, D> {
     /// Starts a copy into the fast tier: claims the key there, before the durable record
     /// is read or written. A removal meanwhile deletes this claim, so the copy's completion
     /// is refused: whatever the durable store said before the removal is never copied after
-    /// it. `None` when a copy is there already, being made, or the fast tier fails.
-    async fn begin_copy(&self, key: &Key, fingerprint: Option<&Fingerprint>) -> Option<Token> {
+    /// it. `None` when a copy is there already, being made, may not be made now, or the
+    /// fast tier fails; else the copy's key in the fast tier and its claim's token.
+    async fn begin_copy(
+        &self,
+        key: &Key,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Option<(Key, Token)> {
+        let key = &self.fast_key_heard(key).await?;
         let began = self
             .on_fast(async {
                 // A copy's claim that lapses (its process died) need not be remembered.
@@ -164,7 +207,7 @@ impl<F: Store, D: Store> TieredStore<F, D> {
                     claim = self.fast.claim(&request).await?;
                 }
                 Ok(match claim {
-                    Claim::Acquired { token, .. } => Some(token),
+                    Claim::Acquired { token, .. } => Some((*key, token)),
                     Claim::Completed { .. } | Claim::InProgress { .. } => None,
                 })
             })
@@ -175,14 +218,14 @@ impl<F: Store, D: Store> TieredStore<F, D> {
         })
     }
 
-    /// Ends a copy begun under `token` with the durable record's value (and its typed
-    /// value, when this process made it and the fast tier keeps one), to expire by
-    /// `expires` (never later than the durable record). Refused when a removal came since
-    /// the copy began; a failure leaves the fast tier without it, nothing more.
+    /// Ends a copy begun under `token` (at `key`, its key in the fast tier) with the
+    /// durable record's value (and its typed value, when this process made it and the fast
+    /// tier keeps one), to expire by `expires` (never later than the durable record).
+    /// Refused when a removal came since the copy began; a failure leaves the fast tier
+    /// without it, nothing more.
     async fn finish_copy(
         &self,
-        key: &Key,
-        token: Token,
+        (key, token): (Key, Token),
         value: Bytes,
         typed: Option<Typed>,
         expires: Instant,
@@ -194,10 +237,11 @@ impl<F: Store, D: Store> TieredStore<F, D> {
             .saturating_duration_since(sent)
             .saturating_sub(CLOCK_GRAIN + LATE);
         if ttl < SHORTEST_COPY {
-            self.abandon_copy(key, token).await;
+            self.abandon_copy((key, token)).await;
             return;
         }
-        let copied = super::complete_keeping(&self.fast, key, token, value, ttl, typed);
+        let key = &key;
+        let copied = super::complete_keeping(&*self.fast, key, token, value, ttl, typed);
         match self.on_fast(copied).await {
             // The fast tier counts the TTL from when it acts, anywhere between `sent` and
             // now: a copy made later than the allowance could outlive the durable record.
@@ -209,7 +253,7 @@ impl<F: Store, D: Store> TieredStore<F, D> {
             Ok(_) => {}
             Err(err) => {
                 tracing::debug!(error = %err, "copying a record into the fast tier failed");
-                self.abandon_copy(key, token).await;
+                self.abandon_copy((*key, token)).await;
             }
         }
     }
@@ -230,16 +274,16 @@ impl<F: Store, D: Store> TieredStore<F, D> {
                 expires_in: Some(left),
                 ..
             })) if recorded.as_ref() == fingerprint => {
-                self.finish_copy(key, copy, value, None, asked + left).await;
+                self.finish_copy(copy, value, None, asked + left).await;
             }
-            _ => self.abandon_copy(key, copy).await,
+            _ => self.abandon_copy(copy).await,
         }
     }
 
-    /// Gives up a copy begun under `token`: frees the key at once, or at the end of the
-    /// copy's short lease.
-    async fn abandon_copy(&self, key: &Key, token: Token) {
-        let _ = self.on_fast(self.fast.release(key, token)).await;
+    /// Gives up a copy begun under `token` at `key` (its key in the fast tier): frees it at
+    /// once, or at the end of the copy's short lease.
+    async fn abandon_copy(&self, (key, token): (Key, Token)) {
+        let _ = self.on_fast(self.fast.release(&key, token)).await;
     }
 
     /// [`Store::complete`], and the copy, with `typed` beside it if there is one.
@@ -263,8 +307,8 @@ impl<F: Store, D: Store> TieredStore<F, D> {
         let expires = Instant::now() + crate::limits::clamp(ttl);
         let completed = self.durable.complete(key, token, value.clone(), ttl).await;
         match (copy, &completed) {
-            (Some(copy), Ok(true)) => self.finish_copy(key, copy, value, typed, expires).await,
-            (Some(copy), _) => self.abandon_copy(key, copy).await,
+            (Some(copy), Ok(true)) => self.finish_copy(copy, value, typed, expires).await,
+            (Some(copy), _) => self.abandon_copy(copy).await,
             (None, _) => {}
         }
         completed
@@ -378,9 +422,9 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
     /// would go on replaying what was reset.
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
         let bound = self.fast_timeout.max(REMOVAL_TIMEOUT);
-        let fast = within(bound, self.fast.remove(key)).await?;
+        let fast = within(bound, self.fast.remove(&self.fresh.mapped(key))).await?;
         let durable = self.durable.remove(key).await?;
-        within(bound, self.fast.remove(key)).await?;
+        within(bound, self.fast.remove(&self.fresh.mapped(key))).await?;
         Ok(durable || fast)
     }
 
@@ -400,7 +444,7 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
     /// takes no round trip at all.
     fn peek(&self, key: &Key) -> Option<Claim> {
         self.fast
-            .peek(key)
+            .peek(&self.fast_key(key)?)
             .filter(|claim| matches!(claim, Claim::Completed { .. }))
     }
 
@@ -460,9 +504,9 @@ impl<F: Store, D: Store + crate::admin::Admin> crate::admin::Admin for TieredSto
         how: crate::admin::Release,
     ) -> Result<crate::admin::Verdict, Error> {
         let bound = self.fast_timeout.max(REMOVAL_TIMEOUT);
-        within(bound, self.fast.remove(key)).await?;
+        within(bound, self.fast.remove(&self.fresh.mapped(key))).await?;
         let verdict = self.durable.reset(key, how).await?;
-        within(bound, self.fast.remove(key)).await?;
+        within(bound, self.fast.remove(&self.fresh.mapped(key))).await?;
         Ok(verdict)
     }
 
@@ -495,7 +539,7 @@ impl<F: Store, D: Store> TypedStore for TieredStore<F, D> {
     }
 
     fn peek_typed(&self, key: &Key) -> Option<Arc<Kept>> {
-        self.fast.typed()?.peek_typed(key)
+        self.fast.typed()?.peek_typed(&self.fast_key(key)?)
     }
 }
 

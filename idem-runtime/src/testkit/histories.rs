@@ -113,6 +113,8 @@ struct BodyEntry {
     /// The value [`reconcile`](crate::reconcile()) found for this execution: the effect of
     /// an earlier one, which this one answered instead of running.
     reconciled: Option<u64>,
+    /// Whether its claim took the key over from one never settled ([`History::taken_over`]).
+    taken_over: bool,
 }
 
 #[derive(Default, Debug)]
@@ -213,8 +215,16 @@ impl History {
             step_unrecorded: false,
             effect: false,
             reconciled: None,
+            taken_over: false,
         });
         (entries.bodies.len() - 1) as BodyId
+    }
+
+    /// The body `body` runs under a claim that took its key over from a claim never
+    /// settled (its store said so): shown in a broken history, where a second effect
+    /// whose body was not told is the store's fault, and one that was told the body's.
+    pub fn taken_over(&self, body: BodyId) {
+        self.entries().bodies[body as usize].taken_over = true;
     }
 
     /// The body `body` had its effect outside the store (a row in another database, a
@@ -525,8 +535,13 @@ impl Violation {
             events.push((
                 body.started,
                 format!(
-                    "body {id} of call {} starts; steps run {:?}{}{}{}; ends {:?}",
+                    "body {id} of call {} starts{}; steps run {:?}{}{}{}; ends {:?}",
                     body.call,
+                    if body.taken_over {
+                        " (its claim took the key over)"
+                    } else {
+                        ""
+                    },
                     body.steps,
                     if body.step_unrecorded {
                         " (a step unrecorded)"
@@ -1036,6 +1051,9 @@ async fn crash<S: Store>(
         return; // died before it had the key
     };
     let id = history.body_started(call);
+    if taken_over {
+        history.taken_over(id);
+    }
     if !after_effect {
         return;
     }
@@ -1079,6 +1097,9 @@ fn body(
     let history = history.clone();
     async move {
         let id = history.body_started(call);
+        if attempt().is_some_and(|attempt| attempt.taken_over()) {
+            history.taken_over(id);
+        }
         // The token the effect is fenced by; a store that fails to give it ends the body.
         let fence = match &effect {
             Some(_) => match attempt() {

@@ -46,7 +46,8 @@ fn entry_json(entry: &Entry) -> Value {
         "namespace": entry.namespace(),
         "label": entry.label(),
         "state": entry.state().as_str(),
-        "token": entry.token().map(|t| t.get()),
+        // A string: a Redis token is beyond 2^53, which `jq` 1.6 and JavaScript round.
+        "token": entry.token().map(|t| t.get().to_string()),
         "lease_ms": millis(entry.lease()),
         "lease_left_ms": millis(entry.lease_left()),
         "renewed_ago_ms": millis(entry.renewed_ago()),
@@ -82,7 +83,7 @@ pub(crate) fn page(page: &Page, json: bool, first: bool) {
     }
     if first {
         println!(
-            "{:<64}  {:<9}  {:>8}  {:>10}  {:>10}  {:<28}  {:>10}  {:>8}  NAMESPACE",
+            "{:<64}  {:<9}  {:>8}  {:>10}  {:>10}  {:<28}  {:>10}  {:>8}  NAMESPACE  LABEL",
             "KEY", "STATE", "TOKEN", "LEASE LEFT", "RENEWED", "HOLDER", "EXPIRES IN", "SIZE"
         );
     }
@@ -95,7 +96,7 @@ pub(crate) fn page(page: &Page, json: bool, first: bool) {
             format!("{}{silent}", human(ago))
         });
         println!(
-            "{:<64}  {:<9}  {:>8}  {:>10}  {:>10}  {:<28}  {:>10}  {:>8}  {}",
+            "{:<64}  {:<9}  {:>8}  {:>10}  {:>10}  {:<28}  {:>10}  {:>8}  {}  {}",
             entry.key().to_hex(),
             entry.state().as_str(),
             or_dash(entry.token().map(|t| t.get().to_string())),
@@ -105,6 +106,7 @@ pub(crate) fn page(page: &Page, json: bool, first: bool) {
             or_dash(entry.expires_in().map(human)),
             or_dash(entry.size().map(|s| s.to_string())),
             entry.namespace().unwrap_or("(namespace unknown)"),
+            entry.label().unwrap_or("-"),
         );
     }
     if let Some(next) = page.next() {
@@ -177,6 +179,15 @@ pub(crate) fn missing(key: &Key, json: bool) {
         println!("{}", json!({ "key": key.to_hex(), "found": false }));
     } else {
         eprintln!("idem: there is no record of {}", key.to_hex());
+    }
+}
+
+/// Nothing found by a search (`what` says what was looked for).
+pub(crate) fn none(what: &str, json: bool) {
+    if json {
+        println!("{}", json!({ "found": false, "searched": what }));
+    } else {
+        eprintln!("idem: {what}");
     }
 }
 

@@ -1,13 +1,92 @@
 //! A store, by its URL.
 
 use idem_runtime::admin::Admin;
-use idem_runtime::{DynamoDbStore, MySqlStore, PostgresStore, RedisStore, SqliteStore};
+use idem_runtime::{
+    DynamoDbStore, MySqlStore, PostgresStore, RedisStore, SqliteStore, TieredStore,
+};
 
 use crate::{failure, Failure};
 
-/// The store of `url`, as an operator's view of it. Opening never creates or migrates
-/// anything: an operator's tool must not make a table a service would then find.
-pub(crate) async fn open(url: &str) -> Result<Box<dyn Admin>, Failure> {
+/// The store of `url`, behind the shared fast tier of `fast` if one is named (a Redis
+/// URL): an operator's view of it. Opening never creates or migrates anything: an
+/// operator's tool must not make a table a service would then find.
+pub(crate) async fn open(url: &str, fast: Option<&str>) -> Result<Box<dyn Admin>, Failure> {
+    let durable = durable(url).await?;
+    let Some(fast) = fast else {
+        return Ok(Box::new(durable));
+    };
+    let scheme = fast.split(':').next().unwrap_or("");
+    if !matches!(
+        scheme,
+        "redis" | "rediss" | "redis+cluster" | "redis+sentinel"
+    ) {
+        return Err(failure(format!(
+            "a shared fast tier is a Redis URL (redis://…), not {:?}",
+            redacted(fast)
+        )));
+    }
+    let (url, prefix) = split_param(fast, "prefix");
+    let store = redis(&url, scheme).await?;
+    let fast = match &prefix {
+        Some(prefix) => store.with_prefix(prefix)?,
+        None => store,
+    };
+    Ok(Box::new(TieredStore::new(fast, durable)))
+}
+
+/// The password in `url`'s user information (`scheme://user:password@host`), if any, as
+/// written and percent-decoded: what no message of `idem` may show.
+pub(crate) fn passwords(url: &str) -> Vec<String> {
+    let Some(password) = password(url) else {
+        return Vec::new();
+    };
+    let decoded = percent_decoded(&password);
+    let mut both = vec![password];
+    both.extend(decoded.filter(|decoded| decoded != &both[0]));
+    both
+}
+
+/// The password in `url`'s user information, as written.
+fn password(url: &str) -> Option<String> {
+    let rest = url.split_once("://")?.1;
+    let userinfo = rest.split(['/', '?', '#']).next()?.rsplit_once('@')?.0;
+    let password = userinfo.split_once(':')?.1;
+    (!password.is_empty()).then(|| password.to_string())
+}
+
+/// `text` with its `%XX` escapes decoded, if they are UTF-8.
+fn percent_decoded(text: &str) -> Option<String> {
+    let mut bytes = Vec::with_capacity(text.len());
+    let mut rest = text.as_bytes();
+    while let Some((&byte, tail)) = rest.split_first() {
+        if byte == b'%' && tail.len() >= 2 {
+            if let Ok(value) = u8::from_str_radix(std::str::from_utf8(&tail[..2]).ok()?, 16) {
+                bytes.push(value);
+                rest = &tail[2..];
+                continue;
+            }
+        }
+        bytes.push(byte);
+        rest = tail;
+    }
+    String::from_utf8(bytes).ok()
+}
+
+/// What `idem` operates: a store that is also the operator's view of it.
+pub(crate) trait Operated: Admin + idem_runtime::Store {}
+
+impl<T: Admin + idem_runtime::Store> Operated for T {}
+
+/// `url` with its password, if any, written `***`.
+pub(crate) fn redacted(url: &str) -> String {
+    match password(url) {
+        Some(password) => url.replacen(&format!(":{password}@"), ":***@", 1),
+        None => url.to_string(),
+    }
+}
+
+/// The durable store of `url`.
+async fn durable(url: &str) -> Result<Box<dyn Operated>, Failure> {
     let (url, table) = split_param(url, "table");
     let scheme = url.split(':').next().unwrap_or("");
     match scheme {
@@ -49,7 +128,8 @@ pub(crate) async fn open(url: &str) -> Result<Box<dyn Admin>, Failure> {
         }
         "dynamodb" => Ok(Box::new(dynamodb(&url, table)?)),
         _ => Err(failure(format!(
-            "unknown store URL {url:?}: use postgres://…, mysql://…, sqlite:PATH, redis://…, redis+cluster://HOST:PORT,…, redis+sentinel://HOST:PORT,…/MASTER or dynamodb:"
+            "unknown store URL {:?}: use postgres://…, mysql://…, sqlite:PATH, redis://…, redis+cluster://HOST:PORT,…, redis+sentinel://HOST:PORT,…/MASTER or dynamodb:",
+            redacted(&url)
         ))),
     }
 }
@@ -166,7 +246,26 @@ fn split_param(url: &str, name: &str) -> (String, Option<String>) {
 
 #[cfg(test)]
 mod tests {
-    use super::split_param;
+    use super::{password, redacted, split_param};
+
+    #[test]
+    fn a_password_is_found_and_hidden() {
+        assert_eq!(
+            password("postgres://app:s3cr%40t@db:5432/app?table=t").as_deref(),
+            Some("s3cr%40t")
+        );
+        assert_eq!(
+            super::passwords("postgres://app:s3cr%40t@db/app"),
+            ["s3cr%40t", "s3cr@t"]
+        );
+        assert_eq!(
+            password("redis://:hunter2@cache:6379/0").as_deref(),
+            Some("hunter2")
+        );
+        assert_eq!(password("postgres://app@db/app"), None);
+        assert_eq!(password("sqlite:/var/idem.db"), None);
+        assert_eq!(redacted("mysql://root:pw@h/db"), "mysql://root:***@h/db");
+    }
 
     fn split_table(url: &str) -> (String, Option<String>) {
         split_param(url, "table")

@@ -162,6 +162,8 @@ where
 
 /// Allows `Prefixed` to be `Sync` where its parts are (reqwest's body needs it).
 impl<B> Prefixed<B> {
+    /// For the reqwest middleware (feature `reqwest`).
+    #[cfg_attr(not(feature = "reqwest"), allow(dead_code))]
     pub(super) fn new(read: Bytes, rest: Pin<Box<B>>) -> Self {
         Self {
             read: Some(read),

@@ -239,7 +239,7 @@ impl Admin for DynamoDbStore {
                 let Some(entry) = entry(key_of(item)?, item, filter.values(), now)? else {
                     continue;
                 };
-                if filter.matches(entry.namespace(), entry.state()) {
+                if filter.admits(&entry) {
                     entries.push(entry);
                 }
             }

@@ -80,9 +80,11 @@ impl<'a> Smallest<'a> {
     /// Whether the page takes `key` in `state` of `namespace`: after the cursor, selected
     /// by the filter, not taken yet, and among the smallest so far. Asked before an entry
     /// is made, so that a walk over many records makes a page's worth of entries.
-    fn takes(&self, key: &Key, namespace: Option<&str>, state: State) -> bool {
+    fn takes(&self, key: &Key, names: (Option<&str>, Option<&str>), state: State) -> bool {
+        let (namespace, label) = names;
         !(self.after.is_some_and(|after| *key <= after)
             || !self.filter.matches(namespace, state)
+            || !self.filter.labelled(label)
             // A key seen twice (a claim that completed while the walk went on) keeps its
             // first entry, and costs the page no other key.
             || self.entries.contains_key(key)
@@ -102,11 +104,11 @@ impl<'a> Smallest<'a> {
     fn offer(
         &mut self,
         key: &Key,
-        namespace: Option<&str>,
+        names: (Option<&str>, Option<&str>),
         state: State,
         entry: impl FnOnce() -> Entry,
     ) {
-        if self.takes(key, namespace, state) {
+        if self.takes(key, names, state) {
             self.take(entry());
         }
     }
@@ -160,13 +162,19 @@ impl Admin for MemoryStore {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             for (key, claim) in &claims.live {
-                let namespace = claim.about.namespace.as_deref();
-                page.offer(key, namespace, claim.state(now), || claim.entry(*key, now));
+                let names = (
+                    claim.about.namespace.as_deref(),
+                    claim.about.label.as_deref(),
+                );
+                page.offer(key, names, claim.state(now), || claim.entry(*key, now));
             }
         }
         for (key, result) in &self.inner.results {
-            let namespace = result.about.namespace.as_deref();
-            page.offer(&key, namespace, result.state(), || {
+            let names = (
+                result.about.namespace.as_deref(),
+                result.about.label.as_deref(),
+            );
+            page.offer(&key, names, result.state(), || {
                 result.entry(*key, now, filter.values())
             });
         }
@@ -174,7 +182,7 @@ impl Admin for MemoryStore {
         // claims, never before. A mark whose result lives was offered as that result (the
         // results are asked only for a key the page would take).
         for (key, _) in self.marks().live(now) {
-            if page.takes(key, None, State::Gone) && !self.inner.results.contains_key(key) {
+            if page.takes(key, (None, None), State::Gone) && !self.inner.results.contains_key(key) {
                 page.take(Entry::new(*key, State::Gone));
             }
         }
@@ -257,7 +265,7 @@ mod tests {
     /// Offers the completed record whose key is `byte` repeated.
     fn offer(page: &mut Smallest<'_>, byte: u8) {
         let key = Key::from_bytes([byte; 32]);
-        page.offer(&key, None, State::Completed, || {
+        page.offer(&key, (None, None), State::Completed, || {
             Entry::new(key, State::Completed)
         });
     }
@@ -306,7 +314,7 @@ mod tests {
             (4, "billing.d"),
         ] {
             let key = Key::from_bytes([byte; 32]);
-            page.offer(&key, Some(namespace), State::Completed, || {
+            page.offer(&key, (Some(namespace), None), State::Completed, || {
                 made.push(byte);
                 Entry::new(key, State::Completed)
             });

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use sqlx::Row;
 
-use super::statements::{at_least, Bounded, Server};
+use super::statements::{at_least, Bounded, Server, TEXT};
 use super::MySqlEngine;
 use crate::store::sql::{self, Engine};
 use crate::Error;
@@ -34,7 +34,8 @@ impl MySqlEngine {
         let made = sql::within(Self::NAME, timeout, async {
             sqlx::query(&self.sql.create).execute(&mut *conn).await?;
             Ok(self.tokens_grow(&mut conn).await?
-                && self.about_missing(&mut conn).await?.is_empty())
+                && self.about_missing(&mut conn).await?.is_empty()
+                && self.narrow_text(&mut conn).await?.is_empty())
         })
         .await?;
         if made {
@@ -52,7 +53,10 @@ impl MySqlEngine {
                 ));
             }
             let upgraded = match self.upgrade(&mut conn).await {
-                Ok(()) => self.add_about(&mut conn).await,
+                Ok(()) => match self.add_about(&mut conn).await {
+                    Ok(()) => self.widen_text(&mut conn).await,
+                    failed => failed,
+                },
                 failed => failed,
             };
             sqlx::query(&format!("SELECT RELEASE_LOCK({lock})"))
@@ -168,6 +172,45 @@ impl MySqlEngine {
             .collect())
     }
 
+    /// The text columns of [`ABOUT`] that are not UTF-8 (`utf8mb4`), or whose collation is
+    /// binary (which the driver reads back as a `BLOB`): those of a table made by an earlier
+    /// version in a database whose default is `latin1` or `utf8mb3`.
+    async fn narrow_text(
+        &self,
+        conn: &mut sqlx::MySqlConnection,
+    ) -> Result<Vec<String>, sqlx::Error> {
+        sqlx::query_scalar(
+            "SELECT CAST(COLUMN_NAME AS CHAR) FROM information_schema.COLUMNS \
+             WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = ? \
+             AND COLUMN_NAME IN ('namespace', 'label', 'holder') \
+             AND (CHARACTER_SET_NAME <> 'utf8mb4' OR COLLATION_NAME LIKE '%\\_bin')",
+        )
+        .bind(&self.sql.table.name)
+        .fetch_all(&mut *conn)
+        .await
+    }
+
+    /// Makes the text columns of [`ABOUT`] UTF-8, in place, converting what they hold.
+    async fn widen_text(&self, conn: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
+        let narrow = self.narrow_text(conn).await?;
+        if narrow.is_empty() {
+            return Ok(());
+        }
+        let columns: Vec<String> = narrow
+            .iter()
+            // Names from the fixed list above, read back from the server.
+            .filter(|name| ["namespace", "label", "holder"].contains(&name.as_str()))
+            .map(|name| format!("MODIFY {name} {TEXT}"))
+            .collect();
+        let alter = format!(
+            "ALTER TABLE `{}` {}",
+            self.sql.table.name,
+            columns.join(", ")
+        );
+        sqlx::Executor::execute(&mut *conn, sqlx::raw_sql(&alter)).await?;
+        Ok(())
+    }
+
     /// Adds the columns of [`ABOUT`] the table lacks, in place: nullable, so rows written
     /// before list as "namespace unknown".
     async fn add_about(&self, conn: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
@@ -223,9 +266,9 @@ impl MySqlEngine {
 /// record, how long a claim that lapsed unsettled is kept (its call's TTL), and whether a
 /// claim took one over.
 const ABOUT: [(&str, &str); 7] = [
-    ("namespace", "TEXT NULL"),
-    ("label", "TEXT NULL"),
-    ("holder", "TEXT NULL"),
+    ("namespace", TEXT),
+    ("label", TEXT),
+    ("holder", TEXT),
     ("lease_ms", "BIGINT NULL"),
     ("step", "BOOLEAN NULL"),
     ("ttl_ms", "BIGINT NULL"),

@@ -8,6 +8,13 @@ use crate::store::sql::{is_identifier, millis, Table};
 use crate::{Error, Fingerprint, Key, Token};
 
 /// The server's clock in Unix milliseconds, independent of the session's time zone.
+/// The type of the columns that say whose a record is (its namespace, label and holder):
+/// UTF-8 whatever the table's or the database's default, so that a namespace reads back as
+/// it was written and a prefix finds it (a `latin1` or `utf8mb3` table would mangle what it
+/// cannot hold). The prefix is compared as bytes; the collation is the server's default
+/// for `utf8mb4` (a binary one would read back as a `BLOB`).
+pub(super) const TEXT: &str = "TEXT CHARACTER SET utf8mb4 NULL";
+
 const NOW: &str = "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)";
 
 /// What the store learned of its server, once: which dialect bounds a statement's waits,
@@ -288,7 +295,7 @@ impl Statements {
                     fingerprint VARBINARY(32) NULL, \
                     value LONGBLOB NULL, \
                     expires_at BIGINT NOT NULL, \
-                    namespace TEXT NULL, label TEXT NULL, holder TEXT NULL, \
+                    namespace {TEXT}, label {TEXT}, holder {TEXT}, \
                     lease_ms BIGINT NULL, step BOOLEAN NULL, ttl_ms BIGINT NULL, taken_over BOOLEAN NULL, \
                     INDEX {token_index} (token), \
                     INDEX {index} (expires_at)) ENGINE = InnoDB"
@@ -406,6 +413,7 @@ impl Statements {
 #[cfg(feature = "admin")]
 fn admin(t: &str) -> crate::store::sql::AdminSql {
     crate::store::sql::AdminSql::new(&crate::store::sql::Spelling {
+        told: None,
         table: t,
         key: "`key`",
         param: |_| "?".to_string(),

@@ -20,6 +20,9 @@ pub(super) struct Statements {
     pub(super) table: Table,
     pub(super) remove: String,
     pub(super) purge: String,
+    /// The channel on which a removal of a completed record is told (`pg_notify`), for the
+    /// tiers in front of this table ([`Store::watch_removals`](crate::Store::watch_removals)).
+    pub(super) removals: String,
 }
 
 impl Statements {
@@ -37,6 +40,8 @@ impl Statements {
         let t = objects.quoted.clone();
         let sequence = objects.sequence.clone();
         let function = objects.function.clone();
+        let removals = removals_channel(&objects.table);
+        let told = format!("pg_notify('{removals}', encode(key, 'hex'))");
         Self {
             transaction: InTransaction::new(&function, &t),
             claim: [
@@ -87,12 +92,15 @@ impl Statements {
                 ),
                 released: format!("SELECT token FROM {t} WHERE key = $1 AND step IS TRUE"),
                 #[cfg(feature = "admin")]
-                admin: admin(&t),
+                admin: admin(&t, &told),
             },
+            // A completed record removed is told to the tiers in front of the table, in the
+            // statement's own transaction (the `WHERE` makes the server run `told`).
             remove: format!(
                 "WITH steps AS (DELETE FROM {t} WHERE key BETWEEN $2 AND $3 AND key <> $1), \
-                 removed AS (DELETE FROM {t} WHERE key = $1 RETURNING expires_at > now() AS live) \
-                 SELECT coalesce(bool_or(live), false) FROM removed"
+                 removed AS (DELETE FROM {t} WHERE key = $1 RETURNING key, completed, expires_at > now() AS live), \
+                 told AS (SELECT {told} FROM removed WHERE completed) \
+                 SELECT coalesce(bool_or(live), false) FROM removed WHERE (SELECT count(*) FROM told) >= 0"
             ),
             // One batch: expired rows that no one holds a lock on (a claim taking an expired
             // key over, say) are skipped, never waited for. A claim that lapsed unsettled
@@ -104,8 +112,18 @@ impl Statements {
                     LIMIT $1 FOR UPDATE SKIP LOCKED))"
             ),
             schema: objects,
+            removals,
         }
     }
+}
+
+/// The channel on which removals from the table `table` (as the user named it) are told:
+/// a name of its own per table, short of PostgreSQL's 63 bytes, which nothing needs to
+/// quote.
+fn removals_channel(table: &str) -> String {
+    use sha2::Digest as _;
+    let digest = sha2::Sha256::digest(table.as_bytes());
+    format!("idem_removed_{}", hex::encode(&digest[..8]))
 }
 
 /// What a claim's insert does with a row of the key that is not live.
@@ -235,10 +253,12 @@ fn ordinary_claim(t: &str, sequence: &str, conflict: Conflict) -> String {
     )
 }
 
-/// The statements of an operator ([`Admin`](crate::admin::Admin)) on the table `t`.
+/// The statements of an operator ([`Admin`](crate::admin::Admin)) on the table `t`; a
+/// completed record forgotten is told with `told`.
 #[cfg(feature = "admin")]
-fn admin(t: &str) -> crate::store::sql::AdminSql {
+fn admin(t: &str, told: &str) -> crate::store::sql::AdminSql {
     crate::store::sql::AdminSql::new(&crate::store::sql::Spelling {
+        told: Some(told),
         table: t,
         key: "key",
         param: |n| format!("${n}"),

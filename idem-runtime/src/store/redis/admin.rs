@@ -390,7 +390,7 @@ impl Admin for RedisStore {
                         continue; // gone since the scan found it
                     };
                     let entry = entry(*key, head, filter.values())?;
-                    if filter.matches(entry.namespace(), entry.state()) && seen.insert(*key) {
+                    if filter.admits(&entry) && seen.insert(*key) {
                         entries.push(entry);
                     }
                 }

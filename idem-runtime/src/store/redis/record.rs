@@ -27,7 +27,8 @@ pub(super) const NO_FENCE: &[u8; FENCE_DIGITS] = b"00000000000000000000";
 // claim if the key is free and answers the record that is there otherwise. A claim that
 // took the key writes its trace, `T` or `F` and the TTL: whether a trace was there (a
 // trace outlives its claim only when the claim lapsed, or an operator released it,
-// unsettled), which it answers (1 or 0). The caller's own claim, found again after its
+// unsettled), which it answers (1 or 0); the trace is written `F` with `GET`, and again
+// `T` only on a takeover, so that a first claim is one write. The caller's own claim, found again after its
 // answer was lost, answers with the record what its trace says.
 const CLAIM_LUA: &str = r"
 local found = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'GET', 'PX', ARGV[2])
@@ -41,9 +42,9 @@ if found then
     end
     return found
 end
-local taken = redis.call('GET', KEYS[2])
-redis.call('SET', KEYS[2], (taken and 'T' or 'F') .. ARGV[3], 'PX', ARGV[4])
+local taken = redis.call('SET', KEYS[2], 'F' .. ARGV[3], 'PX', ARGV[4], 'GET')
 if taken then
+    redis.call('SET', KEYS[2], 'T' .. ARGV[3], 'PX', ARGV[4])
     return 1
 end
 return 0

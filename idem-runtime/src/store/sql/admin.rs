@@ -70,6 +70,9 @@ pub(crate) struct Spelling<'a> {
     /// Writes, or moves forward, the trace of an operator's release (its key, the released
     /// token): a step's row (never listed), kept for a day.
     pub(crate) trace: &'a str,
+    /// How a completed record forgotten is told to the tiers in front of the table, an
+    /// expression of the deleted row's `key` (PostgreSQL's `pg_notify`); `None`: not told.
+    pub(crate) told: Option<&'a str>,
 }
 
 /// The admin statements of one table.
@@ -139,7 +142,15 @@ impl AdminSql {
                 s.silent
             ),
             trace: s.trace.to_string(),
-            forget: format!("DELETE FROM {t} WHERE {key} = {} AND completed", p(1)),
+            // Counted as the rows it returns, one per row deleted, where it is told.
+            forget: match s.told {
+                Some(told) => format!(
+                    "WITH gone AS (DELETE FROM {t} WHERE {key} = {} AND completed RETURNING {key}) \
+                     SELECT {told} FROM gone",
+                    p(1)
+                ),
+                None => format!("DELETE FROM {t} WHERE {key} = {} AND completed", p(1)),
+            },
             forget_steps: format!(
                 "DELETE FROM {t} WHERE {key} BETWEEN {} AND {} AND {key} <> {}",
                 p(1),
@@ -403,7 +414,7 @@ impl<D: Dialect + AdminRows> Admin for SqlStore<D> {
             for row in rows {
                 let entry = entry(row, filter.values())?;
                 from = Some(*entry.key());
-                if !filter.matches(entry.namespace(), entry.state()) {
+                if !filter.admits(&entry) {
                     continue;
                 }
                 if entries.len() == size {

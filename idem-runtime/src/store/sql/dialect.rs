@@ -59,6 +59,13 @@ pub trait Engine: Clone + Send + Sync + 'static {
     /// with several hosts looks for the primary again).
     fn failed(&self, _err: &Error, _timeout: Duration) {}
 
+    /// Tells `watch` of the completed records removed from the table by any process, as
+    /// [`Store::watch_removals`](crate::Store::watch_removals): `false` (the default) for
+    /// a database that cannot (PostgreSQL can, through `LISTEN`/`NOTIFY`).
+    fn watch_removals(&self, _watch: crate::store::RemovalWatch) -> bool {
+        false
+    }
+
     /// Claims as [`Store::claim`](crate::Store::claim): the row keeps the claimant's
     /// namespace and label, this process as its holder, the lease, and the call's TTL
     /// (how long a claim that lapses unsettled is kept).

@@ -214,6 +214,7 @@ impl Statements {
 #[cfg(feature = "admin")]
 fn admin(t: &str) -> crate::store::sql::AdminSql {
     crate::store::sql::AdminSql::new(&crate::store::sql::Spelling {
+        told: None,
         table: t,
         key: "key",
         param: |n| format!("?{n}"),
