@@ -39,8 +39,7 @@ pub use self::outcome::Outcome;
 pub use self::settings::InFlight;
 pub(crate) use self::settle::Found;
 
-/// How long a completed result is replayed unless told otherwise: 24 hours.
-pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+pub use crate::store::DEFAULT_TTL;
 
 /// How long a claim lives without renewal unless told otherwise: 8 seconds.
 ///

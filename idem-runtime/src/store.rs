@@ -52,6 +52,9 @@ pub use bytes::Bytes;
 
 use crate::{Error, Fingerprint, Flights, Key};
 
+/// How long a completed result is replayed unless told otherwise: 24 hours.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+
 /// A claim's token: different for every successful claim of the same key, so that a holder
 /// whose lease ran out can be told apart from the one that took the key over.
 ///
@@ -227,14 +230,14 @@ pub struct ClaimRequest<'a> {
 
 impl<'a> ClaimRequest<'a> {
     /// A claim of `key` for `lease`, with no fingerprint, the [default
-    /// TTL](crate::DEFAULT_TTL), a nonce of its own (a claim that is never sent again) and
+    /// TTL](DEFAULT_TTL), a nonce of its own (a claim that is never sent again) and
     /// no claimant's name.
     pub fn new(key: &'a Key, lease: Duration) -> Self {
         Self {
             key,
             fingerprint: None,
             lease,
-            ttl: crate::DEFAULT_TTL,
+            ttl: DEFAULT_TTL,
             nonce: nonce(),
             claimant: Claimant::unnamed(),
         }

@@ -25,14 +25,13 @@ use super::attempt::{Attempt, Journal};
 use super::backoff::backoff;
 use super::lease::Lease;
 use super::settings::Settings;
-use super::settle::Granted;
 use crate::background;
 use crate::flights::{FlightRef, Landing};
 use crate::meter::{self, Event};
 use crate::namespace::Namespace;
 use crate::store::Claimant;
 use crate::store::Typed;
-use crate::{Claim, ClaimRequest, Error, Fingerprint, Key, Store};
+use crate::{Claim, ClaimRequest, Error, Fingerprint, Key, Store, Token};
 
 pub(super) struct Held {
     /// What the heartbeat shares with the guard.
@@ -726,4 +725,16 @@ impl Drop for Held {
         // lands the flight.
         background::spawn(&runtime, async move { rest.finish().await });
     }
+}
+
+/// A claim the store granted.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Granted {
+    /// The claim's token.
+    pub(crate) token: Token,
+    /// When the claim that took it was sent: the store's lease began after it.
+    pub(crate) sent: Instant,
+    /// Whether it took the key over from a claim that was never settled: that claim's
+    /// outcome is unknown ([`Claim::Acquired`]).
+    pub(crate) taken_over: bool,
 }

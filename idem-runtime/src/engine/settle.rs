@@ -11,14 +11,14 @@ use tracing::Instrument;
 use super::attempt;
 use super::backoff::backoff;
 use super::handle::{Begun, Handle};
-use super::held::Held;
+use super::held::{Granted, Held};
 use super::settings::InFlight;
 use super::settings::{traced, Settings};
 use crate::flights::Landing;
 #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
 use crate::store::{Call, Transactional};
 use crate::store::{Claimant, Kept, Typed};
-use crate::{limits, meter, Claim, ClaimRequest, Error, Fingerprint, Key, Store, Token};
+use crate::{limits, meter, Claim, ClaimRequest, Error, Fingerprint, Key, Store};
 
 impl Settings {
     /// The record to replay, if the store has it at hand (in memory) and no call of the key
@@ -366,18 +366,6 @@ const CLAIM_TRIES: u32 = 3;
 pub(crate) enum Settled {
     Replay(Bytes),
     Run(Granted),
-}
-
-/// A claim the store granted.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Granted {
-    /// The claim's token.
-    pub(crate) token: Token,
-    /// When the claim that took it was sent: the store's lease began after it.
-    pub(crate) sent: Instant,
-    /// Whether it took the key over from a claim that was never settled: that claim's
-    /// outcome is unknown ([`Claim::Acquired`]).
-    pub(crate) taken_over: bool,
 }
 
 fn check_fingerprint(
