@@ -18,7 +18,6 @@ FEATURE_SETS = {
     "metrics": ["metrics"],
     "lapin": ["lapin"],
     "nats": ["nats"],
-    "cli": ["cli"],
     "all features": None,
 }
 
@@ -28,7 +27,6 @@ FEATURE_SETS = {
 # declared version.
 OWN_MINIMUM = {
     "dynamodb": "1.94.1",  # aws-sdk-dynamodb's own rust-version
-    "cli": "1.94.1",  # it reaches DynamoDB too
 }
 
 

@@ -53,7 +53,7 @@
 //! [`SqliteStore`](crate::SqliteStore)), [`RedisStore`](crate::RedisStore) (one server,
 //! Sentinel or Cluster) and [`DynamoDbStore`](crate::DynamoDbStore) implement [`Admin`], and
 //! so does [`TieredStore`](crate::TieredStore) over a durable store that does. What each store supports, and what a listing costs on it, is in the operator's
-//! guide ([`crate::guide::operations`]), with the `idem` command line (feature `cli`).
+//! guide ([`crate::guide::operations`]), with the `idem` command line (the crate `idem-cli`).
 
 use std::fmt;
 use std::str::FromStr;

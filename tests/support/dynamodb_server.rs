@@ -1,7 +1,8 @@
 //! The DynamoDB emulator the tests use: `IDEM_DYNAMODB_URL` (default `http://127.0.0.1:8000`,
 //! where `.ci/run` starts `dynoxide`), or, when nothing answers there, a `dynoxide` of the
-//! test process's own that ends with it; and a client of it as a Lambda function's would
-//! be, less the TLS.
+//! test process's own that ends with it (built into `target/tools` by the first test that
+//! needs it, when the machine has none: a first run on a fresh machine skips nothing); and
+//! a client of it as a Lambda function's would be, less the TLS.
 
 use std::time::Duration;
 
@@ -75,13 +76,14 @@ async fn start_dynoxide() -> Option<String> {
     use std::sync::{Mutex, OnceLock};
     static KEPT: OnceLock<Mutex<(Child, ChildStdin)>> = OnceLock::new();
 
+    let dynoxide = dynoxide()?;
     let port = crate::free_port()?;
-    let script = r#"dynoxide serve --host 127.0.0.1 --port "$1" --log quiet </dev/null >/dev/null 2>&1 &
+    let script = r#""$2" serve --host 127.0.0.1 --port "$1" --log quiet </dev/null >/dev/null 2>&1 &
 server=$!
 read -r _
 kill "$server""#;
     let mut shell = Command::new("sh")
-        .args(["-c", script, "sh", &port.to_string()])
+        .args(["-c", script, "sh", &port.to_string(), &dynoxide])
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -100,6 +102,58 @@ kill "$server""#;
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     None
+}
+
+/// The version of the emulator the tests build when the machine has none: fixed, as
+/// `.ci/run`'s, so that an emulator release cannot change what the tests prove.
+const DYNOXIDE: &str = "3.2.0";
+
+/// The `dynoxide` to run: the machine's (on `PATH`), or the one built into the workspace's
+/// `target/tools` (by `cargo install --locked`, under a file lock, so that the test
+/// processes that start at once build it once). `None` when it cannot be built.
+fn dynoxide() -> Option<String> {
+    use std::process::Command;
+    let on_path = Command::new("dynoxide")
+        .arg("--version")
+        .output()
+        .is_ok_and(|output| output.status.success());
+    if on_path {
+        return Some("dynoxide".to_owned());
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    let root = target.join("tools");
+    let built = root.join("bin").join("dynoxide");
+    std::fs::create_dir_all(&root).ok()?;
+    let lock = std::fs::File::create(root.join(".dynoxide.lock")).ok()?;
+    lock.lock().ok()?;
+    if !built.exists() {
+        eprintln!(
+            "building the DynamoDB emulator (dynoxide-rs {DYNOXIDE}) into {}, once",
+            root.display()
+        );
+        let installed = Command::new(env!("CARGO"))
+            .args([
+                "install",
+                "--locked",
+                "--quiet",
+                "dynoxide-rs",
+                "--version",
+                DYNOXIDE,
+                "--no-default-features",
+                "--features",
+                "native-sqlite,http-server,cli",
+                "--root",
+            ])
+            .arg(&root)
+            .status()
+            .is_ok_and(|status| status.success());
+        if !installed {
+            return None;
+        }
+    }
+    Some(built.to_string_lossy().into_owned())
 }
 
 /// The emulator's URL once it answers (`IDEM_DYNAMODB_URL`; by default the one on
@@ -123,7 +177,7 @@ pub async fn dynamodb_endpoint() -> Option<String> {
         Some(url) => Some(conformance(url).map_or_else(|| url.clone(), |(url, _)| url.clone())),
         None => unavailable(
             &format!("a DynamoDB endpoint at {url}"),
-            "nothing answers there and `dynoxide` could not be started (`cargo install dynoxide-rs`, see CONTRIBUTING.md)",
+            "nothing answers there and `dynoxide` could be neither found nor built (`cargo install dynoxide-rs`)",
         ),
     }
 }

@@ -1,4 +1,5 @@
-//! `idem`: operate an idem store from a shell (feature `cli`).
+//! `idem`: operate an idem store from a shell (`cargo install idem-cli`; a feature per
+//! store, all by default).
 //!
 //! ```text
 //! idem --store postgres://u@h/db list --namespace billing. --state held

@@ -1,9 +1,16 @@
 //! A store, by its URL.
 
 use idem_runtime::admin::Admin;
-use idem_runtime::{
-    DynamoDbStore, MySqlStore, PostgresStore, RedisStore, SqliteStore, TieredStore,
-};
+#[cfg(feature = "dynamodb")]
+use idem_runtime::DynamoDbStore;
+#[cfg(feature = "mysql")]
+use idem_runtime::MySqlStore;
+#[cfg(feature = "postgres")]
+use idem_runtime::PostgresStore;
+#[cfg(feature = "sqlite")]
+use idem_runtime::SqliteStore;
+#[cfg(feature = "redis")]
+use idem_runtime::{RedisStore, TieredStore};
 
 use crate::{failure, Failure};
 
@@ -15,6 +22,12 @@ pub(crate) async fn open(url: &str, fast: Option<&str>) -> Result<Box<dyn Admin>
     let Some(fast) = fast else {
         return Ok(Box::new(durable));
     };
+    tiered(durable, fast).await
+}
+
+/// `durable` behind the shared fast tier of `fast`, a Redis URL.
+#[cfg(feature = "redis")]
+async fn tiered(durable: Box<dyn Operated>, fast: &str) -> Result<Box<dyn Admin>, Failure> {
     let scheme = fast.split(':').next().unwrap_or("");
     if !matches!(
         scheme,
@@ -32,6 +45,19 @@ pub(crate) async fn open(url: &str, fast: Option<&str>) -> Result<Box<dyn Admin>
         None => store,
     };
     Ok(Box::new(TieredStore::new(fast, durable)))
+}
+
+#[cfg(not(feature = "redis"))]
+async fn tiered(_: Box<dyn Operated>, _: &str) -> Result<Box<dyn Admin>, Failure> {
+    Err(missing("redis", "a shared fast tier (--fast redis://…)"))
+}
+
+/// What a URL of a store this `idem` was built without is told.
+#[allow(dead_code)] // with every feature on, every store is there
+fn missing(feature: &str, what: &str) -> Failure {
+    failure(format!(
+        "this idem was built without {what}: cargo install idem-cli --features {feature}"
+    ))
 }
 
 /// The password in `url`'s user information (`scheme://user:password@host`), if any, as
@@ -90,6 +116,7 @@ async fn durable(url: &str) -> Result<Box<dyn Operated>, Failure> {
     let (url, table) = split_param(url, "table");
     let scheme = url.split(':').next().unwrap_or("");
     match scheme {
+        #[cfg(feature = "postgres")]
         "postgres" | "postgresql" => {
             let store = PostgresStore::connect(&url).await?;
             Ok(Box::new(match &table {
@@ -97,6 +124,9 @@ async fn durable(url: &str) -> Result<Box<dyn Operated>, Failure> {
                 None => store,
             }))
         }
+        #[cfg(not(feature = "postgres"))]
+        "postgres" | "postgresql" => Err(missing("postgres", "PostgreSQL")),
+        #[cfg(feature = "mysql")]
         "mysql" | "mariadb" => {
             let url = url.replacen("mariadb:", "mysql:", 1);
             let store = MySqlStore::connect(&url).await?;
@@ -105,6 +135,9 @@ async fn durable(url: &str) -> Result<Box<dyn Operated>, Failure> {
                 None => store,
             }))
         }
+        #[cfg(not(feature = "mysql"))]
+        "mysql" | "mariadb" => Err(missing("mysql", "MySQL and MariaDB")),
+        #[cfg(feature = "sqlite")]
         "sqlite" => {
             let path = url
                 .trim_start_matches("sqlite:")
@@ -118,7 +151,15 @@ async fn durable(url: &str) -> Result<Box<dyn Operated>, Failure> {
                 None => store,
             }))
         }
+        #[cfg(not(feature = "sqlite"))]
+        "sqlite" => Err(missing("sqlite", "SQLite")),
+        #[cfg(feature = "redis")]
         "redis" | "rediss" | "redis+cluster" | "redis+sentinel" => {
+            if table.is_some() {
+                return Err(failure(
+                    "a Redis store has keys, not a table: name its prefix with ?prefix=NAME",
+                ));
+            }
             let (url, prefix) = split_param(&url, "prefix");
             let store = redis(&url, scheme).await?;
             Ok(Box::new(match &prefix {
@@ -126,7 +167,12 @@ async fn durable(url: &str) -> Result<Box<dyn Operated>, Failure> {
                 None => store,
             }))
         }
+        #[cfg(not(feature = "redis"))]
+        "redis" | "rediss" | "redis+cluster" | "redis+sentinel" => Err(missing("redis", "Redis")),
+        #[cfg(feature = "dynamodb")]
         "dynamodb" => Ok(Box::new(dynamodb(&url, table)?)),
+        #[cfg(not(feature = "dynamodb"))]
+        "dynamodb" => Err(missing("dynamodb", "DynamoDB")),
         _ => Err(failure(format!(
             "unknown store URL {:?}: use postgres://…, mysql://…, sqlite:PATH, redis://…, redis+cluster://HOST:PORT,…, redis+sentinel://HOST:PORT,…/MASTER or dynamodb:",
             redacted(&url)
@@ -137,6 +183,7 @@ async fn durable(url: &str) -> Result<Box<dyn Operated>, Failure> {
 /// A Redis store: one server (`redis://`, `rediss://`), a cluster through any of its nodes
 /// (`redis+cluster://host:port,host:port`), or the primary the sentinels name
 /// (`redis+sentinel://host:port,host:port/master`).
+#[cfg(feature = "redis")]
 async fn redis(url: &str, scheme: &str) -> Result<RedisStore, Failure> {
     let rest = url.split_once("://").map_or("", |(_, rest)| rest);
     let nodes = |hosts: &str| -> Vec<String> {
@@ -165,6 +212,7 @@ async fn redis(url: &str, scheme: &str) -> Result<RedisStore, Failure> {
 }
 
 /// The table a DynamoDB URL names none: the SQL stores' default name.
+#[cfg(feature = "dynamodb")]
 const DYNAMODB_TABLE: &str = "idem_records";
 
 /// A DynamoDB store: `dynamodb:` (or `dynamodb://`) with `?table=` (default
@@ -172,6 +220,7 @@ const DYNAMODB_TABLE: &str = "idem_records";
 /// `?endpoint=` (an emulator's, or a VPC endpoint's; default AWS's for the region). The
 /// credentials are the environment's: `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY` and
 /// `AWS_SESSION_TOKEN`. HTTPS with rustls and the system's roots.
+#[cfg(feature = "dynamodb")]
 fn dynamodb(url: &str, table: Option<String>) -> Result<DynamoDbStore, Failure> {
     use aws_sdk_dynamodb::config::{BehaviorVersion, Credentials, Region};
 

@@ -32,9 +32,19 @@ fn redis_url() -> String {
     std::env::var("IDEM_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
 }
 
+/// The emulator's URL: the one [`dynamodb_store`] found or started (and gave the children
+/// it spawns as `IDEM_DYNAMODB_URL`).
 fn dynamodb_url() -> String {
-    std::env::var("IDEM_DYNAMODB_URL").unwrap_or_else(|_| "http://127.0.0.1:8000".into())
+    ENDPOINT
+        .get()
+        .cloned()
+        .or_else(|| std::env::var("IDEM_DYNAMODB_URL").ok())
+        .unwrap_or_else(|| "http://127.0.0.1:8000".into())
 }
+
+/// The emulator this process uses, once found: `IDEM_DYNAMODB_URL`, the one on
+/// 127.0.0.1:8000, or one of this process's own (built when the machine has none).
+static ENDPOINT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 /// The credentials the emulator takes, given to the child service and to `idem` alike.
 const AWS_KEY: (&str, &str) = ("idem-cli", "idem-cli-secret");
@@ -81,6 +91,8 @@ fn dynamodb_client() -> aws_sdk_dynamodb::Client {
 
 /// A DynamoDB store on `table`, made when missing, or `None` (skipped).
 async fn dynamodb_store(table: &str) -> Option<DynamoDbStore> {
+    let endpoint = idem_tests::dynamodb_endpoint().await?;
+    let _ = ENDPOINT.set(endpoint);
     let store = DynamoDbStore::new(dynamodb_client(), table);
     let made = store.migrate().await.map(|()| store);
     available("the dynamodb emulator", made)
@@ -345,6 +357,7 @@ async fn killed_holder<S: Store + Clone>(store: &S, place: &Place, effects: &Pat
         ])
         .env(CHILD, place.spec())
         .env(EFFECTS, effects)
+        .env("IDEM_DYNAMODB_URL", dynamodb_url())
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -609,6 +622,18 @@ fn the_stores_password_is_never_printed() {
         );
         assert!(!said.contains(secret), "{said}");
     }
+}
+
+#[test]
+fn a_redis_url_naming_a_table_is_refused_not_ignored() {
+    let refused = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["--store", "redis://127.0.0.1:1/?table=orders", "list"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(said.contains("?prefix="), "{said}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
