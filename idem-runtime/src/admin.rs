@@ -720,6 +720,21 @@ pub enum Verdict {
     Refused(Refusal),
 }
 
+/// What one conditional write of [`Admin::end_claim`] or [`Admin::forget_call`] came to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Ending {
+    /// It was written: the claim ended, or the call was forgotten.
+    Ended,
+    /// The record is no longer what the operator looked at (taken again, renewed, settled
+    /// or gone): nothing was written, and [`release`](Admin::release) looks again.
+    Changed,
+    /// The store judged the claim and refused to end it: nothing was written. (A store that
+    /// judges only by its condition answers [`Changed`](Self::Changed) instead, and the
+    /// next look refuses.)
+    Refused(Refusal),
+}
+
 /// Why a release or reset changed nothing.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -766,6 +781,13 @@ impl fmt::Display for Refusal {
 /// it ([`MemoryStore`](crate::MemoryStore), the SQL stores, [`RedisStore`](crate::RedisStore),
 /// [`DynamoDbStore`](crate::DynamoDbStore), [`TieredStore`](crate::TieredStore)).
 ///
+/// A store implements three reads ([`list`](Self::list), [`inspect`](Self::inspect),
+/// [`look`](Self::look)), two conditional writes ([`end_claim`](Self::end_claim),
+/// [`forget_call`](Self::forget_call)) and [`purge`](Self::purge); the release rules
+/// (the token shown, a silent holder unless forced, a completed call reset rather than
+/// released) and the looking again when a write finds the record changed are
+/// [`release`](Self::release) and [`reset`](Self::reset), written here once.
+///
 /// [`Store`](crate::Store) has a `release` of its own (a holder's, by token): with both
 /// traits in scope, say which, `Admin::release(&store, &key, token, Release::IfSilent)`.
 ///
@@ -793,21 +815,66 @@ pub trait Admin: Send + Sync {
     /// [`Error::Store`] when the store fails.
     async fn inspect(&self, key: &Key) -> Result<Option<Entry>, Error>;
 
+    /// The record of `key` as it stands, without its steps and its value: what
+    /// [`release`](Self::release) and [`reset`](Self::reset) judge. `None` when there is
+    /// none.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store fails.
+    async fn look(&self, key: &Key) -> Result<Option<Entry>, Error>;
+
+    /// Ends the claim `entry` showed (held or lapsed under `token`) in one conditional
+    /// write: only while the record still holds `token` and, unless `how` is
+    /// [`Release::Force`] or the holder's process has exited, while its holder is still
+    /// silent. The holder is fenced first (its completion and steps refused), and a
+    /// holder of this process is told at once. A release (`forget` false) leaves the key
+    /// to the next claim, which is told that it takes over a call whose outcome is
+    /// unknown; a reset (`forget`) deletes the record and the call's steps.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store fails; a record that changed is
+    /// [`Ending::Changed`].
+    async fn end_claim(
+        &self,
+        entry: &Entry,
+        token: Token,
+        how: Release,
+        forget: bool,
+    ) -> Result<Ending, Error>;
+
+    /// Deletes the completed (or gone) call `entry` showed, and its steps, in one
+    /// conditional write: only while it is still completed or gone, never a claim taken
+    /// since.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store fails; a record that changed is
+    /// [`Ending::Changed`].
+    async fn forget_call(&self, entry: &Entry) -> Result<Ending, Error>;
+
     /// Releases the claim of `key` held under `token` (the one a listing showed), as `how`
     /// allows, in one conditional write: the next call claims at once.
     ///
     /// # Errors
     ///
-    /// [`Error::Store`] when the store fails; a refusal is a [`Verdict::Refused`].
-    async fn release(&self, key: &Key, token: Token, how: Release) -> Result<Verdict, Error>;
+    /// [`Error::Store`] when the store fails, or when the record changed under every look
+    /// (it is taken and settled faster than it is read); a refusal is a
+    /// [`Verdict::Refused`].
+    async fn release(&self, key: &Key, token: Token, how: Release) -> Result<Verdict, Error> {
+        judged(self, key, Some(token), how).await
+    }
 
     /// Forgets the call of `key` and its steps, so that its next call runs again: a
     /// completed (or gone) call at once, a claim in progress as `how` allows.
     ///
     /// # Errors
     ///
-    /// [`Error::Store`] when the store fails; a refusal is a [`Verdict::Refused`].
-    async fn reset(&self, key: &Key, how: Release) -> Result<Verdict, Error>;
+    /// As [`release`](Self::release).
+    async fn reset(&self, key: &Key, how: Release) -> Result<Verdict, Error> {
+        judged(self, key, None, how).await
+    }
 
     /// Deletes the expired records: how many (as far as the store counts them).
     ///
@@ -817,19 +884,44 @@ pub trait Admin: Send + Sync {
     async fn purge(&self) -> Result<u64, Error>;
 }
 
-/// Judges a claim in progress against a release: `None` when it may go. (For the stores
-/// compiled in: none uses it with `admin` alone.)
-#[cfg_attr(
-    not(any(
-        feature = "memory",
-        feature = "postgres",
-        feature = "mysql",
-        feature = "sqlite",
-        feature = "redis",
-        feature = "dynamodb"
-    )),
-    allow(dead_code)
-)]
+/// How many times a release or reset looks again when the record changed between its look
+/// and its write.
+const LOOKS: usize = 3;
+
+/// [`Admin::release`] (with the `token` shown) and [`Admin::reset`] (without): look,
+/// judge, write on the condition that nothing changed, and look again if it did.
+async fn judged<A: Admin + ?Sized>(
+    admin: &A,
+    key: &Key,
+    token: Option<Token>,
+    how: Release,
+) -> Result<Verdict, Error> {
+    for _ in 0..LOOKS {
+        let Some(entry) = admin.look(key).await? else {
+            return Ok(Verdict::Refused(Refusal::NotFound));
+        };
+        if let Some(refusal) = refusal(&entry, token, how) {
+            return Ok(Verdict::Refused(refusal));
+        }
+        let claim = matches!(entry.state(), State::Held | State::Lapsed);
+        let ending = match entry.token().or(token) {
+            Some(held) if claim => admin.end_claim(&entry, held, how, token.is_none()).await?,
+            _ => admin.forget_call(&entry).await?,
+        };
+        match ending {
+            Ending::Ended => return Ok(Verdict::Done),
+            Ending::Refused(refusal) => return Ok(Verdict::Refused(refusal)),
+            Ending::Changed => {}
+        }
+    }
+    let what = if token.is_some() { "release" } else { "reset" };
+    Err(Error::store(format!(
+        "the record changed under every look: try the {what} again"
+    )))
+}
+
+/// Judges a record against a release (with the `token` shown) or a reset (without):
+/// `None` when it may go.
 pub(crate) fn refusal(entry: &Entry, token: Option<Token>, how: Release) -> Option<Refusal> {
     match entry.state {
         State::Completed | State::Gone if token.is_some() => {
@@ -858,6 +950,24 @@ macro_rules! forward_admin {
 
             async fn inspect(&self, key: &Key) -> Result<Option<Entry>, Error> {
                 (**self).inspect(key).await
+            }
+
+            async fn look(&self, key: &Key) -> Result<Option<Entry>, Error> {
+                (**self).look(key).await
+            }
+
+            async fn end_claim(
+                &self,
+                entry: &Entry,
+                token: Token,
+                how: Release,
+                forget: bool,
+            ) -> Result<Ending, Error> {
+                (**self).end_claim(entry, token, how, forget).await
+            }
+
+            async fn forget_call(&self, entry: &Entry) -> Result<Ending, Error> {
+                (**self).forget_call(entry).await
             }
 
             async fn release(&self, key: &Key, token: Token, how: Release) -> Result<Verdict, Error> {

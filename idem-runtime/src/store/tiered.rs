@@ -484,6 +484,31 @@ impl<F: Store, D: Store + crate::admin::Admin> crate::admin::Admin for TieredSto
         self.durable.inspect(key).await
     }
 
+    async fn look(&self, key: &Key) -> Result<Option<crate::admin::Entry>, Error> {
+        self.durable.look(key).await
+    }
+
+    /// The durable store's: claims live there alone (a reset goes through
+    /// [`reset`](crate::admin::Admin::reset), which clears the copies around it).
+    async fn end_claim(
+        &self,
+        entry: &crate::admin::Entry,
+        token: Token,
+        how: crate::admin::Release,
+        forget: bool,
+    ) -> Result<crate::admin::Ending, Error> {
+        self.durable.end_claim(entry, token, how, forget).await
+    }
+
+    /// The durable store's (a reset goes through [`reset`](crate::admin::Admin::reset),
+    /// which clears the copies around it).
+    async fn forget_call(
+        &self,
+        entry: &crate::admin::Entry,
+    ) -> Result<crate::admin::Ending, Error> {
+        self.durable.forget_call(entry).await
+    }
+
     /// The durable store's release: claims live there alone. Its fence reaches the holders
     /// of this process too, whose registry of running calls is the durable store's.
     async fn release(

@@ -21,7 +21,7 @@ use super::item::{
     VERSION,
 };
 use super::{sdk_error, DynamoDbStore};
-use crate::admin::{self, Admin, Cursor, Entry, Filter, Page, Refusal, Release, State, Verdict};
+use crate::admin::{self, Admin, Cursor, Ending, Entry, Filter, Page, Refusal, Release, State};
 use crate::store::Holder;
 use crate::{Error, Key, Token};
 
@@ -268,38 +268,41 @@ impl Admin for DynamoDbStore {
         Ok(Some(entry.with_steps(steps)))
     }
 
-    async fn release(&self, key: &Key, token: Token, how: Release) -> Result<Verdict, Error> {
-        let Some((entry, item)) = self.entry_of(key, false).await? else {
-            return Ok(Verdict::Refused(Refusal::NotFound));
+    async fn look(&self, key: &Key) -> Result<Option<Entry>, Error> {
+        Ok(self.entry_of(key, false).await?.map(|(entry, _)| entry))
+    }
+
+    /// Read again for the item's version, which the silence is watched by: the release
+    /// itself is conditional on the token, and on that version unless forced.
+    async fn end_claim(
+        &self,
+        entry: &Entry,
+        token: Token,
+        how: Release,
+        forget: bool,
+    ) -> Result<Ending, Error> {
+        let Some((now, item)) = self.entry_of(entry.key(), false).await? else {
+            return Ok(Ending::Changed);
         };
-        // The state and the token; the silence is judged by `release_claim`.
-        if let Some(refusal) = admin::refusal(&entry, Some(token), Release::Force) {
-            return Ok(Verdict::Refused(refusal));
+        if now.token() != Some(token) || !matches!(now.state(), State::Held | State::Lapsed) {
+            return Ok(Ending::Changed);
         }
-        Ok(match self.release_claim(&entry, &item, token, how).await? {
-            None => Verdict::Done,
-            Some(refusal) => Verdict::Refused(refusal),
+        Ok(match self.release_claim(&now, &item, token, how).await? {
+            // Its steps go with it: the call runs again from its start.
+            None if forget => {
+                self.forget_item(entry.key()).await?;
+                Ending::Ended
+            }
+            None => Ending::Ended,
+            Some(refusal) => Ending::Refused(refusal),
         })
     }
 
-    async fn reset(&self, key: &Key, how: Release) -> Result<Verdict, Error> {
-        let Some((entry, item)) = self.entry_of(key, false).await? else {
-            return Ok(Verdict::Refused(Refusal::NotFound));
-        };
-        if let (State::Held | State::Lapsed, Some(token)) = (entry.state(), entry.token()) {
-            return Ok(match self.release_claim(&entry, &item, token, how).await? {
-                // Its steps go with it: the call runs again from its start.
-                None => {
-                    self.forget(key).await?;
-                    Verdict::Done
-                }
-                Some(refusal) => Verdict::Refused(refusal),
-            });
-        }
-        Ok(if self.forget(key).await? {
-            Verdict::Done
+    async fn forget_call(&self, entry: &Entry) -> Result<Ending, Error> {
+        Ok(if self.forget_item(entry.key()).await? {
+            Ending::Ended
         } else {
-            Verdict::Refused(Refusal::NotFound)
+            Ending::Changed
         })
     }
 
@@ -313,7 +316,7 @@ impl Admin for DynamoDbStore {
 impl DynamoDbStore {
     /// Forgets a completed (or released) call: its value and steps go, and its next call
     /// runs again. Whether there was one to forget.
-    async fn forget(&self, key: &Key) -> Result<bool, Error> {
+    async fn forget_item(&self, key: &Key) -> Result<bool, Error> {
         let values = vec![
             (":removed", s(REMOVED)),
             (":one", n(1)),

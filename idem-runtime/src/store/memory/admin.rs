@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use tokio::time::Instant;
 
 use super::{ClaimRecord, MemoryStore, ResultRecord};
-use crate::admin::{self, Admin, Cursor, Entry, Filter, Page, Refusal, Release, State, Verdict};
+use crate::admin::{self, Admin, Cursor, Ending, Entry, Filter, Page, Release, State};
 use crate::store::Holder;
 use crate::{Error, Key, Token};
 
@@ -206,38 +206,55 @@ impl Admin for MemoryStore {
         }))
     }
 
-    async fn release(&self, key: &Key, token: Token, how: Release) -> Result<Verdict, Error> {
-        let now = Instant::now();
-        let mut claims = self.claims(key);
-        let Some(entry) = self.entry(&claims, key, now, false) else {
-            return Ok(Verdict::Refused(Refusal::NotFound));
-        };
-        if let Some(refusal) = admin::refusal(&entry, Some(token), how) {
-            return Ok(Verdict::Refused(refusal));
-        }
-        // Fenced before the claim lapses, under its shard's lock: the holder's completion
-        // is refused only after this, so it always finds itself fenced. The claim lapses
-        // rather than goes: its body's outcome is unknown, and the next claim is told so.
-        self.inner.flights.released(key);
-        if let Some(claim) = claims.live.get_mut(key) {
-            claim.until = claim.until.min(now);
-        }
-        Ok(Verdict::Done)
+    async fn look(&self, key: &Key) -> Result<Option<Entry>, Error> {
+        let claims = self.claims(key);
+        Ok(self.entry(&claims, key, Instant::now(), false))
     }
 
-    async fn reset(&self, key: &Key, how: Release) -> Result<Verdict, Error> {
+    /// Judged again under the key's shard lock, which every claim, renewal and completion
+    /// of the key takes: nothing changes between the judging and the write.
+    async fn end_claim(
+        &self,
+        entry: &Entry,
+        token: Token,
+        how: Release,
+        forget: bool,
+    ) -> Result<Ending, Error> {
+        let key = entry.key();
         let now = Instant::now();
         let mut claims = self.claims(key);
-        let Some(entry) = self.entry(&claims, key, now, false) else {
-            return Ok(Verdict::Refused(Refusal::NotFound));
-        };
-        if let Some(refusal) = admin::refusal(&entry, None, how) {
-            return Ok(Verdict::Refused(refusal));
+        let still = self.entry(&claims, key, now, false).filter(|now| {
+            matches!(now.state(), State::Held | State::Lapsed)
+                && now.token() == Some(token)
+                && admin::refusal(now, Some(token), how).is_none()
+        });
+        if still.is_none() {
+            return Ok(Ending::Changed);
         }
-        // As in `release`: fenced before the claim goes.
+        // Fenced before the claim lapses or goes: the holder's completion is refused only
+        // after this, so it always finds itself fenced. A released claim lapses rather
+        // than goes: its body's outcome is unknown, and the next claim is told so.
+        self.inner.flights.released(key);
+        if forget {
+            self.forget(&mut claims, key);
+        } else if let Some(claim) = claims.live.get_mut(key) {
+            claim.until = claim.until.min(now);
+        }
+        Ok(Ending::Ended)
+    }
+
+    async fn forget_call(&self, entry: &Entry) -> Result<Ending, Error> {
+        let key = entry.key();
+        let mut claims = self.claims(key);
+        let still = self
+            .entry(&claims, key, Instant::now(), false)
+            .is_some_and(|now| matches!(now.state(), State::Completed | State::Gone));
+        if !still {
+            return Ok(Ending::Changed);
+        }
         self.inner.flights.released(key);
         self.forget(&mut claims, key);
-        Ok(Verdict::Done)
+        Ok(Ending::Ended)
     }
 
     /// Claims lapsed longer than their call's TTL go; expired results and marks are moka's

@@ -16,7 +16,7 @@ use redis::{Script, Value};
 
 use super::record::{head, malformed, split_fingerprint, unexpected, Head, INSPECT};
 use super::{within, Connection, RedisStore};
-use crate::admin::{self, Admin, Cursor, Entry, Filter, Page, Release, State, Verdict};
+use crate::admin::{self, Admin, Cursor, Ending, Entry, Filter, Page, Release, State};
 use crate::store::Holder;
 use crate::{Error, Key, Token};
 
@@ -27,10 +27,6 @@ const STEPS: usize = 8;
 /// The keys one `SCAN` step visits (its `COUNT`): the server's work a step, whether they
 /// match the store's prefix or not.
 const SCAN_COUNT: usize = 1_000;
-
-/// How many times a release or reset looks again when the record changed between its look
-/// and its write.
-const LOOKS: usize = 3;
 
 /// How long the mark of an operator's release is kept: longer than a holder keeps trying
 /// to record a refused completion (its caller's wait, its background retries).
@@ -424,52 +420,38 @@ impl Admin for RedisStore {
         Ok(Some(entry.with_steps(steps)))
     }
 
-    async fn release(&self, key: &Key, token: Token, how: Release) -> Result<Verdict, Error> {
-        for _ in 0..LOOKS {
-            let Some(entry) = self.entry_of(key, false).await? else {
-                return Ok(Verdict::Refused(admin::Refusal::NotFound));
-            };
-            if let Some(refusal) = admin::refusal(&entry, Some(token), how) {
-                return Ok(Verdict::Refused(refusal));
-            }
-            if self.delete_claim(&entry, token, how).await? {
-                return Ok(Verdict::Done);
-            }
-        }
-        Err(Error::store(
-            "the record changed under every look: try the release again",
-        ))
+    async fn look(&self, key: &Key) -> Result<Option<Entry>, Error> {
+        self.entry_of(key, false).await
     }
 
-    async fn reset(&self, key: &Key, how: Release) -> Result<Verdict, Error> {
-        for _ in 0..LOOKS {
-            let Some(entry) = self.entry_of(key, false).await? else {
-                return Ok(Verdict::Refused(admin::Refusal::NotFound));
-            };
-            if let Some(refusal) = admin::refusal(&entry, None, how) {
-                return Ok(Verdict::Refused(refusal));
-            }
-            let deleted = match entry.token() {
-                Some(token) if entry.state() == State::Held => {
-                    self.delete_claim(&entry, token, how).await?
-                }
-                _ => {
-                    let mut invocation = FORGET.key(self.record(key));
-                    invocation.key(self.steps_of(key)).key(self.about_of(key));
-                    match self.run_script(invocation).await? {
-                        Value::Int(forgotten) => forgotten == 1,
-                        other => return Err(unexpected(&other)),
-                    }
-                }
-            };
-            if deleted {
-                self.forget_steps(key).await?;
-                return Ok(Verdict::Done);
-            }
+    async fn end_claim(
+        &self,
+        entry: &Entry,
+        token: Token,
+        how: Release,
+        forget: bool,
+    ) -> Result<Ending, Error> {
+        if !self.delete_claim(entry, token, how).await? {
+            return Ok(Ending::Changed);
         }
-        Err(Error::store(
-            "the record changed under every look: try the reset again",
-        ))
+        if forget {
+            self.forget_steps(entry.key()).await?;
+        }
+        Ok(Ending::Ended)
+    }
+
+    async fn forget_call(&self, entry: &Entry) -> Result<Ending, Error> {
+        let key = entry.key();
+        let mut invocation = FORGET.key(self.record(key));
+        invocation.key(self.steps_of(key)).key(self.about_of(key));
+        match self.run_script(invocation).await? {
+            Value::Int(1) => {
+                self.forget_steps(key).await?;
+                Ok(Ending::Ended)
+            }
+            Value::Int(_) => Ok(Ending::Changed),
+            other => Err(unexpected(&other)),
+        }
     }
 
     /// Redis expires records itself: nothing to purge.

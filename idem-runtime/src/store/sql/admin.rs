@@ -14,7 +14,7 @@ use bytes::Bytes;
 
 use super::rows::steps_range;
 use super::{Dialect, Engine, SqlStore};
-use crate::admin::{self, Admin, Cursor, Entry, Filter, Page, Release, State, Verdict};
+use crate::admin::{Admin, Cursor, Ending, Entry, Filter, Page, Release, State};
 use crate::store::Holder;
 use crate::{Error, Key, Token};
 
@@ -345,7 +345,7 @@ impl<D: Dialect + AdminRows> SqlStore<D> {
     /// keeps the row, lapsed, so that the next claim is told it takes an unsettled call
     /// over, its token negated so that its holder's writes (which look for the token, and
     /// on SQLite for nothing else) find it no more; a reset (`forget`) deletes it.
-    async fn end_claim(
+    async fn ended(
         &self,
         entry: &Entry,
         token: Token,
@@ -390,10 +390,6 @@ impl<D: Dialect + AdminRows> SqlStore<D> {
         }
     }
 }
-
-/// How many times a release or reset looks again when the record changed between its look
-/// and its write.
-const LOOKS: usize = 3;
 
 #[async_trait]
 impl<D: Dialect + AdminRows> Admin for SqlStore<D> {
@@ -445,49 +441,36 @@ impl<D: Dialect + AdminRows> Admin for SqlStore<D> {
         Ok(Some(entry.with_steps(steps)))
     }
 
-    async fn release(&self, key: &Key, token: Token, how: Release) -> Result<Verdict, Error> {
-        for _ in 0..LOOKS {
-            let Some(entry) = self.entry_of(key).await? else {
-                return Ok(Verdict::Refused(admin::Refusal::NotFound));
-            };
-            if let Some(refusal) = admin::refusal(&entry, Some(token), how) {
-                return Ok(Verdict::Refused(refusal));
-            }
-            if self.end_claim(&entry, token, how, false).await? {
-                return Ok(Verdict::Done);
-            }
-        }
-        Err(Error::store(
-            "the record changed under every look: try the release again",
-        ))
+    async fn look(&self, key: &Key) -> Result<Option<Entry>, Error> {
+        self.entry_of(key).await
     }
 
-    async fn reset(&self, key: &Key, how: Release) -> Result<Verdict, Error> {
-        for _ in 0..LOOKS {
-            let Some(entry) = self.entry_of(key).await? else {
-                return Ok(Verdict::Refused(admin::Refusal::NotFound));
-            };
-            if let Some(refusal) = admin::refusal(&entry, None, how) {
-                return Ok(Verdict::Refused(refusal));
-            }
-            let deleted = match entry.token() {
-                Some(token) if matches!(entry.state(), State::Held | State::Lapsed) => {
-                    self.end_claim(&entry, token, how, true).await?
-                }
-                _ => {
-                    self.delete(&self.admin_sql().forget, Binds::Key(&key.as_bytes()[..]))
-                        .await?
-                        == 1
-                }
-            };
-            if deleted {
-                self.forget_steps(key).await?;
-                return Ok(Verdict::Done);
-            }
+    async fn end_claim(
+        &self,
+        entry: &Entry,
+        token: Token,
+        how: Release,
+        forget: bool,
+    ) -> Result<Ending, Error> {
+        if !self.ended(entry, token, how, forget).await? {
+            return Ok(Ending::Changed);
         }
-        Err(Error::store(
-            "the record changed under every look: try the reset again",
-        ))
+        if forget {
+            self.forget_steps(entry.key()).await?;
+        }
+        Ok(Ending::Ended)
+    }
+
+    async fn forget_call(&self, entry: &Entry) -> Result<Ending, Error> {
+        let key = entry.key();
+        let forgotten = self
+            .delete(&self.admin_sql().forget, Binds::Key(&key.as_bytes()[..]))
+            .await?;
+        if forgotten != 1 {
+            return Ok(Ending::Changed);
+        }
+        self.forget_steps(key).await?;
+        Ok(Ending::Ended)
     }
 
     async fn purge(&self) -> Result<u64, Error> {
