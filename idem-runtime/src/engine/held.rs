@@ -587,9 +587,11 @@ impl Held {
                         (Landing::Completed(record.clone()), Verdict::Own)
                     }
                     refused => {
-                        // A release that fails leaves the claim to lapse; the next try's
-                        // claim, with the same nonce, finds it as this holder's own.
-                        let _ = claim.store.release(&claim.key, token).await;
+                        // The claim is left to lapse, never released: this body ran and
+                        // its effect may have landed, so the claim that takes the key after
+                        // it must be told so (a release would let it run the body blind).
+                        // The next try's claim, with the same nonce, finds it as this
+                        // holder's own.
                         let err = match refused {
                             Err(err) => err,
                             Ok(_) => Error::store(
