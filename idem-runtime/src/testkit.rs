@@ -14,6 +14,11 @@
 //! }
 //! ```
 //!
+//! and then on two instances of it, each connected on its own ([`conformance_across`]): a
+//! store that judges a claim by what its own process saw, or whose takeover does not
+//! re-check in its write for a renewal that raced it, passes the first (clones of one
+//! instance share their process's state) and fails the second.
+//!
 //! Beside it, the contract as a checker over histories ([`histories()`], [`History`]): many
 //! concurrent calls through a store whose every operation fails, loses its answer, slows
 //! down or stalls by a seeded schedule ([`Faulty`]), each answer held to the error table
@@ -36,7 +41,8 @@
 //! The suite uses real time (leases and TTLs of a few hundred milliseconds), since a network
 //! store judges expiry by its own clock; it takes about two seconds. Its keys live in a
 //! namespace of their own for each run, so it can run against a shared server. A broken
-//! promise panics with a message naming the check, like any failed assertion.
+//! promise panics with a message that names the check first (`idem testkit: check
+//! \`a_renewal_racing_a_takeover_has_one_winner\` failed: …`), then the promise broken.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -69,26 +75,94 @@ const HELD: Duration = Duration::from_secs(60);
 /// up (a machine too slow to take a step within 400 ms five times running).
 const TRIES: usize = 5;
 
-/// Runs every check against `store`. Panics on the first broken promise.
+/// Runs one check, and names it in its failure.
+macro_rules! check {
+    ($name:ident($($arg:expr),*)) => {
+        named(stringify!($name), $name($($arg),*)).await
+    };
+}
+
+/// Runs `check`; a panic in it panics again with its `name` in front.
+async fn named<F: std::future::Future<Output = ()>>(name: &str, check: F) {
+    let mut check = std::pin::pin!(check);
+    let failed = std::future::poll_fn(|cx| {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check.as_mut().poll(cx))) {
+            Ok(std::task::Poll::Ready(())) => std::task::Poll::Ready(None),
+            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
+            Err(panic) => std::task::Poll::Ready(Some(panic)),
+        }
+    })
+    .await;
+    if let Some(panic) = failed {
+        let message = panic
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| panic.downcast_ref::<&str>().copied())
+            .unwrap_or("(a panic without a message)");
+        panic!("idem testkit: check `{name}` failed: {message}");
+    }
+}
+
+/// Runs every check against `store`. Panics on the first broken promise, naming the check
+/// that found it (`idem testkit: check \`…\` failed: …`).
 pub async fn conformance<S: Store + Clone>(store: &S) {
     let keys = Keys::new();
-    claim_takes_an_absent_key(store, &keys).await;
-    complete_records_and_replays(store, &keys).await;
-    stale_tokens_change_nothing(store, &keys).await;
-    release_frees_the_key_with_a_larger_fence(store, &keys).await;
-    lapsed_lease_is_taken_over_and_fences_the_old_holder(store, &keys).await;
-    renew_extends_the_lease(store, &keys).await;
-    results_expire_after_their_ttl(store, &keys).await;
-    remove_deletes_any_record(store, &keys).await;
-    records_keep_arbitrary_bytes(store, &keys).await;
-    concurrent_claims_have_one_winner(store, &keys).await;
-    keys_are_independent(store, &keys).await;
-    lookup_reads_completed_records_only(store, &keys).await;
-    lease_left_is_the_live_claims_only(store, &keys).await;
-    a_claim_again_with_its_nonce_is_its_own(store, &keys).await;
-    a_takeover_is_told_until_a_claim_settles(store, &keys).await;
-    step_records_are_fenced_by_the_calls_claim(store, &keys).await;
-    steps_resume_where_the_last_attempt_stopped(store, &keys).await;
+    check!(claim_takes_an_absent_key(store, &keys));
+    check!(complete_records_and_replays(store, &keys));
+    check!(stale_tokens_change_nothing(store, &keys));
+    check!(release_frees_the_key_with_a_larger_fence(store, &keys));
+    check!(lapsed_lease_is_taken_over_and_fences_the_old_holder(
+        store, &keys
+    ));
+    check!(renew_extends_the_lease(store, &keys));
+    check!(results_expire_after_their_ttl(store, &keys));
+    check!(remove_deletes_any_record(store, &keys));
+    check!(records_keep_arbitrary_bytes(store, &keys));
+    check!(concurrent_claims_have_one_winner(store, &keys));
+    check!(keys_are_independent(store, &keys));
+    check!(lookup_reads_completed_records_only(store, &keys));
+    check!(lease_left_is_the_live_claims_only(store, &keys));
+    check!(a_claim_again_with_its_nonce_is_its_own(store, &keys));
+    check!(a_takeover_is_told_until_a_claim_settles(store, &keys));
+    check!(a_renewal_racing_a_takeover_has_one_winner(
+        store, store, &keys
+    ));
+    check!(step_records_are_fenced_by_the_calls_claim(store, &keys));
+    check!(steps_resume_where_the_last_attempt_stopped(store, &keys));
+}
+
+/// Runs the checks that two processes keep between them against two instances of a store
+/// over the same data, each with its own connections and its own per-process state (as two
+/// processes have: not two clones of one instance, which share it). Panics on the first
+/// broken promise, naming the check.
+///
+/// What it catches that [`conformance`] on one instance cannot: a store that answers from
+/// what its own process claimed (a live claim another instance holds must be seen in
+/// progress, never taken over on first sight), and a takeover that does not re-check, in
+/// the write that takes the key, for a renewal that raced it.
+///
+/// ```no_run
+/// # async fn my_store() -> idem_runtime::MemoryStore { idem_runtime::MemoryStore::new() }
+/// #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// async fn two_instances_of_my_store_keep_the_contract() {
+///     let (first, second) = (my_store().await, my_store().await);
+///     idem_runtime::testkit::conformance_across(&first, &second).await;
+/// }
+/// ```
+pub async fn conformance_across<S: Store>(first: &S, second: &S) {
+    let keys = Keys::new();
+    check!(a_live_claim_is_seen_by_the_other_instance(
+        first, second, &keys
+    ));
+    check!(a_lapsed_claim_is_taken_over_by_the_other_instance(
+        first, second, &keys
+    ));
+    check!(a_renewal_racing_a_takeover_has_one_winner(
+        first, second, &keys
+    ));
+    check!(a_renewal_racing_a_takeover_has_one_winner(
+        second, first, &keys
+    ));
 }
 
 /// Unique keys for one run of the suite.
@@ -692,6 +766,152 @@ fn step_of(call: &Key, n: u8) -> Key {
     let mut step = [n; 32];
     step[..16].copy_from_slice(&call.as_bytes()[..16]);
     Key::from_bytes(step)
+}
+
+/// How many keys race a renewal against a takeover: the race is lost or won within one
+/// write, so it is run on many keys at once.
+const RACES: usize = 24;
+
+/// A claim whose lease ran out, renewed by its holder on `first` while `second` takes it
+/// over: one of them wins, never both. A takeover that judges the claim lapsed and then
+/// writes without checking, in that write, that the claim is still the one it judged lets
+/// both win, and two bodies run.
+async fn a_renewal_racing_a_takeover_has_one_winner<S: Store>(first: &S, second: &S, keys: &Keys) {
+    let mut held = Vec::with_capacity(RACES);
+    for _ in 0..RACES {
+        let key = keys.fresh();
+        held.push((key, acquire_for(first, &key, None, LEASE).await));
+    }
+    tokio::time::sleep(LEASE + LEASE / 2).await;
+    for (key, token) in &held {
+        let request = ClaimRequest::new(key, HELD);
+        let (claimed, renewed) = both(second.claim(&request), first.renew(key, *token, HELD)).await;
+        let renewed = renewed.unwrap_or_else(|e| panic!("renew failed: {e}"));
+        let claimed = claimed.unwrap_or_else(|e| panic!("claim failed: {e}"));
+        match claimed {
+            Claim::Acquired { token: taker, .. } => {
+                assert!(
+                    !renewed,
+                    "a lapsed claim was both renewed by its holder and taken over: the takeover must re-check, in the write that takes the key, that no renewal came first"
+                );
+                assert!(
+                    !first.renew(key, *token, HELD).await.unwrap(),
+                    "the holder of a claim taken over renewed it afterwards"
+                );
+                assert!(second.release(key, taker).await.unwrap());
+            }
+            Claim::InProgress { .. } => {
+                assert!(
+                    renewed,
+                    "a lapsed claim neither renewed nor taken: the claim must take it over"
+                );
+                assert!(first.release(key, *token).await.unwrap());
+            }
+            other => panic!("a claim of a lapsed key answered {other:?}"),
+        }
+    }
+}
+
+/// Runs `a` and `b` together, polling `a` first each time: the takeover is sent before the
+/// renewal, so that the renewal lands while the takeover is being judged and written.
+async fn both<A: std::future::Future, B: std::future::Future>(
+    a: A,
+    b: B,
+) -> (A::Output, B::Output) {
+    use std::task::Poll;
+    let (mut a, mut b) = (std::pin::pin!(a), std::pin::pin!(b));
+    let (mut first, mut second) = (None, None);
+    std::future::poll_fn(|cx| {
+        if first.is_none() {
+            if let Poll::Ready(out) = a.as_mut().poll(cx) {
+                first = Some(out);
+            }
+        }
+        if second.is_none() {
+            if let Poll::Ready(out) = b.as_mut().poll(cx) {
+                second = Some(out);
+            }
+        }
+        match (first.take(), second.take()) {
+            (Some(a), Some(b)) => Poll::Ready((a, b)),
+            (a, b) => {
+                (first, second) = (a, b);
+                Poll::Pending
+            }
+        }
+    })
+    .await
+}
+
+/// A claim held on `first` is in progress on `second`, which holds no state of it.
+async fn a_live_claim_is_seen_by_the_other_instance<S: Store>(first: &S, second: &S, keys: &Keys) {
+    let key = keys.fresh();
+    let fp = fingerprint(7);
+    let token = acquire(first, &key, Some(&fp)).await;
+    assert_eq!(
+        claim(second, &key, None).await,
+        Claim::InProgress {
+            fingerprint: Some(fp)
+        },
+        "a claim held by another instance must be in progress there, not taken on first sight"
+    );
+    assert!(
+        second
+            .renew(&key, Token::new(token.get() ^ 1), HELD)
+            .await
+            .map_or(true, |r| !r),
+        "another token must not renew the claim"
+    );
+    assert!(first.release(&key, token).await.unwrap());
+    let again = acquire(second, &key, None).await;
+    assert!(second.release(&key, again).await.unwrap());
+}
+
+/// A claim that lapsed on `first` is taken over on `second`, told so, and the old holder's
+/// writes through `first` change nothing.
+async fn a_lapsed_claim_is_taken_over_by_the_other_instance<S: Store>(
+    first: &S,
+    second: &S,
+    keys: &Keys,
+) {
+    let key = keys.fresh();
+    let stale = acquire_for(first, &key, None, LEASE).await;
+    tokio::time::sleep(LEASE + LEASE / 2).await;
+    let owner = match claim(second, &key, None).await {
+        Claim::Acquired {
+            token,
+            taken_over: true,
+        } => token,
+        // A store without a clock of its own judges a lapse by watching the claim for a
+        // lease without a renewal (DynamoDB): on first sight, the claim is in progress.
+        Claim::InProgress { .. } => {
+            tokio::time::sleep(LEASE + LEASE / 2).await;
+            take_over(second, &key, None).await
+        }
+        other => panic!(
+            "a claim of a key whose claim lapsed unsettled must take it over and say `taken_over: true`, got {other:?}"
+        ),
+    };
+    let ttl = Duration::from_secs(60);
+    assert!(
+        !first
+            .complete(&key, stale, Bytes::from_static(b"stale"), ttl)
+            .await
+            .unwrap(),
+        "the lapsed holder's completion through its own instance must be refused"
+    );
+    assert!(second
+        .complete(&key, owner, Bytes::from_static(b"owner"), ttl)
+        .await
+        .unwrap());
+    assert_eq!(
+        claim(first, &key, None).await,
+        Claim::Completed {
+            value: Bytes::from_static(b"owner"),
+            fingerprint: None,
+        },
+        "the other instance must replay the new owner's record"
+    );
 }
 
 /// [`Store::record_step`] writes only under the call's live claim, and [`Store::steps`]

@@ -34,10 +34,11 @@ async fn dynamodb_store_keeps_the_store_contract() {
     if idem_tests::dynamodb_lacks("atomic") {
         return;
     }
-    let Some(store) = dynamodb_store().await else {
+    let (Some(store), Some(other)) = (dynamodb_store().await, dynamodb_store().await) else {
         return;
     };
     testkit::conformance(&store).await;
+    testkit::conformance_across(&store, &other).await;
 }
 
 /// Two stores are two processes: neither has seen what the other claimed.

@@ -21,10 +21,11 @@ async fn on_table(table: &str) -> Option<MySqlStore> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_store_keeps_the_store_contract() {
-    let Some(store) = mysql_store().await else {
+    let (Some(store), Some(other)) = (mysql_store().await, mysql_store().await) else {
         return;
     };
     testkit::conformance(&store).await;
+    testkit::conformance_across(&store, &other).await;
     let named = store.with_table("idem_other").unwrap();
     named.migrate().await.unwrap();
     named.migrate().await.unwrap(); // idempotent

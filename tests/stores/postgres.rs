@@ -16,10 +16,11 @@ use tokio::time::Instant;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_store_keeps_the_store_contract() {
-    let Some(store) = postgres_store().await else {
+    let (Some(store), Some(other)) = (postgres_store().await, postgres_store().await) else {
         return;
     };
     testkit::conformance(&store).await;
+    testkit::conformance_across(&store, &other).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

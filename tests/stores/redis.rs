@@ -12,10 +12,11 @@ use tokio::time::Instant;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_store_keeps_the_store_contract() {
-    let Some(store) = redis_store().await else {
+    let (Some(store), Some(other)) = (redis_store().await, redis_store().await) else {
         return;
     };
     testkit::conformance(&store).await;
+    testkit::conformance_across(&store, &other).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

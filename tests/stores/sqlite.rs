@@ -40,8 +40,10 @@ async fn open(path: &std::path::Path) -> SqliteStore {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_store_keeps_the_store_contract() {
-    let store = open(&fresh_file("contract")).await;
+    let file = fresh_file("contract");
+    let store = open(&file).await;
     testkit::conformance(&store).await;
+    testkit::conformance_across(&store, &open(&file).await).await;
     let named = store.with_table("idem_other").unwrap();
     named.migrate().await.unwrap();
     named.migrate().await.unwrap(); // idempotent

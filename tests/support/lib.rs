@@ -14,6 +14,7 @@ mod dynamodb_server;
 pub mod failover;
 mod mariadb_server;
 pub mod netns;
+pub mod own_store;
 mod probe;
 pub mod scenarios;
 pub mod sentinel;

@@ -24,6 +24,7 @@ use std::path::PathBuf;
 use idem_runtime::admin::Admin;
 use idem_runtime::testkit::{histories, histories_with_operator, Faults, Plan, Report};
 use idem_runtime::{MemoryStore, SqliteStore, Store, TieredStore};
+use idem_tests::own_store::{Mutation, OwnStore};
 use idem_tests::{dynamodb_store, mysql_store, postgres_store, redis_store};
 
 /// The seeds of this run: `IDEM_HISTORY_SEED` alone, or the first `IDEM_HISTORY_SEEDS`
@@ -164,6 +165,14 @@ async fn mysql_with_an_operator() {
 async fn memory() {
     let store = MemoryStore::new();
     run("memory", 1, &[store], true).await;
+}
+
+/// The store a third party writes from the trait's docs (`idem_tests::own_store`), as two
+/// instances over one server: the histories hold it to the same table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_written_store() {
+    let store = OwnStore::new(Mutation::Kept);
+    run("hand-written", 14, &[store.clone(), store.instance()], true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,0 +1,305 @@
+//! A store written from the `Store` trait's docs alone, as a third party would write one:
+//! one "server" (a map behind a lock, with its own clock) and any number of instances over
+//! it, each with per-process state of its own. It keeps the contract, or breaks it in one
+//! chosen way ([`Mutation`]), so that the tests can show that `idem_runtime::testkit`
+//! catches each breakage and names the check that did.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use idem_runtime::store::{Claim, ClaimRequest, Recorded};
+use idem_runtime::{Bytes, Error, Fingerprint, Key, Store, Token};
+
+/// How the store breaks the contract, if it does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mutation {
+    /// None: the store keeps the contract.
+    Kept,
+    /// A takeover reads the claim lapsed, then writes without checking again that it is
+    /// still the claim it read: a renewal in between is lost, and two holders run.
+    TakeoverSkipsRecheck,
+    /// An instance takes over, on first sight, a live claim it did not make itself (it
+    /// judges liveness by what its own process saw).
+    TakeoverOnFirstSight,
+}
+
+enum Row {
+    Held {
+        token: Token,
+        fingerprint: Option<Fingerprint>,
+        until: Instant,
+        /// How long a lapsed claim is remembered after `until`, so that a takeover is told.
+        remembered: Duration,
+    },
+    Completed {
+        value: Bytes,
+        fingerprint: Option<Fingerprint>,
+        until: Instant,
+    },
+}
+
+#[derive(Default)]
+struct Server {
+    rows: HashMap<Key, Row>,
+    steps: HashMap<Key, HashMap<Key, (Bytes, Instant)>>,
+    tokens: u64,
+}
+
+/// What a key holds at `now`.
+enum Seen {
+    Free,
+    Lapsed,
+    Live,
+    Completed,
+}
+
+impl Server {
+    fn seen(&self, key: &Key, now: Instant) -> Seen {
+        match self.rows.get(key) {
+            Some(Row::Held { until, .. }) if *until > now => Seen::Live,
+            Some(Row::Held {
+                until, remembered, ..
+            }) if *until + *remembered > now => Seen::Lapsed,
+            Some(Row::Completed { until, .. }) if *until > now => Seen::Completed,
+            _ => Seen::Free,
+        }
+    }
+
+    fn take(&mut self, request: &ClaimRequest<'_>, now: Instant) -> Token {
+        self.tokens += 1;
+        let token = Token::new(self.tokens);
+        self.rows.insert(
+            *request.key,
+            Row::Held {
+                token,
+                fingerprint: request.fingerprint.copied(),
+                until: now + request.lease,
+                remembered: request.ttl,
+            },
+        );
+        token
+    }
+
+    /// The row of `key` when it is held under `token` with a live lease.
+    fn held(&mut self, key: &Key, token: Token, now: Instant) -> Option<&mut Row> {
+        self.rows.get_mut(key).filter(|row| {
+            matches!(row, Row::Held { token: held, until, .. } if *held == token && *until > now)
+        })
+    }
+}
+
+/// One instance of the store: clones share its per-process state, [`instance`] makes
+/// another over the same server.
+///
+/// [`instance`]: OwnStore::instance
+#[derive(Clone)]
+pub struct OwnStore {
+    server: Arc<Mutex<Server>>,
+    /// The keys this instance claimed: per-process state, as a real store's cache is.
+    mine: Arc<Mutex<HashSet<Key>>>,
+    mutation: Mutation,
+}
+
+impl OwnStore {
+    pub fn new(mutation: Mutation) -> Self {
+        Self {
+            server: Arc::default(),
+            mine: Arc::default(),
+            mutation,
+        }
+    }
+
+    /// Another instance over the same server, as another process would have.
+    pub fn instance(&self) -> Self {
+        Self {
+            server: Arc::clone(&self.server),
+            mine: Arc::default(),
+            mutation: self.mutation,
+        }
+    }
+
+    fn server(&self) -> MutexGuard<'_, Server> {
+        self.server.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn remember(&self, key: &Key) {
+        self.mine
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(*key);
+    }
+
+    fn is_mine(&self, key: &Key) -> bool {
+        self.mine
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(key)
+    }
+}
+
+#[async_trait]
+impl Store for OwnStore {
+    async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, Error> {
+        let key = request.key;
+        let now = Instant::now();
+        let judged = self.server().seen(key, now);
+        if matches!(judged, Seen::Lapsed) && self.mutation == Mutation::TakeoverSkipsRecheck {
+            // Judged lapsed, then written later without looking again.
+            tokio::task::yield_now().await;
+            self.remember(key);
+            return Ok(Claim::taken_over(self.server().take(request, now)));
+        }
+        let claim = {
+            let mut server = self.server();
+            match server.seen(key, now) {
+                Seen::Free => Claim::acquired(server.take(request, now)),
+                Seen::Live
+                    if self.mutation == Mutation::TakeoverOnFirstSight && !self.is_mine(key) =>
+                {
+                    Claim::taken_over(server.take(request, now))
+                }
+                Seen::Lapsed => Claim::taken_over(server.take(request, now)),
+                Seen::Live => match server.rows.get(key) {
+                    Some(Row::Held { fingerprint, .. }) => Claim::InProgress {
+                        fingerprint: *fingerprint,
+                    },
+                    _ => unreachable!("a live key is held"),
+                },
+                Seen::Completed => match server.rows.get(key) {
+                    Some(Row::Completed {
+                        value, fingerprint, ..
+                    }) => Claim::Completed {
+                        value: value.clone(),
+                        fingerprint: *fingerprint,
+                    },
+                    _ => unreachable!("a completed key is completed"),
+                },
+            }
+        };
+        if matches!(claim, Claim::Acquired { .. }) {
+            self.remember(key);
+        }
+        Ok(claim)
+    }
+
+    async fn complete(
+        &self,
+        key: &Key,
+        token: Token,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        let now = Instant::now();
+        let mut server = self.server();
+        let Some(row) = server.held(key, token, now) else {
+            return Ok(false);
+        };
+        let Row::Held { fingerprint, .. } = row else {
+            return Ok(false);
+        };
+        *row = Row::Completed {
+            value,
+            fingerprint: *fingerprint,
+            until: now + ttl,
+        };
+        Ok(true)
+    }
+
+    async fn release(&self, key: &Key, token: Token) -> Result<bool, Error> {
+        let mut server = self.server();
+        let ours =
+            matches!(server.rows.get(key), Some(Row::Held { token: held, .. }) if *held == token);
+        if ours {
+            server.rows.remove(key);
+        }
+        Ok(ours)
+    }
+
+    /// A claim is renewed while it is its holder's: lapsed, but not taken over, included.
+    async fn renew(&self, key: &Key, token: Token, lease: Duration) -> Result<bool, Error> {
+        let now = Instant::now();
+        let mut server = self.server();
+        match server.rows.get_mut(key) {
+            Some(Row::Held {
+                token: held, until, ..
+            }) if *held == token => {
+                *until = now + lease;
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    }
+
+    /// Tokens grow (one counter for the server): a claim's token is its fence.
+    async fn fence(&self, _key: &Key, token: Token) -> Result<Option<Token>, Error> {
+        Ok(Some(token))
+    }
+
+    async fn record_step(
+        &self,
+        call: &Key,
+        token: Token,
+        step: &Key,
+        value: Bytes,
+        ttl: Duration,
+    ) -> Result<bool, Error> {
+        let now = Instant::now();
+        let mut server = self.server();
+        if server.held(call, token, now).is_none() {
+            return Ok(false);
+        }
+        server
+            .steps
+            .entry(*call)
+            .or_default()
+            .insert(*step, (value, now + ttl));
+        Ok(true)
+    }
+
+    async fn steps(&self, call: &Key) -> Result<Vec<(Key, Bytes)>, Error> {
+        let now = Instant::now();
+        let server = self.server();
+        Ok(server.steps.get(call).map_or_else(Vec::new, |steps| {
+            steps
+                .iter()
+                .filter(|(_, (_, until))| *until > now)
+                .map(|(step, (value, _))| (*step, value.clone()))
+                .collect()
+        }))
+    }
+
+    async fn remove(&self, key: &Key) -> Result<bool, Error> {
+        let now = Instant::now();
+        let mut server = self.server();
+        let there = !matches!(server.seen(key, now), Seen::Free);
+        server.rows.remove(key);
+        server.steps.remove(key);
+        Ok(there)
+    }
+
+    async fn lookup(&self, key: &Key) -> Result<Option<Recorded>, Error> {
+        let now = Instant::now();
+        Ok(match self.server().rows.get(key) {
+            Some(Row::Completed {
+                value,
+                fingerprint,
+                until,
+            }) if *until > now => Some(Recorded::new(
+                value.clone(),
+                *fingerprint,
+                Some(*until - now),
+            )),
+            _ => None,
+        })
+    }
+
+    async fn lease_left(&self, key: &Key) -> Result<Option<Duration>, Error> {
+        let now = Instant::now();
+        Ok(match self.server().rows.get(key) {
+            Some(Row::Held { until, .. }) if *until > now => Some(*until - now),
+            _ => None,
+        })
+    }
+}
