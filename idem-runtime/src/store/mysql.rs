@@ -68,7 +68,7 @@ use sqlx::mysql::{MySqlPool, MySqlPoolOptions, MySqlRow};
 use sqlx::Row;
 
 pub use crate::store::sql::Purger;
-use crate::store::sql::{self, millis, Dialect, Engine, Fenced, Sealed, SqlStore, Table};
+use crate::store::sql::{self, millis, Dialect, Driver, Fenced, Sealed, SqlStore, Table};
 use crate::store::Holder;
 use crate::{Claim, ClaimRequest, Error, Key, Token};
 
@@ -117,7 +117,7 @@ pub type MySqlStore = SqlStore<sqlx::MySql>;
 
 /// The MySQL and MariaDB dialect of [`SqlStore`]: its pool and statements.
 #[derive(Clone)]
-pub struct MySqlEngine {
+pub struct MySqlDriver {
     pool: MySqlPool,
     sql: Arc<Statements>,
     /// The statements that wait for row locks, bounded for the server and the timeout: made
@@ -153,7 +153,7 @@ impl SqlStore<sqlx::MySql> {
 
     /// Uses an existing pool.
     pub fn from_pool(pool: MySqlPool) -> Self {
-        Self::of(MySqlEngine {
+        Self::of(MySqlDriver {
             pool,
             sql: Arc::new(Statements::of(DEFAULT_TABLE)),
             bounded: Arc::default(),
@@ -192,7 +192,7 @@ impl SqlStore<sqlx::MySql> {
     }
 }
 
-impl MySqlEngine {
+impl MySqlDriver {
     /// Takes the key if no live row holds it (or a row of the caller's own lost claim).
     async fn take(
         &self,
@@ -269,10 +269,10 @@ impl MySqlEngine {
 impl Sealed for sqlx::MySql {}
 
 impl Dialect for sqlx::MySql {
-    type Engine = MySqlEngine;
+    type Driver = MySqlDriver;
 }
 
-impl Engine for MySqlEngine {
+impl Driver for MySqlDriver {
     type Database = sqlx::MySql;
 
     const NAME: &'static str = "mysql";

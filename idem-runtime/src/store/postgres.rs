@@ -46,7 +46,7 @@ use tokio::sync::Semaphore;
 
 pub use crate::store::sql::Purger;
 use crate::store::sql::{
-    self, fingerprint, millis, Dialect, Engine, Fenced, Sealed, SqlStore, Table,
+    self, fingerprint, millis, Dialect, Driver, Fenced, Sealed, SqlStore, Table,
 };
 use crate::store::Holder;
 use crate::{Claim, ClaimRequest, Error, Key, Token};
@@ -107,7 +107,7 @@ pub type PostgresStore = SqlStore<sqlx::Postgres>;
 
 /// The PostgreSQL dialect of [`SqlStore`]: its pools and statements.
 #[derive(Clone)]
-pub struct PostgresEngine {
+pub struct PostgresDriver {
     /// The pool of every statement but renewals: claims, completions, releases, removals.
     pool: PgPool,
     /// One permit per connection of `pool`, taken by an ordinary claim before it asks the
@@ -154,7 +154,7 @@ impl SqlStore<sqlx::Postgres> {
             .connect_with(hosts.current())
             .await
             .map_err(Error::store)?;
-        Ok(Self::of(PostgresEngine::on(pool, Some(Arc::new(hosts)))))
+        Ok(Self::of(PostgresDriver::on(pool, Some(Arc::new(hosts)))))
     }
 
     /// Uses an existing pool; its acquire timeout bounds how long an operation waits when the
@@ -168,7 +168,7 @@ impl SqlStore<sqlx::Postgres> {
     /// renewals until its lease lapses and another caller runs the body again. The server
     /// sees at most the pool's connections plus [`RENEWAL_CONNECTIONS`].
     pub fn from_pool(pool: PgPool) -> Self {
-        Self::of(PostgresEngine::on(pool, None))
+        Self::of(PostgresDriver::on(pool, None))
     }
 
     /// Creates the table, its index and its token sequence if they are absent. Safe to run
@@ -196,7 +196,7 @@ impl SqlStore<sqlx::Postgres> {
     }
 }
 
-impl PostgresEngine {
+impl PostgresDriver {
     /// The dialect on `pool` (following `hosts`, with several), with its renewals' pool.
     fn on(pool: PgPool, hosts: Option<Arc<hosts::Hosts>>) -> Self {
         let size = pool.options().get_max_connections();
@@ -218,10 +218,10 @@ impl PostgresEngine {
 impl Sealed for sqlx::Postgres {}
 
 impl Dialect for sqlx::Postgres {
-    type Engine = PostgresEngine;
+    type Driver = PostgresDriver;
 }
 
-impl Engine for PostgresEngine {
+impl Driver for PostgresDriver {
     type Database = sqlx::Postgres;
 
     const NAME: &'static str = "postgresql";

@@ -10,8 +10,12 @@
 //! statement; MySQL: a read, then an insert or a locked takeover; SQLite: the store's queue
 //! of writes), the holder's writes, removal, purging and migration.
 //!
-//! Each dialect's folder has the same files: `<dialect>.rs` (the dialect and its
-//! constructors), `statements.rs`, `schema.rs` (migration and the checks of the table), and
+//! The core's own files: `sql/dialect.rs` ([`Dialect`], the one trait a database is
+//! named by), `sql/driver.rs` (`Driver`, what a dialect implements: its pool, statements
+//! and locking), `sql/rows.rs` (rows and columns, and the reads the core runs itself),
+//! `sql/admin.rs` (the operator's statements) and `sql/purger.rs`. Each dialect's folder
+//! has the same files: `<dialect>.rs` (the dialect, its driver and its constructors),
+//! `statements.rs`, `schema.rs` (migration and the checks of the table), and
 //! `transaction.rs` (claims in the caller's transaction,
 //! [`Transactional`](crate::store::Transactional)).
 
@@ -26,18 +30,21 @@ use bytes::Bytes;
 #[cfg(feature = "admin")]
 mod admin;
 mod dialect;
+mod driver;
 mod purger;
 mod rows;
 
 #[cfg(feature = "admin")]
 pub(crate) use self::admin::{AdminSql, Spelling};
-pub(crate) use self::dialect::{Engine, Fenced, Sealed};
+pub use self::dialect::Dialect;
+pub(crate) use self::dialect::Sealed;
+pub(crate) use self::driver::{Driver, Fenced};
 pub use self::purger::Purger;
 #[cfg(feature = "postgres")]
 pub(crate) use self::rows::fingerprint;
 #[cfg(any(feature = "sqlite", feature = "mysql"))]
 pub(crate) use self::rows::{held, is_ours};
-pub(crate) use self::rows::{is_identifier, kept_ms, millis, steps_range, Database, Table};
+pub(crate) use self::rows::{is_identifier, kept_ms, millis, steps_range, Table};
 use crate::store::{Holder, Holding, Recorded};
 use crate::{Claim, ClaimRequest, Error, Flights, Key, Store, Token};
 
@@ -47,23 +54,13 @@ pub(crate) const DEFAULT_TABLE: &str = "idem_records";
 /// The default time an operation of a SQL store may take.
 pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// A SQL database a [`SqlStore`] runs on: `sqlx`'s [`Postgres`](sqlx::Postgres),
-/// [`MySql`](sqlx::MySql) or [`Sqlite`](sqlx::Sqlite), each with its feature.
-///
-/// Sealed: a dialect's statements and locking are the runtime's own. A store for another
-/// database implements [`Store`] itself.
-pub trait Dialect: Database + dialect::Sealed {
-    /// What the store keeps of this database: its pools and statements.
-    type Engine: Engine<Database = Self>;
-}
-
 /// A store in one table of a SQL database, shared by every process that uses it, and kept
 /// across restarts. Use it by the name of its dialect: [`PostgresStore`](crate::PostgresStore),
 /// [`MySqlStore`](crate::MySqlStore), [`SqliteStore`](crate::SqliteStore).
 ///
 /// Cloning is cheap; clones share the pool and the in-process registry of running calls.
 pub struct SqlStore<D: Dialect> {
-    dialect: D::Engine,
+    driver: D::Driver,
     timeout: Duration,
     flights: Arc<Flights>,
 }
@@ -71,7 +68,7 @@ pub struct SqlStore<D: Dialect> {
 impl<D: Dialect> Clone for SqlStore<D> {
     fn clone(&self) -> Self {
         Self {
-            dialect: self.dialect.clone(),
+            driver: self.driver.clone(),
             timeout: self.timeout,
             flights: Arc::clone(&self.flights),
         }
@@ -79,10 +76,10 @@ impl<D: Dialect> Clone for SqlStore<D> {
 }
 
 impl<D: Dialect> SqlStore<D> {
-    /// The store of `dialect`, with the default timeout.
-    pub(crate) fn of(dialect: D::Engine) -> Self {
+    /// The store of `driver`, with the default timeout.
+    pub(crate) fn of(driver: D::Driver) -> Self {
         Self {
-            dialect,
+            driver,
             timeout: DEFAULT_TIMEOUT,
             flights: Arc::default(),
         }
@@ -101,7 +98,7 @@ impl<D: Dialect> SqlStore<D> {
     #[must_use]
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
-        self.dialect.retimed();
+        self.driver.retimed();
         self
     }
 
@@ -113,7 +110,7 @@ impl<D: Dialect> SqlStore<D> {
     /// [`Error::Store`] when the name is not a plain identifier: names are checked, never
     /// quoted into SQL as they come.
     pub fn with_table(mut self, table: &str) -> Result<Self, Error> {
-        self.dialect.set_table(table)?;
+        self.driver.set_table(table)?;
         Ok(self)
     }
 
@@ -121,12 +118,12 @@ impl<D: Dialect> SqlStore<D> {
     /// [`Operation::run_in_transaction`](crate::Operation::run_in_transaction) on it, or on
     /// any pool of the same database.
     pub fn pool(&self) -> &sqlx::Pool<D> {
-        self.dialect.pool()
+        self.driver.pool()
     }
 
     /// The table this store uses.
     pub fn table(&self) -> &str {
-        &self.dialect.table().name
+        &self.driver.table().name
     }
 
     /// Runs `purge_expired` every `interval` on the current tokio runtime, until the
@@ -140,8 +137,8 @@ impl<D: Dialect> SqlStore<D> {
     }
 
     /// The dialect's state.
-    pub(crate) fn dialect(&self) -> &D::Engine {
-        &self.dialect
+    pub(crate) fn driver(&self) -> &D::Driver {
+        &self.driver
     }
 
     /// How long one operation may take.
@@ -151,12 +148,12 @@ impl<D: Dialect> SqlStore<D> {
 
     /// Deletes the expired rows: what every dialect's `purge_expired` is.
     pub(crate) async fn purged(&self) -> Result<u64, Error> {
-        self.watched(self.dialect.purge(self.timeout)).await
+        self.watched(self.driver.purge(self.timeout)).await
     }
 
     /// Creates the table: what every dialect's `migrate` is.
     pub(crate) async fn migrated(&self) -> Result<(), Error> {
-        self.watched(self.dialect.migrate(self.timeout)).await
+        self.watched(self.driver.migrate(self.timeout)).await
     }
 
     /// `operation`, whose failure the dialect is told of.
@@ -166,7 +163,7 @@ impl<D: Dialect> SqlStore<D> {
     ) -> Result<T, Error> {
         let done = operation.await;
         if let Err(err) = &done {
-            self.dialect.failed(err, self.timeout);
+            self.driver.failed(err, self.timeout);
         }
         done
     }
@@ -176,19 +173,19 @@ impl<D: Dialect> SqlStore<D> {
         &self,
         operation: impl Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T, Error> {
-        self.watched(within(D::Engine::NAME, self.timeout, operation))
+        self.watched(within(D::Driver::NAME, self.timeout, operation))
             .await
     }
 
     async fn fenced(&self, key: &Key, token: Token, write: Fenced<'_>) -> Result<bool, Error> {
-        self.watched(self.dialect.fenced(self.timeout, key, token, write))
+        self.watched(self.driver.fenced(self.timeout, key, token, write))
             .await
     }
 }
 
 impl<D: Dialect> fmt::Debug for SqlStore<D> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct(D::Engine::STORE)
+        f.debug_struct(D::Driver::STORE)
             .field("table", &self.table())
             .field("timeout", &self.timeout)
             .field("pool_size", &self.pool().size())
@@ -204,8 +201,7 @@ impl<D: Dialect> Store for SqlStore<D> {
     /// [`Admin`](crate::admin::Admin) to show, and the call's TTL: a row that lapses
     /// unsettled is purged only that long after its lease ran out.
     async fn claim(&self, request: &ClaimRequest<'_>) -> Result<Claim, Error> {
-        self.watched(self.dialect.claim(self.timeout, request))
-            .await
+        self.watched(self.driver.claim(self.timeout, request)).await
     }
 
     async fn complete(
@@ -247,27 +243,27 @@ impl<D: Dialect> Store for SqlStore<D> {
     }
 
     async fn steps(&self, call: &Key) -> Result<Vec<(Key, Bytes)>, Error> {
-        let table = self.dialect.table();
+        let table = self.driver.table();
         self.read(D::steps(self.pool(), table, call)).await
     }
 
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
-        self.watched(self.dialect.remove(self.timeout, key)).await
+        self.watched(self.driver.remove(self.timeout, key)).await
     }
 
     async fn lookup(&self, key: &Key) -> Result<Option<Recorded>, Error> {
-        let table = self.dialect.table();
+        let table = self.driver.table();
         let row = self.read(D::lookup(self.pool(), table, key)).await?;
         rows::recorded(row)
     }
 
     async fn lease_left(&self, key: &Key) -> Result<Option<Duration>, Error> {
-        let table = self.dialect.table();
+        let table = self.driver.table();
         self.read(D::lease_left(self.pool(), table, key)).await
     }
 
     async fn holding(&self, key: &Key) -> Result<Option<Holding>, Error> {
-        let table = self.dialect.table();
+        let table = self.driver.table();
         let held = self.read(D::holding(self.pool(), table, key)).await?;
         Ok(held
             .map(|(left, holder)| Holding::new(left, holder.as_deref().and_then(Holder::decode))))
@@ -276,7 +272,7 @@ impl<D: Dialect> Store for SqlStore<D> {
     /// One read of the trace an operator's release left (tokens grow, so an older
     /// holder's is released too).
     async fn released_by_operator(&self, key: &Key, token: Token) -> Result<bool, Error> {
-        let table = self.dialect.table();
+        let table = self.driver.table();
         let released = self.read(D::released(self.pool(), table, key)).await?;
         let token = i64::try_from(token.get()).unwrap_or(i64::MAX);
         Ok(released.is_some_and(|released| token <= released))
@@ -291,7 +287,7 @@ impl<D: Dialect> Store for SqlStore<D> {
     }
 
     fn watch_removals(&self, watch: crate::store::RemovalWatch) -> bool {
-        self.dialect.watch_removals(watch)
+        self.driver.watch_removals(watch)
     }
 }
 

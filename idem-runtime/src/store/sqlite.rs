@@ -95,7 +95,7 @@ use sqlx::Sqlite as Database;
 use tokio::time::Instant;
 
 pub use crate::store::sql::Purger;
-use crate::store::sql::{self, Dialect, Engine, Fenced, Sealed, SqlStore, Table};
+use crate::store::sql::{self, Dialect, Driver, Fenced, Sealed, SqlStore, Table};
 use crate::{Claim, ClaimRequest, Error, Key, Token};
 use beacon::Beacon;
 use statements::Statements;
@@ -194,7 +194,7 @@ pub type SqliteStore = SqlStore<sqlx::Sqlite>;
 
 /// The SQLite dialect of [`SqlStore`]: its pool, its queue of writes and its statements.
 #[derive(Clone)]
-pub struct SqliteEngine {
+pub struct SqliteDriver {
     pool: SqlitePool,
     /// The queue of this store's writes, committed together on a connection of their own
     /// ([`writes`]).
@@ -277,7 +277,7 @@ impl SqlStore<sqlx::Sqlite> {
             .test_before_acquire(PING_BEFORE_WRITE)
             .connect_lazy_with((*pool.connect_options()).clone().busy_timeout(writes::POLL));
         let beacon = Beacon::beside(pool.connect_options().get_filename());
-        Self::of(SqliteEngine {
+        Self::of(SqliteDriver {
             pool,
             writes: Arc::new(Writes::new(writes, beacon)),
             sql: Arc::new(Statements::of(DEFAULT_TABLE)),
@@ -307,7 +307,7 @@ impl SqlStore<sqlx::Sqlite> {
     }
 }
 
-impl SqliteEngine {
+impl SqliteDriver {
     /// Runs a write in the store's next transaction of queued writes ([`writes`]), waiting
     /// for the file's lock until `deadline`.
     async fn write<T>(&self, job: (Job, Answered<T>), deadline: Instant) -> Result<T, sqlx::Error> {
@@ -318,10 +318,10 @@ impl SqliteEngine {
 impl Sealed for sqlx::Sqlite {}
 
 impl Dialect for sqlx::Sqlite {
-    type Engine = SqliteEngine;
+    type Driver = SqliteDriver;
 }
 
-impl Engine for SqliteEngine {
+impl Driver for SqliteDriver {
     type Database = Database;
 
     const NAME: &'static str = "sqlite";

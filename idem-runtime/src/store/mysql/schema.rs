@@ -8,11 +8,11 @@ use std::time::Duration;
 use sqlx::Row;
 
 use super::statements::{at_least, Bounded, Server, TEXT};
-use super::MySqlEngine;
-use crate::store::sql::{self, Engine};
+use super::MySqlDriver;
+use crate::store::sql::{self, Driver};
 use crate::Error;
 
-impl MySqlEngine {
+impl MySqlDriver {
     /// Creates the table if it is absent, or upgrades an earlier version's (see
     /// [`MySqlStore::migrate`](super::MySqlStore::migrate)).
     pub(super) async fn migrate_table(&self, timeout: Duration) -> Result<(), Error> {

@@ -51,7 +51,7 @@ impl Transactional for MySqlStore {
         // On the caller's connection: the pool's may all be held by callers. Its session is
         // the caller's, checked below (its isolation) or the caller's to set (autocommit).
         let server = self
-            .dialect()
+            .driver()
             .server(self.timeout(), &mut *connection)
             .await?;
         let bound = self.timeout() + call.wait.unwrap_or_default();
@@ -64,7 +64,7 @@ impl Transactional for MySqlStore {
         }
         // The transaction's isolation level, a row of one column before the key's rows.
         look += &format!("SELECT CAST({} AS CHAR); ", server.isolation());
-        look += &self.dialect().sql.live_literal(call.key);
+        look += &self.driver().sql.live_literal(call.key);
         let seen = sql::within("mysql", self.timeout(), async {
             sqlx::Executor::fetch_all(&mut *connection, sqlx::raw_sql(&look)).await
         })
@@ -130,13 +130,13 @@ impl Transactional for MySqlStore {
             if record.len() <= INLINE_RECORD {
                 let message = format!(
                     "{}; {release}",
-                    self.dialect()
+                    self.driver()
                         .sql
                         .complete_literal(call.key, token, record, millis(ttl)),
                 );
                 return sqlx::Executor::execute(&mut *connection, sqlx::raw_sql(&message)).await;
             }
-            let done = sqlx::query(&self.dialect().sql.complete_in)
+            let done = sqlx::query(&self.driver().sql.complete_in)
                 .bind(record)
                 .bind(millis(ttl))
                 .bind(&call.key.as_bytes()[..])
@@ -174,7 +174,7 @@ impl MySqlStore {
         );
         let restore = "SET SESSION innodb_lock_wait_timeout = @idem_lock_wait";
         let insert = self
-            .dialect()
+            .driver()
             .sql
             .insert_literal(call.key, call.fingerprint, call.lease);
         let message = format!("{set_wait}; {insert}; {restore}");
@@ -210,7 +210,7 @@ impl MySqlStore {
         connection: &mut MySqlConnection,
         call: &Call<'_>,
     ) -> Result<Option<Claim>, sqlx::Error> {
-        let share = self.dialect().sql.share_literal(call.key);
+        let share = self.driver().sql.share_literal(call.key);
         let row: Option<MySqlRow> =
             sqlx::Executor::fetch_optional(&mut *connection, sqlx::raw_sql(&share)).await?;
         let Some(row) = row else {
@@ -221,7 +221,7 @@ impl MySqlStore {
             return sql::held(&row).map(Some).map_err(decode);
         }
         let take = self
-            .dialect()
+            .driver()
             .sql
             .take_literal(call.key, call.fingerprint, call.lease);
         let taken = sqlx::Executor::execute(&mut *connection, sqlx::raw_sql(&take)).await?;

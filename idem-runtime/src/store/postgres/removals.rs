@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use sqlx::postgres::{PgListener, PgPoolOptions};
 
-use super::PostgresEngine;
+use super::PostgresDriver;
 use crate::store::{Removal, RemovalWatch};
 
 /// How often a listener with nothing to hear says it still listens: how long a listener
@@ -23,7 +23,7 @@ const MOST_BACKOFF: Duration = Duration::from_secs(5);
 /// Listens on `channel` for as long as `watch` wants, telling it each removal, and when the
 /// feed is lost and back: on a connection of its own (a pool of one, to whichever server
 /// the store's pool connects to now), made again after each loss.
-pub(super) async fn listen(engine: PostgresEngine, channel: String, watch: RemovalWatch) {
+pub(super) async fn listen(engine: PostgresDriver, channel: String, watch: RemovalWatch) {
     let mut backoff = Duration::from_millis(50);
     loop {
         let pool = PgPoolOptions::new()

@@ -54,7 +54,7 @@ impl Transactional for PostgresStore {
     ) -> Result<Claim, Error> {
         let lock_timeout = call.wait.map_or(REJECT_WITHIN.to_string(), lock_timeout);
         let bound = self.timeout() + call.wait.unwrap_or_default();
-        let statements = &self.dialect().sql.transaction;
+        let statements = &self.driver().sql.transaction;
         let claimed = if first {
             let first = statements.savepoint_and_claim(
                 &call.savepoint,
@@ -105,7 +105,7 @@ impl Transactional for PostgresStore {
         record: &[u8],
         ttl: Duration,
     ) -> Result<bool, Error> {
-        let statements = self.dialect().sql.transaction.complete_and_release(
+        let statements = self.driver().sql.transaction.complete_and_release(
             &call.savepoint,
             call.key,
             i64::try_from(token.get())

@@ -13,7 +13,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 use super::rows::steps_range;
-use super::{Dialect, Engine, SqlStore};
+use super::{Dialect, Driver, SqlStore};
 use crate::admin::{Admin, Cursor, Ending, Entry, Filter, Page, Release, State};
 use crate::store::Holder;
 use crate::{Error, Key, Token};
@@ -189,7 +189,7 @@ impl Affected for sqlx::sqlite::SqliteQueryResult {
 
 /// A database whose admin statements the core runs in one way (the bounds `sqlx` asks of
 /// them, stated once).
-pub trait AdminRows: sqlx::Database {
+pub trait AdminQueries: sqlx::Database {
     fn rows<'a>(
         pool: &'a sqlx::Pool<Self>,
         statement: &'a str,
@@ -213,7 +213,7 @@ pub enum Binds<'a> {
     Trace(&'a [u8], i64),
 }
 
-impl<DB> AdminRows for DB
+impl<DB> AdminQueries for DB
 where
     DB: sqlx::Database,
     DB::QueryResult: Affected,
@@ -303,9 +303,9 @@ fn entry(row: EntryRow, value: bool) -> Result<Entry, Error> {
     Ok(entry.with_names(namespace, label))
 }
 
-impl<D: Dialect + AdminRows> SqlStore<D> {
+impl<D: Dialect + AdminQueries> SqlStore<D> {
     fn admin_sql(&self) -> &AdminSql {
-        &self.dialect.table().admin
+        &self.driver.table().admin
     }
 
     async fn rows(&self, statement: &str, binds: Binds<'_>) -> Result<Vec<EntryRow>, Error> {
@@ -392,7 +392,7 @@ impl<D: Dialect + AdminRows> SqlStore<D> {
 }
 
 #[async_trait]
-impl<D: Dialect + AdminRows> Admin for SqlStore<D> {
+impl<D: Dialect + AdminQueries> Admin for SqlStore<D> {
     async fn list(&self, filter: &Filter, after: Option<&Cursor>) -> Result<Page, Error> {
         let size = filter.page_size();
         let prefix = filter.prefix().unwrap_or("");
@@ -433,7 +433,7 @@ impl<D: Dialect + AdminRows> Admin for SqlStore<D> {
             return Ok(None);
         };
         let steps = self
-            .read(D::steps(self.pool(), self.dialect.table(), key))
+            .read(D::steps(self.pool(), self.driver.table(), key))
             .await?
             .into_iter()
             .map(|(step, value)| (step, value.len() as u64))

@@ -134,7 +134,7 @@ pub struct Table {
 
 /// A database the SQL core reads in one way: the blanket implementation holds, once, the
 /// bounds that `sqlx` asks of a generic query, so that the store's code states none.
-pub trait Database: sqlx::Database {
+pub trait Reads: sqlx::Database {
     /// The completed record of `key`, read by `table.lookup`.
     fn lookup<'a>(
         pool: &'a sqlx::Pool<Self>,
@@ -188,7 +188,7 @@ pub(crate) fn recorded(row: Option<LookupRow>) -> Result<Option<Recorded>, Error
     )))
 }
 
-impl<DB> Database for DB
+impl<DB> Reads for DB
 where
     DB: sqlx::Database,
     for<'q> &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,

@@ -44,7 +44,7 @@ impl Transactional for SqliteStore {
         sql::within(
             "sqlite",
             self.timeout(),
-            self.dialect().sql.checked(&mut *connection),
+            self.driver().sql.checked(&mut *connection),
         )
         .await?;
         let taken = sql::within("sqlite", bound, async {
@@ -57,7 +57,7 @@ impl Transactional for SqliteStore {
             // All of it: a stream read to its first row would leave the last statement unrun.
             let read = sqlx::Executor::fetch_all(&mut *connection, sqlx::raw_sql(&opened)).await?;
             let caller: i64 = read.first().ok_or(sqlx::Error::RowNotFound)?.try_get(0)?;
-            let claimed = claim(&self.dialect().sql, connection, call, caller).await;
+            let claimed = claim(&self.driver().sql, connection, call, caller).await;
             if claimed.is_err() {
                 set_busy_timeout(connection, caller).await?;
             }
@@ -94,7 +94,7 @@ impl Transactional for SqliteStore {
     ) -> Result<bool, Error> {
         let savepoint = &call.savepoint;
         sql::within("sqlite", self.timeout(), async {
-            let done = sqlx::query(&self.dialect().sql.complete)
+            let done = sqlx::query(&self.driver().sql.complete)
                 .bind(&call.key.as_bytes()[..])
                 .bind(token)
                 .bind(record)

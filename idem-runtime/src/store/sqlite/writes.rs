@@ -741,7 +741,7 @@ mod tests {
     fn queued(store: &SqliteStore, job: Job) -> Write {
         Write {
             job,
-            sql: Arc::clone(&store.dialect().sql),
+            sql: Arc::clone(&store.driver().sql),
             deadline: later(),
         }
     }
@@ -790,8 +790,8 @@ mod tests {
             },
             queued(&store, good),
         ];
-        let turn = Arc::clone(&store.dialect().writes.turn).lock_owned().await;
-        store.dialect().writes.commit(batch, turn).await;
+        let turn = Arc::clone(&store.driver().writes.turn).lock_owned().await;
+        store.driver().writes.commit(batch, turn).await;
         let bad = bad_answer.await.unwrap();
         assert!(
             bad.as_ref()
@@ -821,17 +821,17 @@ mod tests {
         // Another caller's claim, queued: the next caller with the turn takes it along.
         let (other_claim, answered) = take(4);
         store
-            .dialect()
+            .driver()
             .writes
             .queue()
             .push(queued(&store, other_claim));
-        let writes = Arc::clone(&store.dialect().writes);
-        let sql = Arc::clone(&store.dialect().sql);
+        let writes = Arc::clone(&store.driver().writes);
+        let sql = Arc::clone(&store.driver().sql);
         let job = take(5);
         let caller = tokio::spawn(async move { writes.run(&sql, job, later()).await.is_ok() });
         // The caller took the batch (both writes) and is committing it, held by the lock.
-        while !store.dialect().writes.queue().is_empty()
-            || store.dialect().writes.turn.try_lock().is_ok()
+        while !store.driver().writes.queue().is_empty()
+            || store.driver().writes.turn.try_lock().is_ok()
         {
             tokio::task::yield_now().await;
         }
@@ -930,8 +930,8 @@ mod tests {
         drop(answer);
         let (waited, answered) = take(3);
         let batch = [abandoned, waited].map(|job| queued(&store, job));
-        let turn = Arc::clone(&store.dialect().writes.turn).lock_owned().await;
-        store.dialect().writes.commit(batch.into(), turn).await;
+        let turn = Arc::clone(&store.driver().writes.turn).lock_owned().await;
+        store.driver().writes.commit(batch.into(), turn).await;
         assert!(matches!(answered.await.unwrap(), Ok(Ok(_))));
         assert!(
             !held(&store, 2).await,
