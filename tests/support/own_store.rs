@@ -1,4 +1,5 @@
-//! A store written from the `Store` trait's docs alone, as a third party would write one:
+//! A store written from the `Store` and `Admin` traits' docs alone, as a third party would
+//! write one:
 //! one "server" (a map behind a lock, with its own clock) and any number of instances over
 //! it, each with per-process state of its own. It keeps the contract, or breaks it in one
 //! chosen way ([`Mutation`]), so that the tests can show that `idem_runtime::testkit`
@@ -9,7 +10,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use idem_runtime::store::{Claim, ClaimRequest, Recorded};
+use idem_runtime::admin::{Admin, Cursor, Ending, Entry, Filter, Page, Release, State};
+use idem_runtime::store::{Claim, ClaimRequest, Holder, Recorded};
 use idem_runtime::{Bytes, Error, Fingerprint, Key, Store, Token};
 
 /// How the store breaks the contract, if it does.
@@ -32,11 +34,14 @@ enum Row {
         until: Instant,
         /// How long a lapsed claim is remembered after `until`, so that a takeover is told.
         remembered: Duration,
+        lease: Duration,
+        namespace: Option<String>,
     },
     Completed {
         value: Bytes,
         fingerprint: Option<Fingerprint>,
         until: Instant,
+        namespace: Option<String>,
     },
 }
 
@@ -45,6 +50,8 @@ struct Server {
     rows: HashMap<Key, Row>,
     steps: HashMap<Key, HashMap<Key, (Bytes, Instant)>>,
     tokens: u64,
+    /// The claims an operator released, so that their holders are told so.
+    released: HashSet<(Key, Token)>,
 }
 
 /// What a key holds at `now`.
@@ -77,9 +84,19 @@ impl Server {
                 fingerprint: request.fingerprint.copied(),
                 until: now + request.lease,
                 remembered: request.ttl,
+                lease: request.lease,
+                namespace: request.claimant.namespace().map(str::to_owned),
             },
         );
         token
+    }
+
+    /// The live steps of `call`.
+    fn steps_of(&self, call: &Key, now: Instant) -> Vec<(Key, Bytes)> {
+        let steps = self.steps.get(call).into_iter().flatten();
+        let live = steps.filter(|(_, (_, until))| *until > now);
+        live.map(|(step, (value, _))| (*step, value.clone()))
+            .collect()
     }
 
     /// The row of `key` when it is held under `token` with a live lease.
@@ -196,13 +213,19 @@ impl Store for OwnStore {
         let Some(row) = server.held(key, token, now) else {
             return Ok(false);
         };
-        let Row::Held { fingerprint, .. } = row else {
+        let Row::Held {
+            fingerprint,
+            namespace,
+            ..
+        } = row
+        else {
             return Ok(false);
         };
         *row = Row::Completed {
             value,
             fingerprint: *fingerprint,
             until: now + ttl,
+            namespace: namespace.take(),
         };
         Ok(true)
     }
@@ -259,15 +282,7 @@ impl Store for OwnStore {
     }
 
     async fn steps(&self, call: &Key) -> Result<Vec<(Key, Bytes)>, Error> {
-        let now = Instant::now();
-        let server = self.server();
-        Ok(server.steps.get(call).map_or_else(Vec::new, |steps| {
-            steps
-                .iter()
-                .filter(|(_, (_, until))| *until > now)
-                .map(|(step, (value, _))| (*step, value.clone()))
-                .collect()
-        }))
+        Ok(self.server().steps_of(call, Instant::now()))
     }
 
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
@@ -286,6 +301,7 @@ impl Store for OwnStore {
                 value,
                 fingerprint,
                 until,
+                ..
             }) if *until > now => Some(Recorded::new(
                 value.clone(),
                 *fingerprint,
@@ -301,5 +317,173 @@ impl Store for OwnStore {
             Some(Row::Held { until, .. }) if *until > now => Some(*until - now),
             _ => None,
         })
+    }
+
+    async fn released_by_operator(&self, key: &Key, token: Token) -> Result<bool, Error> {
+        Ok(self.server().released.contains(&(*key, token)))
+    }
+}
+
+impl Server {
+    /// What an operator sees of `key` at `now`.
+    fn entry(&self, key: &Key, now: Instant, values: bool) -> Option<Entry> {
+        let entry = match (self.rows.get(key)?, self.seen(key, now)) {
+            (_, Seen::Free) => return None,
+            (
+                Row::Held {
+                    token,
+                    until,
+                    lease,
+                    namespace,
+                    ..
+                },
+                seen,
+            ) => {
+                let state = if matches!(seen, Seen::Live) {
+                    State::Held
+                } else {
+                    State::Lapsed
+                };
+                Entry::new(*key, state)
+                    .with_names(namespace.clone(), None)
+                    .with_claim(
+                        *token,
+                        Some(*lease),
+                        until.saturating_duration_since(now),
+                        Some(Holder::this_process().clone()),
+                    )
+            }
+            (
+                Row::Completed {
+                    value,
+                    until,
+                    namespace,
+                    ..
+                },
+                _,
+            ) => Entry::new(*key, State::Completed)
+                .with_names(namespace.clone(), None)
+                .with_result(
+                    Some(until.saturating_duration_since(now)),
+                    Some(value.len() as u64),
+                    values.then(|| value.clone()),
+                ),
+        };
+        Some(entry)
+    }
+}
+
+/// The operator's view: three reads, two conditional writes and a purge; `release` and
+/// `reset` are the trait's own.
+#[async_trait]
+impl Admin for OwnStore {
+    async fn list(&self, filter: &Filter, after: Option<&Cursor>) -> Result<Page, Error> {
+        let now = Instant::now();
+        let server = self.server();
+        let mut keys: Vec<&Key> = server.rows.keys().collect();
+        keys.sort();
+        let from = after.and_then(Cursor::key);
+        let mut entries = Vec::new();
+        for key in keys
+            .into_iter()
+            .filter(|key| from.is_none_or(|from| *key > from))
+        {
+            let Some(entry) = server.entry(key, now, filter.values()) else {
+                continue;
+            };
+            if !filter.admits(&entry) {
+                continue;
+            }
+            if entries.len() == filter.page_size() {
+                let next = entries
+                    .last()
+                    .map(|last: &Entry| Cursor::after(*last.key()));
+                return Ok(Page::new(entries, next));
+            }
+            entries.push(entry);
+        }
+        Ok(Page::new(entries, None))
+    }
+
+    async fn inspect(&self, key: &Key) -> Result<Option<Entry>, Error> {
+        let now = Instant::now();
+        let server = self.server();
+        let steps = server.steps_of(key, now).into_iter();
+        let sizes = steps
+            .map(|(step, value)| (step, value.len() as u64))
+            .collect();
+        Ok(server
+            .entry(key, now, true)
+            .map(|entry| entry.with_steps(sizes)))
+    }
+
+    async fn look(&self, key: &Key) -> Result<Option<Entry>, Error> {
+        Ok(self.server().entry(key, Instant::now(), false))
+    }
+
+    async fn end_claim(
+        &self,
+        entry: &Entry,
+        token: Token,
+        how: Release,
+        forget: bool,
+    ) -> Result<Ending, Error> {
+        let key = entry.key();
+        let now = Instant::now();
+        let mut server = self.server();
+        // Judged again in the write: the same token, and still silent unless forced.
+        let still = server.entry(key, now, false).filter(|now| {
+            now.token() == Some(token)
+                && matches!(now.state(), State::Held | State::Lapsed)
+                && (how == Release::Force || now.is_silent())
+        });
+        if still.is_none() {
+            return Ok(Ending::Changed);
+        }
+        server.released.insert((*key, token));
+        if forget {
+            server.rows.remove(key);
+            server.steps.remove(key);
+            return Ok(Ending::Ended);
+        }
+        // Lapsed now, under a token nobody holds: the holder's writes are refused, and the
+        // next claim is told it takes the key over.
+        server.tokens += 1;
+        let unheld = Token::new(server.tokens);
+        if let Some(Row::Held {
+            token: held, until, ..
+        }) = server.rows.get_mut(key)
+        {
+            *held = unheld;
+            *until = now;
+        }
+        Ok(Ending::Ended)
+    }
+
+    async fn forget_call(&self, entry: &Entry) -> Result<Ending, Error> {
+        let key = entry.key();
+        let mut server = self.server();
+        if !matches!(server.seen(key, Instant::now()), Seen::Completed) {
+            return Ok(Ending::Changed);
+        }
+        server.rows.remove(key);
+        server.steps.remove(key);
+        Ok(Ending::Ended)
+    }
+
+    async fn purge(&self) -> Result<u64, Error> {
+        let now = Instant::now();
+        let mut server = self.server();
+        let gone: Vec<Key> = server
+            .rows
+            .keys()
+            .filter(|key| matches!(server.seen(key, now), Seen::Free))
+            .copied()
+            .collect();
+        for key in &gone {
+            server.rows.remove(key);
+            server.steps.remove(key);
+        }
+        Ok(gone.len() as u64)
     }
 }

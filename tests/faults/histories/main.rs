@@ -176,6 +176,12 @@ async fn a_hand_written_store() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_written_store_with_an_operator() {
+    let store = OwnStore::new(Mutation::Kept);
+    operated("hand-written", 15, &[store.clone(), store.instance()]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite() {
     let file = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("histories.db");
     for stale in ["", "-wal", "-shm"] {
