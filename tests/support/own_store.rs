@@ -1,9 +1,7 @@
-//! A store written from the `Store` and `Admin` traits' docs alone, as a third party would
-//! write one:
-//! one "server" (a map behind a lock, with its own clock) and any number of instances over
-//! it, each with per-process state of its own. It keeps the contract, or breaks it in one
-//! chosen way ([`Mutation`]), so that the tests can show that `idem_runtime::testkit`
-//! catches each breakage and names the check that did.
+//! A store written from the `Store` and `Admin` docs alone, as a third party would: one
+//! "server" (a map behind a lock, with its clock) and instances over it, each with state of
+//! its own. It keeps the contract, or breaks it one way ([`Mutation`]) for the tests to show
+//! that `idem_runtime::testkit` catches the breakage and names the check.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -115,7 +113,7 @@ impl Server {
 pub struct OwnStore {
     server: Arc<Mutex<Server>>,
     /// The keys this instance claimed: per-process state, as a real store's cache is.
-    mine: Arc<Mutex<HashSet<Key>>>,
+    claimed: Arc<Mutex<HashSet<Key>>>,
     mutation: Mutation,
 }
 
@@ -123,7 +121,7 @@ impl OwnStore {
     pub fn new(mutation: Mutation) -> Self {
         Self {
             server: Arc::default(),
-            mine: Arc::default(),
+            claimed: Arc::default(),
             mutation,
         }
     }
@@ -132,7 +130,7 @@ impl OwnStore {
     pub fn instance(&self) -> Self {
         Self {
             server: Arc::clone(&self.server),
-            mine: Arc::default(),
+            claimed: Arc::default(),
             mutation: self.mutation,
         }
     }
@@ -141,18 +139,8 @@ impl OwnStore {
         self.server.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn remember(&self, key: &Key) {
-        self.mine
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(*key);
-    }
-
-    fn is_mine(&self, key: &Key) -> bool {
-        self.mine
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .contains(key)
+    fn claimed(&self) -> MutexGuard<'_, HashSet<Key>> {
+        self.claimed.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -165,7 +153,7 @@ impl Store for OwnStore {
         if matches!(judged, Seen::Lapsed) && self.mutation == Mutation::TakeoverSkipsRecheck {
             // Judged lapsed, then written later without looking again.
             tokio::task::yield_now().await;
-            self.remember(key);
+            self.claimed().insert(*key);
             return Ok(Claim::taken_over(self.server().take(request, now)));
         }
         let claim = {
@@ -173,7 +161,8 @@ impl Store for OwnStore {
             match server.seen(key, now) {
                 Seen::Free => Claim::acquired(server.take(request, now)),
                 Seen::Live
-                    if self.mutation == Mutation::TakeoverOnFirstSight && !self.is_mine(key) =>
+                    if self.mutation == Mutation::TakeoverOnFirstSight
+                        && !self.claimed().contains(key) =>
                 {
                     Claim::taken_over(server.take(request, now))
                 }
@@ -196,7 +185,7 @@ impl Store for OwnStore {
             }
         };
         if matches!(claim, Claim::Acquired { .. }) {
-            self.remember(key);
+            self.claimed().insert(*key);
         }
         Ok(claim)
     }
