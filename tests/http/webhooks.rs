@@ -904,6 +904,31 @@ async fn svix_default_headers_are_verified_and_keyed() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
+/// A captured Svix delivery sent again with an unsigned id of the other spelling beside its
+/// signed one (`webhook-id: …`, no `webhook-signature`) is keyed by the id its signature
+/// vouches for: replayed, never run as a new delivery. Nor is a delivery whose one spelling
+/// signs and whose other spelling only carries a new id, the other way round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsigned_id_of_the_other_spelling_is_never_the_key() {
+    let runs = Arc::default();
+    let key = b"a re-headered endpoint key";
+    let preset = Webhook::standard(&format!("whsec_{}", BASE64.encode(key))).unwrap();
+    let client = serve_receiver(&runs, IdempotencyLayer::webhook(MemoryStore::new(), preset)).await;
+    let body = r#"{"type":"invoice.paid"}"#;
+    for (signed, other) in [("svix", "webhook"), ("webhook", "svix")] {
+        let id = unique("msg");
+        let captured = standard_headers(key, &id, now(), body, signed);
+        let first = deliver(&client, &captured, body).await;
+        assert_eq!(first.status, StatusCode::OK, "{first:?}");
+        let mut reheadered = captured.clone();
+        reheadered.push((format!("{other}-id"), unique("msg_new")));
+        reheadered.push((format!("{other}-timestamp"), now().to_string()));
+        let again = deliver(&client, &reheadered, body).await;
+        assert!(again.replayed() && again.same_as(&first), "{again:?}");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
 /// Behind the webhook layer, a handler that takes the `IdempotencyKey` extractor gets the
 /// key the layer found (in the body, for Stripe), not a `400` for a missing header.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

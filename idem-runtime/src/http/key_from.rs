@@ -57,8 +57,10 @@ enum Source {
     Json(Arc<str>),
     /// The service's own function.
     With(KeyFn),
-    /// The first of these headers the request has (one sender, two spellings).
-    FirstOf(Arc<[HeaderName]>),
+    /// One sender's id header in the spelling whose signature header the request has
+    /// (`[id, signature]` pairs, the first spelling when none is there): the id the
+    /// signature that is checked vouches for, never another spelling's unsigned one.
+    SignedId(Arc<[[HeaderName; 2]]>),
     /// What a sender that signs the body alone authenticates: the topic header's value (not
     /// signed, but it names which kind of event the body is), and the body's SHA-256.
     SignedBody(HeaderName),
@@ -180,11 +182,17 @@ impl KeyFrom {
         }
     }
 
-    /// The first of `names` the request carries (a sender that spells its header two
-    /// ways, such as Standard Webhooks' `webhook-id` and Svix's `svix-id`).
-    pub(super) fn first_of(names: &[&'static str]) -> Self {
+    /// The id header of the first spelling whose signature header the request carries
+    /// (`[id, signature]` pairs: Standard Webhooks' `webhook-*` and Svix's `svix-*`), as
+    /// the sender's verification picks the same spelling.
+    pub(super) fn signed_id(spellings: &[[&'static str; 2]]) -> Self {
         Self {
-            source: Source::FirstOf(names.iter().map(|n| HeaderName::from_static(n)).collect()),
+            source: Source::SignedId(
+                spellings
+                    .iter()
+                    .map(|pair| pair.map(HeaderName::from_static))
+                    .collect(),
+            ),
         }
     }
 
@@ -235,10 +243,13 @@ impl KeyFrom {
                 }
                 Found::Key(Keyed::of(values))
             }
-            Source::FirstOf(names) => match names.iter().find(|name| headers.contains_key(*name)) {
-                Some(name) => Self::headers([name.as_str()]).in_head(headers),
-                None => Found::Missing,
-            },
+            Source::SignedId(spellings) => {
+                let signed = spellings
+                    .iter()
+                    .find(|[_, signature]| headers.contains_key(signature))
+                    .unwrap_or(&spellings[0]);
+                Self::headers([signed[0].as_str()]).in_head(headers)
+            }
             Source::Json(_) | Source::With(_) | Source::SignedBody(_) => Found::InBody,
         }
     }
@@ -282,7 +293,7 @@ impl KeyFrom {
                     shown: IdempotencyKey::new(shown),
                 })
             }
-            Source::IdempotencyKey | Source::Headers(_) | Source::FirstOf(_) => {
+            Source::IdempotencyKey | Source::Headers(_) | Source::SignedId(_) => {
                 self.in_head(&parts.headers)
             }
         }
@@ -307,8 +318,9 @@ impl KeyFrom {
             }
             Source::Json(pointer) => format!("the body's `{pointer}`"),
             Source::With(_) => "the request's key".to_owned(),
-            Source::FirstOf(names) => {
-                let names: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
+            Source::SignedId(spellings) => {
+                let names: Vec<String> =
+                    spellings.iter().map(|[id, _]| format!("`{id}`")).collect();
                 format!("the {} header", names.join(" or "))
             }
             Source::SignedBody(_) => "the signed body".to_owned(),

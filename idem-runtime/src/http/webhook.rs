@@ -135,6 +135,17 @@ const STANDARD_HEADERS: [[&str; 3]; 2] = [
     ["svix-id", "svix-timestamp", "svix-signature"],
 ];
 
+/// The spelling of a Standard Webhooks delivery's headers: the first whose signature header
+/// it carries (the specification's when none). The signature, the key and the label all
+/// read this one spelling, so that an unsigned id of the other spelling, added to a
+/// captured delivery, is never its key.
+fn standard_spelling(headers: &HeaderMap) -> [&'static str; 3] {
+    STANDARD_HEADERS
+        .into_iter()
+        .find(|[_, _, signature]| headers.contains_key(*signature))
+        .unwrap_or(STANDARD_HEADERS[0])
+}
+
 impl Webhook {
     fn new(sender: Sender, secret: Vec<u8>, ttl: Duration) -> Result<Self, Error> {
         if secret.iter().all(u8::is_ascii_whitespace) {
@@ -300,7 +311,7 @@ impl Webhook {
             Sender::GitHub => KeyFrom::signed_body("x-github-event"),
             Sender::Shopify => KeyFrom::signed_body("x-shopify-topic"),
             Sender::Standard => {
-                KeyFrom::first_of(&[STANDARD_HEADERS[0][0], STANDARD_HEADERS[1][0]])
+                KeyFrom::signed_id(&STANDARD_HEADERS.map(|[id, _, signature]| [id, signature]))
             }
         }
     }
@@ -318,9 +329,8 @@ impl Webhook {
             }
             Sender::GitHub => text(headers, "x-github-delivery").ok()?.to_owned(),
             Sender::Shopify => text(headers, "x-shopify-webhook-id").ok()?.to_owned(),
-            Sender::Standard => STANDARD_HEADERS
-                .iter()
-                .find_map(|[id, ..]| text(headers, id).ok())?
+            Sender::Standard => text(headers, standard_spelling(headers)[0])
+                .ok()?
                 .to_owned(),
         };
         let readable = !id.is_empty()
@@ -379,11 +389,7 @@ impl Webhook {
                 any_matches(&self.mac([body]), &[signature])
             }
             Sender::Standard => {
-                // Svix's own spelling when the specification's signature is not there.
-                let [id, timestamp, signature] = STANDARD_HEADERS
-                    .into_iter()
-                    .find(|[_, _, signature]| headers.contains_key(*signature))
-                    .unwrap_or(STANDARD_HEADERS[0]);
+                let [id, timestamp, signature] = standard_spelling(headers);
                 let id = text(headers, id)?;
                 let timestamp = text(headers, timestamp)?;
                 let header = text(headers, signature)?;
