@@ -369,13 +369,11 @@ impl FromStr for Cursor {
 ///
 /// [`Error::Config`] for anything else.
 pub fn parse_digest(text: &str) -> Result<Key, Error> {
-    let mut bytes = [0_u8; 32];
-    hex::decode_to_slice(text.trim(), &mut bytes).map_err(|_| {
+    Key::from_hex(text.trim()).ok_or_else(|| {
         Error::config(format!(
             "`{text}` is not a key's digest: 64 hex digits, as `idem list` prints them"
         ))
-    })?;
-    Ok(Key::from_bytes(bytes))
+    })
 }
 
 /// The key the macro derives in `namespace` for the key value written as JSON: what

@@ -83,9 +83,10 @@ impl Key {
         &self.0
     }
 
-    /// The key of 64 hex digits, as [`to_hex`](Self::to_hex) wrote it.
-    #[cfg(feature = "postgres")]
-    pub(crate) fn from_hex(text: &str) -> Option<Self> {
+    /// The key of 64 hex digits, as [`to_hex`](Self::to_hex) wrote it: the one parser of
+    /// a key's digits (an operator's, a store's notification).
+    #[cfg(any(feature = "postgres", feature = "admin", feature = "dynamodb"))]
+    pub(crate) fn from_hex(text: impl AsRef<[u8]>) -> Option<Self> {
         let mut bytes = [0_u8; 32];
         hex::decode_to_slice(text, &mut bytes).ok()?;
         Some(Self(bytes))

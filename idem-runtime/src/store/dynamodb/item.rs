@@ -181,10 +181,9 @@ pub(super) fn steps(item: Option<&Item>, now_ms: u64) -> Result<Vec<(Key, Bytes)
         if number(entry, "e")? <= now_ms {
             continue;
         }
-        let mut bytes = [0; 32];
-        hex::decode_to_slice(step, &mut bytes)
-            .map_err(|_| malformed("a step key that is not 64 hex digits"))?;
-        live.push((Key::from_bytes(bytes), blob(entry, "v")?));
+        let step =
+            Key::from_hex(step).ok_or_else(|| malformed("a step key that is not 64 hex digits"))?;
+        live.push((step, blob(entry, "v")?));
     }
     Ok(live)
 }

@@ -23,14 +23,14 @@ const MOST_BACKOFF: Duration = Duration::from_secs(5);
 /// Listens on `channel` for as long as `watch` wants, telling it each removal, and when the
 /// feed is lost and back: on a connection of its own (a pool of one, to whichever server
 /// the store's pool connects to now), made again after each loss.
-pub(super) async fn listen(engine: PostgresDriver, channel: String, watch: RemovalWatch) {
+pub(super) async fn listen(driver: PostgresDriver, channel: String, watch: RemovalWatch) {
     let mut backoff = Duration::from_millis(50);
     loop {
         let pool = PgPoolOptions::new()
             .max_connections(1)
             .min_connections(0)
             .acquire_timeout(super::DEFAULT_ACQUIRE_TIMEOUT)
-            .connect_lazy_with((*engine.pool.connect_options()).clone());
+            .connect_lazy_with((*driver.pool.connect_options()).clone());
         let listener = async {
             let mut listener = PgListener::connect_with(&pool).await?;
             // A lost connection is told at once, before anything listens again: the tier

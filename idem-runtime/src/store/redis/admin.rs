@@ -16,7 +16,7 @@ use redis::{Script, Value};
 
 use super::record::{head, malformed, split_fingerprint, unexpected, Head, INSPECT};
 use super::{within, Connection, RedisStore};
-use crate::admin::{self, Admin, Cursor, Ending, Entry, Filter, Page, Release, State};
+use crate::admin::{Admin, Cursor, Ending, Entry, Filter, Page, Release, State};
 use crate::store::Holder;
 use crate::{Error, Key, Token};
 
@@ -91,7 +91,7 @@ impl Position {
                 scan: scan.parse().ok()?,
                 after: match after {
                     "-" => None,
-                    digits => Some(admin::parse_digest(digits).ok()?),
+                    digits => Some(Key::from_hex(digits)?),
                 },
             })
         });
@@ -133,9 +133,7 @@ impl RedisStore {
             .strip_prefix(self.prefix.as_bytes())?
             .strip_prefix(b"{")?
             .strip_suffix(b"}")?;
-        let mut key = [0; 32];
-        hex::decode_to_slice(digits, &mut key).ok()?;
-        Some(Key::from_bytes(key))
+        Key::from_hex(digits)
     }
 
     /// The servers a listing walks: the one server, or a cluster's primaries by address.
