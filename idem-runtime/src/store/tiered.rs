@@ -166,6 +166,22 @@ impl<F: Store, D: Store> TieredStore<F, D> {
         &self.durable
     }
 
+    /// Runs `forget`, the durable store's forgetting of `key`, between two removals of its
+    /// copy from the fast tier (see [`remove`](Store::remove)): whether the first removal
+    /// found a copy, and what `forget` answered. A fast tier that fails (or does not answer
+    /// within 3 s, or the fast timeout if longer) is an error.
+    async fn forgetting<T>(
+        &self,
+        key: &Key,
+        forget: impl std::future::Future<Output = Result<T, Error>>,
+    ) -> Result<(bool, T), Error> {
+        let bound = self.fast_timeout.max(REMOVAL_TIMEOUT);
+        let copied = within(bound, self.fast.remove(&self.fresh.mapped(key))).await?;
+        let forgotten = forget.await?;
+        within(bound, self.fast.remove(&self.fresh.mapped(key))).await?;
+        Ok((copied, forgotten))
+    }
+
     /// The fast tier's live completed record of `key`; `None` when it has none, or fails,
     /// or may not be read now.
     async fn read_fast(&self, key: &Key) -> Option<Recorded> {
@@ -421,10 +437,7 @@ impl<F: Store, D: Store> Store for TieredStore<F, D> {
     /// longer) is an error here, unlike everywhere else: a removal that left a copy behind
     /// would go on replaying what was reset.
     async fn remove(&self, key: &Key) -> Result<bool, Error> {
-        let bound = self.fast_timeout.max(REMOVAL_TIMEOUT);
-        let fast = within(bound, self.fast.remove(&self.fresh.mapped(key))).await?;
-        let durable = self.durable.remove(key).await?;
-        within(bound, self.fast.remove(&self.fresh.mapped(key))).await?;
+        let (fast, durable) = self.forgetting(key, self.durable.remove(key)).await?;
         Ok(durable || fast)
     }
 
@@ -488,8 +501,10 @@ impl<F: Store, D: Store + crate::admin::Admin> crate::admin::Admin for TieredSto
         self.durable.look(key).await
     }
 
-    /// The durable store's: claims live there alone (a reset goes through
-    /// [`reset`](crate::admin::Admin::reset), which clears the copies around it).
+    /// The durable store's: claims live there alone. A reset's (`forget`) goes between two
+    /// removals of the copy, as [`remove`](Store::remove)'s does, so that no copy begun
+    /// meanwhile survives it. A release's fence reaches the holders of this process too,
+    /// whose registry of running calls is the durable store's.
     async fn end_claim(
         &self,
         entry: &crate::admin::Entry,
@@ -497,42 +512,21 @@ impl<F: Store, D: Store + crate::admin::Admin> crate::admin::Admin for TieredSto
         how: crate::admin::Release,
         forget: bool,
     ) -> Result<crate::admin::Ending, Error> {
-        self.durable.end_claim(entry, token, how, forget).await
+        let ended = self.durable.end_claim(entry, token, how, forget);
+        if !forget {
+            return ended.await;
+        }
+        Ok(self.forgetting(entry.key(), ended).await?.1)
     }
 
-    /// The durable store's (a reset goes through [`reset`](crate::admin::Admin::reset),
-    /// which clears the copies around it).
+    /// The durable store's, between two removals of the copy, as
+    /// [`remove`](Store::remove)'s: a copy replays nothing that was reset.
     async fn forget_call(
         &self,
         entry: &crate::admin::Entry,
     ) -> Result<crate::admin::Ending, Error> {
-        self.durable.forget_call(entry).await
-    }
-
-    /// The durable store's release: claims live there alone. Its fence reaches the holders
-    /// of this process too, whose registry of running calls is the durable store's.
-    async fn release(
-        &self,
-        key: &Key,
-        token: Token,
-        how: crate::admin::Release,
-    ) -> Result<crate::admin::Verdict, Error> {
-        crate::admin::Admin::release(&self.durable, key, token, how).await
-    }
-
-    /// The copy is removed before the durable record is forgotten and again after, as
-    /// [`remove`](Store::remove) does, so that no copy in flight survives it; a fast tier
-    /// that fails is an error here.
-    async fn reset(
-        &self,
-        key: &Key,
-        how: crate::admin::Release,
-    ) -> Result<crate::admin::Verdict, Error> {
-        let bound = self.fast_timeout.max(REMOVAL_TIMEOUT);
-        within(bound, self.fast.remove(&self.fresh.mapped(key))).await?;
-        let verdict = self.durable.reset(key, how).await?;
-        within(bound, self.fast.remove(&self.fresh.mapped(key))).await?;
-        Ok(verdict)
+        let forgotten = self.durable.forget_call(entry);
+        Ok(self.forgetting(entry.key(), forgotten).await?.1)
     }
 
     /// The durable store's expired records; copies expire by themselves, before their
