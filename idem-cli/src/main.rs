@@ -337,11 +337,7 @@ async fn run(cli: Cli) -> Result<Exit, Failure> {
             let Some((key, entry)) = one(&*store, &call, json).await? else {
                 return Ok(Exit::NotFound);
             };
-            let how = if force {
-                Release::Force
-            } else {
-                Release::IfSilent
-            };
+            let how = release_how(force);
             if !confirmed(yes, &format!("release {}", describe(&entry)))? {
                 return Ok(Exit::NotConfirmed);
             }
@@ -352,11 +348,7 @@ async fn run(cli: Cli) -> Result<Exit, Failure> {
             let Some((key, entry)) = one(&*store, &call, json).await? else {
                 return Ok(Exit::NotFound);
             };
-            let how = if force {
-                Release::Force
-            } else {
-                Release::IfSilent
-            };
+            let how = release_how(force);
             if !confirmed(yes, &format!("forget {}", describe(&entry)))? {
                 return Ok(Exit::NotConfirmed);
             }
@@ -547,6 +539,15 @@ fn report(key: &Key, done: &str, verdict: Verdict, json: bool) -> Exit {
         Verdict::Refused(Refusal::NotFound) => Exit::NotFound,
         Verdict::Refused(_) => Exit::Refused,
         _ => Exit::Refused,
+    }
+}
+
+/// How a release or reset treats a live holder: by force only when `--force` says so.
+fn release_how(force: bool) -> Release {
+    if force {
+        Release::Force
+    } else {
+        Release::IfSilent
     }
 }
 
