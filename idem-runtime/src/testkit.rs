@@ -39,7 +39,7 @@
 //! processes that are killed ([`Answer::Killed`] for a call its process never finished).
 //!
 //! The suite uses real time (leases and TTLs of a few hundred milliseconds), since a network
-//! store judges expiry by its own clock; it takes about two seconds. Its keys live in a
+//! store judges expiry by its own clock; it takes about seven seconds (the memory store here). Its keys live in a
 //! namespace of their own for each run, so it can run against a shared server. A broken
 //! promise panics with a message that names the check first (`idem testkit: check
 //! \`a_renewal_racing_a_takeover_has_one_winner\` failed: …`), then the promise broken.

@@ -238,3 +238,79 @@ async fn an_outage_under_one_call_is_a_warning_or_two_not_one_a_try() {
         lines.join("\n")
     );
 }
+
+/// A delivery of no broker, for the consumer's logs and labels.
+struct Delivered {
+    payload: &'static [u8],
+    id: &'static str,
+}
+
+#[idem_runtime::store::async_trait]
+impl idem_runtime::consumer::Delivery for Delivered {
+    fn payload(&self) -> &[u8] {
+        self.payload
+    }
+    fn message_id(&self) -> Option<std::borrow::Cow<'_, str>> {
+        Some(self.id.into())
+    }
+    fn header(&self, _: &str) -> Option<std::borrow::Cow<'_, str>> {
+        None
+    }
+    fn deliveries(&self) -> Option<u64> {
+        None
+    }
+    async fn settle(
+        &self,
+        _: idem_runtime::consumer::Disposition,
+    ) -> Result<(), idem_runtime::BoxError> {
+        Ok(())
+    }
+}
+
+/// An operator looking for a message finds it by its id: the handler's claim is labelled
+/// with it while it runs, and a message rejected for good (its id reused with another
+/// payload) is logged at `warn` with it.
+#[tokio::test(flavor = "current_thread")]
+async fn a_consumed_message_is_found_by_its_id_in_claims_and_rejections() {
+    use idem_runtime::admin::{Admin, Filter};
+    use idem_runtime::consumer::{Consumer, Disposition};
+
+    let capture = Capture::default();
+    let _guard = tracing::subscriber::set_default(capture.clone());
+    let store = MemoryStore::new();
+    let consumer = Consumer::new("observability.consumer").store(store.clone());
+    let first = Delivered {
+        payload: b"1",
+        id: "m-7",
+    };
+    let settled = consumer
+        .handle(&first, |n: u32| {
+            let store = store.clone();
+            async move {
+                let filter = Filter::namespace("observability.consumer").label("m-7");
+                let labelled = store.list(&filter, None).await?;
+                assert_eq!(labelled.entries().len(), 1, "{labelled:?}");
+                Ok::<_, Error>(n)
+            }
+        })
+        .await
+        .unwrap();
+    assert_eq!(settled, Disposition::Ack);
+    let reused = Delivered {
+        payload: b"2",
+        id: "m-7",
+    };
+    let settled = consumer
+        .handle(&reused, |n: u32| async move { Ok::<_, Error>(n) })
+        .await
+        .unwrap();
+    assert_eq!(settled, Disposition::Reject);
+    let lines = capture.lines.lock().unwrap().clone();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("event WARN") && l.contains(r#"message_id="m-7""#)),
+        "{}",
+        lines.join("\n")
+    );
+}
