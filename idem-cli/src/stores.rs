@@ -82,20 +82,10 @@ fn password(url: &str) -> Option<String> {
 
 /// `text` with its `%XX` escapes decoded, if they are UTF-8.
 fn percent_decoded(text: &str) -> Option<String> {
-    let mut bytes = Vec::with_capacity(text.len());
-    let mut rest = text.as_bytes();
-    while let Some((&byte, tail)) = rest.split_first() {
-        if byte == b'%' && tail.len() >= 2 {
-            if let Ok(value) = u8::from_str_radix(std::str::from_utf8(&tail[..2]).ok()?, 16) {
-                bytes.push(value);
-                rest = &tail[2..];
-                continue;
-            }
-        }
-        bytes.push(byte);
-        rest = tail;
-    }
-    String::from_utf8(bytes).ok()
+    let decoded = percent_encoding::percent_decode_str(text)
+        .decode_utf8()
+        .ok()?;
+    Some(decoded.into_owned())
 }
 
 /// What `idem` operates: a store that is also the operator's view of it.
