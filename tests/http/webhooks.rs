@@ -394,26 +394,7 @@ async fn standard_webhooks_and_shopify_deliveries_run_once() {
     .await;
     let id = unique("msg");
     let body = r#"{"type":"invoice.paid"}"#;
-    let signed = |t: u64| {
-        let signature = mac(
-            key,
-            &[
-                id.as_bytes(),
-                b".",
-                t.to_string().as_bytes(),
-                b".",
-                body.as_bytes(),
-            ],
-        );
-        vec![
-            ("webhook-id".to_string(), id.clone()),
-            ("webhook-timestamp".to_string(), t.to_string()),
-            (
-                "webhook-signature".to_string(),
-                format!("v1,{}", BASE64.encode(signature)),
-            ),
-        ]
-    };
+    let signed = |t: u64| standard_headers(key, &id, t, body, "webhook");
     let first = deliver(&standard, &signed(now()), body).await;
     assert_eq!(first.status, StatusCode::OK);
     // A retry is signed again, at its own time: the same delivery.
