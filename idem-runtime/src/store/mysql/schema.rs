@@ -196,16 +196,25 @@ impl MySqlDriver {
         if narrow.is_empty() {
             return Ok(());
         }
-        let columns: Vec<String> = narrow
+        let columns = narrow
             .iter()
             // Names from the fixed list above, read back from the server.
             .filter(|name| ["namespace", "label", "holder"].contains(&name.as_str()))
-            .map(|name| format!("MODIFY {name} {TEXT}"))
-            .collect();
+            .map(|name| format!("MODIFY {name} {TEXT}"));
+        self.alter(conn, columns).await
+    }
+
+    /// Alters the table by `changes` (`ADD COLUMN …`, `MODIFY …`), in one statement.
+    async fn alter(
+        &self,
+        conn: &mut sqlx::MySqlConnection,
+        changes: impl Iterator<Item = String>,
+    ) -> Result<(), sqlx::Error> {
+        let changes: Vec<String> = changes.collect();
         let alter = format!(
             "ALTER TABLE `{}` {}",
             self.sql.table.name,
-            columns.join(", ")
+            changes.join(", ")
         );
         sqlx::Executor::execute(&mut *conn, sqlx::raw_sql(&alter)).await?;
         Ok(())
@@ -218,17 +227,10 @@ impl MySqlDriver {
         if missing.is_empty() {
             return Ok(());
         }
-        let columns: Vec<String> = missing
+        let columns = missing
             .iter()
-            .map(|(name, kind)| format!("ADD COLUMN {name} {kind}"))
-            .collect();
-        let alter = format!(
-            "ALTER TABLE `{}` {}",
-            self.sql.table.name,
-            columns.join(", ")
-        );
-        sqlx::Executor::execute(&mut *conn, sqlx::raw_sql(&alter)).await?;
-        Ok(())
+            .map(|(name, kind)| format!("ADD COLUMN {name} {kind}"));
+        self.alter(conn, columns).await
     }
 
     /// Makes an earlier version's `token` column the `AUTO_INCREMENT`, starting above the
