@@ -93,16 +93,21 @@ impl<T: Serialize + DeserializeOwned> ValueCodec<T> for Json {
             });
         match faithful {
             Ok((record, decoded)) => (Ok(record), Some(decoded)),
-            Err(err) => {
-                tracing::error!(
-                    outcome = "gone",
-                    error = %err,
-                    "the result cannot be recorded as itself: its key is recorded as gone, and retries get `Error::Gone`"
-                );
-                (Ok(Bytes::from_static(GONE)), None)
-            }
+            Err(err) => (Ok(unrecordable(&err)), None),
         }
     }
+}
+
+/// The record of a body's value that has no record of itself (`err` says why): [`GONE`].
+/// The body ran, so its caller gets the value and every retry [`Error::Gone`]: never a
+/// second run, and never a record that cannot be replayed until its TTL.
+pub(crate) fn unrecordable(err: &Error) -> Bytes {
+    tracing::error!(
+        outcome = "gone",
+        error = %err,
+        "the result cannot be recorded as itself: its key is recorded as gone, and retries get `Error::Gone`"
+    );
+    Bytes::from_static(GONE)
 }
 
 fn encode<V: Serialize + ?Sized>(tag: u8, value: &V) -> Result<Bytes, Error> {

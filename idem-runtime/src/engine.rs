@@ -214,9 +214,10 @@ impl<P> Operation<P> {
     /// # Errors
     ///
     /// `body`'s own errors, and [`Error`]s converted with `E: From<Error>`:
-    /// [`Error::InProgress`], [`Error::PayloadMismatch`], [`Error::Store`] and [`Error::Codec`]
-    /// (a recorded result that does not decode). None of them runs the body, except a
-    /// [`Error::Codec`] on encoding the body's own result, which releases the key.
+    /// [`Error::InProgress`], [`Error::PayloadMismatch`], [`Error::Gone`], [`Error::Store`]
+    /// and [`Error::Codec`] (a recorded result that does not decode), none of which runs the
+    /// body; and [`Error::Unrecorded`], the one that answers a body that ran. A value that
+    /// has no record of itself is its caller's and recorded as gone: never a second run.
     pub fn run<'a, S, T, E, F>(
         &'a self,
         store: &'a S,

@@ -29,6 +29,48 @@ async fn a_nan_result_answers_its_caller_and_gone_to_every_retry() {
     assert_eq!(runs.runs(), 1, "the body ran once");
 }
 
+/// A value whose `Serialize` fails: it has no record at all, and is recorded as gone too.
+#[derive(Debug)]
+struct Unserializable(u32);
+
+impl serde::Serialize for Unserializable {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom("this value cannot be encoded"))
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Unserializable {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        u32::deserialize(deserializer).map(Self)
+    }
+}
+
+#[tokio::test]
+async fn a_value_that_fails_to_serialize_answers_its_caller_and_gone_to_every_retry() {
+    let store = MemoryStore::new();
+    let op = Operation::new(namespace("values_unserializable"));
+    let key = op.key(&"charge-1").unwrap();
+    let runs = Effect::default();
+    let call = || {
+        let runs = runs.clone();
+        async move {
+            runs.run("charge").await?;
+            Ok::<_, Error>(Unserializable(7))
+        }
+    };
+    let first = op.run(&store, &key, None, call()).await.unwrap();
+    assert!(matches!(first, Outcome::Executed(Unserializable(7))));
+    for _ in 0..2 {
+        let again = op.run(&store, &key, None, call()).await;
+        assert!(matches!(again, Err(Error::Gone)), "{again:?}");
+    }
+    assert_eq!(
+        runs.runs(),
+        1,
+        "the body ran once: an unencodable value never releases"
+    );
+}
+
 /// A step whose value cannot be recorded as itself: the body gets it, and a later attempt
 /// that reaches the step gets `Error::Gone` instead of running its effect again.
 #[tokio::test]

@@ -260,7 +260,9 @@ where
                 // Kept only as the record decodes: a codec that did not decode it keeps
                 // nothing beside it, and its replays decode.
                 let (encoded, decoded) = C::record_decoded(value);
-                let kept = matches!(&encoded, Ok(record) if record[..] != *codec::GONE);
+                // The body ran: a value with no record of itself is recorded as gone.
+                let encoded = encoded.unwrap_or_else(|err| codec::unrecordable(&err));
+                let kept = encoded[..] != *codec::GONE;
                 let typed = match (self.typing, decoded) {
                     (Some(typing), Some(decoded)) if keep_typed && kept => {
                         Some(typing.kept(decoded))

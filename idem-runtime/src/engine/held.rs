@@ -75,10 +75,11 @@ pub(super) enum Verdict {
     Failed(Error),
 }
 
-/// What a body ended with, as the record sees it: a value's encoding (and the value itself,
-/// for a store that keeps it), or an error's, if the error policy records it.
+/// What a body ended with, as the record sees it: a value's record (its encoding, or
+/// [`GONE`](crate::codec::GONE) for a value that has none; and the value itself, for a
+/// store that keeps it), or an error's encoding, if the error policy records it.
 pub(super) enum Ending {
-    Value(Result<Bytes, Error>, Option<Typed>),
+    Value(Bytes, Option<Typed>),
     Error(Option<Result<Bytes, Error>>),
 }
 
@@ -252,12 +253,11 @@ impl Held {
     }
 
     /// Records or releases, as the body's `ending` asks: the end of every execution. The
-    /// verdict is [`Verdict::Failed`] with the [`Error::Codec`] of a value that cannot be
-    /// recorded (the key is released), and otherwise what the store settled.
+    /// verdict is what the store settled.
     pub(super) async fn end(mut self, ending: Ending, ttl: Duration) -> Verdict {
         let span = self.span.clone();
         let event = match ending {
-            Ending::Value(Ok(_), _) | Ending::Error(Some(Ok(_))) => Event::Executed,
+            Ending::Value(..) | Ending::Error(Some(Ok(_))) => Event::Executed,
             _ => Event::Released,
         };
         meter::count(&self.namespace, event);
@@ -265,15 +265,10 @@ impl Held {
         let elapsed_ms = self.started.elapsed().as_millis() as u64;
         async move {
             match ending {
-                Ending::Value(Ok(record), typed) => {
+                Ending::Value(record, typed) => {
                     let verdict = self.record(record, typed, ttl).await;
                     tracing::debug!(outcome = "executed", elapsed_ms);
                     return verdict;
-                }
-                Ending::Value(Err(codec), _) => {
-                    tracing::error!(outcome = "released", error = %codec, "the result cannot be recorded");
-                    self.release().await;
-                    return Verdict::Failed(codec);
                 }
                 Ending::Error(Some(Ok(record))) => {
                     let verdict = self.record(record, None, ttl).await;
