@@ -75,8 +75,13 @@ pub(super) fn claim(fingerprint: bool, lapsed: bool) -> &'static Expression {
             "attribute_not_exists(#{ID}) OR #{STATE} IN (:released, :removed) \
              OR (#{STATE} = :completed AND #{EXPIRES_AT} <= :now)"
         );
+        // Never the caller's own claim, lapsed while its answer was lost: taken by `OWN`,
+        // so that what it found before it is kept (written again here, it would say that
+        // the claim took over only itself, and the claim before it, unsettled, would be
+        // forgotten).
         let or_lapsed = format!(
-            "{free} OR (#{STATE} = :in_progress AND #{TOKEN} = :seen_token AND #{VERSION} = :seen_version)"
+            "{free} OR (#{STATE} = :in_progress AND #{TOKEN} = :seen_token \
+             AND #{VERSION} = :seen_version AND #{NONCE} <> :nonce)"
         );
         // What the item was (operands read the item before the update): whether the claim
         // takes an unsettled one over.
