@@ -1,4 +1,4 @@
-//! Consumers SIGKILLed mid-handler, against the real RabbitMQ and NATS JetStream and
+//! Consumers SIGKILLed mid-handler, against the real RabbitMQ, NATS JetStream and SQS (moto) and
 //! PostgreSQL: orders published (some twice), a poisoned message and an id reused with
 //! another order among them; consumer processes killed before and after their commits, ten
 //! times and more, each redelivery handled by the next. Every order ships exactly once, none
@@ -386,4 +386,258 @@ async fn nats_consumers_killed_mid_handler_ship_each_order_once() {
     assert_eq!(info.num_pending, 0, "left in the stream: {info:?}");
     assert_eq!(info.num_ack_pending, 0, "awaiting an ack: {info:?}");
     js.delete_stream(&name).await.unwrap();
+}
+
+/// moto's SQS server on a free port, for this test process: `IDEM_SQS_URL` when set, else
+/// `moto_server` (PyPI's `moto[server]`, which `.ci/run` installs), SIGKILLed on drop.
+struct Moto {
+    url: String,
+    child: Option<std::process::Child>,
+}
+
+impl Moto {
+    async fn start() -> Option<Self> {
+        if let Ok(url) = std::env::var("IDEM_SQS_URL") {
+            return Some(Self { url, child: None });
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .unwrap()
+            .port();
+        let child = std::process::Command::new("moto_server")
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn();
+        let child = match child {
+            Ok(child) => child,
+            Err(err) => {
+                required("moto_server (SQS)", err);
+                return None;
+            }
+        };
+        let moto = Self {
+            url: format!("http://127.0.0.1:{port}"),
+            child: Some(child),
+        };
+        // Up to a minute: moto is a Python program, slow to start on a loaded machine.
+        for _ in 0..600 {
+            if sqs_client(&moto.url).list_queues().send().await.is_ok() {
+                return Some(moto);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("moto_server did not answer within a minute");
+    }
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn sqs_client(url: &str) -> aws_sdk_sqs::Client {
+    use aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region};
+    let config = aws_sdk_sqs::Config::builder()
+        .behavior_version(BehaviorVersion::latest())
+        .region(Region::new("us-east-1"))
+        .endpoint_url(url)
+        .credentials_provider(Credentials::new(
+            "idem",
+            "idem",
+            None,
+            None,
+            "idem-examples",
+        ))
+        .http_client(aws_smithy_http_client::Builder::new().build_http())
+        .build();
+    aws_sdk_sqs::Client::from_conf(config)
+}
+
+/// An SQS consumer of the queue `IDEM_QUEUE` at `IDEM_SQS_URL`, as `rabbitmq::consume` is of
+/// a RabbitMQ queue: the producer's `order-id` attribute is the id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "an SQS consumer, started (and killed) by sqs_consumers_killed_mid_handler_ship_each_order_once"]
+async fn sqs_consumer() {
+    use idem_runtime::consumer::{sqs::SqsQueue, Delivery, MessageId};
+
+    let url = std::env::var("IDEM_QUEUE").unwrap();
+    let stall = std::env::var_os("IDEM_QUEUE_STALL").is_some();
+    let (pool, store) = rabbitmq::database(&rabbitmq::postgres_url()).await.unwrap();
+    let client = sqs_client(&std::env::var("IDEM_SQS_URL").unwrap());
+    let queue = SqsQueue::connect(client, url).await.unwrap();
+    println!("consuming {}", queue.url());
+    let consumer = &Consumer::new("shop.orders.v1")
+        .message_id(MessageId::header("order-id"))
+        .backoff(Duration::from_millis(50), Duration::from_secs(1));
+    let (pool, store) = (&pool, &store);
+    let mut stop = std::pin::pin!(process::stdin_closed());
+    loop {
+        // One message at a time, so that a kill holds back only the one it stalled on.
+        let batch = tokio::select! {
+            biased;
+            () = &mut stop => break,
+            batch = queue.receive(1, Duration::from_secs(1)) => batch.unwrap(),
+        };
+        queue
+            .in_order(batch, |message| async move {
+                let first = message.deliveries() == Some(1);
+                let id = message.header("order-id").unwrap_or_default().into_owned();
+                let disposition = consumer
+                    .inbox(&message, |order: Order, key| {
+                        rabbitmq::handle(pool, store, order, key, first, stall)
+                    })
+                    .await?;
+                println!("settled {id} {disposition:?}");
+                Ok(disposition)
+            })
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqs_consumers_killed_mid_handler_ship_each_order_once() {
+    use aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName};
+
+    let Some(moto) = Moto::start().await else {
+        return;
+    };
+    let client = sqs_client(&moto.url);
+    let (pool, _) = rabbitmq::database(&rabbitmq::postgres_url()).await.unwrap();
+    let run = run_id("sqs");
+    let dead = client
+        .create_queue()
+        .queue_name(format!("idem-kills-{run}-dead"))
+        .send()
+        .await
+        .unwrap()
+        .queue_url
+        .unwrap();
+    let dead_arn = client
+        .get_queue_attributes()
+        .queue_url(&dead)
+        .attribute_names(QueueAttributeName::QueueArn)
+        .send()
+        .await
+        .unwrap()
+        .attributes
+        .unwrap()
+        .remove(&QueueAttributeName::QueueArn)
+        .unwrap();
+    // A killed consumer's message comes back 2 s after its last renewal. The redrive
+    // policy's count is above the kills a message can take: only the consumer's rejects
+    // dead-letter.
+    let queue = client
+        .create_queue()
+        .queue_name(format!("idem-kills-{run}"))
+        .attributes(QueueAttributeName::VisibilityTimeout, "2")
+        .attributes(
+            QueueAttributeName::RedrivePolicy,
+            format!(r#"{{"deadLetterTargetArn":"{dead_arn}","maxReceiveCount":"50"}}"#),
+        )
+        .send()
+        .await
+        .unwrap()
+        .queue_url
+        .unwrap();
+    let send = |id: String, body: Vec<u8>| {
+        let (client, queue) = (client.clone(), queue.clone());
+        async move {
+            let id = MessageAttributeValue::builder()
+                .data_type("String")
+                .string_value(id)
+                .build()
+                .unwrap();
+            client
+                .send_message()
+                .queue_url(queue)
+                .message_body(String::from_utf8(body).unwrap())
+                .message_attributes("order-id", id)
+                .send()
+                .await
+                .unwrap();
+        }
+    };
+    for (n, order, twice) in orders() {
+        let body = serde_json::to_vec(&order).unwrap();
+        for _ in 0..if twice { 2 } else { 1 } {
+            send(format!("{run}-{n}"), body.clone()).await;
+        }
+    }
+    send(format!("{run}-poison"), b"{not json".to_vec()).await;
+    let reused = Order {
+        order: 1_000,
+        sku: "sku-2".into(),
+        stall: None,
+    };
+    send(format!("{run}-1"), serde_json::to_vec(&reused).unwrap()).await;
+
+    let start = || {
+        Service::start(
+            "sqs_consumer",
+            &[
+                ("IDEM_QUEUE", queue.clone()),
+                ("IDEM_SQS_URL", moto.url.clone()),
+                ("IDEM_QUEUE_STALL", "1".into()),
+            ],
+        )
+    };
+    let (kills, settled) = consume_with_kills(start, &expected_ids(&run), 2).await;
+    check(&run, kills, &settled, &shipments(&pool, &run).await);
+
+    let attributes = client
+        .get_queue_attributes()
+        .queue_url(&queue)
+        .attribute_names(QueueAttributeName::ApproximateNumberOfMessages)
+        .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
+        .send()
+        .await
+        .unwrap()
+        .attributes
+        .unwrap();
+    assert!(
+        attributes.values().all(|n| n == "0"),
+        "left in the queue: {attributes:?}"
+    );
+    let mut dead_ids = Vec::new();
+    loop {
+        let messages = client
+            .receive_message()
+            .queue_url(&dead)
+            .max_number_of_messages(10)
+            .message_attribute_names("All")
+            .send()
+            .await
+            .unwrap()
+            .messages
+            .unwrap_or_default();
+        if messages.is_empty() {
+            break;
+        }
+        for message in messages {
+            let id = message.message_attributes.unwrap()["order-id"]
+                .string_value
+                .clone()
+                .unwrap();
+            dead_ids.push(id);
+            client
+                .delete_message()
+                .queue_url(&dead)
+                .receipt_handle(message.receipt_handle.unwrap())
+                .send()
+                .await
+                .unwrap();
+        }
+    }
+    dead_ids.sort();
+    assert_eq!(
+        dead_ids,
+        [format!("{run}-1"), format!("{run}-poison")],
+        "dead-lettered once each"
+    );
 }

@@ -70,14 +70,20 @@
 //! and `nats` (NATS JetStream). Another broker is a [`Delivery`] implementation: a payload,
 //! an id, a delivery count if it has one, and the three settlements.
 
+#[cfg(feature = "lambda")]
+pub mod lambda;
 #[cfg(feature = "lapin")]
 mod lapin;
 #[cfg(feature = "nats")]
 mod nats;
+#[cfg(feature = "sqs")]
+pub mod sqs;
 
 use std::borrow::Cow;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
@@ -199,6 +205,65 @@ pub trait Delivery: Send + Sync {
 
     /// Settles the delivery as `disposition` says.
     async fn settle(&self, disposition: Disposition) -> Result<(), BoxError>;
+
+    /// How long the broker keeps this delivery from every other consumer, if that is a
+    /// lease the consumer must renew while it works (SQS's visibility timeout); `None` (the
+    /// default) where the broker holds an unsettled delivery for as long as the consumer's
+    /// connection lives (AMQP) or the consumer settles it in time (JetStream's `ack_wait`).
+    ///
+    /// A [`Consumer`] renews such a lease ([`renew`](Self::renew)) every third of it while
+    /// its handler runs, so that a handler slower than the lease keeps its delivery, and a
+    /// consumer that dies lets it go when the lease lapses.
+    fn lease(&self) -> Option<Duration> {
+        None
+    }
+
+    /// Renews the delivery's [`lease`](Self::lease) for as long again, from now.
+    async fn renew(&self) -> Result<(), BoxError> {
+        Ok(())
+    }
+}
+
+/// A lease's renewal under way.
+type Renewal<'a> = Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send + 'a>>;
+
+/// Runs `work` while renewing `delivery`'s lease, if it has one, every third of it. A renewal
+/// that fails is logged and tried again at the next tick: the message may come back to
+/// another consumer, whose claim then waits for or replays this one's.
+async fn renewing<D, F>(delivery: &D, work: F) -> F::Output
+where
+    D: Delivery + ?Sized,
+    F: Future,
+{
+    let Some(lease) = delivery.lease() else {
+        return work.await;
+    };
+    let every = (lease / 3).max(Duration::from_millis(10));
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut work = std::pin::pin!(work);
+    let mut renewal: Option<Renewal<'_>> = None;
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(output) = work.as_mut().poll(cx) {
+            return Poll::Ready(output);
+        }
+        loop {
+            if let Some(pending) = renewal.as_mut() {
+                let Poll::Ready(renewed) = pending.as_mut().poll(cx) else {
+                    return Poll::Pending;
+                };
+                renewal = None;
+                if let Err(err) = renewed {
+                    tracing::warn!(error = %err, "a delivery's lease could not be renewed");
+                }
+            }
+            if ticks.poll_tick(cx).is_pending() {
+                return Poll::Pending;
+            }
+            renewal = Some(delivery.renew());
+        }
+    })
+    .await
 }
 
 /// Where a message carries the id that keys its handler.
@@ -397,7 +462,7 @@ impl<St> Consumer<St> {
         // The handler's claims are labelled with the message's id, for an operator.
         let handled = crate::labelled(
             id.clone(),
-            handler(message, IdempotencyKey::new(id.clone())),
+            renewing(delivery, handler(message, IdempotencyKey::new(id.clone()))),
         );
         let disposition = match handled.await {
             Ok(_) => Disposition::Ack,
@@ -524,7 +589,7 @@ impl<St: Store + Clone> Consumer<St> {
                 let run =
                     self.operation
                         .run(&self.store, &key, Some(&fingerprint), handler(message));
-                let result = crate::labelled(id.clone(), run).await;
+                let result = crate::labelled(id.clone(), renewing(delivery, run)).await;
                 match result {
                     Ok(Outcome::Executed(_) | Outcome::Replayed(_)) => Disposition::Ack,
                     Err(err) => err.disposition(),

@@ -67,31 +67,22 @@ pub fn started_dynamodb_url() -> Option<&'static str> {
 }
 
 /// Starts a `dynoxide` of this test process's own on a free port, in memory: its URL once
-/// it answers, or `None` when it cannot be started. It lives as long as the process: a
-/// shell holds it and the read end of a pipe whose write end only this process holds, so
-/// that when the process ends, however it ends (a SIGKILL too), the shell reads the end of
-/// the pipe and stops the emulator. No test leaves one running.
+/// it answers, or `None` when it cannot be started. It lives as long as the process
+/// ([`crate::tied`]).
 async fn start_dynoxide() -> Option<String> {
-    use std::process::{Child, ChildStdin, Command, Stdio};
-    use std::sync::{Mutex, OnceLock};
-    static KEPT: OnceLock<Mutex<(Child, ChildStdin)>> = OnceLock::new();
-
     let dynoxide = dynoxide()?;
     let port = crate::free_port()?;
-    let script = r#""$2" serve --host 127.0.0.1 --port "$1" --log quiet </dev/null >/dev/null 2>&1 &
-server=$!
-read -r _
-kill "$server""#;
-    let mut shell = Command::new("sh")
-        .args(["-c", script, "sh", &port.to_string(), &dynoxide])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .ok()?;
-    let pipe = shell.stdin.take()?;
-    // Never dropped: the pipe closes when the process does.
-    let _ = KEPT.set(Mutex::new((shell, pipe)));
+    let port = port.to_string();
+    crate::tied::spawn(&[
+        &dynoxide,
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        &port,
+        "--log",
+        "quiet",
+    ])?;
     let url = format!("http://127.0.0.1:{port}");
     // Up to 30 s: a loaded machine starts it slowly, and a missing one is a failure in CI.
     for _ in 0..1_200 {

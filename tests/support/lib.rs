@@ -19,6 +19,8 @@ mod probe;
 pub mod scenarios;
 pub mod sentinel;
 mod servers;
+mod sqs_server;
+pub mod tied;
 
 pub use child::Child;
 pub use dynamodb_server::{
@@ -28,6 +30,7 @@ pub use dynamodb_server::{
 pub use mariadb_server::PrivateMariaDb;
 pub use probe::{Gate, Probe};
 pub use servers::{PrivatePostgres, PrivateRedis, PrivateRedisCluster};
+pub use sqs_server::{sqs_client, sqs_endpoint};
 
 /// Counts how many times a body ran.
 #[derive(Clone, Debug, Default)]

@@ -1,0 +1,226 @@
+//! `Consumer::sqs_batch`: Lambda's SQS batches, as Lambda sends them (`events/sqs.json` is
+//! a record in the shape AWS documents), on DynamoDB. The partial batch response names
+//! exactly the transient records; duplicates, within a batch and across batches, replay;
+//! final failures are not retried; a FIFO batch stops at its first failure.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessage};
+use idem_runtime::consumer::{Classify, Consumer, Disposition};
+use idem_tests::dynamodb_store;
+
+#[derive(serde::Deserialize)]
+struct Order {
+    order: u64,
+    cents: u64,
+}
+
+#[derive(Debug)]
+enum ChargeError {
+    Idem(idem_runtime::Error),
+    GatewayDown,
+    Declined,
+}
+
+impl From<idem_runtime::Error> for ChargeError {
+    fn from(err: idem_runtime::Error) -> Self {
+        Self::Idem(err)
+    }
+}
+
+impl Classify for ChargeError {
+    fn disposition(&self) -> Disposition {
+        match self {
+            Self::Idem(err) => err.disposition(),
+            Self::GatewayDown => Disposition::requeue(),
+            Self::Declined => Disposition::Reject,
+        }
+    }
+}
+
+/// What the payment gateway saw: attempts by order, and charges made.
+#[derive(Default)]
+struct Gateway {
+    attempts: Mutex<BTreeMap<u64, u32>>,
+    charged: Mutex<BTreeMap<u64, u32>>,
+}
+
+impl Gateway {
+    /// Order 2's gateway is down on its first attempt, order 3 is declined.
+    async fn charge(&self, order: Order) -> Result<u64, ChargeError> {
+        let attempt = {
+            let mut attempts = self.attempts.lock().unwrap();
+            let attempt = attempts.entry(order.order).or_default();
+            *attempt += 1;
+            *attempt
+        };
+        match order.order {
+            2 if attempt == 1 => Err(ChargeError::GatewayDown),
+            3 => Err(ChargeError::Declined),
+            _ => {
+                *self.charged.lock().unwrap().entry(order.order).or_default() += 1;
+                Ok(order.cents)
+            }
+        }
+    }
+}
+
+fn run_id() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{}-{nanos}", std::process::id())
+}
+
+/// The sample record with this id, body and receive count; on the queue `queue`.
+fn record(id: &str, body: &str, deliveries: u32, queue: &str) -> SqsMessage {
+    let sample: SqsEvent = serde_json::from_str(include_str!("events/sqs.json")).unwrap();
+    let mut record = sample.records.into_iter().next().unwrap();
+    record.message_id = Some(id.to_owned());
+    record.body = Some(body.to_owned());
+    record
+        .attributes
+        .insert("ApproximateReceiveCount".into(), deliveries.to_string());
+    record.event_source_arn = Some(format!("arn:aws:sqs:eu-west-1:210987654321:{queue}"));
+    record
+}
+
+fn event(records: Vec<SqsMessage>) -> SqsEvent {
+    let mut event: SqsEvent = serde_json::from_str(include_str!("events/sqs.json")).unwrap();
+    event.records = records;
+    event
+}
+
+fn failures(response: &SqsBatchResponse) -> Vec<String> {
+    response
+        .batch_item_failures
+        .iter()
+        .map(|failure| failure.item_identifier.clone())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_lists_exactly_its_transient_records() {
+    let Some(store) = dynamodb_store().await else {
+        return;
+    };
+    let run = run_id();
+    let id = |n: &str| format!("{run}-{n}");
+    let order = |n: u64| format!(r#"{{"order":{n},"cents":{}}}"#, n * 100);
+    let gateway = Gateway::default();
+    // The function's glue: its consumer, and each batch handed to it.
+    let consumer = Consumer::new("lambda.orders.v1").store(store);
+    let charge = |order: Order| gateway.charge(order);
+
+    let first = event(vec![
+        record(&id("1"), &order(1), 1, "orders"),
+        record(&id("2"), &order(2), 1, "orders"),
+        record(&id("3"), &order(3), 1, "orders"),
+        record(&id("poison"), "{not json", 1, "orders"),
+        // SQS delivers at least once: the same message twice in one batch.
+        record(&id("1"), &order(1), 1, "orders"),
+        record(&id("reused"), &order(4), 1, "orders"),
+    ]);
+    let response = consumer.sqs_batch(&first, charge).await;
+    assert_eq!(failures(&response), [id("2")], "only the transient record");
+
+    // Lambda's next batch: the transient record again, a redelivered duplicate, and the
+    // reused id with another order.
+    let second = event(vec![
+        record(&id("2"), &order(2), 2, "orders"),
+        record(&id("1"), &order(1), 2, "orders"),
+        record(&id("reused"), &order(5), 1, "orders"),
+    ]);
+    let response = consumer.sqs_batch(&second, charge).await;
+    assert!(failures(&response).is_empty(), "{response:?}");
+
+    let charged = gateway.charged.into_inner().unwrap();
+    assert_eq!(
+        charged,
+        BTreeMap::from([(1, 1), (2, 1), (4, 1)]),
+        "each order charged once; the reused id's second order never"
+    );
+    let attempts = gateway.attempts.into_inner().unwrap();
+    assert_eq!(attempts[&3], 1, "a final failure is not retried");
+    assert_eq!(attempts.get(&5), None, "{attempts:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transient_failure_on_the_last_delivery_is_not_retried() {
+    let Some(store) = dynamodb_store().await else {
+        return;
+    };
+    let run = run_id();
+    let gateway = Gateway::default();
+    let consumer = Consumer::new("lambda.orders.last.v1")
+        .store(store)
+        .max_deliveries(3);
+    let charge = |order: Order| gateway.charge(order);
+    let body = r#"{"order":2,"cents":200}"#;
+    // Order 2 fails on its first attempt: here that is its third delivery, the last.
+    let batch = event(vec![record(&format!("{run}-2"), body, 3, "orders")]);
+    let response = consumer.sqs_batch(&batch, charge).await;
+    assert!(failures(&response).is_empty(), "{response:?}");
+    assert_eq!(gateway.attempts.into_inner().unwrap()[&2], 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fifo_batch_stops_at_its_first_failure() {
+    let Some(store) = dynamodb_store().await else {
+        return;
+    };
+    let run = run_id();
+    let gateway = Gateway::default();
+    let consumer = Consumer::new("lambda.orders.fifo.v1").store(store);
+    let charge = |order: Order| gateway.charge(order);
+    let fifo = |n: u64| {
+        let mut record = record(
+            &format!("{run}-sqs-{n}"),
+            &format!(r#"{{"order":{n},"cents":1}}"#),
+            1,
+            "orders.fifo",
+        );
+        record
+            .attributes
+            .insert("MessageGroupId".into(), "customer-7".into());
+        // On a FIFO queue the producer's deduplication id is the key.
+        record
+            .attributes
+            .insert("MessageDeduplicationId".into(), format!("{run}-{n}"));
+        record
+    };
+    let batch = event(vec![fifo(1), fifo(2), fifo(3), fifo(4)]);
+    let response = consumer.sqs_batch(&batch, charge).await;
+    assert_eq!(
+        failures(&response),
+        [
+            format!("{run}-sqs-2"),
+            format!("{run}-sqs-3"),
+            format!("{run}-sqs-4")
+        ],
+        "the failure and every record after it"
+    );
+    let attempts = gateway.attempts.lock().unwrap().clone();
+    assert_eq!(
+        attempts,
+        BTreeMap::from([(1, 1), (2, 1)]),
+        "nothing handled after the failure"
+    );
+
+    // Lambda delivers the rest again, in order: the first, already done, is not in it.
+    let mut again = vec![fifo(2), fifo(3), fifo(4)];
+    for record in &mut again {
+        record
+            .attributes
+            .insert("ApproximateReceiveCount".into(), "2".into());
+    }
+    let response = consumer.sqs_batch(&event(again), charge).await;
+    assert!(failures(&response).is_empty(), "{response:?}");
+    assert_eq!(
+        gateway.charged.into_inner().unwrap(),
+        BTreeMap::from([(1, 1), (2, 1), (4, 1)]),
+        "order 3 is declined: final, not retried, and not in the way of order 4"
+    );
+}
