@@ -1,11 +1,15 @@
-//! `Consumer::sqs_batch`: Lambda's SQS batches, as Lambda sends them (`events/sqs.json` is
-//! a record in the shape AWS documents), on DynamoDB. The partial batch response names
-//! exactly the transient records; duplicates, within a batch and across batches, replay;
-//! final failures are not retried; a FIFO batch stops at its first failure.
+//! `Consumer::sqs_batch`, `kinesis_batch` and `dynamodb_stream_batch`: Lambda's batches, as
+//! Lambda sends them (`events/*.json` are records in the shapes AWS documents), on
+//! DynamoDB. The partial batch response names exactly the transient records; duplicates,
+//! within a batch and across batches, replay; final failures are not retried; a FIFO batch
+//! stops at its first failure; a stream's batch stops at its first transient failure and
+//! names its sequence number, the checkpoint Lambda retries from.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
+use aws_lambda_events::event::dynamodb::{Event as DynamoDbEvent, EventRecord};
+use aws_lambda_events::event::kinesis::{KinesisEvent, KinesisEventRecord};
 use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessage};
 use idem_runtime::consumer::{Classify, Consumer, Disposition};
 use idem_tests::dynamodb_store;
@@ -222,5 +226,128 @@ async fn a_fifo_batch_stops_at_its_first_failure() {
         gateway.charged.into_inner().unwrap(),
         BTreeMap::from([(1, 1), (2, 1), (4, 1)]),
         "order 3 is declined: final, not retried, and not in the way of order 4"
+    );
+}
+
+/// The sample Kinesis record, for order `n`, its sequence number and event id made of `n`.
+fn kinesis_record(run: &str, n: u64) -> KinesisEventRecord {
+    let sample: KinesisEvent = serde_json::from_str(include_str!("events/kinesis.json")).unwrap();
+    let mut record = sample.records.into_iter().next().unwrap();
+    let sequence = format!("{run}{n:04}");
+    record.kinesis.data.0 = format!(r#"{{"order":{n},"cents":{}}}"#, n * 100).into_bytes();
+    record.event_id = Some(format!("shardId-000000000003:{sequence}"));
+    record.kinesis.sequence_number = sequence;
+    record
+}
+
+fn kinesis_event(records: Vec<KinesisEventRecord>) -> KinesisEvent {
+    let mut event: KinesisEvent =
+        serde_json::from_str(include_str!("events/kinesis.json")).unwrap();
+    event.records = records;
+    event
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kinesis_batch_stops_at_its_first_transient_failure() {
+    let Some(store) = dynamodb_store().await else {
+        return;
+    };
+    // Digits only: a sequence number is a decimal number.
+    let run = run_id().replace('-', "");
+    let gateway = Gateway::default();
+    let consumer = Consumer::new("lambda.orders.kinesis.v1").store(store);
+    let charge = |order: Order| gateway.charge(order);
+    let record = |n| kinesis_record(&run, n);
+
+    let batch = kinesis_event(vec![record(1), record(2), record(3), record(4)]);
+    let response = consumer.kinesis_batch(&batch, charge).await;
+    let named: Vec<_> = response
+        .batch_item_failures
+        .iter()
+        .map(|failure| failure.item_identifier.clone().unwrap())
+        .collect();
+    assert_eq!(named, [format!("{run}0002")], "the checkpoint: order 2");
+    assert_eq!(
+        gateway.attempts.lock().unwrap().clone(),
+        BTreeMap::from([(1, 1), (2, 1)]),
+        "nothing after the failure ran"
+    );
+
+    // Lambda retries from the checkpoint; then the whole batch again, as after a
+    // function that timed out: every record done replays.
+    let retried = consumer
+        .kinesis_batch(
+            &kinesis_event(vec![record(2), record(3), record(4)]),
+            charge,
+        )
+        .await;
+    assert!(retried.batch_item_failures.is_empty(), "{retried:?}");
+    let again = consumer.kinesis_batch(&batch, charge).await;
+    assert!(again.batch_item_failures.is_empty(), "{again:?}");
+    assert_eq!(
+        gateway.charged.into_inner().unwrap(),
+        BTreeMap::from([(1, 1), (2, 1), (4, 1)]),
+        "each order charged once; order 3 declined, skipped"
+    );
+}
+
+/// The sample DynamoDB Streams record of order `n`.
+fn stream_record(run: &str, n: u64) -> EventRecord {
+    let sample: DynamoDbEvent = serde_json::from_str(include_str!("events/dynamodb.json")).unwrap();
+    let mut record = sample.records.into_iter().next().unwrap();
+    record.event_id = format!("{run}-{n}");
+    record.change.sequence_number = Some(format!("{n}"));
+    let image: serde_json::Value = serde_json::json!({
+        "order": {"N": n.to_string()},
+        "cents": {"N": (n * 100).to_string()},
+    });
+    record.change.new_image = serde_json::from_value(image).unwrap();
+    record
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dynamodb_stream_batch_is_handled_once_per_record() {
+    let Some(store) = dynamodb_store().await else {
+        return;
+    };
+    let run = run_id();
+    let gateway = Gateway::default();
+    let consumer = Consumer::new("lambda.orders.stream.v1").store(store);
+    // The handler gets the whole stream record, and reads the new image.
+    let charge = |record: EventRecord| {
+        let gateway = &gateway;
+        async move {
+            let image = serde_json::to_value(&record.change.new_image).unwrap();
+            let number = |name: &str| image[name]["N"].as_str().unwrap().parse().unwrap();
+            let order = Order {
+                order: number("order"),
+                cents: number("cents"),
+            };
+            gateway.charge(order).await
+        }
+    };
+    let event = |numbers: &[u64]| {
+        let mut event: DynamoDbEvent =
+            serde_json::from_str(include_str!("events/dynamodb.json")).unwrap();
+        event.records = numbers.iter().map(|n| stream_record(&run, *n)).collect();
+        event
+    };
+
+    let response = consumer
+        .dynamodb_stream_batch(&event(&[1, 2, 4]), charge)
+        .await;
+    let named: Vec<_> = response
+        .batch_item_failures
+        .iter()
+        .map(|failure| failure.item_identifier.clone().unwrap())
+        .collect();
+    assert_eq!(named, ["2"], "the checkpoint: order 2's sequence number");
+    let response = consumer
+        .dynamodb_stream_batch(&event(&[1, 2, 4]), charge)
+        .await;
+    assert!(response.batch_item_failures.is_empty(), "{response:?}");
+    assert_eq!(
+        gateway.charged.into_inner().unwrap(),
+        BTreeMap::from([(1, 1), (2, 1), (4, 1)])
     );
 }

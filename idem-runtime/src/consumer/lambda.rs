@@ -1,4 +1,5 @@
-//! AWS Lambda's SQS batches, through `aws_lambda_events` (feature `lambda`).
+//! AWS Lambda's batches of SQS, Kinesis and DynamoDB Streams records, through
+//! `aws_lambda_events` (feature `lambda`).
 //!
 //! Lambda reads an SQS queue for a function and invokes it with a batch of messages; the
 //! function answers which of them failed (a partial batch response: the event source
@@ -26,6 +27,18 @@
 //! The message id is SQS's `MessageId` (a FIFO queue's `MessageDeduplicationId`), or where
 //! the consumer's [`MessageId`](super::MessageId) says: a message attribute is a header.
 //!
+//! **Streams.** A Kinesis or DynamoDB Streams batch is one shard's records, in order, and
+//! Lambda retries a shard from a checkpoint: [`Consumer::kinesis_batch`] and
+//! [`Consumer::dynamodb_stream_batch`] handle the records one at a time, stop at the first
+//! transient failure and name its sequence number, so that Lambda retries from it and
+//! nothing after it runs first. A record's id is its stream's ARN and its `eventID`, the
+//! same on every retry of the batch (a function that timed out, a batch retried from its
+//! checkpoint); a producer that may put a record twice writes its own id in the data, read
+//! with [`MessageId::json`](super::MessageId::json). A stream counts no deliveries: a
+//! record that keeps failing transiently is retried until the event source mapping's
+//! `MaximumRetryAttempts` or `MaximumRecordAgeInSeconds` sends it to its on-failure
+//! destination. A final failure is skipped, an error logged with its sequence number.
+//!
 //! ```no_run
 //! # #[cfg(feature = "dynamodb")]
 //! # async fn function(store: idem_runtime::DynamoDbStore, event: aws_lambda_events::event::sqs::SqsEvent) {
@@ -43,7 +56,12 @@ use std::borrow::Cow;
 use std::future::Future;
 use std::sync::Mutex;
 
-use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessage};
+use aws_lambda_events::event::dynamodb::Event as DynamoDbEvent;
+use aws_lambda_events::event::kinesis::KinesisEvent;
+use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent};
+use aws_lambda_events::event::streams::{
+    DynamoDbBatchItemFailure, DynamoDbEventResponse, KinesisEventResponse,
+};
 use futures_util::StreamExt;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -54,14 +72,30 @@ use crate::{BoxError, Error, Store};
 /// How many records of a standard queue's batch are handled at once.
 pub const CONCURRENCY: usize = 10;
 
-/// One record of a batch: a [`Delivery`] whose settlement is remembered for the response.
+/// One record of a batch, whatever its source: a [`Delivery`] whose settlement is
+/// remembered for the response.
 struct Record<'a> {
-    message: &'a SqsMessage,
-    fifo: bool,
+    payload: Cow<'a, [u8]>,
+    id: Option<Cow<'a, str>>,
+    headers: Vec<(&'a str, &'a str)>,
+    deliveries: Option<u64>,
+    /// What the response names it by: SQS's message id, a stream's sequence number.
+    item: &'a str,
     settled: Mutex<Option<Disposition>>,
 }
 
-impl Record<'_> {
+impl<'a> Record<'a> {
+    fn new(payload: Cow<'a, [u8]>, id: Option<Cow<'a, str>>, item: &'a str) -> Self {
+        Self {
+            payload,
+            id,
+            headers: Vec::new(),
+            deliveries: None,
+            item,
+            settled: Mutex::new(None),
+        }
+    }
+
     fn settled(&self) -> Option<Disposition> {
         *self
             .settled
@@ -69,33 +103,30 @@ impl Record<'_> {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn attribute(&self, name: &str) -> Option<&str> {
-        self.message.attributes.get(name).map(String::as_str)
+    /// Whether Lambda must deliver it again: requeued, or never handled (a batch stopped
+    /// before it). A final failure is not: no delivery can succeed.
+    fn again(&self) -> bool {
+        !matches!(self.settled(), Some(Disposition::Ack | Disposition::Reject))
     }
 }
 
 #[crate::async_trait]
 impl Delivery for Record<'_> {
     fn payload(&self) -> &[u8] {
-        self.message.body.as_deref().unwrap_or_default().as_bytes()
+        &self.payload
     }
 
     fn message_id(&self) -> Option<Cow<'_, str>> {
-        let id = if self.fifo {
-            self.attribute("MessageDeduplicationId")
-        } else {
-            self.message.message_id.as_deref()
-        };
-        id.map(Cow::Borrowed)
+        self.id.as_deref().map(Cow::Borrowed)
     }
 
     fn header(&self, name: &str) -> Option<Cow<'_, str>> {
-        let attribute = self.message.message_attributes.get(name)?;
-        attribute.string_value.as_deref().map(Cow::Borrowed)
+        let found = self.headers.iter().find(|(header, _)| *header == name);
+        found.map(|(_, value)| Cow::Borrowed(*value))
     }
 
     fn deliveries(&self) -> Option<u64> {
-        self.attribute("ApproximateReceiveCount")?.parse().ok()
+        self.deliveries
     }
 
     async fn settle(&self, disposition: Disposition) -> Result<(), BoxError> {
@@ -105,6 +136,16 @@ impl Delivery for Record<'_> {
             .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(disposition);
         Ok(())
     }
+}
+
+/// A stream record's id: its stream's ARN and the record's event id, so that two streams
+/// read by one consumer never share a key.
+fn stream_id<'a>(arn: Option<&str>, event_id: Option<&'a str>) -> Option<Cow<'a, str>> {
+    let event_id = event_id.filter(|id| !id.is_empty())?;
+    Some(match arn {
+        Some(arn) => Cow::Owned(format!("{arn}/{event_id}")),
+        None => Cow::Borrowed(event_id),
+    })
 }
 
 impl<St: Store + Clone> Consumer<St> {
@@ -128,45 +169,152 @@ impl<St: Store + Clone> Consumer<St> {
         let records: Vec<Record<'_>> = event
             .records
             .iter()
-            .map(|message| Record {
-                message,
-                fifo,
-                settled: Mutex::new(None),
+            .map(|message| {
+                let attribute = |name: &str| message.attributes.get(name).map(String::as_str);
+                let id = if fifo {
+                    attribute("MessageDeduplicationId")
+                } else {
+                    message.message_id.as_deref()
+                };
+                let body = message.body.as_deref().unwrap_or_default();
+                let item = message.message_id.as_deref().unwrap_or_default();
+                let mut record =
+                    Record::new(Cow::Borrowed(body.as_bytes()), id.map(Cow::Borrowed), item);
+                record.deliveries =
+                    attribute("ApproximateReceiveCount").and_then(|n| n.parse().ok());
+                record.headers = message
+                    .message_attributes
+                    .iter()
+                    .filter_map(|(name, value)| {
+                        Some((name.as_str(), value.string_value.as_deref()?))
+                    })
+                    .collect();
+                record
             })
             .collect();
-        if fifo {
-            for record in &records {
-                // A `Record` settles by remembering: that never fails.
-                let _ = self.handle(record, &handler).await;
-                if matches!(record.settled(), Some(Disposition::Requeue { .. })) {
-                    break;
-                }
-            }
-        } else {
-            futures_util::stream::iter(&records)
-                .for_each_concurrent(CONCURRENCY, |record| async {
-                    let _ = self.handle(record, &handler).await;
-                })
-                .await;
-        }
+        self.batch(&records, fifo, &handler).await;
 
         let mut response = SqsBatchResponse::default();
         // On a FIFO queue, the first failure stops the batch: it and everything after it.
         let mut stopped = false;
         for record in &records {
-            let settled = record.settled();
-            let listed = !matches!(settled, Some(Disposition::Ack | Disposition::Reject));
-            stopped |= fifo && listed;
-            if listed || stopped {
-                response.add_failure(record.message.message_id.clone().unwrap_or_default());
-            } else if settled == Some(Disposition::Reject) {
-                tracing::error!(
-                    namespace = self.namespace(),
-                    message_id = record.message.message_id.as_deref(),
-                    "a record that failed for good is not retried: Lambda deletes it"
-                );
+            stopped |= fifo && record.again();
+            if record.again() || stopped {
+                response.add_failure(record.item);
             }
         }
         response
+    }
+
+    /// Handles a Lambda Kinesis batch (one shard's records, in order) with `handler`, which
+    /// gets each record's data decoded: each record at most once per stream and event id
+    /// (`eventSourceARN/eventID`, the same on every retry of the batch), or where the
+    /// consumer's [`MessageId`](super::MessageId) says in the data. Handling stops at the
+    /// first transient failure, whose sequence number the response names: Lambda retries
+    /// the shard from it. A final failure is skipped, an error logged.
+    pub async fn kinesis_batch<M, T, E, F, Fut>(
+        &self,
+        event: &KinesisEvent,
+        handler: F,
+    ) -> KinesisEventResponse
+    where
+        M: DeserializeOwned,
+        T: Serialize + DeserializeOwned,
+        E: From<Error> + Classify,
+        F: Fn(M) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        let records: Vec<Record<'_>> = event
+            .records
+            .iter()
+            .map(|record| {
+                let id = stream_id(
+                    record.event_source_arn.as_deref(),
+                    record.event_id.as_deref(),
+                );
+                let data = Cow::Borrowed(record.kinesis.data.0.as_slice());
+                Record::new(data, id, &record.kinesis.sequence_number)
+            })
+            .collect();
+        self.batch(&records, true, &handler).await;
+        let mut response = KinesisEventResponse::default();
+        if let Some(first) = records.iter().find(|record| record.again()) {
+            response.add_failure(first.item);
+        }
+        response
+    }
+
+    /// Handles a Lambda DynamoDB Streams batch (one shard's records, in order) with
+    /// `handler`, which gets each whole record (`EventRecord`, or a type of yours that
+    /// deserializes from its JSON): each at most once per stream and event id. Handling
+    /// stops at the first transient failure, whose sequence number the response names, as
+    /// [`kinesis_batch`](Self::kinesis_batch) does.
+    pub async fn dynamodb_stream_batch<M, T, E, F, Fut>(
+        &self,
+        event: &DynamoDbEvent,
+        handler: F,
+    ) -> DynamoDbEventResponse
+    where
+        M: DeserializeOwned,
+        T: Serialize + DeserializeOwned,
+        E: From<Error> + Classify,
+        F: Fn(M) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        let records: Vec<Record<'_>> = event
+            .records
+            .iter()
+            .map(|record| {
+                let id = stream_id(record.event_source_arn.as_deref(), Some(&record.event_id));
+                let item = record.change.sequence_number.as_deref().unwrap_or_default();
+                // A record that does not encode has no payload: rejected as a poison.
+                let json = serde_json::to_vec(record).unwrap_or_default();
+                Record::new(Cow::Owned(json), id, item)
+            })
+            .collect();
+        self.batch(&records, true, &handler).await;
+        let mut response = DynamoDbEventResponse::default();
+        if let Some(first) = records.iter().find(|record| record.again()) {
+            let mut failure = DynamoDbBatchItemFailure::default();
+            failure.item_identifier = Some(first.item.to_owned());
+            response.batch_item_failures.push(failure);
+        }
+        response
+    }
+
+    /// Handles `records` with `handler`: in order, stopping at the first that must come
+    /// again, or up to [`CONCURRENCY`] at once. Every final failure is logged, with its id.
+    async fn batch<M, T, E, F, Fut>(&self, records: &[Record<'_>], ordered: bool, handler: &F)
+    where
+        M: DeserializeOwned,
+        T: Serialize + DeserializeOwned,
+        E: From<Error> + Classify,
+        F: Fn(M) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        // A `Record` settles by remembering: that never fails.
+        if ordered {
+            for record in records {
+                let _ = self.handle(record, handler).await;
+                if record.again() {
+                    break;
+                }
+            }
+        } else {
+            futures_util::stream::iter(records)
+                .for_each_concurrent(CONCURRENCY, |record| async {
+                    let _ = self.handle(record, handler).await;
+                })
+                .await;
+        }
+        for record in records {
+            if record.settled() == Some(Disposition::Reject) {
+                tracing::error!(
+                    namespace = self.namespace(),
+                    item = record.item,
+                    "a record that failed for good is not retried: Lambda moves past it"
+                );
+            }
+        }
     }
 }
