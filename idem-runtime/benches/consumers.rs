@@ -1,0 +1,462 @@
+//! What a consumer adds per message over the broker's client alone, in instructions and
+//! allocations, on RabbitMQ (`lapin`), NATS JetStream (`async-nats`) and SQS (`aws-sdk-sqs`,
+//! against moto's server).
+//!
+//! `cargo bench -p idem-runtime --bench consumers --features lapin,nats,sqs,memory` runs,
+//! for each broker, two consumers of the same messages in processes of their own under
+//! `valgrind --tool=callgrind`, each counting only its measured loop (after a warm-up of as
+//! many messages):
+//!
+//! - **alone**: what a hand-written at-least-once consumer does: decode the JSON body, run
+//!   the handler, acknowledge (`basic.ack`; a JetStream ack confirmed by the server, as
+//!   idem's is; `DeleteMessage`);
+//! - **idem**: `Consumer::handle` with an in-memory store: the same, plus the message's id
+//!   claimed, the result recorded and, on SQS, the visibility lease's timer.
+//!
+//! It prints instructions and allocations per message for both and the difference. The
+//! counts include the client's network work (a round trip's wake-ups vary a little from
+//! run to run), which both sides share: the difference is the consumer's cost. Brokers:
+//! `IDEM_AMQP_URL`, `IDEM_NATS_URL`, and `IDEM_SQS_URL` or a `moto_server` this bench
+//! starts; a broker that is unreachable prints `skipped`. Not run by CI (it needs the
+//! brokers and takes a few minutes under callgrind); CI compiles it.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use idem_runtime::consumer::sqs::SqsQueue;
+use idem_runtime::consumer::Consumer;
+use idem_runtime::{Error, MemoryStore};
+
+/// Messages measured per side, after as many to warm up.
+const MESSAGES: u64 = 200;
+
+/// The function callgrind counts in (and everything it calls).
+const MEASURED: &str = "*consumers::measured*";
+
+/// Counts allocations.
+struct Counting;
+
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+#[derive(serde::Deserialize)]
+struct Order {
+    id: u64,
+}
+
+async fn ship(order: Order) -> Result<u64, Error> {
+    Ok(std::hint::black_box(order.id))
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.as_slice() {
+        [measure, broker, side] if measure == "measure" => run(broker, side == "idem"),
+        _ => drive(),
+    }
+}
+
+// ---- the driver: each side under callgrind ------------------------------------------------
+
+fn drive() {
+    let rt = runtime();
+    let moto = rt.block_on(Moto::start());
+    println!(
+        "{:<10} {:>14} {:>14} {:>10} {:>12} {:>12} {:>10}",
+        "per message",
+        "alone (instr)",
+        "idem (instr)",
+        "added",
+        "alone (allocs)",
+        "idem (allocs)",
+        "added"
+    );
+    for broker in ["rabbitmq", "jetstream", "sqs"] {
+        let reachable = match broker {
+            "rabbitmq" => rt
+                .block_on(lapin::Connection::connect(&amqp_url(), Default::default()))
+                .is_ok(),
+            "jetstream" => rt.block_on(async_nats::connect(nats_url())).is_ok(),
+            _ => moto.is_some(),
+        };
+        if !reachable {
+            println!("{broker:<10} skipped: the broker is unreachable");
+            continue;
+        }
+        let sqs = moto
+            .as_ref()
+            .map(|moto| moto.url.clone())
+            .unwrap_or_default();
+        let (alone, alone_allocs) = count(broker, "alone", &sqs);
+        let (idem, idem_allocs) = count(broker, "idem", &sqs);
+        if broker == "jetstream" {
+            rt.block_on(delete_streams());
+        }
+        println!(
+            "{broker:<10} {alone:>14} {idem:>14} {:>+10} {alone_allocs:>12.1} {idem_allocs:>12.1} {:>+10.1}",
+            idem as i64 - alone as i64,
+            idem_allocs - alone_allocs,
+        );
+    }
+}
+
+/// Deletes the streams the JetStream sides made (RabbitMQ's queues delete themselves, and
+/// SQS's go with the bench's moto).
+async fn delete_streams() {
+    let js = async_nats::jetstream::new(async_nats::connect(nats_url()).await.unwrap());
+    let mut names = js.stream_names();
+    let mut ours = Vec::new();
+    while let Some(name) = names.next().await {
+        let name = name.unwrap();
+        if name.starts_with("IDEM_BENCH_") {
+            ours.push(name);
+        }
+    }
+    for name in ours {
+        js.delete_stream(&name).await.unwrap();
+    }
+}
+
+/// Instructions and allocations per message of one side: this program run again under
+/// callgrind, counting only inside [`measured`].
+fn count(broker: &str, side: &str, sqs: &str) -> (u64, f64) {
+    let out = Command::new("valgrind")
+        .args([
+            "--tool=callgrind",
+            "--callgrind-out-file=/dev/null",
+            &format!("--toggle-collect={MEASURED}"),
+        ])
+        .arg(std::env::current_exe().unwrap())
+        .args(["measure", broker, side])
+        .env("IDEM_SQS_URL", sqs)
+        .output()
+        .unwrap_or_else(|err| panic!("valgrind could not run ({err}): is it installed?"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{broker} {side} failed:\n{stderr}");
+    let total: u64 = stderr
+        .lines()
+        .find_map(|line| line.split_once("Collected :")?.1.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no count from callgrind:\n{stderr}"));
+    let allocations: u64 = stdout
+        .lines()
+        .find_map(|line| line.strip_prefix("allocations ")?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no allocation count:\n{stdout}"));
+    (total / MESSAGES, allocations as f64 / MESSAGES as f64)
+}
+
+// ---- one side, in the process callgrind counts ---------------------------------------------
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Publishes twice [`MESSAGES`], consumes as many to warm up, then as many inside
+/// [`measured`], and prints the allocations the measured ones made.
+fn run(broker: &str, idem: bool) {
+    let rt = runtime();
+    let consumer = Consumer::new("bench.consumers").store(MemoryStore::new());
+    let run = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let mut next: Box<dyn FnMut() + '_> = match broker {
+        "rabbitmq" => rabbitmq(&rt, &consumer, idem, run),
+        "jetstream" => jetstream(&rt, &consumer, idem, run),
+        "sqs" => sqs(&rt, &consumer, idem, run),
+        other => panic!("no broker {other}"),
+    };
+    for _ in 0..MESSAGES {
+        next();
+    }
+    let before = ALLOCATIONS.load(Ordering::Relaxed);
+    measured(&mut next);
+    let allocations = ALLOCATIONS.load(Ordering::Relaxed) - before;
+    println!("allocations {allocations}");
+}
+
+/// The only function callgrind counts in.
+#[inline(never)]
+fn measured(next: &mut dyn FnMut()) {
+    for _ in 0..MESSAGES {
+        next();
+    }
+}
+
+fn body(n: u64) -> Vec<u8> {
+    format!(r#"{{"id":{n}}}"#).into_bytes()
+}
+
+fn amqp_url() -> String {
+    std::env::var("IDEM_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+fn nats_url() -> String {
+    std::env::var("IDEM_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+/// Consumes one message of a fresh RabbitMQ queue per call.
+fn rabbitmq<'a>(
+    rt: &'a tokio::runtime::Runtime,
+    consumer: &'a Consumer<MemoryStore>,
+    idem: bool,
+    run: u128,
+) -> Box<dyn FnMut() + 'a> {
+    use lapin::options::{BasicAckOptions, BasicPublishOptions, QueueDeclareOptions};
+    use lapin::BasicProperties;
+
+    let queue = format!("idem.bench.{run}");
+    let mut deliveries = rt.block_on(async {
+        let connection = lapin::Connection::connect(&amqp_url(), Default::default())
+            .await
+            .unwrap();
+        let channel = connection.create_channel().await.unwrap();
+        let options = QueueDeclareOptions {
+            auto_delete: true,
+            ..Default::default()
+        };
+        channel
+            .queue_declare(queue.as_str().into(), options, Default::default())
+            .await
+            .unwrap();
+        for n in 0..2 * MESSAGES {
+            let properties =
+                BasicProperties::default().with_message_id(format!("{run}-{n}").into());
+            channel
+                .basic_publish(
+                    "".into(),
+                    queue.as_str().into(),
+                    BasicPublishOptions::default(),
+                    &body(n),
+                    properties,
+                )
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }
+        let deliveries = channel
+            .basic_consume(
+                queue.as_str().into(),
+                "bench".into(),
+                Default::default(),
+                Default::default(),
+            )
+            .await
+            .unwrap();
+        // Kept open for as long as the process lives.
+        std::mem::forget(connection);
+        deliveries
+    });
+    Box::new(move || {
+        rt.block_on(async {
+            let delivery = deliveries.next().await.unwrap().unwrap();
+            if idem {
+                consumer.handle(&delivery, ship).await.unwrap();
+            } else {
+                let order: Order = serde_json::from_slice(&delivery.data).unwrap();
+                ship(order).await.unwrap();
+                delivery.ack(BasicAckOptions::default()).await.unwrap();
+            }
+        });
+    })
+}
+
+/// Consumes one message of a fresh JetStream stream per call.
+fn jetstream<'a>(
+    rt: &'a tokio::runtime::Runtime,
+    consumer: &'a Consumer<MemoryStore>,
+    idem: bool,
+    run: u128,
+) -> Box<dyn FnMut() + 'a> {
+    use async_nats::jetstream::{self, consumer::pull};
+
+    let name = format!("IDEM_BENCH_{run}");
+    let mut messages = rt.block_on(async {
+        let js = jetstream::new(async_nats::connect(nats_url()).await.unwrap());
+        let stream = js
+            .create_stream(jetstream::stream::Config {
+                name: name.clone(),
+                subjects: vec![format!("idem.bench.{run}")],
+                max_age: Duration::from_secs(600),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        for n in 0..2 * MESSAGES {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert("Nats-Msg-Id", format!("{run}-{n}").as_str());
+            js.publish_with_headers(format!("idem.bench.{run}"), headers, body(n).into())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }
+        let pulled: jetstream::consumer::Consumer<pull::Config> = stream
+            .create_consumer(pull::Config {
+                durable_name: Some("bench".into()),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        pulled.messages().await.unwrap()
+    });
+    Box::new(move || {
+        rt.block_on(async {
+            let message = messages.next().await.unwrap().unwrap();
+            if idem {
+                consumer.handle(&message, ship).await.unwrap();
+            } else {
+                let order: Order = serde_json::from_slice(&message.payload).unwrap();
+                ship(order).await.unwrap();
+                message.double_ack().await.unwrap();
+            }
+        });
+    })
+}
+
+fn sqs_client(url: &str) -> aws_sdk_sqs::Client {
+    use aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region};
+    let config = aws_sdk_sqs::Config::builder()
+        .behavior_version(BehaviorVersion::latest())
+        .region(Region::new("us-east-1"))
+        .endpoint_url(url)
+        .credentials_provider(Credentials::new("idem", "idem", None, None, "idem-bench"))
+        .http_client(aws_smithy_http_client::Builder::new().build_http())
+        .build();
+    aws_sdk_sqs::Client::from_conf(config)
+}
+
+/// Consumes one message of a fresh SQS queue per call, received one at a time.
+fn sqs<'a>(
+    rt: &'a tokio::runtime::Runtime,
+    consumer: &'a Consumer<MemoryStore>,
+    idem: bool,
+    run: u128,
+) -> Box<dyn FnMut() + 'a> {
+    let client = sqs_client(&std::env::var("IDEM_SQS_URL").unwrap());
+    let queue = rt.block_on(async {
+        let url = client
+            .create_queue()
+            .queue_name(format!("idem-bench-{run}"))
+            .send()
+            .await
+            .unwrap()
+            .queue_url
+            .unwrap();
+        for n in 0..2 * MESSAGES {
+            let body = String::from_utf8(body(n)).unwrap();
+            client
+                .send_message()
+                .queue_url(&url)
+                .message_body(body)
+                .send()
+                .await
+                .unwrap();
+        }
+        SqsQueue::connect(client.clone(), url).await.unwrap()
+    });
+    Box::new(move || {
+        rt.block_on(async {
+            if idem {
+                let batch = queue.receive(1, Duration::from_secs(5)).await.unwrap();
+                queue
+                    .in_order(batch, |message| async move {
+                        consumer.handle(&message, ship).await
+                    })
+                    .await
+                    .unwrap();
+            } else {
+                let received = client
+                    .receive_message()
+                    .queue_url(queue.url())
+                    .max_number_of_messages(1)
+                    .wait_time_seconds(5)
+                    .send()
+                    .await
+                    .unwrap();
+                for message in received.messages.unwrap_or_default() {
+                    let order: Order = serde_json::from_str(message.body().unwrap()).unwrap();
+                    ship(order).await.unwrap();
+                    client
+                        .delete_message()
+                        .queue_url(queue.url())
+                        .receipt_handle(message.receipt_handle().unwrap())
+                        .send()
+                        .await
+                        .unwrap();
+                }
+            }
+        });
+    })
+}
+
+/// moto's server for the SQS side: `IDEM_SQS_URL`, or one of this bench's own on a free
+/// port, killed when dropped.
+struct Moto {
+    url: String,
+    child: Option<std::process::Child>,
+}
+
+impl Moto {
+    async fn start() -> Option<Self> {
+        if let Ok(url) = std::env::var("IDEM_SQS_URL") {
+            return Some(Self { url, child: None });
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .ok()?
+            .port();
+        let child = Command::new("moto_server")
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .ok()?;
+        let moto = Self {
+            url: format!("http://127.0.0.1:{port}"),
+            child: Some(child),
+        };
+        for _ in 0..600 {
+            if sqs_client(&moto.url).list_queues().send().await.is_ok() {
+                return Some(moto);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        None
+    }
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
