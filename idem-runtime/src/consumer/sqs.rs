@@ -376,8 +376,10 @@ impl Delivery for SqsMessage {
         }
     }
 
+    /// The queue's visibility timeout; none for a queue whose timeout is zero (every
+    /// received message is visible again at once: there is nothing to renew).
     fn lease(&self) -> Option<Duration> {
-        Some(self.queue.inner.visibility)
+        Some(self.queue.inner.visibility).filter(|visibility| !visibility.is_zero())
     }
 
     async fn renew(&self) -> Result<(), BoxError> {
