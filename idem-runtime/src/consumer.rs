@@ -66,9 +66,12 @@
 //! store outside the effect's own database would: see the
 //! [queues guide](crate::guide::queues).
 //!
-//! Brokers are behind features named for them: `lapin` (RabbitMQ and any AMQP 0.9.1 broker)
-//! and `nats` (NATS JetStream). Another broker is a [`Delivery`] implementation: a payload,
-//! an id, a delivery count if it has one, and the three settlements.
+//! Brokers are behind features named for them: `lapin` (RabbitMQ and any AMQP 0.9.1
+//! broker), `nats` (NATS JetStream), `sqs` (Amazon SQS, in `consumer::sqs`) and `lambda` (a
+//! Lambda function's SQS, Kinesis and DynamoDB Streams batches, in `consumer::lambda`).
+//! Another broker is a [`Delivery`] implementation: a payload, an id, a delivery count if it
+//! has one, the three settlements, and a lease if the broker's hold on a delivery lapses
+//! unless renewed.
 
 #[cfg(feature = "lambda")]
 pub mod lambda;
@@ -185,8 +188,8 @@ impl Disposition {
 }
 
 /// A message as a broker delivered it: what a consumer needs to key, decode and settle it.
-/// Implemented for `lapin`'s deliveries (feature `lapin`) and JetStream's messages (feature
-/// `nats`); a few lines for any other broker.
+/// Implemented for `lapin`'s deliveries (feature `lapin`), JetStream's messages (feature
+/// `nats`) and SQS's (`sqs::SqsMessage`, feature `sqs`); a few lines for any other broker.
 #[crate::async_trait]
 pub trait Delivery: Send + Sync {
     /// The message's bytes.
