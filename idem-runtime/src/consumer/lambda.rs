@@ -12,7 +12,7 @@
 //! |---|---|---|
 //! | `Ok`, executed or replayed (a duplicate, within the batch or across batches) | not listed | Lambda deletes it |
 //! | transient ([`Disposition::Requeue`]) | in `batchItemFailures` | it comes back after the queue's visibility timeout |
-//! | final ([`Disposition::Reject`]): a poison, an id reused with another body, a transient failure on the consumer's last delivery ([`max_deliveries`](Consumer::max_deliveries)), an error its [`Classify`](super::Classify) calls final | not listed, an error logged with its message id | Lambda deletes it: no delivery can succeed, and it is not retried until a redrive policy takes it |
+//! | final ([`Disposition::Reject`]): a poison, an id reused with another body, a transient failure on the consumer's last delivery ([`max_deliveries`](Consumer::max_deliveries)), an error its [`Classify`] calls final | not listed, an error logged with its message id | Lambda deletes it: no delivery can succeed, and it is not retried until a redrive policy takes it |
 //!
 //! Lambda has no reject: a record that is never listed goes nowhere. A function whose
 //! final failures must be kept sends them on itself (its handler's own error, before it
