@@ -118,23 +118,30 @@ impl SqsQueue {
     }
 
     /// Up to `max` messages (SQS takes 1 to 10), waiting up to `wait` (long polling, at
-    /// most 20 s) for the first, with every attribute a consumer reads.
+    /// most 20 s) for the first, with what a consumer reads: the receive count, a FIFO
+    /// message's group and deduplication id, and every message attribute (headers, and what
+    /// a dead-lettered message carries on). Nothing else: each attribute asked for is parsed
+    /// on every receive.
     ///
     /// # Errors
     ///
     /// SQS's.
     pub async fn receive(&self, max: u8, wait: Duration) -> Result<Vec<SqsMessage>, BoxError> {
-        let output = self
+        let mut request = self
             .inner
             .client
             .receive_message()
             .queue_url(&self.inner.url)
             .max_number_of_messages(i32::from(max.clamp(1, 10)))
             .wait_time_seconds(seconds(wait.min(Duration::from_secs(20))))
-            .message_system_attribute_names(MessageSystemAttributeName::All)
-            .message_attribute_names("All")
-            .send()
-            .await?;
+            .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
+            .message_attribute_names("All");
+        if self.inner.fifo {
+            request = request
+                .message_system_attribute_names(MessageSystemAttributeName::MessageGroupId)
+                .message_system_attribute_names(MessageSystemAttributeName::MessageDeduplicationId);
+        }
+        let output = request.send().await?;
         Ok(output
             .messages
             .unwrap_or_default()
