@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use aws_lambda_events::event::dynamodb::{Event as DynamoDbEvent, EventRecord};
 use aws_lambda_events::event::kinesis::{KinesisEvent, KinesisEventRecord};
 use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessage};
-use idem_runtime::consumer::{Classify, Consumer, Disposition};
+use idem_runtime::consumer::{Classify, Consumer, Disposition, MessageId};
 use idem_tests::dynamodb_store;
 
 #[derive(serde::Deserialize)]
@@ -349,5 +349,65 @@ async fn a_dynamodb_stream_batch_is_handled_once_per_record() {
     assert_eq!(
         gateway.charged.into_inner().unwrap(),
         BTreeMap::from([(1, 1), (2, 1), (4, 1)])
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standard_batch_runs_its_records_at_once() {
+    let Some(store) = dynamodb_store().await else {
+        return;
+    };
+    let run = run_id();
+    let consumer = Consumer::new("lambda.orders.concurrent.v1").store(store);
+    // Each handler waits for the other: one at a time, neither would finish.
+    let both = tokio::sync::Barrier::new(2);
+    let meet = |order: Order| {
+        let both = &both;
+        async move {
+            match tokio::time::timeout(std::time::Duration::from_secs(60), both.wait()).await {
+                Ok(_) => Ok(order.cents),
+                Err(_) => Err(ChargeError::GatewayDown),
+            }
+        }
+    };
+    let batch = event(vec![
+        record(&format!("{run}-1"), r#"{"order":1,"cents":1}"#, 1, "orders"),
+        record(&format!("{run}-2"), r#"{"order":2,"cents":2}"#, 1, "orders"),
+    ]);
+    let response = consumer.sqs_batch(&batch, meet).await;
+    assert!(failures(&response).is_empty(), "{response:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_attribute_can_be_the_id() {
+    let Some(store) = dynamodb_store().await else {
+        return;
+    };
+    let run = run_id();
+    let gateway = Gateway::default();
+    let consumer = Consumer::new("lambda.orders.attribute.v1")
+        .store(store)
+        .message_id(MessageId::header("order-id"));
+    let charge = |order: Order| gateway.charge(order);
+    // A producer that sent order 1 twice: two SQS messages, one order id.
+    let sent = |sqs_id: &str| {
+        let mut record = record(
+            &format!("{run}-{sqs_id}"),
+            r#"{"order":1,"cents":100}"#,
+            1,
+            "orders",
+        );
+        let mut id = record.message_attributes["tenant"].clone();
+        id.string_value = Some(format!("{run}-order-1"));
+        record.message_attributes.insert("order-id".into(), id);
+        record
+    };
+    let first = consumer.sqs_batch(&event(vec![sent("a")]), charge).await;
+    let again = consumer.sqs_batch(&event(vec![sent("b")]), charge).await;
+    assert!(failures(&first).is_empty() && failures(&again).is_empty());
+    assert_eq!(
+        gateway.charged.into_inner().unwrap(),
+        BTreeMap::from([(1, 1)]),
+        "the second send replays"
     );
 }

@@ -53,12 +53,13 @@
 //! ```
 
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Mutex;
 
 use aws_lambda_events::event::dynamodb::Event as DynamoDbEvent;
 use aws_lambda_events::event::kinesis::KinesisEvent;
-use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent};
+use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessageAttribute};
 use aws_lambda_events::event::streams::{
     DynamoDbBatchItemFailure, DynamoDbEventResponse, KinesisEventResponse,
 };
@@ -77,7 +78,8 @@ pub const CONCURRENCY: usize = 10;
 struct Record<'a> {
     payload: Cow<'a, [u8]>,
     id: Option<Cow<'a, str>>,
-    headers: Vec<(&'a str, &'a str)>,
+    /// An SQS message's attributes, its headers.
+    headers: Option<&'a HashMap<String, SqsMessageAttribute>>,
     deliveries: Option<u64>,
     /// What the response names it by: SQS's message id, a stream's sequence number.
     item: &'a str,
@@ -89,7 +91,7 @@ impl<'a> Record<'a> {
         Self {
             payload,
             id,
-            headers: Vec::new(),
+            headers: None,
             deliveries: None,
             item,
             settled: Mutex::new(None),
@@ -121,8 +123,8 @@ impl Delivery for Record<'_> {
     }
 
     fn header(&self, name: &str) -> Option<Cow<'_, str>> {
-        let found = self.headers.iter().find(|(header, _)| *header == name);
-        found.map(|(_, value)| Cow::Borrowed(*value))
+        let attribute = self.headers?.get(name)?;
+        attribute.string_value.as_deref().map(Cow::Borrowed)
     }
 
     fn deliveries(&self) -> Option<u64> {
@@ -182,26 +184,14 @@ impl<St: Store + Clone> Consumer<St> {
                     Record::new(Cow::Borrowed(body.as_bytes()), id.map(Cow::Borrowed), item);
                 record.deliveries =
                     attribute("ApproximateReceiveCount").and_then(|n| n.parse().ok());
-                record.headers = message
-                    .message_attributes
-                    .iter()
-                    .filter_map(|(name, value)| {
-                        Some((name.as_str(), value.string_value.as_deref()?))
-                    })
-                    .collect();
+                record.headers = Some(&message.message_attributes);
                 record
             })
             .collect();
-        self.batch(&records, fifo, &handler).await;
-
+        let order = if fifo { Order::Fifo } else { Order::Concurrent };
         let mut response = SqsBatchResponse::default();
-        // On a FIFO queue, the first failure stops the batch: it and everything after it.
-        let mut stopped = false;
-        for record in &records {
-            stopped |= fifo && record.again();
-            if record.again() || stopped {
-                response.add_failure(record.item);
-            }
+        for item in self.batch(&records, order, &handler).await {
+            response.add_failure(item);
         }
         response
     }
@@ -236,11 +226,8 @@ impl<St: Store + Clone> Consumer<St> {
                 Record::new(data, id, &record.kinesis.sequence_number)
             })
             .collect();
-        self.batch(&records, true, &handler).await;
         let mut response = KinesisEventResponse::default();
-        if let Some(first) = records.iter().find(|record| record.again()) {
-            response.add_failure(first.item);
-        }
+        response.set_failures(self.batch(&records, Order::Shard, &handler).await);
         response
     }
 
@@ -272,19 +259,24 @@ impl<St: Store + Clone> Consumer<St> {
                 Record::new(Cow::Owned(json), id, item)
             })
             .collect();
-        self.batch(&records, true, &handler).await;
         let mut response = DynamoDbEventResponse::default();
-        if let Some(first) = records.iter().find(|record| record.again()) {
+        for item in self.batch(&records, Order::Shard, &handler).await {
             let mut failure = DynamoDbBatchItemFailure::default();
-            failure.item_identifier = Some(first.item.to_owned());
+            failure.item_identifier = Some(item.to_owned());
             response.batch_item_failures.push(failure);
         }
         response
     }
 
-    /// Handles `records` with `handler`: in order, stopping at the first that must come
-    /// again, or up to [`CONCURRENCY`] at once. Every final failure is logged, with its id.
-    async fn batch<M, T, E, F, Fut>(&self, records: &[Record<'_>], ordered: bool, handler: &F)
+    /// Handles `records` with `handler` in the batch's `order`, and returns what the
+    /// response names: the records Lambda must deliver again. Every final failure is
+    /// logged, with its item.
+    async fn batch<'r, M, T, E, F, Fut>(
+        &self,
+        records: &'r [Record<'r>],
+        order: Order,
+        handler: &F,
+    ) -> Vec<&'r str>
     where
         M: DeserializeOwned,
         T: Serialize + DeserializeOwned,
@@ -293,19 +285,19 @@ impl<St: Store + Clone> Consumer<St> {
         Fut: Future<Output = Result<T, E>>,
     {
         // A `Record` settles by remembering: that never fails.
-        if ordered {
+        if order == Order::Concurrent {
+            futures_util::stream::iter(records)
+                .for_each_concurrent(CONCURRENCY, |record| async {
+                    let _ = self.handle(record, handler).await;
+                })
+                .await;
+        } else {
             for record in records {
                 let _ = self.handle(record, handler).await;
                 if record.again() {
                     break;
                 }
             }
-        } else {
-            futures_util::stream::iter(records)
-                .for_each_concurrent(CONCURRENCY, |record| async {
-                    let _ = self.handle(record, handler).await;
-                })
-                .await;
         }
         for record in records {
             if record.settled() == Some(Disposition::Reject) {
@@ -316,5 +308,28 @@ impl<St: Store + Clone> Consumer<St> {
                 );
             }
         }
+        let mut again = records.iter().skip_while(|record| !record.again());
+        match order {
+            Order::Concurrent => records
+                .iter()
+                .filter(|record| record.again())
+                .map(|record| record.item)
+                .collect(),
+            // The first failure and everything after it, which never ran.
+            Order::Fifo => again.map(|record| record.item).collect(),
+            // The checkpoint: Lambda retries the shard from it.
+            Order::Shard => again.next().map(|record| record.item).into_iter().collect(),
+        }
     }
+}
+
+/// How a batch's records are handled, and what its response names.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Order {
+    /// A standard queue's: up to [`CONCURRENCY`] at once; every record to deliver again.
+    Concurrent,
+    /// A FIFO queue's: one at a time, stopped at the first failure; it and every later one.
+    Fifo,
+    /// A stream shard's: one at a time, stopped at the first failure; its sequence number.
+    Shard,
 }
