@@ -384,3 +384,54 @@ async fn a_fifo_group_is_handled_in_order_behind_a_failure() {
     );
     assert_eq!(held(&client, &queue).await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fifo_dead_letter_queue_takes_a_rejected_message_once() {
+    let Some(url) = sqs_endpoint().await else {
+        return;
+    };
+    let client = sqs_client(&url);
+    let queue = queue(&client, "idem-fifo-dead", true, 30).await;
+    send_fifo(&client, &queue, "{not json", "g", "poison").await;
+    let message = queue
+        .receive(1, Duration::from_secs(5))
+        .await
+        .unwrap()
+        .pop()
+        .expect("the message");
+    // A consumer that died between its send to the dead-letter queue and its delete: the
+    // message is rejected again, by the same id.
+    let died = message.clone();
+    message.settle(Disposition::Reject).await.unwrap();
+    let _ = died.settle(Disposition::Reject).await;
+    let dead = take_all(&client, queue.dead_letter_url().unwrap()).await;
+    assert_eq!(dead, ["{not json"], "the second send is deduplicated");
+    assert_eq!(held(&client, &queue).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_without_visibility_has_no_lease_to_renew() {
+    let Some(url) = sqs_endpoint().await else {
+        return;
+    };
+    let client = sqs_client(&url);
+    let queue = queue(&client, "idem-no-visibility", false, 0).await;
+    send(&client, &queue, "1", None).await;
+    let message = queue
+        .receive(1, Duration::from_secs(5))
+        .await
+        .unwrap()
+        .pop()
+        .expect("the message");
+    assert_eq!(message.lease(), None);
+    let visible = queue
+        .receive(1, Duration::from_secs(5))
+        .await
+        .unwrap()
+        .pop();
+    assert_eq!(
+        visible.and_then(|m| m.deliveries()),
+        Some(2),
+        "visible again at once: nothing to renew"
+    );
+}
