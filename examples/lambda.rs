@@ -16,9 +16,11 @@
 //! `dynamodb:GetItem` on the table. `--demo` invokes the handler as Lambda would, against
 //! `IDEM_DYNAMODB_URL` (default `http://127.0.0.1:8000`, where `.ci/run` starts dynoxide).
 
+#[path = "aws.rs"]
+mod aws;
+
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use aws_sdk_dynamodb::config::{BehaviorVersion, Credentials, Region};
 use idem_runtime::{idempotent, DynamoDbStore};
 use lambda_runtime::{service_fn, Context, LambdaEvent};
 use serde::{Deserialize, Serialize};
@@ -83,46 +85,16 @@ async fn handler(
     Ok(charge(&event.payload, store).await?)
 }
 
-/// The SDK's configuration from the environment Lambda sets, over HTTPS (rustls on ring).
-fn lambda_config() -> aws_sdk_dynamodb::Config {
-    use aws_smithy_http_client::tls::{self, rustls_provider::CryptoMode};
-
-    let var = |name: &str| std::env::var(name).unwrap_or_default();
-    let https = aws_smithy_http_client::Builder::new()
-        .tls_provider(tls::Provider::Rustls(CryptoMode::Ring))
-        .build_https();
-    aws_sdk_dynamodb::Config::builder()
-        .behavior_version(BehaviorVersion::latest())
-        .region(Region::new(var("AWS_REGION")))
-        .credentials_provider(Credentials::new(
-            var("AWS_ACCESS_KEY_ID"),
-            var("AWS_SECRET_ACCESS_KEY"),
-            std::env::var("AWS_SESSION_TOKEN").ok(),
-            None,
-            "lambda-environment",
-        ))
-        .http_client(https)
-        .build()
-}
-
-/// The emulator's configuration: plain HTTP, any credentials.
-fn emulator_config(url: &str) -> aws_sdk_dynamodb::Config {
-    aws_sdk_dynamodb::Config::builder()
-        .behavior_version(BehaviorVersion::latest())
-        .region(Region::new("us-east-1"))
-        .endpoint_url(url)
-        .credentials_provider(Credentials::new("demo", "demo", None, None, "demo"))
-        .http_client(aws_smithy_http_client::Builder::new().build_http())
-        .build()
-}
-
 #[tokio::main]
 async fn main() -> Result<(), lambda_runtime::Error> {
     if std::env::args().any(|arg| arg == "--demo") {
         return demo().await;
     }
     let table = std::env::var("IDEM_TABLE").unwrap_or_else(|_| "idempotency".into());
-    let store = DynamoDbStore::new(aws_sdk_dynamodb::Client::from_conf(lambda_config()), table);
+    let store = DynamoDbStore::new(
+        aws_sdk_dynamodb::Client::from_conf(aws::lambda_config()),
+        table,
+    );
     lambda_runtime::run(service_fn(|event| handler(&store, event))).await
 }
 
@@ -130,7 +102,7 @@ async fn main() -> Result<(), lambda_runtime::Error> {
 /// delivery), the same order with another amount, and a declined card retried.
 async fn demo() -> Result<(), lambda_runtime::Error> {
     let url = std::env::var("IDEM_DYNAMODB_URL").unwrap_or_else(|_| "http://127.0.0.1:8000".into());
-    let client = aws_sdk_dynamodb::Client::from_conf(emulator_config(&url));
+    let client = aws_sdk_dynamodb::Client::from_conf(aws::emulator_config(&url));
     let store = DynamoDbStore::new(client, "idem_lambda_demo");
     store.migrate().await?;
     let run = std::process::id();

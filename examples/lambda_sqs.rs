@@ -13,10 +13,12 @@
 //! against `IDEM_DYNAMODB_URL` (default `http://127.0.0.1:8000`, where `.ci/run` starts
 //! dynoxide): duplicates, a carrier that is down once and a poisoned message.
 
+#[path = "aws.rs"]
+mod aws;
+
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use aws_lambda_events::event::sqs::{SqsEvent, SqsMessage};
-use aws_sdk_dynamodb::config::{BehaviorVersion, Credentials, Region};
 use idem_runtime::consumer::{Classify, Consumer, Disposition};
 use idem_runtime::DynamoDbStore;
 use lambda_runtime::{service_fn, LambdaEvent};
@@ -70,36 +72,13 @@ async fn main() -> Result<(), lambda_runtime::Error> {
     if std::env::args().any(|arg| arg == "--demo") {
         return demo().await;
     }
-    let store = store(lambda_config());
+    let store = store(aws::lambda_config());
     // The glue beyond the record handler.
     let consumer = &Consumer::new("shop.orders.v1").store(store);
     lambda_runtime::run(service_fn(|event: LambdaEvent<SqsEvent>| async move {
         Ok::<_, lambda_runtime::Error>(consumer.sqs_batch(&event.payload, ship).await)
     }))
     .await
-}
-
-/// The SDK's configuration from the environment Lambda sets (as `examples/lambda.rs`).
-fn lambda_config() -> aws_sdk_dynamodb::Config {
-    use aws_smithy_http_client::tls::{self, rustls_provider::CryptoMode};
-
-    let var = |name: &str| std::env::var(name).unwrap_or_default();
-    aws_sdk_dynamodb::Config::builder()
-        .behavior_version(BehaviorVersion::latest())
-        .region(Region::new(var("AWS_REGION")))
-        .credentials_provider(Credentials::new(
-            var("AWS_ACCESS_KEY_ID"),
-            var("AWS_SECRET_ACCESS_KEY"),
-            std::env::var("AWS_SESSION_TOKEN").ok(),
-            None,
-            "lambda-environment",
-        ))
-        .http_client(
-            aws_smithy_http_client::Builder::new()
-                .tls_provider(tls::Provider::Rustls(CryptoMode::Ring))
-                .build_https(),
-        )
-        .build()
 }
 
 /// A record as Lambda hands it over from a standard queue.
@@ -118,15 +97,7 @@ fn record(id: &str, body: &str, receives: u32) -> SqsMessage {
 /// Two batches as Lambda would send them.
 async fn demo() -> Result<(), lambda_runtime::Error> {
     let url = std::env::var("IDEM_DYNAMODB_URL").unwrap_or_else(|_| "http://127.0.0.1:8000".into());
-    let store = store(
-        aws_sdk_dynamodb::Config::builder()
-            .behavior_version(BehaviorVersion::latest())
-            .region(Region::new("us-east-1"))
-            .endpoint_url(url)
-            .credentials_provider(Credentials::new("demo", "demo", None, None, "demo"))
-            .http_client(aws_smithy_http_client::Builder::new().build_http())
-            .build(),
-    );
+    let store = store(aws::emulator_config(&url));
     store.migrate().await?;
     let consumer = Consumer::new("shop.orders.v1").store(store);
     let run = std::process::id();
