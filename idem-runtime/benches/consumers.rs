@@ -30,6 +30,9 @@ use idem_runtime::consumer::sqs::SqsQueue;
 use idem_runtime::consumer::Consumer;
 use idem_runtime::{Error, MemoryStore};
 
+#[path = "common/callgrind.rs"]
+mod callgrind;
+
 /// Messages measured per side, after as many to warm up.
 const MESSAGES: u64 = 200;
 
@@ -141,24 +144,8 @@ async fn delete_streams() {
 /// Instructions and allocations per message of one side: this program run again under
 /// callgrind, counting only inside [`measured`].
 fn count(broker: &str, side: &str, sqs: &str) -> (u64, f64) {
-    let out = Command::new("valgrind")
-        .args([
-            "--tool=callgrind",
-            "--callgrind-out-file=/dev/null",
-            &format!("--toggle-collect={MEASURED}"),
-        ])
-        .arg(std::env::current_exe().unwrap())
-        .args(["measure", broker, side])
-        .env("IDEM_SQS_URL", sqs)
-        .output()
-        .unwrap_or_else(|err| panic!("valgrind could not run ({err}): is it installed?"));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{broker} {side} failed:\n{stderr}");
-    let total: u64 = stderr
-        .lines()
-        .find_map(|line| line.split_once("Collected :")?.1.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no count from callgrind:\n{stderr}"));
+    let args = ["measure", broker, side];
+    let (total, stdout) = callgrind::collected(MEASURED, &args, &[("IDEM_SQS_URL", sqs)]);
     let allocations: u64 = stdout
         .lines()
         .find_map(|line| line.strip_prefix("allocations ")?.trim().parse().ok())

@@ -19,7 +19,6 @@ use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::hint::black_box;
 use std::path::PathBuf;
-use std::process::Command;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -34,6 +33,8 @@ use self::common::{receipt, Receipt};
 
 #[path = "common/http.rs"]
 mod baselines;
+#[path = "common/callgrind.rs"]
+mod callgrind;
 #[path = "common/calls.rs"]
 mod calls;
 mod common;
@@ -231,23 +232,7 @@ fn read_counts(file: &std::path::Path) -> BTreeMap<String, u64> {
 /// Instructions per call of one side of a path: this program run again under callgrind,
 /// counting only inside [`measured`].
 fn count(path: &str, side: &str) -> u64 {
-    let out = Command::new("valgrind")
-        .args([
-            "--tool=callgrind",
-            "--callgrind-out-file=/dev/null",
-            &format!("--toggle-collect={MEASURED}"),
-        ])
-        .arg(std::env::current_exe().unwrap())
-        .args(["measure", path, side])
-        .output()
-        .unwrap_or_else(|err| panic!("valgrind could not run ({err}): is it installed?"));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{path} {side} failed:\n{stderr}");
-    let total: u64 = stderr
-        .lines()
-        .find_map(|line| line.split_once("Collected :")?.1.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no count from callgrind:\n{stderr}"));
-    total / CALLS
+    callgrind::collected(MEASURED, &["measure", path, side], &[]).0 / CALLS
 }
 
 // ---- one side of one path, in the process callgrind counts ----------------------------------
