@@ -179,9 +179,9 @@ impl SqsQueue {
             let group = self
                 .is_fifo()
                 .then(|| message.group().unwrap_or_default().to_owned());
-            if let Some(group) = group.as_ref().filter(|group| stopped.contains(group)) {
+            if group.as_ref().is_some_and(|group| stopped.contains(group)) {
                 tracing::debug!(
-                    group = group.as_str(),
+                    group,
                     "released behind an unacknowledged message of its group"
                 );
                 message.release().await?;
@@ -189,8 +189,8 @@ impl SqsQueue {
                 continue;
             }
             let disposition = handle(message).await?;
-            if let Some(group) = group.filter(|_| disposition != Disposition::Ack) {
-                stopped.push(group);
+            if disposition != Disposition::Ack {
+                stopped.extend(group);
             }
             dispositions.push(Some(disposition));
         }
