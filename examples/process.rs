@@ -93,11 +93,17 @@ pub async fn stdin_closed() {
     while matches!(stdin.read(&mut buffer).await, Ok(n) if n > 0) {}
 }
 
-impl Drop for Service {
+impl Service {
     /// SIGKILL, and the process reaped.
-    fn drop(&mut self) {
+    pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.kill();
     }
 }
 

@@ -641,3 +641,512 @@ async fn sqs_consumers_killed_mid_handler_ship_each_order_once() {
         "dead-lettered once each"
     );
 }
+
+/// How many orders the Kafka run produces.
+const KAFKA_ORDERS: u64 = 1_000;
+
+/// The Kafka run's orders, on four partitions: every 75th (bar those also sent twice)
+/// stalls its consumer once, alternately before and after its commit; every 7th is
+/// produced twice, the second time to the next partition.
+fn kafka_orders() -> Vec<(u64, Order, bool)> {
+    (0..KAFKA_ORDERS)
+        .map(|n| {
+            let twice = n % 7 == 0;
+            let stall = (n % 75 == 2 && !twice).then_some(if n % 150 == 2 {
+                Stall::BeforeCommit
+            } else {
+                Stall::AfterCommit
+            });
+            let order = Order {
+                order: n,
+                sku: "sku-1".into(),
+                stall,
+            };
+            (n, order, twice)
+        })
+        .collect()
+}
+
+fn kafka_config(brokers: &str) -> rdkafka::ClientConfig {
+    rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .clone()
+}
+
+/// A Kafka consumer of the topic `IDEM_QUEUE` at `IDEM_KAFKA_BROKERS` in the group
+/// `IDEM_GROUP`, as `rabbitmq::consume` is of a RabbitMQ queue: eight records at once, the
+/// producer's `order-id` header as the id, the inbox on PostgreSQL. A stalling order stalls
+/// only the first time any consumer runs it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a Kafka consumer, started (and killed) by kafka_consumers_killed_mid_record_ship_each_order_once"]
+async fn kafka_consumer() {
+    use idem_runtime::consumer::kafka::{KafkaGroup, KafkaRecord};
+    use idem_runtime::consumer::{Delivery, MessageId};
+    use rdkafka::Message;
+
+    let var = |name| std::env::var(name).unwrap();
+    let (pool, store) = rabbitmq::database(&rabbitmq::postgres_url()).await.unwrap();
+    let config = kafka_config(&var("IDEM_KAFKA_BROKERS"))
+        .set("group.id", var("IDEM_GROUP"))
+        .set("auto.offset.reset", "earliest")
+        .set("auto.commit.interval.ms", "200")
+        .set("session.timeout.ms", "6000")
+        .set("heartbeat.interval.ms", "500")
+        .set("max.poll.interval.ms", "10000")
+        .clone();
+    let group = KafkaGroup::join(&config, "examples", &[&var("IDEM_QUEUE")])
+        .unwrap()
+        .dead_letter(&var("IDEM_DEAD"))
+        .unwrap()
+        .concurrency(8);
+    let consumer = &Consumer::new("shop.orders.v1")
+        .message_id(MessageId::header("order-id"))
+        .backoff(Duration::from_millis(50), Duration::from_secs(1));
+    let (pool, store) = (&pool, &store);
+    println!("consuming");
+    group
+        .run_until(process::stdin_closed(), |record: KafkaRecord| async move {
+            let id = record.header("order-id").unwrap_or_default().into_owned();
+            let at = format!(
+                "{}/{}",
+                record.message().partition(),
+                record.message().offset()
+            );
+            let disposition = consumer
+                .inbox(&record, |order: Order, key| async move {
+                    let first = order.stall.is_some() && first_stall(pool, &key).await?;
+                    rabbitmq::handle(pool, store, order, key, first, true).await
+                })
+                .await?;
+            println!("settled {id} {disposition:?} {at}");
+            Ok(disposition)
+        })
+        .await
+        .unwrap();
+}
+
+/// Whether this is the first time any consumer stalls on `key`'s order.
+async fn first_stall(
+    pool: &sqlx::PgPool,
+    key: &idem_runtime::IdempotencyKey,
+) -> Result<bool, idem_runtime::Error> {
+    let inserted =
+        sqlx::query("INSERT INTO queue_stalls (message_id) VALUES ($1) ON CONFLICT DO NOTHING")
+            .bind(key.as_str())
+            .execute(pool)
+            .await
+            .map_err(idem_runtime::Error::store)?;
+    Ok(inserted.rows_affected() == 1)
+}
+
+/// Waits (bounded: two minutes) until the consumer group `group` is stable with `members`
+/// members.
+async fn group_settled(brokers: &str, group: &str, members: usize) {
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+
+    let client: BaseConsumer = kafka_config(brokers).create().unwrap();
+    let group = group.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        loop {
+            let list = client.fetch_group_list(Some(&group), Duration::from_secs(10));
+            let state = list
+                .as_ref()
+                .ok()
+                .and_then(|list| list.groups().first())
+                .map(|info| (info.state().to_owned(), info.members().len()));
+            if state
+                .as_ref()
+                .is_some_and(|(state, n)| state == "Stable" && *n == members)
+            {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "group {group} not stable with {members} members after two minutes: {state:?}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    })
+    .await
+    .unwrap();
+}
+
+/// The records of the Kafka run: its topic's `(partition, offset)`s and their order ids.
+type Produced = BTreeMap<(i32, i64), String>;
+
+/// Every record of `topic` on `brokers`, whatever its partition.
+async fn kafka_read(
+    brokers: &str,
+    topic: &str,
+    partitions: i32,
+) -> Vec<rdkafka::message::OwnedMessage> {
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    use rdkafka::{Offset, TopicPartitionList};
+
+    let reader: BaseConsumer = kafka_config(brokers)
+        .set("group.id", "idem-examples-reader")
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    let topic = topic.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let mut assignment = TopicPartitionList::new();
+        let mut left = 0;
+        for partition in 0..partitions {
+            let (low, high) = reader
+                .fetch_watermarks(&topic, partition, Duration::from_secs(30))
+                .unwrap();
+            left += high - low;
+            assignment
+                .add_partition_offset(&topic, partition, Offset::Offset(low))
+                .unwrap();
+        }
+        reader.assign(&assignment).unwrap();
+        let mut records = Vec::new();
+        while left > 0 {
+            let message = reader
+                .poll(Duration::from_secs(60))
+                .expect("a record unread for a minute");
+            records.push(message.unwrap().detach());
+            left -= 1;
+        }
+        records
+    })
+    .await
+    .unwrap()
+}
+
+/// The `(partition, offset)`s of the records dead-lettered so far, from their headers.
+async fn dead_lettered(brokers: &str, dead: &str) -> Vec<(i32, i64, String)> {
+    use rdkafka::message::{Headers, Message};
+    let mut letters: Vec<_> = kafka_read(brokers, dead, 1)
+        .await
+        .iter()
+        .map(|letter| {
+            let headers = letter.headers().unwrap();
+            let header = |name: &str| {
+                let found = headers.iter().filter(|h| h.key == name).last().unwrap();
+                String::from_utf8(found.value.unwrap().to_vec()).unwrap()
+            };
+            (
+                header("idem-source-partition").parse().unwrap(),
+                header("idem-source-offset").parse().unwrap(),
+                header("order-id"),
+            )
+        })
+        .collect();
+    letters.sort();
+    letters
+}
+
+/// The group's commits never pass a record whose order is not shipped nor dead-lettered
+/// in `dead`: the commits are read first, then what is finished.
+async fn check_commits(
+    brokers: &str,
+    group: &str,
+    topic: &str,
+    produced: &Produced,
+    pool: &sqlx::PgPool,
+    run: &str,
+    dead: &str,
+) {
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    use rdkafka::{Offset, TopicPartitionList};
+
+    let member: BaseConsumer = kafka_config(brokers)
+        .set("group.id", group)
+        .create()
+        .unwrap();
+    let mut asked = TopicPartitionList::new();
+    for partition in 0..4 {
+        asked.add_partition(topic, partition);
+    }
+    let committed = tokio::task::spawn_blocking(move || {
+        member
+            .committed_offsets(asked, Duration::from_secs(30))
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let shipped = shipments(pool, run).await;
+    let dead = dead_lettered(brokers, dead).await;
+    for partition in 0..4 {
+        let Offset::Offset(commit) = committed.find_partition(topic, partition).unwrap().offset()
+        else {
+            continue;
+        };
+        for ((_, offset), id) in produced.range((partition, 0)..(partition, commit)) {
+            let finished = shipped.contains_key(id)
+                || dead
+                    .iter()
+                    .any(|(p, o, _)| (*p, *o) == (partition, *offset));
+            assert!(
+                finished,
+                "committed {commit} on partition {partition} past {offset} ({id}), unfinished"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_consumers_killed_mid_record_ship_each_order_once() {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    use rdkafka::message::{Header, OwnedHeaders};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+
+    let Some(kafka) = Tansu::start().await else {
+        return;
+    };
+    let brokers = kafka.brokers.clone();
+    let (pool, _) = rabbitmq::database(&rabbitmq::postgres_url()).await.unwrap();
+    sqlx::query("CREATE TABLE IF NOT EXISTS queue_stalls (message_id text PRIMARY KEY)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let run = run_id("kafka");
+    let (topic, dead, group) = (
+        format!("idem-kills-{run}"),
+        format!("idem-kills-{run}-dead"),
+        format!("idem-kills-{run}-shipper"),
+    );
+    let admin: AdminClient<DefaultClientContext> = kafka_config(&brokers).create().unwrap();
+    let topics = [
+        NewTopic::new(&topic, 4, TopicReplication::Fixed(1)),
+        NewTopic::new(&dead, 1, TopicReplication::Fixed(1)),
+    ];
+    for created in admin
+        .create_topics(&topics, &AdminOptions::new())
+        .await
+        .unwrap()
+    {
+        created.unwrap();
+    }
+    let producer: FutureProducer = kafka_config(&brokers).create().unwrap();
+    let mut produced = Produced::new();
+    let mut sends = Vec::new();
+    for (n, order, twice) in kafka_orders() {
+        let payload = serde_json::to_vec(&order).unwrap();
+        let partition = i32::try_from(n % 4).unwrap();
+        sends.push((format!("{run}-{n}"), partition, payload.clone()));
+        if twice {
+            sends.push((format!("{run}-{n}"), (partition + 1) % 4, payload));
+        }
+    }
+    sends.push((format!("{run}-poison"), 2, b"{not json".to_vec()));
+    let reused = Order {
+        order: 1_000_000,
+        sku: "sku-2".into(),
+        stall: None,
+    };
+    sends.push((format!("{run}-1"), 3, serde_json::to_vec(&reused).unwrap()));
+    for (id, partition, payload) in &sends {
+        let headers = OwnedHeaders::new().insert(Header {
+            key: "order-id",
+            value: Some(id.as_str()),
+        });
+        let record = FutureRecord::<(), _>::to(&topic)
+            .partition(*partition)
+            .payload(payload)
+            .headers(headers);
+        let delivered = producer
+            .send(record, Duration::from_secs(30))
+            .await
+            .map_err(|(err, _)| err)
+            .unwrap();
+        produced.insert((delivered.partition, delivered.offset), id.clone());
+    }
+
+    let start = || {
+        Service::start(
+            "kafka_consumer",
+            &[
+                ("IDEM_KAFKA_BROKERS", brokers.clone()),
+                ("IDEM_QUEUE", topic.clone()),
+                ("IDEM_DEAD", dead.clone()),
+                ("IDEM_GROUP", group.clone()),
+            ],
+        )
+    };
+    // Two members at a time: each kill moves the killed one's partitions to the other
+    // mid-record (it runs eight at once), and its replacement's join moves some back.
+    let mut members = [start(), start()];
+    let expected: BTreeSet<String> = (0..KAFKA_ORDERS).map(|n| format!("{run}-{n}")).collect();
+    let mut settled = Settled::default();
+    let mut kills = 0;
+    loop {
+        let [first, second] = &mut members;
+        let (member, line) = tokio::select! {
+            line = first.line() => (0, line),
+            line = second.line() => (1, line),
+        };
+        let line = line
+            .unwrap_or_else(|| panic!("a consumer ended on its own; settled so far: {settled:?}"));
+        if line.starts_with("stalled") {
+            // SIGKILLed, and its replacement started once the group has evicted it (its
+            // session lapses after 6 s) and the survivor holds every partition: tansu leaves a
+            // member that dies while the group forms its partitions, until the next rebalance.
+            members[member].kill();
+            group_settled(&brokers, &group, 1).await;
+            members[member] = start();
+            kills += 1;
+            check_commits(&brokers, &group, &topic, &produced, &pool, &run, &dead).await;
+        } else if line.starts_with("settled") {
+            settled.read(&line);
+            if settled.acked == expected && settled.rejected.values().sum::<usize>() >= 2 {
+                break;
+            }
+        }
+    }
+    let [first, second] = members;
+    tokio::join!(first.finish(), second.finish());
+
+    eprintln!(
+        "{run}: {} records, {kills} consumers killed mid-record",
+        produced.len()
+    );
+    let shipped = shipments(&pool, &run).await;
+    assert!(kills >= 10, "only {kills} consumers were killed mid-record");
+    for id in &expected {
+        assert_eq!(
+            shipped.get(id),
+            Some(&1),
+            "{id} shipped {:?} time(s)",
+            shipped.get(id)
+        );
+    }
+    assert_eq!(
+        shipped.len(),
+        expected.len(),
+        "shipments of unknown messages"
+    );
+    let dead_topic = dead;
+    let dead = dead_lettered(&brokers, &dead_topic).await;
+    let ids: Vec<_> = dead.iter().map(|(_, _, id)| id.clone()).collect();
+    assert_eq!(ids.len(), 2, "dead-lettered once each: {dead:?}");
+    assert!(
+        ids.contains(&format!("{run}-poison")) && ids.contains(&format!("{run}-1")),
+        "{dead:?}"
+    );
+    // Everything was read and committed, and nothing committed is unfinished.
+    check_commits(
+        &brokers,
+        &group,
+        &topic,
+        &produced,
+        &pool,
+        &run,
+        &dead_topic,
+    )
+    .await;
+    let member: rdkafka::consumer::BaseConsumer = kafka_config(&brokers)
+        .set("group.id", &group)
+        .create()
+        .unwrap();
+    let mut asked = rdkafka::TopicPartitionList::new();
+    for partition in 0..4 {
+        asked.add_partition(&topic, partition);
+    }
+    let committed = tokio::task::spawn_blocking(move || {
+        use rdkafka::consumer::Consumer as _;
+        member
+            .committed_offsets(asked, Duration::from_secs(30))
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    for partition in 0..4 {
+        let end = produced
+            .range((partition, 0)..(partition + 1, 0))
+            .next_back()
+            .map_or(0, |((_, o), _)| o + 1);
+        assert_eq!(
+            committed
+                .find_partition(&topic, partition)
+                .unwrap()
+                .offset(),
+            rdkafka::Offset::Offset(end),
+            "partition {partition} committed to its end"
+        );
+    }
+}
+
+/// A tansu broker (a Kafka-protocol broker, from crates.io) on a free port, in memory, for
+/// this test process: `IDEM_KAFKA_BROKERS` when set, else `tansu` (which `.ci/run`
+/// installs), SIGKILLed on drop.
+struct Tansu {
+    brokers: String,
+    child: Option<std::process::Child>,
+}
+
+impl Tansu {
+    async fn start() -> Option<Self> {
+        use rdkafka::producer::{FutureProducer, Producer};
+
+        if let Ok(brokers) = std::env::var("IDEM_KAFKA_BROKERS") {
+            return Some(Self {
+                brokers,
+                child: None,
+            });
+        }
+        let address = process::free_addr().to_string();
+        let child = std::process::Command::new("tansu")
+            .args(tansu_args(&address))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn();
+        let child = match child {
+            Ok(child) => child,
+            Err(err) => {
+                required("tansu (Kafka)", err);
+                return None;
+            }
+        };
+        let tansu = Self {
+            brokers: address,
+            child: Some(child),
+        };
+        let producer: FutureProducer = kafka_config(&tansu.brokers).create().unwrap();
+        // Up to a minute, on a loaded machine.
+        for _ in 0..120 {
+            let producer = producer.clone();
+            let up = tokio::task::spawn_blocking(move || {
+                producer
+                    .client()
+                    .fetch_metadata(None, Duration::from_millis(500))
+                    .is_ok()
+            });
+            if up.await.unwrap() {
+                return Some(tansu);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("tansu did not answer within a minute");
+    }
+}
+
+impl Drop for Tansu {
+    fn drop(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// `tansu`'s arguments for a broker at `address`, its storage in memory.
+fn tansu_args(address: &str) -> Vec<String> {
+    let listener = format!("tcp://{address}");
+    [
+        "broker",
+        "--listener-url",
+        &listener,
+        "--advertised-listener-url",
+        &listener,
+    ]
+    .into_iter()
+    .chain(["--storage-engine", "memory://tansu/"])
+    .map(str::to_owned)
+    .collect()
+}

@@ -67,12 +67,15 @@
 //! [queues guide](crate::guide::queues).
 //!
 //! Brokers are behind features named for them: `lapin` (RabbitMQ and any AMQP 0.9.1
-//! broker), `nats` (NATS JetStream), `sqs` (Amazon SQS, in `consumer::sqs`) and `lambda` (a
-//! Lambda function's SQS, Kinesis and DynamoDB Streams batches, in `consumer::lambda`).
+//! broker), `nats` (NATS JetStream), `sqs` (Amazon SQS, in `consumer::sqs`), `rdkafka`
+//! (Apache Kafka, in `consumer::kafka`) and `lambda` (a Lambda function's SQS, Kinesis and
+//! DynamoDB Streams batches, in `consumer::lambda`).
 //! Another broker is a [`Delivery`] implementation: a payload, an id, a delivery count if it
 //! has one, the three settlements, and a lease if the broker's hold on a delivery lapses
 //! unless renewed.
 
+#[cfg(feature = "rdkafka")]
+pub mod kafka;
 #[cfg(feature = "lambda")]
 pub mod lambda;
 #[cfg(feature = "lapin")]
@@ -189,7 +192,8 @@ impl Disposition {
 
 /// A message as a broker delivered it: what a consumer needs to key, decode and settle it.
 /// Implemented for `lapin`'s deliveries (feature `lapin`), JetStream's messages (feature
-/// `nats`) and SQS's (`sqs::SqsMessage`, feature `sqs`); a few lines for any other broker.
+/// `nats`), SQS's (`sqs::SqsMessage`, feature `sqs`) and Kafka's (`kafka::KafkaRecord`,
+/// feature `rdkafka`); a few lines for any other broker.
 #[crate::async_trait]
 pub trait Delivery: Send + Sync {
     /// The message's bytes.

@@ -12,6 +12,7 @@ mod child;
 pub mod dynamodb_conformance;
 mod dynamodb_server;
 pub mod failover;
+mod kafka_server;
 mod mariadb_server;
 pub mod netns;
 pub mod own_store;
@@ -26,6 +27,9 @@ pub use child::Child;
 pub use dynamodb_server::{
     conformance as dynamodb_conformance_proxy, dynamodb_client, dynamodb_endpoint, dynamodb_lacks,
     dynamodb_store, dynamodb_url, TABLE as DYNAMODB_TABLE,
+};
+pub use kafka_server::{
+    kafka_brokers, kafka_committed, kafka_produce, kafka_read_all, kafka_topic,
 };
 pub use mariadb_server::PrivateMariaDb;
 pub use probe::{Gate, Probe};
