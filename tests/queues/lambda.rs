@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use aws_lambda_events::event::dynamodb::{Event as DynamoDbEvent, EventRecord};
+use aws_lambda_events::event::kafka::{KafkaEvent, KafkaRecord};
 use aws_lambda_events::event::kinesis::{KinesisEvent, KinesisEventRecord};
 use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessage};
 use idem_runtime::consumer::{Classify, Consumer, Disposition, MessageId};
@@ -409,5 +410,100 @@ async fn a_message_attribute_can_be_the_id() {
         gateway.charged.into_inner().unwrap(),
         BTreeMap::from([(1, 1)]),
         "the second send replays"
+    );
+}
+
+/// The sample Kafka event, its records replaced by `records`: `(partition, offset, order)`,
+/// an order of 0 a value that is no JSON.
+fn kafka_event(records: &[(i64, i64, u64)]) -> KafkaEvent {
+    use base64::Engine as _;
+    let mut event: KafkaEvent = serde_json::from_str(include_str!("events/kafka.json")).unwrap();
+    let sample: KafkaRecord = event.records.values().next().unwrap()[0].clone();
+    event.records.clear();
+    for &(partition, offset, order) in records {
+        let mut record = sample.clone();
+        record.partition = partition;
+        record.offset = offset;
+        let value = if order == 0 {
+            "{not json".to_owned()
+        } else {
+            format!(r#"{{"order":{order},"cents":{}}}"#, order * 100)
+        };
+        record.value = Some(base64::engine::general_purpose::STANDARD.encode(value));
+        event
+            .records
+            .entry(format!("orders-{partition}"))
+            .or_default()
+            .push(record);
+    }
+    event
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kafka_batch_stops_each_partition_at_its_first_transient_failure() {
+    let Some(store) = dynamodb_store().await else {
+        return;
+    };
+    let gateway = Gateway::default();
+    // Coordinates repeat across runs of the test: a namespace of this run's own.
+    let consumer = Consumer::new(format!("lambda.orders.kafka.{}", run_id())).store(store);
+    let charge = |order: Order| gateway.charge(order);
+    // Partition 0: orders 1, 2 (down once), 4. Partition 1: a poison, order 3 (declined),
+    // order 5.
+    let batch = kafka_event(&[
+        (0, 40, 1),
+        (0, 41, 2),
+        (0, 42, 4),
+        (1, 7, 0),
+        (1, 8, 3),
+        (1, 9, 5),
+    ]);
+    let response = consumer.kafka_batch(&batch, charge).await;
+    let named = serde_json::to_value(&response).unwrap();
+    assert_eq!(
+        named,
+        serde_json::json!({"batchItemFailures": [{"itemIdentifier": {"partition": "orders-0", "offset": 41}}]}),
+        "partition 0's checkpoint, as Lambda reads it; partition 1 skips its final failures"
+    );
+    assert_eq!(
+        gateway.attempts.lock().unwrap().clone(),
+        BTreeMap::from([(1, 1), (2, 1), (3, 1), (5, 1)]),
+        "nothing after partition 0's failure ran; partition 1 ran whole"
+    );
+
+    // Lambda retries partition 0 from its checkpoint, then the whole batch again: every
+    // record done replays.
+    let retried = consumer
+        .kafka_batch(&kafka_event(&[(0, 41, 2), (0, 42, 4)]), charge)
+        .await;
+    assert!(retried.batch_item_failures.is_empty(), "{retried:?}");
+    let again = consumer.kafka_batch(&batch, charge).await;
+    assert!(again.batch_item_failures.is_empty(), "{again:?}");
+    assert_eq!(
+        gateway.charged.into_inner().unwrap(),
+        BTreeMap::from([(1, 1), (2, 1), (4, 1), (5, 1)]),
+        "each order charged once; order 3 declined, the poison skipped"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kafka_record_s_header_can_be_its_id() {
+    let Some(store) = dynamodb_store().await else {
+        return;
+    };
+    let run = run_id();
+    let gateway = Gateway::default();
+    let consumer = Consumer::new(format!("lambda.orders.kafka.header.{run}"))
+        .store(store)
+        .message_id(MessageId::header("source"));
+    let charge = |order: Order| gateway.charge(order);
+    // The sample's `source` header on two records at two offsets: one id, charged once.
+    let response = consumer
+        .kafka_batch(&kafka_event(&[(0, 1, 1), (0, 2, 1)]), charge)
+        .await;
+    assert!(response.batch_item_failures.is_empty(), "{response:?}");
+    assert_eq!(
+        gateway.charged.into_inner().unwrap(),
+        BTreeMap::from([(1, 1)])
     );
 }

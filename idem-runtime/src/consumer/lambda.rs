@@ -1,4 +1,4 @@
-//! AWS Lambda's batches of SQS, Kinesis and DynamoDB Streams records, through
+//! AWS Lambda's batches of SQS, Kinesis, DynamoDB Streams and Kafka records, through
 //! `aws_lambda_events` (feature `lambda`).
 //!
 //! Lambda reads an SQS queue for a function and invokes it with a batch of messages; the
@@ -39,6 +39,14 @@
 //! `MaximumRetryAttempts` or `MaximumRecordAgeInSeconds` sends it to its on-failure
 //! destination. A final failure is skipped, an error logged with its sequence number.
 //!
+//! **Kafka.** An Amazon MSK or self-managed Kafka batch holds records of several
+//! partitions. [`Consumer::kafka_batch`] runs each partition's records in order and the
+//! partitions at once, stops a partition at its first transient failure and names it
+//! (`{"partition": "<topic>-<partition>", "offset": …}`), so that Lambda retries that
+//! partition from it. A record's id is its coordinates with the cluster's name (the
+//! event's `eventSourceArn`, or its `bootstrapServers`), or a header or a member of its
+//! value where the consumer's [`MessageId`](super::MessageId) says.
+//!
 //! ```no_run
 //! # #[cfg(feature = "dynamodb")]
 //! # async fn function(store: idem_runtime::DynamoDbStore, event: aws_lambda_events::event::sqs::SqsEvent) {
@@ -58,14 +66,16 @@ use std::future::Future;
 use std::sync::Mutex;
 
 use aws_lambda_events::event::dynamodb::Event as DynamoDbEvent;
+use aws_lambda_events::event::kafka::KafkaEvent;
 use aws_lambda_events::event::kinesis::KinesisEvent;
 use aws_lambda_events::event::sqs::{SqsBatchResponse, SqsEvent, SqsMessageAttribute};
 use aws_lambda_events::event::streams::{
     DynamoDbBatchItemFailure, DynamoDbEventResponse, KinesisEventResponse,
 };
+use base64::Engine as _;
 use futures_util::StreamExt;
 use serde::de::DeserializeOwned;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::{Classify, Consumer, Delivery, Disposition};
 use crate::{BoxError, Error, Store};
@@ -80,6 +90,8 @@ struct Record<'a> {
     id: Option<Cow<'a, str>>,
     /// An SQS message's attributes, its headers.
     headers: Option<&'a HashMap<String, SqsMessageAttribute>>,
+    /// A Kafka record's headers, as Lambda sends them: signed bytes.
+    kafka_headers: &'a [HashMap<String, Vec<i8>>],
     deliveries: Option<u64>,
     /// What the response names it by: SQS's message id, a stream's sequence number.
     item: &'a str,
@@ -92,6 +104,7 @@ impl<'a> Record<'a> {
             payload,
             id,
             headers: None,
+            kafka_headers: &[],
             deliveries: None,
             item,
             settled: Mutex::new(None),
@@ -123,8 +136,17 @@ impl Delivery for Record<'_> {
     }
 
     fn header(&self, name: &str) -> Option<Cow<'_, str>> {
-        let attribute = self.headers?.get(name)?;
-        attribute.string_value.as_deref().map(Cow::Borrowed)
+        if let Some(attribute) = self.headers.and_then(|headers| headers.get(name)) {
+            return attribute.string_value.as_deref().map(Cow::Borrowed);
+        }
+        // Kafka allows repeats: the last one counts.
+        let value = self
+            .kafka_headers
+            .iter()
+            .rev()
+            .find_map(|header| header.get(name))?;
+        let bytes: Vec<u8> = value.iter().map(|byte| byte.to_ne_bytes()[0]).collect();
+        String::from_utf8(bytes).ok().map(Cow::Owned)
     }
 
     fn deliveries(&self) -> Option<u64> {
@@ -268,6 +290,89 @@ impl<St: Store + Clone> Consumer<St> {
         response
     }
 
+    /// Handles a Lambda Kafka batch (Amazon MSK or self-managed Apache Kafka) with `handler`,
+    /// which gets each record's value decoded. Each partition's records run in order,
+    /// partitions at once; a partition stops at its first transient failure, which the
+    /// response names (its partition and offset) so that Lambda retries from it. Each record
+    /// is handled at most once per coordinates, which name the cluster (the event's
+    /// `eventSourceArn`, or its `bootstrapServers` for a self-managed cluster):
+    /// `<cluster>/<topic>/<partition>/<offset>`; or where the consumer's
+    /// [`MessageId`](super::MessageId) says (a header, the value's JSON). A batch that
+    /// names no cluster cannot key its records by coordinates: each is rejected unhandled,
+    /// an error logged. A final failure is skipped, an error logged.
+    pub async fn kafka_batch<M, T, E, F, Fut>(
+        &self,
+        event: &KafkaEvent,
+        handler: F,
+    ) -> KafkaBatchResponse
+    where
+        M: DeserializeOwned,
+        T: Serialize + DeserializeOwned,
+        E: From<Error> + Classify,
+        F: Fn(M) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        let cluster = event
+            .event_source_arn
+            .as_deref()
+            .or(event.bootstrap_servers.as_deref())
+            .filter(|cluster| !cluster.is_empty());
+        let partitions: Vec<_> = event.records.iter().collect();
+        // What the response names a record by, within its partition.
+        let offsets: Vec<Vec<String>> = partitions
+            .iter()
+            .map(|(_, records)| {
+                records
+                    .iter()
+                    .map(|record| record.offset.to_string())
+                    .collect()
+            })
+            .collect();
+        let batches: Vec<Vec<Record<'_>>> = partitions
+            .iter()
+            .zip(&offsets)
+            .map(|((_, records), offsets)| {
+                records
+                    .iter()
+                    .zip(offsets)
+                    .map(|(record, offset)| {
+                        let topic = record.topic.as_deref().unwrap_or_default();
+                        let id = cluster.map(|cluster| {
+                            Cow::Owned(format!("{cluster}/{topic}/{}/{offset}", record.partition))
+                        });
+                        // A value that does not decode is no payload: rejected as a poison.
+                        let value = record.value.as_deref().unwrap_or_default();
+                        let payload = base64::engine::general_purpose::STANDARD
+                            .decode(value)
+                            .unwrap_or_default();
+                        let mut delivery = Record::new(Cow::Owned(payload), id, offset);
+                        delivery.kafka_headers = &record.headers;
+                        delivery
+                    })
+                    .collect()
+            })
+            .collect();
+        let handler = &handler;
+        let failed = futures_util::future::join_all(partitions.iter().zip(&batches).map(
+            |((partition, _), records)| async move {
+                (*partition, self.batch(records, Order::Shard, handler).await)
+            },
+        ))
+        .await;
+        let mut response = KafkaBatchResponse::default();
+        for (partition, items) in failed {
+            for offset in items {
+                response.batch_item_failures.push(KafkaItemFailure {
+                    item_identifier: KafkaItem {
+                        partition: partition.clone(),
+                        offset: offset.parse().unwrap_or_default(),
+                    },
+                });
+            }
+        }
+        response
+    }
+
     /// Handles `records` with `handler` in the batch's `order`, and returns what the
     /// response names: the records Lambda must deliver again. Every final failure is
     /// logged, with its item.
@@ -321,6 +426,32 @@ impl<St: Store + Clone> Consumer<St> {
             Order::Shard => again.next().map(|record| record.item).into_iter().collect(),
         }
     }
+}
+
+/// A Lambda Kafka batch's partial batch response: the first failed record of each
+/// partition that Lambda must deliver again.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct KafkaBatchResponse {
+    /// The records to deliver again, at most one a partition.
+    pub batch_item_failures: Vec<KafkaItemFailure>,
+}
+
+/// A record of a [`KafkaBatchResponse`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct KafkaItemFailure {
+    /// Which record.
+    pub item_identifier: KafkaItem,
+}
+
+/// A Kafka record as Lambda names it in a partial batch response.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KafkaItem {
+    /// Its topic and partition as the event keys them: `<topic>-<partition>`.
+    pub partition: String,
+    /// Its offset.
+    pub offset: i64,
 }
 
 /// How a batch's records are handled, and what its response names.
