@@ -99,6 +99,17 @@ impl Service {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+
+    /// SIGKILLs the service and returns the lines it printed that were not read yet.
+    pub async fn kill_and_drain(&mut self) -> Vec<String> {
+        self.kill();
+        let mut left = Vec::new();
+        // Its stdout ends with it: the reader sends what was in the pipe, then stops.
+        while let Some(line) = self.lines.recv().await {
+            left.push(line);
+        }
+        left
+    }
 }
 
 impl Drop for Service {

@@ -645,14 +645,14 @@ async fn sqs_consumers_killed_mid_handler_ship_each_order_once() {
 /// How many orders the Kafka run produces.
 const KAFKA_ORDERS: u64 = 1_000;
 
-/// The Kafka run's orders, on four partitions: every 75th (bar those also sent twice)
+/// The Kafka run's orders, on four partitions: every 40th (bar those also sent twice)
 /// stalls its consumer once, alternately before and after its commit; every 7th is
 /// produced twice, the second time to the next partition.
 fn kafka_orders() -> Vec<(u64, Order, bool)> {
     (0..KAFKA_ORDERS)
         .map(|n| {
             let twice = n % 7 == 0;
-            let stall = (n % 75 == 2 && !twice).then_some(if n % 150 == 2 {
+            let stall = (n % 40 == 2 && !twice).then_some(if n % 80 == 2 {
                 Stall::BeforeCommit
             } else {
                 Stall::AfterCommit
@@ -987,7 +987,12 @@ async fn kafka_consumers_killed_mid_record_ship_each_order_once() {
             // SIGKILLed, and its replacement started once the group has evicted it (its
             // session lapses after 6 s) and the survivor holds every partition: tansu leaves a
             // member that dies while the group forms its partitions, until the next rebalance.
-            members[member].kill();
+            // What it printed before it died counts: a record it settled may be committed.
+            for line in members[member].kill_and_drain().await {
+                if line.starts_with("settled") {
+                    settled.read(&line);
+                }
+            }
             group_settled(&brokers, &group, 1).await;
             members[member] = start();
             kills += 1;

@@ -38,16 +38,20 @@
 //! and sends no dead letter: the partition's new reader (another member, or this one
 //! again) reads it from the last commit, below it, and replays it, waits for its claim, or
 //! rejects it. Nothing runs twice and nothing is skipped. The member keeps polling while
-//! [`concurrency`](KafkaGroup::concurrency) records run, its partitions paused, so that it
-//! serves its group's rebalances and stays in the group however slow a handler is.
+//! [`concurrency`](KafkaGroup::concurrency) records run (64 records read ahead, then its
+//! partitions paused), so that it serves its group's rebalances and stays in the group
+//! however slow a handler is.
 //!
-//! **The dead letter is sent once.** From a rejected record's dead letter to the
-//! synchronous commit of its offset, the member serves no rebalance, so no other member
-//! reads it meanwhile. One window is left: a consumer that dies between the dead-letter
-//! topic's acknowledgement and that commit; the next reader rejects the record again. Each
-//! dead letter carries its source in the headers `idem-source-cluster`,
-//! `idem-source-topic`, `idem-source-partition` and `idem-source-offset`, so that whoever
-//! reads the dead-letter topic can drop such a second copy.
+//! **The dead letter is sent once.** A rejected record waits until every record read before
+//! it in its partition is finished, so that the commit right after its dead letter passes
+//! it (a member that dies while it waits has sent nothing, and the next reader sends it);
+//! from the dead letter to that synchronous commit, the member serves no rebalance, so no
+//! other member reads the record meanwhile. One window is left: a member that dies in the
+//! round trip between the dead-letter topic's acknowledgement and the commit; the next
+//! reader rejects the record again. Each dead letter carries its source in the headers
+//! `idem-source-cluster`, `idem-source-topic`, `idem-source-partition` and
+//! `idem-source-offset`, so that whoever reads the dead-letter topic can drop such a second
+//! copy.
 //!
 //! ```no_run
 //! # async fn consume(store: idem_runtime::MemoryStore) -> Result<(), idem_runtime::BoxError> {
@@ -86,6 +90,9 @@ use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use super::{Delivery, Disposition};
 use crate::{BoxError, Error};
 
+/// How many records a member reads ahead of those it runs before it pauses its partitions.
+const AHEAD: usize = 64;
+
 /// A member of a Kafka consumer group, subscribed to its topics, that runs each record
 /// through a handler and commits each partition's offset only below its first unfinished
 /// record. Cheap to clone: clones share one member.
@@ -108,9 +115,15 @@ struct Group {
     /// Records dead-lettered whose offsets are not committed yet: while there are any, the
     /// member serves no rebalance, so that no other member reads them again meanwhile.
     rejecting: AtomicUsize,
+    /// The records running, by partition and epoch.
+    marks: Mutex<Watermarks>,
 }
 
 impl Group {
+    fn marks(&self) -> std::sync::MutexGuard<'_, Watermarks> {
+        self.marks.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Whether `record`'s partition has stayed this member's since the record was read.
     fn owns(&self, record: &KafkaRecord) -> bool {
         let message = &record.message;
@@ -125,9 +138,20 @@ impl Group {
 /// a new epoch of it, and a record read in one epoch counts for nothing in the next. A
 /// partition taken away and given back is read again from its last commit, so a record
 /// of an earlier epoch neither stores its offset nor dead-letters: its new reader does.
-#[derive(Default)]
 pub struct GroupContext {
     epochs: Mutex<Epochs>,
+    /// Bumped when a record finishes and when partitions move: what a rejected record
+    /// waiting for the records before it watches.
+    progress: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for GroupContext {
+    fn default() -> Self {
+        Self {
+            epochs: Mutex::default(),
+            progress: tokio::sync::watch::Sender::new(0),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -137,6 +161,10 @@ struct Epochs {
 }
 
 impl GroupContext {
+    fn progressed(&self) {
+        self.progress.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
     fn epoch(&self, topic: &str, partition: i32) -> Option<u64> {
         let epochs = self.epochs.lock().unwrap_or_else(PoisonError::into_inner);
         epochs.current.get(&(topic.to_owned(), partition)).copied()
@@ -154,6 +182,8 @@ impl ConsumerContext for GroupContext {
                     .current
                     .remove(&(partition.topic().to_owned(), partition.partition()));
             }
+            drop(epochs);
+            self.progressed();
         }
     }
 
@@ -167,6 +197,8 @@ impl ConsumerContext for GroupContext {
                     .current
                     .insert((partition.topic().to_owned(), partition.partition()), epoch);
             }
+            drop(epochs);
+            self.progressed();
         }
     }
 }
@@ -227,6 +259,7 @@ impl KafkaGroup {
                 dead_letter: None,
                 dead_letters: tokio::sync::Mutex::new(()),
                 rejecting: AtomicUsize::new(0),
+                marks: Mutex::default(),
             }),
             concurrency: 1,
         })
@@ -303,7 +336,6 @@ impl KafkaGroup {
         // Records read while `concurrency` run, in the order they came.
         let mut waiting = VecDeque::<KafkaRecord>::new();
         let mut paused = false;
-        let mut marks = Watermarks::default();
         let mut stop = std::pin::pin!(stop);
         let mut stopping = false;
         loop {
@@ -312,10 +344,10 @@ impl KafkaGroup {
                     let Some(record) = waiting.pop_front() else {
                         break;
                     };
-                    marks.start(&record.message, record.epoch);
+                    self.inner.marks().start(&record.message, record.epoch);
                     running.push(attempts(handle, record));
                 }
-                if paused && waiting.is_empty() && running.len() < self.concurrency {
+                if paused && waiting.is_empty() {
                     paused = self.pause(false);
                 }
             }
@@ -324,7 +356,8 @@ impl KafkaGroup {
                 () = &mut stop, if !stopping => stopping = true,
                 Some(finished) = running.next() => {
                     let (record, _): (KafkaRecord, Disposition) = finished?;
-                    let offset = marks.finish(&record.message, record.epoch);
+                    let offset = self.inner.marks().finish(&record.message, record.epoch);
+                    self.inner.consumer.context().progressed();
                     if self.inner.owns(&record) {
                         self.store(&record.message, offset);
                     }
@@ -338,11 +371,13 @@ impl KafkaGroup {
                 }
                 // Polled even while `concurrency` records run, so that the member serves its
                 // group's rebalances and stays in it however slow a handler is: what comes
-                // then waits, and the partitions are paused until there is room.
+                // then waits, and once `AHEAD` records wait the partitions are paused until
+                // they have all started (a pause drops librdkafka's prefetched records: it
+                // is for a handler that falls behind, not for every record).
                 received = self.receive(), if !stopping => match received {
                     Ok(message) => {
                         waiting.push_back(KafkaRecord::new(&self.inner, message));
-                        if running.len() >= self.concurrency {
+                        if waiting.len() >= AHEAD && !paused {
                             paused = self.pause(true);
                         }
                     }
@@ -481,6 +516,13 @@ impl Watermarks {
         partition.next = partition.next.max(message.offset() + 1);
     }
 
+    /// The lowest offset running in `message`'s partition in `epoch`.
+    fn lowest(&self, message: &OwnedMessage, epoch: u64) -> Option<i64> {
+        let key = (message.topic().to_owned(), message.partition());
+        let partition = self.partitions.get(&key)?.get(&epoch)?;
+        partition.running.keys().next().copied()
+    }
+
     /// Marks `message` (read in `epoch`) finished, and returns its partition's watermark in
     /// that epoch: the lowest offset still running, or one past the highest started when
     /// none runs.
@@ -561,6 +603,26 @@ impl KafkaRecord {
         &self.message
     }
 
+    /// Waits until every record read before this one in its partition is finished, so that
+    /// the commit right after its dead letter passes it: a member that dies before then
+    /// has sent no dead letter, and the partition's next reader sends it. False if the
+    /// partition moved meanwhile.
+    async fn first_unfinished(&self) -> bool {
+        let mut progress = self.group.consumer.context().progress.subscribe();
+        loop {
+            if !self.group.owns(self) {
+                return false;
+            }
+            let lowest = self.group.marks().lowest(&self.message, self.epoch);
+            if lowest == Some(self.message.offset()) {
+                return true;
+            }
+            if progress.changed().await.is_err() {
+                return false;
+            }
+        }
+    }
+
     /// The record's dead letter: its key, payload and headers, and where it came from.
     fn dead_letter_headers(&self) -> OwnedHeaders {
         let mut headers = self.message.headers().cloned().unwrap_or_default();
@@ -615,6 +677,11 @@ impl Delivery for KafkaRecord {
                 "a rejected Kafka record's partition moved: its new reader dead-letters it"
             ),
             Disposition::Reject => match &self.group.dead_letter {
+                // Its partition moved while it waited for the records before it.
+                Some(_) if !self.first_unfinished().await => tracing::info!(
+                    record = %self.coordinates,
+                    "a rejected Kafka record's partition moved: its new reader dead-letters it"
+                ),
                 Some((producer, topic)) => {
                     let mut record = FutureRecord::to(topic)
                         .payload(self.payload())
