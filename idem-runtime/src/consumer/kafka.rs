@@ -320,7 +320,8 @@ impl KafkaGroup {
     }
 
     /// [`run`](Self::run) until `stop` resolves, then stops taking records, lets the
-    /// running ones finish, and commits the stored offsets before it returns.
+    /// running ones finish, and commits the stored offsets before it returns. A group runs
+    /// one `run` at a time: clones share its member.
     ///
     /// # Errors
     ///
@@ -332,6 +333,8 @@ impl KafkaGroup {
         Fut: Future<Output = Result<Disposition, BoxError>>,
     {
         let handle = &handle;
+        // However this ends (an error, a drop), the records it ran are gone with it.
+        let _gone = Forget(&self.inner);
         let mut running = FuturesUnordered::new();
         // Records read while `concurrency` run, in the order they came.
         let mut waiting = VecDeque::<KafkaRecord>::new();
@@ -457,6 +460,17 @@ impl KafkaGroup {
             tracing::debug!(topic = message.topic(), partition = message.partition(), error = %err,
                 "an offset was not stored: the partition is no longer this consumer's");
         }
+    }
+}
+
+/// Forgets a run's records when the run ends: a record dropped mid-run neither holds its
+/// partition's watermark nor keeps the member from serving rebalances in a later run.
+struct Forget<'a>(&'a Group);
+
+impl Drop for Forget<'_> {
+    fn drop(&mut self) {
+        *self.0.marks() = Watermarks::default();
+        self.0.rejecting.store(0, Ordering::Release);
     }
 }
 
