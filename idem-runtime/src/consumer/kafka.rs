@@ -358,7 +358,7 @@ impl KafkaGroup {
                 biased;
                 () = &mut stop, if !stopping => stopping = true,
                 Some(finished) = running.next() => {
-                    let (record, _): (KafkaRecord, Disposition) = finished?;
+                    let record: KafkaRecord = finished?;
                     let offset = self.inner.marks().finish(&record.message, record.epoch);
                     self.inner.consumer.context().progressed();
                     if self.inner.owns(&record) {
@@ -486,20 +486,15 @@ fn is_shared_setting(name: &str) -> bool {
 
 /// Runs `record` through `handle` until it is settled for good: a requeue (whose delay the
 /// settlement waited) is another attempt.
-async fn attempts<F, Fut>(
-    handle: &F,
-    mut record: KafkaRecord,
-) -> Result<(KafkaRecord, Disposition), BoxError>
+async fn attempts<F, Fut>(handle: &F, mut record: KafkaRecord) -> Result<KafkaRecord, BoxError>
 where
     F: Fn(KafkaRecord) -> Fut,
     Fut: Future<Output = Result<Disposition, BoxError>>,
 {
-    loop {
-        match handle(record.clone()).await? {
-            Disposition::Requeue { .. } => record.attempt += 1,
-            settled => return Ok((record, settled)),
-        }
+    while let Disposition::Requeue { .. } = handle(record.clone()).await? {
+        record.attempt += 1;
     }
+    Ok(record)
 }
 
 /// Each partition's running records by epoch, and the offset below which all an epoch
