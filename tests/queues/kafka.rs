@@ -3,7 +3,8 @@
 //! poison and a reused id sent to the dead-letter topic once each, with their source; the
 //! commit never passes a running record; a record whose partition moves to another member
 //! mid-record waits for its claim and replays; a transient failure is retried in place,
-//! holding its partition's order, and dead-lettered after the last attempt.
+//! holding its partition's order, and dead-lettered after the last attempt; what a stopped
+//! run read and did not run, the next run runs.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -431,4 +432,87 @@ async fn a_transient_failure_is_retried_in_order_then_dead_lettered() {
     let letters = kafka_read_all(&brokers, &dead, 1).await;
     assert_eq!(letters.len(), 1);
     assert_eq!(letters[0].payload(), Some(&br#"{"id":0}"#[..]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_run_leaves_what_it_read_and_did_not_run_to_the_next() {
+    let Some(brokers) = kafka_brokers().await else {
+        return;
+    };
+    let topic = kafka_topic(&brokers, "leftovers", 1).await;
+    // More than the 64 a member reads ahead before it pauses its partitions.
+    const RECORDS: i64 = 70;
+    for n in 0..RECORDS {
+        let payload = format!(r#"{{"id":{n}}}"#);
+        kafka_produce(&brokers, &topic, 0, &[], payload.as_bytes()).await;
+    }
+    let group_id = format!("{topic}-shipper");
+    let group = KafkaGroup::join(&config(&brokers, &group_id), "test-cluster", &[&topic]).unwrap();
+    let consumer = &consumer();
+    let release = &Notify::new();
+    let (report, mut settled) = mpsc::unbounded_channel();
+    let handler = |record: KafkaRecord| {
+        let report = report.clone();
+        async move {
+            let offset = record.message().offset();
+            let disposition = consumer
+                .handle(&record, |order: Order| async move {
+                    if order.id == 0 {
+                        release.notified().await;
+                    }
+                    Ok::<_, Error>(order.id)
+                })
+                .await?;
+            report.send(offset).unwrap();
+            Ok(disposition)
+        }
+    };
+
+    // The first run reads ahead while offset 0 runs, until it pauses the partition, and is
+    // stopped then: what it read after 0 it never starts.
+    let stop = Arc::new(Notify::new());
+    let first = group.run_until(stop.clone().notified_owned(), handler);
+    let watch = async {
+        let read_ahead = async {
+            loop {
+                let position = group.consumer().position().unwrap();
+                let next = position.elements().first().map(|at| at.offset());
+                if next.is_some_and(|next| next.to_raw() >= Some(65)) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(120), read_ahead)
+            .await
+            .expect("the member did not read 64 records ahead in two minutes");
+        stop.notify_one();
+        release.notify_one();
+        assert_eq!(next(&mut settled).await, 0);
+    };
+    let (ran, ()) = tokio::join!(first, watch);
+    ran.unwrap();
+    assert_eq!(
+        kafka_committed(&brokers, &group_id, &topic, 1).await,
+        [Some(1)]
+    );
+
+    // The next run on the same member runs every one of them, in order, and commits them.
+    let stop = Arc::new(Notify::new());
+    let second = group.run_until(stop.clone().notified_owned(), handler);
+    let watch = async {
+        let mut finished = Vec::new();
+        while finished.len() < RECORDS as usize - 1 {
+            finished.push(next(&mut settled).await);
+        }
+        stop.notify_one();
+        finished
+    };
+    let (ran, finished) = tokio::join!(second, watch);
+    ran.unwrap();
+    assert_eq!(finished, (1..RECORDS).collect::<Vec<_>>());
+    assert_eq!(
+        kafka_committed(&brokers, &group_id, &topic, 1).await,
+        [Some(RECORDS)]
+    );
 }

@@ -78,6 +78,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
+use futures_util::FutureExt as _;
 use rdkafka::client::ClientContext;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer as _, ConsumerContext, Rebalance, StreamConsumer,
@@ -92,6 +93,10 @@ use crate::{BoxError, Error};
 
 /// How many records a member reads ahead of those it runs before it pauses its partitions.
 const AHEAD: usize = 64;
+
+/// How long a run's end waits for librdkafka to move a partition back to its first
+/// unfinished record.
+const SEEK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A member of a Kafka consumer group, subscribed to its topics, that runs each record
 /// through a handler and commits each partition's offset only below its first unfinished
@@ -117,6 +122,9 @@ struct Group {
     rejecting: AtomicUsize,
     /// The records running, by partition and epoch.
     marks: Mutex<Watermarks>,
+    /// Whether a run ended with a partition it could not move back to its first unfinished
+    /// record: later runs would read past records nobody ran, so they refuse.
+    lost: AtomicBool,
 }
 
 impl Group {
@@ -260,6 +268,7 @@ impl KafkaGroup {
                 dead_letters: tokio::sync::Mutex::new(()),
                 rejecting: AtomicUsize::new(0),
                 marks: Mutex::default(),
+                lost: AtomicBool::new(false),
             }),
             concurrency: 1,
         })
@@ -319,13 +328,18 @@ impl KafkaGroup {
         self.run_until(std::future::pending(), handle).await
     }
 
-    /// [`run`](Self::run) until `stop` resolves, then stops taking records, lets the
-    /// running ones finish, and commits the stored offsets before it returns. A group runs
-    /// one `run` at a time: clones share its member.
+    /// [`run`](Self::run) until `stop` resolves, then starts no other record, lets the
+    /// running ones finish, and commits the stored offsets before it returns. However a run
+    /// ends (this, an error, a drop), the next one reads each partition again from the
+    /// first record this one read and did not finish. A group runs one `run` at a time:
+    /// clones share its member.
     ///
     /// # Errors
     ///
-    /// As [`run`](Self::run), and the final commit's.
+    /// As [`run`](Self::run), and the final commit's. [`Error::Config`] when an earlier
+    /// run could not move a partition back to its first unfinished record (librdkafka
+    /// refused the seek): this member would read past records nobody ran, so it refuses;
+    /// join the group anew.
     pub async fn run_until<S, F, Fut>(&self, stop: S, handle: F) -> Result<(), BoxError>
     where
         S: Future<Output = ()>,
@@ -333,25 +347,37 @@ impl KafkaGroup {
         Fut: Future<Output = Result<Disposition, BoxError>>,
     {
         let handle = &handle;
-        // However this ends (an error, a drop), the records it ran are gone with it.
-        let _gone = Forget(&self.inner);
+        if self.inner.lost.load(Ordering::Acquire) {
+            return Err(Error::config(
+                "an earlier run of this Kafka group member left records it could not read again: join the group anew",
+            )
+            .into());
+        }
+        // However this ends (an error, a drop), what it read and did not finish is read
+        // again by the next run.
+        let mut run = Run {
+            group: self,
+            waiting: VecDeque::new(),
+            paused: false,
+        };
         let mut running = FuturesUnordered::new();
-        // Records read while `concurrency` run, in the order they came.
-        let mut waiting = VecDeque::<KafkaRecord>::new();
-        let mut paused = false;
         let mut stop = std::pin::pin!(stop);
         let mut stopping = false;
         loop {
+            // A stop that came while a record finished starts no other.
+            if !stopping && stop.as_mut().now_or_never().is_some() {
+                stopping = true;
+            }
             if !stopping {
                 while running.len() < self.concurrency {
-                    let Some(record) = waiting.pop_front() else {
+                    let Some(record) = run.waiting.pop_front() else {
                         break;
                     };
                     self.inner.marks().start(&record.message, record.epoch);
                     running.push(attempts(handle, record));
                 }
-                if paused && waiting.is_empty() {
-                    paused = self.pause(false);
+                if run.paused && run.waiting.is_empty() {
+                    run.paused = self.pause(false);
                 }
             }
             tokio::select! {
@@ -379,9 +405,9 @@ impl KafkaGroup {
                 // is for a handler that falls behind, not for every record).
                 received = self.receive(), if !stopping => match received {
                     Ok(message) => {
-                        waiting.push_back(KafkaRecord::new(&self.inner, message));
-                        if waiting.len() >= AHEAD && !paused {
-                            paused = self.pause(true);
+                        run.waiting.push_back(KafkaRecord::new(&self.inner, message));
+                        if run.waiting.len() >= AHEAD && !run.paused {
+                            run.paused = self.pause(true);
                         }
                     }
                     // librdkafka recovers from what it reports here (a broker down, a
@@ -463,14 +489,64 @@ impl KafkaGroup {
     }
 }
 
-/// Forgets a run's records when the run ends: a record dropped mid-run neither holds its
-/// partition's watermark nor keeps the member from serving rebalances in a later run.
-struct Forget<'a>(&'a Group);
+/// A run's records read and not started, and what its end leaves behind however it ends
+/// (its last record, an error, a drop): each partition still the member's is read again
+/// from the first record the run read and did not finish (a record dropped mid-run, or
+/// one that waited), that record and those after it hold no watermark, and paused
+/// partitions are resumed. Without it the next run would read on past them, and store
+/// offsets past records nobody ran.
+struct Run<'a> {
+    group: &'a KafkaGroup,
+    /// Records read while `concurrency` run, in the order they came.
+    waiting: VecDeque<KafkaRecord>,
+    /// Whether the run paused the member's partitions.
+    paused: bool,
+}
 
-impl Drop for Forget<'_> {
+impl Drop for Run<'_> {
     fn drop(&mut self) {
-        *self.0.marks() = Watermarks::default();
-        self.0.rejecting.store(0, Ordering::Release);
+        let group = &self.group.inner;
+        let marks = std::mem::take(&mut *group.marks());
+        group.rejecting.store(0, Ordering::Release);
+        let context = group.consumer.context();
+        let started = marks
+            .partitions
+            .iter()
+            .filter_map(|((topic, partition), epochs)| {
+                let epoch = context.epoch(topic, *partition)?;
+                let first = *epochs.get(&epoch)?.running.keys().next()?;
+                Some((topic.as_str(), *partition, first))
+            });
+        let waited = self
+            .waiting
+            .iter()
+            .filter(|record| group.owns(record))
+            .map(|record| {
+                let message = &record.message;
+                (message.topic(), message.partition(), message.offset())
+            });
+        let mut first = HashMap::<(&str, i32), i64>::new();
+        for (topic, partition, offset) in started.chain(waited) {
+            first
+                .entry((topic, partition))
+                .and_modify(|first| *first = (*first).min(offset))
+                .or_insert(offset);
+        }
+        for ((topic, partition), offset) in first {
+            let sought =
+                group
+                    .consumer
+                    .seek(topic, partition, Offset::Offset(offset), SEEK_TIMEOUT);
+            if let Err(err) = sought {
+                // The next run would read past it: it refuses instead.
+                group.lost.store(true, Ordering::Release);
+                tracing::error!(topic, partition, offset, error = %err,
+                    "a Kafka partition could not be read again from a run's first unfinished record");
+            }
+        }
+        if self.paused {
+            self.group.pause(false);
+        }
     }
 }
 
