@@ -18,6 +18,7 @@ FEATURE_SETS = {
     "metrics": ["metrics"],
     "lapin": ["lapin"],
     "nats": ["nats"],
+    "tonic": ["tonic"],
     "all features": None,
 }
 

@@ -159,7 +159,7 @@ mod body;
 pub mod client;
 mod config;
 mod fingerprint;
-mod header;
+pub(crate) mod header;
 mod key_from;
 mod layer;
 #[cfg(feature = "axum")]

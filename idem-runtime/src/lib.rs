@@ -71,6 +71,9 @@ mod default_store;
 mod engine;
 mod error;
 mod flights;
+#[cfg(feature = "tonic")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tonic")))]
+pub mod grpc;
 pub mod guide;
 #[cfg(feature = "http")]
 pub mod http;

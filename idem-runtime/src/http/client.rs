@@ -107,6 +107,8 @@ use tokio::time::Instant;
 use tower_layer::Layer;
 use tower_service::Service;
 
+#[cfg(feature = "tonic")]
+pub(crate) use self::attempts::resume_at;
 use self::attempts::{Attempts, Verdict};
 use super::header::IdempotencyKey;
 use crate::BoxError;
@@ -201,6 +203,24 @@ impl Retry {
     }
 
     /// The jittered wait before retry number `retry` (1 for the first).
+    /// The most sends of one request.
+    #[cfg(feature = "tonic")]
+    pub(crate) fn attempts_of(&self) -> u32 {
+        self.attempts
+    }
+
+    /// The most time one request may take.
+    #[cfg(feature = "tonic")]
+    pub(crate) fn budget_of(&self) -> Duration {
+        self.budget
+    }
+
+    /// When one attempt is cut.
+    #[cfg(feature = "tonic")]
+    pub(crate) fn timeout_of(&self) -> Option<Duration> {
+        self.timeout
+    }
+
     fn delay(&self, retry: u32) -> Duration {
         let doubling = 2u32.saturating_pow(retry.saturating_sub(1));
         let ceiling = self

@@ -12,10 +12,10 @@ pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 pub const MAX_KEY_LEN: usize = 255;
 
 /// Why a present header is refused.
-pub(super) type Malformed = &'static str;
+pub(crate) type Malformed = &'static str;
 
 /// The key of a request: `Ok(None)` when it has none.
-pub(super) fn parse(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, Malformed> {
+pub(crate) fn parse(headers: &HeaderMap) -> Result<Option<IdempotencyKey>, Malformed> {
     let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
     let Some(value) = values.next() else {
         return Ok(None);

@@ -217,7 +217,7 @@ impl<'a> Attempts<'a> {
 /// backoff, and no sooner than the server's `Retry-After`. A `Retry-After` past the deadline
 /// gives up (the server will not be ready in time); a backoff that would leave the next try
 /// less than [`last_attempt`] is shortened so that one last attempt gets that much.
-pub(super) fn resume_at(
+pub(crate) fn resume_at(
     retry: &Retry,
     tries: u32,
     retry_after: Option<Duration>,
