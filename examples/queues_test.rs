@@ -772,6 +772,51 @@ async fn group_settled(brokers: &str, group: &str, members: usize) {
     .unwrap();
 }
 
+/// What the broker says of `group`: its state, its members, and its commits on `topic`'s
+/// four partitions (for a run that fails).
+async fn group_state(brokers: &str, group: &str, topic: &str) -> String {
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    use rdkafka::TopicPartitionList;
+
+    let member: BaseConsumer = kafka_config(brokers)
+        .set("group.id", group)
+        .create()
+        .unwrap();
+    let (group, topic) = (group.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let list = member.fetch_group_list(Some(&group), Duration::from_secs(10));
+        let described = match list.as_ref().map(|list| list.groups().first()) {
+            Ok(Some(info)) => {
+                let members: Vec<_> = info
+                    .members()
+                    .iter()
+                    .map(|m| format!("{} at {}", m.id(), m.client_host()))
+                    .collect();
+                format!("{}, members {members:?}", info.state())
+            }
+            Ok(None) => "unknown to the broker".to_owned(),
+            Err(err) => format!("not listed: {err}"),
+        };
+        let mut asked = TopicPartitionList::new();
+        for partition in 0..4 {
+            asked.add_partition(&topic, partition);
+        }
+        let commits = match member.committed_offsets(asked, Duration::from_secs(10)) {
+            Ok(list) => format!(
+                "{:?}",
+                list.elements()
+                    .iter()
+                    .map(|e| (e.partition(), e.offset()))
+                    .collect::<Vec<_>>()
+            ),
+            Err(err) => format!("not read: {err}"),
+        };
+        format!("{described}; commits {commits}")
+    })
+    .await
+    .unwrap()
+}
+
 /// The records of the Kafka run: its topic's `(partition, offset)`s and their order ids.
 type Produced = BTreeMap<(i32, i64), String>;
 
@@ -977,9 +1022,18 @@ async fn kafka_consumers_killed_mid_record_ship_each_order_once() {
     let mut kills = 0;
     loop {
         let [first, second] = &mut members;
-        let (member, line) = tokio::select! {
-            line = first.line() => (0, line),
-            line = second.line() => (1, line),
+        // Shorter than `line`'s own minute, so that a group that falls silent is described.
+        let next = tokio::time::timeout(Duration::from_secs(59), async {
+            tokio::select! {
+                line = first.line() => (0, line),
+                line = second.line() => (1, line),
+            }
+        });
+        let Ok((member, line)) = next.await else {
+            panic!(
+                "both consumers printed nothing for 59 s after {kills} kills; the group: {}; settled so far: {settled:?}",
+                group_state(&brokers, &group, &topic).await
+            );
         };
         let line = line
             .unwrap_or_else(|| panic!("a consumer ended on its own; settled so far: {settled:?}"));
