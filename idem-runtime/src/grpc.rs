@@ -66,7 +66,7 @@
 
 use std::borrow::Cow;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use base64::Engine as _;
@@ -75,7 +75,7 @@ use tonic::metadata::{KeyAndValueRef, MetadataKey, MetadataValue};
 use tonic::{Code, Request, Response, Status};
 use tonic_types::{ErrorDetails, StatusExt as _};
 
-use crate::http::client::Retry;
+use crate::http::client::{earliest, resume_at, within, Retry};
 use crate::http::{ScopeNotChosen, Unscoped};
 use crate::IdempotencyKey;
 use crate::{Error, Fingerprint, InFlight, Operation, Outcome, Store};
@@ -301,9 +301,13 @@ impl<St: Store + Clone, Sc> Idempotency<St, Sc> {
         Fut: Future<Output = Result<Response<R>, Status>> + Send + 'static,
         Sc: GrpcScope,
     {
-        let head =
-            Request::from_parts(request.metadata().clone(), request.extensions().clone(), ());
-        let Some(principal) = self.scope.principal(&head) else {
+        // The scope reads the call's head, lent without copying its metadata or extensions.
+        let (metadata, extensions, message) = request.into_parts();
+        let head = Request::from_parts(metadata, extensions, ());
+        let principal = self.scope.principal(&head);
+        let (metadata, extensions, ()) = head.into_parts();
+        let mut request = Request::from_parts(metadata, extensions, message);
+        let Some(principal) = principal else {
             tracing::info!(namespace = %namespace, "a keyed gRPC call whose principal is unknown: answered UNAUTHENTICATED");
             return Err(refusal(
                 Code::Unauthenticated,
@@ -319,14 +323,21 @@ impl<St: Store + Clone, Sc> Idempotency<St, Sc> {
             .key(&(principal.as_str(), &value))
             .map_err(|err| internal(&err))?;
         let fingerprint = fingerprint(request.get_ref());
-        let mut request = request;
         if let Some(key) = key {
             request.extensions_mut().insert(key);
         }
+        // The body's own response, answered as it is when this call ran it: never decoded
+        // again from its record, so a body that ran is never answered anything else.
+        let ran_here = Arc::new(std::sync::Mutex::new(None));
+        let answer = Arc::clone(&ran_here);
         // Called inside the claim: not even the closure's own code runs for a replay.
         let run = async move {
             match body(request).await {
-                Ok(response) => Ok(Kept::of(&response)),
+                Ok(response) => {
+                    let kept = Kept::of(&response);
+                    *answer.lock().unwrap_or_else(PoisonError::into_inner) = Some(response);
+                    Ok(kept)
+                }
                 Err(status) => Err(Failed::Body(status)),
             }
         };
@@ -334,7 +345,13 @@ impl<St: Store + Clone, Sc> Idempotency<St, Sc> {
             .run_to_completion(&self.store, &derived, Some(&fingerprint), run)
             .await;
         match ran {
-            Ok(Outcome::Executed(kept)) => kept.response(false),
+            Ok(Outcome::Executed(kept)) => {
+                let response = ran_here
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take();
+                response.map_or_else(|| kept.response(false), Ok)
+            }
             Ok(Outcome::Replayed(kept)) => kept.response(true),
             Err(Failed::Body(status)) => Err(status),
             Err(Failed::Idem(err)) => Err(status(&err)),
@@ -578,17 +595,9 @@ where
         let cut = retry
             .timeout_of()
             .and_then(|timeout| tokio::time::Instant::now().checked_add(timeout));
-        let cut = match (cut, deadline) {
-            (Some(cut), Some(deadline)) => Some(cut.min(deadline)),
-            (cut, deadline) => cut.or(deadline),
-        };
-        let answer = match cut {
-            Some(cut) => match tokio::time::timeout_at(cut, send(attempt)).await {
-                Ok(answer) => answer,
-                Err(_) => Err(Status::deadline_exceeded("the attempt was cut")),
-            },
-            None => send(attempt).await,
-        };
+        let answer = within(earliest(cut, deadline), send(attempt))
+            .await
+            .unwrap_or_else(|| Err(Status::deadline_exceeded("the attempt was cut")));
         let status = match answer {
             Ok(response) => return Ok(response),
             Err(status) if !retryable(&status) => return Err(status),
@@ -601,8 +610,7 @@ where
             .get_details_retry_info()
             .and_then(|info| info.retry_delay);
         let now = tokio::time::Instant::now();
-        let Some(resume) = crate::http::client::resume_at(retry, tries, delay, now, deadline)
-        else {
+        let Some(resume) = resume_at(retry, tries, delay, now, deadline) else {
             return Err(status);
         };
         tokio::time::sleep_until(resume).await;
@@ -673,6 +681,50 @@ mod tests {
                 status.message()
             );
         }
+    }
+
+    /// `send` resends the one key it gave the call, no sooner than a status's `RetryInfo`
+    /// delay (on a paused clock: the delay is the clock's, not the machine's), and sends
+    /// nothing for a malformed key of the caller's.
+    #[tokio::test(start_paused = true)]
+    async fn send_resends_one_key_after_the_retry_info_delay() {
+        let sent = std::sync::Mutex::new(Vec::new());
+        let answer = send(&Retry::new(), Request::new(()), |request: Request<()>| {
+            let key = request.metadata().get(IDEMPOTENCY_KEY).cloned();
+            let mut sent = sent.lock().unwrap();
+            sent.push((tokio::time::Instant::now(), key));
+            let first = sent.len() == 1;
+            async move {
+                if first {
+                    return Err(status(&Error::InProgress));
+                }
+                Ok(Response::new(()))
+            }
+        })
+        .await;
+        assert!(answer.is_ok());
+        let sent = sent.into_inner().unwrap();
+        assert_eq!(sent.len(), 2);
+        assert!(sent[0].1.is_some());
+        assert_eq!(sent[0].1, sent[1].1, "one key for the call's attempts");
+        assert!(
+            sent[1].0 - sent[0].0 >= crate::RETRY_AFTER,
+            "resent after {:?}, before the RetryInfo delay",
+            sent[1].0 - sent[0].0
+        );
+
+        let mut malformed = Request::new(());
+        malformed
+            .metadata_mut()
+            .insert(IDEMPOTENCY_KEY, MetadataValue::from_static("\"open"));
+        let refused = send(&Retry::new(), malformed, |_: Request<()>| async {
+            panic!("a call with a malformed key is sent");
+            #[allow(unreachable_code)]
+            Ok(Response::new(()))
+        })
+        .await
+        .unwrap_err();
+        assert_eq!(refused.code(), Code::InvalidArgument);
     }
 
     #[test]

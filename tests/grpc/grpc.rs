@@ -396,6 +396,19 @@ async fn relay(client: TcpStream, upstream: SocketAddr, lossy: bool) {
     upward.abort();
 }
 
+/// One attempt of a charge, on a connection of its own through `endpoint`: a connection
+/// that fails is a status with a source, which `grpc::send` retries.
+async fn charge_on_a_new_connection(
+    endpoint: Endpoint,
+    request: Request<Charge>,
+) -> Result<Response<Receipt>, Status> {
+    let channel: Channel = endpoint
+        .connect()
+        .await
+        .map_err(|err| Status::from_error(Box::new(err)))?;
+    PaymentsClient::new(channel).charge(request).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_charges_through_a_lossy_proxy_each_run_once() {
     let shop = Arc::new(Shop::new(InFlight::Reject));
@@ -421,14 +434,7 @@ async fn a_thousand_charges_through_a_lossy_proxy_each_run_once() {
             // each attempt on a connection of its own.
             let request = charge(order, 100 + order, None, Some("alice"));
             let answer = grpc::send(&retry, request, |request| {
-                let endpoint = endpoint.clone();
-                async move {
-                    let channel: Channel = endpoint
-                        .connect()
-                        .await
-                        .map_err(|err| Status::from_error(Box::new(err)))?;
-                    PaymentsClient::new(channel).charge(request).await
-                }
+                charge_on_a_new_connection(endpoint.clone(), request)
             })
             .await;
             let response = answer.unwrap_or_else(|status| panic!("order {order}: {status:?}"));
@@ -459,16 +465,7 @@ async fn a_thousand_charges_through_a_lossy_proxy_each_run_once() {
     request
         .metadata_mut()
         .insert(IDEMPOTENCY_KEY, "reused".parse().unwrap());
-    let send = |request| {
-        let endpoint = endpoint.clone();
-        async move {
-            let channel = endpoint
-                .connect()
-                .await
-                .map_err(|err| Status::from_error(Box::new(err)))?;
-            PaymentsClient::new(channel).charge(request).await
-        }
-    };
+    let send = |request| charge_on_a_new_connection(endpoint.clone(), request);
     grpc::send(&retry, request, send).await.unwrap();
     let mut request = charge(0, 2, None, Some("alice"));
     request

@@ -108,7 +108,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 #[cfg(feature = "tonic")]
-pub(crate) use self::attempts::resume_at;
+pub(crate) use self::attempts::{earliest, resume_at, within};
 use self::attempts::{Attempts, Verdict};
 use super::header::IdempotencyKey;
 use crate::BoxError;

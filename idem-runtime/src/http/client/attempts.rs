@@ -265,7 +265,7 @@ fn last_attempt(retry: &Retry) -> Duration {
 }
 
 /// `future`'s output, or `None` if `deadline` passed first (never, without a deadline).
-pub(super) async fn within<F: Future>(deadline: Option<Instant>, future: F) -> Option<F::Output> {
+pub(crate) async fn within<F: Future>(deadline: Option<Instant>, future: F) -> Option<F::Output> {
     match deadline {
         Some(deadline) => tokio::time::timeout_at(deadline, future).await.ok(),
         None => Some(future.await),
@@ -273,7 +273,7 @@ pub(super) async fn within<F: Future>(deadline: Option<Instant>, future: F) -> O
 }
 
 /// The earlier of two deadlines, either of which may be absent.
-fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+pub(crate) fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
     match (a, b) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
