@@ -19,6 +19,7 @@ FEATURE_SETS = {
     "lapin": ["lapin"],
     "nats": ["nats"],
     "tonic": ["tonic"],
+    "rmcp": ["rmcp"],
     "all features": None,
 }
 

@@ -158,7 +158,7 @@ mod body;
 #[cfg_attr(docsrs, doc(cfg(feature = "client")))]
 pub mod client;
 mod config;
-mod fingerprint;
+pub(crate) mod fingerprint;
 pub(crate) mod header;
 mod key_from;
 mod layer;

@@ -80,6 +80,9 @@ pub mod http;
 mod idempotency_key;
 mod key;
 mod limits;
+#[cfg(feature = "rmcp")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rmcp")))]
+pub mod mcp;
 mod meter;
 #[cfg(feature = "metrics")]
 pub mod metrics;

@@ -181,7 +181,7 @@ pub(super) fn target(parts: &Parts) -> &str {
 /// It is written in one pass over the bytes, without building a tree or a float: the
 /// document's own text decides, so the result does not depend on `serde_json`'s features
 /// (`arbitrary_precision` changes what its deserializer hands out).
-fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
+pub(crate) fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
     canonical_json_without(body, &[])
 }
 
