@@ -2,7 +2,7 @@
 //! callgrind: a count does not move with the machine's load, so a path that grows shows up
 //! here however noisy the clock is.
 //!
-//! `cargo bench --workspace --all-features --bench instructions` runs each side of each
+//! `cargo bench -p idem-runtime --features http,redis --bench instructions` runs each side of each
 //! path in a process of its own under `valgrind --tool=callgrind`, counting only the
 //! measured loop (after a warm-up), prints the counts per call and their ratios, and fails
 //! when one of idem's paths costs more than 5 % over its count in `instructions.counts`

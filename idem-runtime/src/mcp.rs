@@ -55,7 +55,7 @@
 //! | a malformed `_meta` key (not a string of 1 to 255 printable ASCII characters), or a missing chosen argument | a tool error (`KEY_MALFORMED`, `KEY_MISSING`); the tool does not run |
 //! | a completed call whose result is gone (evicted) | a tool error (`GONE`): the work was done; the tool does not run again |
 //! | the store is down | a tool error (`STORE_UNAVAILABLE`); the tool does not run |
-//! | the tool's result could not be recorded | a tool error (`UNRECORDED`): the work ran, and its result is not kept |
+//! | the tool's result could not be recorded (the store failed until the lease ran out) | the tool's own result, with `"rs.idem/unrecorded": true` in its `_meta`: the work ran, and a retry may not get this result |
 //!
 //! Every tool error of this module's own carries its reason in `_meta` under [`ERROR`]
 //! (`{"reason": "KEY_REUSED"}`, and `"retryAfterSeconds"` where a retry is the answer), and
@@ -79,7 +79,7 @@
 //! `_meta` (`{"rs.idem/idempotency-key": "…"}`); the arguments are then its fingerprint.
 
 use std::borrow::Cow;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use rmcp::handler::server::router::tool::ToolRouter;
@@ -101,6 +101,10 @@ pub const IDEMPOTENCY_KEY: &str = "rs.idem/idempotency-key";
 
 /// The `_meta` member of a replayed result, with the value `true`.
 pub const REPLAYED: &str = "rs.idem/replayed";
+
+/// The `_meta` member of a tool's result whose record failed, with the value `true`: the
+/// tool ran, and a retry may not be answered with this result.
+pub const UNRECORDED: &str = "rs.idem/unrecorded";
 
 /// The `_meta` member of a tool error of this module's own: `{"reason": …}`.
 pub const ERROR: &str = "rs.idem/error";
@@ -340,7 +344,7 @@ impl From<Error> for Failed {
 }
 
 /// A tool's answer as it is recorded: a result, or the task it created.
-#[derive(Serialize, Deserialize)]
+#[derive(Clone, Serialize, Deserialize)]
 enum Kept {
     Result(CallToolResult),
     Task(CreateTaskResult),
@@ -354,31 +358,45 @@ impl<St: Store + Clone, Sc: McpScope, S: Send + Sync + 'static> Guard<St, Sc, S>
         };
         let cancelled = context.request_context.ct.clone();
         let tool = Arc::clone(&self.tool);
+        // The tool's answer, kept for a call whose record fails: the work ran, so it is
+        // answered, marked unrecorded, rather than hidden behind an error.
+        let ran = Arc::new(Mutex::new(None));
+        let answer = Arc::clone(&ran);
         let body = async move {
-            match tool(context).await {
+            let kept = match tool(context).await {
                 Ok(CallToolResponse::Complete(result)) if result.is_error != Some(true) => {
-                    Ok(Kept::Result(result))
+                    Kept::Result(result)
                 }
-                Ok(CallToolResponse::Task(task)) => Ok(Kept::Task(task)),
-                other => Err(Failed::Passed(other)),
-            }
+                Ok(CallToolResponse::Task(task)) => Kept::Task(task),
+                other => return Err(Failed::Passed(other)),
+            };
+            *answer.lock().unwrap_or_else(PoisonError::into_inner) = Some(kept.clone());
+            Ok(kept)
         };
         let run = self
             .operation
             .run(&self.store, &key, Some(&fingerprint), body);
         // A cancelled request drops the tool's future: its key is released, as for any
         // dropped call. rmcp itself only cancels the token.
-        let ran = tokio::select! {
-            ran = run => ran,
+        let outcome = tokio::select! {
+            outcome = run => outcome,
             () = cancelled.cancelled() => {
                 tracing::info!(tool = %self.keyed.tool, "a guarded tool call was cancelled: its key is released");
                 return Err(ErrorData::internal_error("the request was cancelled", None));
             }
         };
-        match ran {
-            Ok(Outcome::Executed(kept)) => Ok(kept.into_response(false)),
-            Ok(Outcome::Replayed(kept)) => Ok(kept.into_response(true)),
+        match outcome {
+            Ok(Outcome::Executed(kept)) => Ok(kept.into_response(None)),
+            Ok(Outcome::Replayed(kept)) => Ok(kept.into_response(Some(REPLAYED))),
             Err(Failed::Passed(answer)) => answer,
+            Err(Failed::Idem(err @ Error::Unrecorded(_))) => {
+                let kept = ran.lock().unwrap_or_else(PoisonError::into_inner).take();
+                tracing::warn!(error = %err, tool = %self.keyed.tool, "a guarded tool's result was not recorded: answered, marked unrecorded");
+                Ok(kept.map_or_else(
+                    || tool_error(&err).into(),
+                    |kept| kept.into_response(Some(UNRECORDED)),
+                ))
+            }
             Err(Failed::Idem(err)) => Ok(tool_error(&err).into()),
         }
     }
@@ -437,11 +455,12 @@ impl<St: Store + Clone, Sc: McpScope, S: Send + Sync + 'static> Guard<St, Sc, S>
 }
 
 impl Kept {
-    fn into_response(self, replayed: bool) -> CallToolResponse {
+    /// The answer, its `_meta` marked `marker: true` if there is one.
+    fn into_response(self, marker: Option<&str>) -> CallToolResponse {
         let mark = |meta: &mut Option<MetaObject>| {
-            if replayed {
+            if let Some(marker) = marker {
                 meta.get_or_insert_with(MetaObject::new)
-                    .insert(REPLAYED.to_owned(), Value::Bool(true));
+                    .insert(marker.to_owned(), Value::Bool(true));
             }
         };
         match self {
@@ -556,5 +575,65 @@ pub fn tool_error(err: &Error) -> CallToolResult {
 impl From<Error> for CallToolResult {
     fn from(err: Error) -> Self {
         tool_error(&err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_error_is_its_documented_tool_error() {
+        let cases = [
+            (Error::InProgress, "IN_FLIGHT", true),
+            (Error::PayloadMismatch, "KEY_REUSED", false),
+            (Error::Gone, "GONE", false),
+            (
+                Error::store("db at 10.0.0.3 down"),
+                "STORE_UNAVAILABLE",
+                true,
+            ),
+            (Error::Unrecorded("disk full".into()), "UNRECORDED", false),
+            (Error::codec("bad json at byte 3"), "INTERNAL", false),
+        ];
+        for (err, reason, retry_after) in cases {
+            let result = tool_error(&err);
+            assert_eq!(result.is_error, Some(true), "{err:?}");
+            let error = &result.meta.as_ref().expect("a _meta")[ERROR];
+            assert_eq!(error["reason"], reason, "{err:?}");
+            assert_eq!(
+                error.get("retryAfterSeconds").is_some(),
+                retry_after,
+                "{err:?}"
+            );
+            let text = serde_json::to_string(&result.content).unwrap();
+            assert!(
+                !text.contains("10.0.0.3") && !text.contains("disk") && !text.contains("byte 3"),
+                "a tool error carries no internal text: {text}"
+            );
+        }
+    }
+
+    #[test]
+    fn equal_arguments_in_any_order_and_notation_are_one_key() {
+        let object = |value: Value| value.as_object().cloned();
+        let a = canonical(
+            object(
+                serde_json::json!({"order": "o-1", "cents": 500, "tags": {"b": 1, "a": [1.0, 2]}}),
+            )
+            .as_ref(),
+        );
+        let b = canonical(object(serde_json::json!({"tags": {"a": [1, 2e0], "b": 1.0}, "cents": 5e2, "order": "o-1"})).as_ref());
+        assert_eq!(a, b);
+        let c = canonical(object(serde_json::json!({"order": "o-1", "cents": 501})).as_ref());
+        assert_ne!(a, c);
+        assert_eq!(
+            canonical(None),
+            canonical(object(serde_json::json!({})).as_ref())
+        );
+        assert!(well_formed("k-1") && well_formed(&"k".repeat(MAX_KEY_LEN)));
+        assert!(
+            !well_formed("") && !well_formed("é") && !well_formed(&"k".repeat(MAX_KEY_LEN + 1))
+        );
     }
 }

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem_runtime::mcp::{Idempotency, Keyed, ERROR, IDEMPOTENCY_KEY, REPLAYED};
+use idem_runtime::mcp::{Idempotency, Keyed, ERROR, IDEMPOTENCY_KEY, REPLAYED, UNRECORDED};
 use idem_runtime::{step, MemoryStore, Store};
 use idem_tests::Probe;
 use rmcp::handler::server::router::tool::ToolRouter;
@@ -194,8 +194,12 @@ impl Shop {
         } else {
             idem.unscoped().guard("shop.v1", Shop::tool_router(), tools)
         };
+        Self::with_tools(tools.unwrap())
+    }
+
+    fn with_tools(tools: ToolRouter<Shop>) -> Self {
         Self {
-            tools: tools.unwrap(),
+            tools,
             ledger: Arc::default(),
         }
     }
@@ -589,4 +593,32 @@ async fn a_continuation_replays_the_steps_of_its_first_round() {
     assert!(replayed(&again));
     assert_eq!(ledger.runs("ship o-4"), 1);
     assert_eq!(ledger.reservations.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_whose_record_fails_is_answered_marked_unrecorded() {
+    // Every completion fails: the record is retried until the lease runs out.
+    let store = Probe::new(MemoryStore::new());
+    store.fail_completes(usize::MAX);
+    let idem = Idempotency::new(store.clone())
+        .lease(Duration::from_millis(300))
+        .unscoped();
+    let shop = Shop::with_tools(
+        idem.guard("shop.v1", Shop::tool_router(), ["charge"])
+            .unwrap(),
+    );
+    let ledger = shop.ledger.clone();
+    let client = stream_client(shop).await;
+    let answer = client
+        .call_tool(call("charge", json!({ "order": "o-5", "cents": 5 }), None))
+        .await
+        .unwrap();
+    // The tool ran: its own result, not an error that would hide the charge.
+    assert_eq!(ledger.runs("o-5"), 1);
+    assert_ne!(answer.is_error, Some(true), "{answer:?}");
+    assert_eq!(answer.structured_content.as_ref().unwrap()["order"], "o-5");
+    let marked = answer.meta.as_ref().and_then(|m| m.get(UNRECORDED));
+    assert_eq!(marked, Some(&Value::Bool(true)), "{answer:?}");
+    assert!(!replayed(&answer));
+    assert!(store.completes() >= 2, "the record was retried");
 }
