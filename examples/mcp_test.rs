@@ -342,6 +342,46 @@ async fn a_stdio_server_replays_and_reconciles_after_a_kill() {
     );
 }
 
+/// The MCP project's own Python SDK as a second client (`mcp_client.py`): a replay, its
+/// marker, and a key reused with other arguments refused, as that SDK reads them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mcp_projects_python_sdk_reads_replays_and_refusals() {
+    let Some(_) = ledger().await else { return };
+    let sdk = std::process::Command::new("python3")
+        .args(["-c", "import mcp.client.streamable_http"])
+        .status()
+        .is_ok_and(|status| status.success());
+    if !sdk {
+        assert!(
+            std::env::var_os("IDEM_REQUIRE_SERVICES").is_none(),
+            "the MCP Python SDK is required (IDEM_REQUIRE_SERVICES): pip install 'mcp>=2'"
+        );
+        eprintln!("skipped: the MCP Python SDK is not installed");
+        return;
+    }
+    let server = free_addr();
+    let mut service = Service::start("mcp_service", &[("IDEM_MCP_ADDR", server.to_string())]);
+    service.said("listening").await;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/mcp_client.py");
+    let ran = tokio::process::Command::new("python3")
+        .args([script, &format!("http://{server}/mcp"), &run_id()])
+        .output()
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&ran.stdout);
+    println!("{said}{}", String::from_utf8_lossy(&ran.stderr));
+    assert!(
+        ran.status.success(),
+        "the Python client's checks failed:\n{said}"
+    );
+    assert_eq!(
+        said.matches("\nok ").count() + usize::from(said.starts_with("ok ")),
+        7,
+        "{said}"
+    );
+    service.finish().await;
+}
+
 /// Calls through `client` until the answer is not "come back later".
 async fn loop_until_answered(
     client: &rmcp::service::RunningService<rmcp::RoleClient, ()>,

@@ -69,6 +69,14 @@
 //! next call that takes it over asks [`reconcile`](crate::reconcile) before it runs the
 //! effect again.
 //!
+//! **A cancellation releases, as a dropped future does**, and rmcp cancels more than
+//! `notifications/cancelled`: when a request's transport closes (a Streamable HTTP
+//! connection that broke, a stdio client that exited), it gives the handlers still running
+//! 5 s to answer, then cancels them too. A tool that can still be mid-effect then, seconds
+//! after its client went away, hands its key downstream ([`attempt`](crate::attempt)), so
+//! that the destination answers a repeat once, or commits its effect in the store's own
+//! transaction: a released key runs its tool again on the next call, without asking.
+//!
 //! **Guarded tools are marked** with the `idempotentHint` annotation (unless a tool sets it
 //! itself), which is now true of them: a repeated call has no further effect.
 //!
