@@ -18,8 +18,9 @@ use rmcp::handler::server::tool::InputResponses;
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::ProtocolVersion;
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, InputRequiredResult,
-    JsonObject, RequestMetaObject,
+    CallToolRequestParams, CallToolResponse, CallToolResult, ClientCapabilities, ClientConfig,
+    ContentBlock, CreateTaskResult, Implementation, InputRequiredResult, JsonObject,
+    RequestMetaObject, Task, TaskStatus,
 };
 use rmcp::service::RunningService;
 use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
@@ -159,6 +160,20 @@ impl Shop {
         .into())
     }
 
+    /// Starts a task: what the call answers is the task, which a retry must get again.
+    #[tool(description = "Start an export")]
+    async fn export(&self, Parameters(s): Parameters<Ship>) -> Result<CallToolResponse, ErrorData> {
+        let run = self.ledger.run(&format!("export {}", s.order));
+        let at = "2026-12-07T00:00:00Z";
+        let task = Task::new(
+            format!("export-{}-{run}", s.order),
+            TaskStatus::Working,
+            at,
+            at,
+        );
+        Ok(CreateTaskResult::new(task).into())
+    }
+
     /// Not guarded: runs every time.
     #[tool(description = "Count")]
     async fn count(&self) -> Result<CallToolResult, ErrorData> {
@@ -177,6 +192,7 @@ impl Shop {
             Keyed::new("charge"),
             Keyed::new("refund").argument("order"),
             Keyed::new("ship"),
+            Keyed::new("export"),
         ];
         let idem = Idempotency::new(store.clone()).wait(wait);
         let tools = if scoped {
@@ -621,4 +637,46 @@ async fn a_result_whose_record_fails_is_answered_marked_unrecorded() {
     assert_eq!(marked, Some(&Value::Bool(true)), "{answer:?}");
     assert!(!replayed(&answer));
     assert!(store.completes() >= 2, "the record was retried");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_a_call_created_is_the_answer_to_its_retry() {
+    let store = MemoryStore::new();
+    let shop = Shop::new(&store, Duration::from_secs(10), true);
+    let ledger = shop.ledger.clone();
+    let address = serve_http(shop).await;
+    // A client that takes tasks (SEP-2663), which the server asks of it.
+    let config = StreamableHttpClientTransportConfig::with_uri(format!("http://{address}/mcp"))
+        .auth_header("alice");
+    let tasks = ClientConfig::new(
+        ClientCapabilities::builder().enable_tasks().build(),
+        Implementation::new("idem-tests", "0.1.0"),
+    );
+    let modern = ClientLifecycleMode::Discover {
+        preferred_versions: vec![ProtocolVersion::V_2026_07_28],
+    };
+    let client = tasks
+        .serve_with_lifecycle(StreamableHttpClientTransport::from_config(config), modern)
+        .await
+        .unwrap();
+    let started = |answer: CallToolResponse| match answer {
+        CallToolResponse::Task(task) => task,
+        other => panic!("a task: {other:?}"),
+    };
+    let first = started(
+        client
+            .call_tool_once(call("export", json!({ "order": "o-6" }), None))
+            .await
+            .unwrap(),
+    );
+    let again = started(
+        client
+            .call_tool_once(call("export", json!({ "order": "o-6" }), None))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(ledger.runs("export o-6"), 1, "one task, not two");
+    assert_eq!(again.task.task_id, first.task.task_id);
+    let marked = again.meta.as_ref().and_then(|m| m.get(REPLAYED));
+    assert_eq!(marked, Some(&Value::Bool(true)));
 }
