@@ -139,7 +139,7 @@ impl std::fmt::Debug for Scoped {
     label = "no scope chosen",
     note = "call `.scope(|request| ..)` (keys per principal) or `.unscoped()` (keys shared by every caller, as over stdio) on `Idempotency::new(store)`"
 )]
-pub trait McpScope: Send + Sync + 'static {
+pub trait McpScope: Clone + Send + Sync + 'static {
     /// The principal of a call, from the HTTP request it came in (none over stdio):
     /// `Some("")` for a server whose keys are shared, `None` when it cannot be named.
     #[doc(hidden)]
@@ -277,7 +277,7 @@ impl<St, Sc> Idempotency<St, Sc> {
     }
 }
 
-impl<St: Store + Clone + 'static, Sc: McpScope + Clone> Idempotency<St, Sc> {
+impl<St: Store + Clone + 'static, Sc> Idempotency<St, Sc> {
     /// `router` with each of `tools` run once per key in `namespace` (a stable name of the
     /// server's tools, such as `"payments.v1"`; the key includes the tool's name), and
     /// marked `idempotentHint`. The other tools are left as they are.
@@ -294,6 +294,7 @@ impl<St: Store + Clone + 'static, Sc: McpScope + Clone> Idempotency<St, Sc> {
     where
         S: Send + Sync + 'static,
         T: Into<Keyed>,
+        Sc: McpScope,
     {
         let operation = Operation::new(namespace)
             .ttl(self.ttl)
