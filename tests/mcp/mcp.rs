@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use idem_runtime::mcp::{Idempotency, Keyed, ERROR, IDEMPOTENCY_KEY, REPLAYED, UNRECORDED};
 use idem_runtime::{step, MemoryStore, Store};
-use idem_tests::Probe;
+use idem_tests::{Down, Probe, DOWN};
 use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::tool::InputResponses;
 use rmcp::handler::server::wrapper::Parameters;
@@ -120,6 +120,11 @@ impl Shop {
         let mut result = CallToolResult::structured(json!({
             "order": c.order, "cents": c.cents, "run": run,
         }));
+        if c.order == "big" {
+            result
+                .content
+                .push(ContentBlock::text("x".repeat(8 * 1024)));
+        }
         result
             .content
             .push(ContentBlock::text(format!("charged {}", c.cents)));
@@ -679,4 +684,44 @@ async fn a_task_a_call_created_is_the_answer_to_its_retry() {
     assert_eq!(again.task.task_id, first.task.task_id);
     let marked = again.meta.as_ref().and_then(|m| m.get(REPLAYED));
     assert_eq!(marked, Some(&Value::Bool(true)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_not_kept_is_gone_and_a_store_down_runs_nothing() {
+    // A result larger than the memory store keeps: done, and not replayable.
+    let store = MemoryStore::builder().max_bytes(1024).build();
+    let shop = Shop::new(&store, Duration::from_secs(10), false);
+    let ledger = shop.ledger.clone();
+    let client = stream_client(shop).await;
+    let big = json!({ "order": "big", "cents": 1 });
+    let first = client
+        .call_tool(call("charge", big.clone(), None))
+        .await
+        .unwrap();
+    assert_ne!(first.is_error, Some(true), "{first:?}");
+    let gone = client.call_tool(call("charge", big, None)).await.unwrap();
+    assert_eq!(reason(&gone).as_deref(), Some("GONE"), "{gone:?}");
+    assert_eq!(ledger.runs("big"), 1, "never a second run");
+
+    // A store that is down: the tool does not run, and the error says nothing of it.
+    let shop = Shop::new(&Down, Duration::from_secs(10), false);
+    let ledger = shop.ledger.clone();
+    let client = stream_client(shop).await;
+    let down = client
+        .call_tool(call("charge", json!({ "order": "o-7", "cents": 1 }), None))
+        .await
+        .unwrap();
+    assert_eq!(
+        reason(&down).as_deref(),
+        Some("STORE_UNAVAILABLE"),
+        "{down:?}"
+    );
+    assert_eq!(ledger.runs("o-7"), 0);
+    let text = serde_json::to_string(&down).unwrap();
+    for internal in ["hunter2", "db.internal", "connection refused"] {
+        assert!(
+            DOWN.contains(internal) && !text.contains(internal),
+            "no internal text: {text}"
+        );
+    }
 }
