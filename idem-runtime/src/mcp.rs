@@ -101,6 +101,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
+use crate::http::header::MAX_KEY_LEN;
 use crate::http::{ScopeNotChosen, Unscoped};
 use crate::{Error, Fingerprint, InFlight, Key, Operation, Outcome, Store};
 
@@ -116,9 +117,6 @@ pub const UNRECORDED: &str = "rs.idem/unrecorded";
 
 /// The `_meta` member of a tool error of this module's own: `{"reason": …}`.
 pub const ERROR: &str = "rs.idem/error";
-
-/// The longest key a client may put in `_meta`, as for `Idempotency-Key`.
-const MAX_KEY_LEN: usize = 255;
 
 /// Who a call is from, for [`Idempotency::scope`].
 type ScopeFn = Arc<dyn Fn(&http::request::Parts) -> Option<String> + Send + Sync>;
@@ -423,7 +421,7 @@ impl<St: Store + Clone, Sc: McpScope, S: Send + Sync + 'static> Guard<St, Sc, S>
                 "This tool runs once per call, but whose call this is cannot be told: authenticate, and call it again.",
             ));
         };
-        let arguments = canonical(context.arguments.as_ref());
+        let arguments = canonical(context.arguments.as_ref()).map_err(|err| tool_error(&err))?;
         let fingerprint = {
             let mut digest = Sha256::new();
             digest.update(self.keyed.tool.as_bytes());
@@ -450,7 +448,7 @@ impl<St: Store + Clone, Sc: McpScope, S: Send + Sync + 'static> Guard<St, Sc, S>
                             &format!("This tool needs the argument `{name}`: it says which call this is."),
                         ));
                     };
-                    chosen = canonical_value(found);
+                    chosen = canonical_of(found).map_err(|err| tool_error(&err))?;
                     ("argument", chosen.as_str())
                 }
             },
@@ -492,27 +490,20 @@ fn well_formed(key: &str) -> bool {
 
 /// The arguments as canonical JSON (members sorted, numbers by their exact value), so that
 /// the same arguments in another order, or `1.0` for `1`, are the same call.
-fn canonical(arguments: Option<&JsonObject>) -> String {
+fn canonical(arguments: Option<&JsonObject>) -> Result<String, Error> {
     match arguments {
-        Some(arguments) => canonical_bytes(&serde_json::to_vec(arguments)),
-        None => "{}".to_owned(),
+        Some(arguments) => canonical_of(arguments),
+        None => Ok("{}".to_owned()),
     }
 }
 
-fn canonical_value(value: &Value) -> String {
-    canonical_bytes(&serde_json::to_vec(value))
-}
-
-fn canonical_bytes(written: &Result<Vec<u8>, serde_json::Error>) -> String {
-    // A JSON value serde_json wrote is always a document the canonical form reads.
-    let canonical = written
-        .as_deref()
-        .ok()
-        .and_then(crate::http::fingerprint::canonical_json);
-    match canonical {
-        Some(bytes) => String::from_utf8(bytes).unwrap_or_default(),
-        None => String::new(),
-    }
+/// `value` in the canonical form; where that form cannot be written (a document nested
+/// deeper than it reads), `value` as serde_json writes it: never one text for two values.
+fn canonical_of<V: Serialize + ?Sized>(value: &V) -> Result<String, Error> {
+    let written = serde_json::to_string(value).map_err(Error::codec)?;
+    let canonical = crate::http::fingerprint::canonical_json(written.as_bytes())
+        .and_then(|bytes| String::from_utf8(bytes).ok());
+    Ok(canonical.unwrap_or(written))
 }
 
 /// A tool error of this module's own: `text` for the model, the reason in `_meta`.
@@ -623,22 +614,38 @@ mod tests {
         }
     }
 
+    fn canonical_ok(arguments: Option<&JsonObject>) -> String {
+        canonical(arguments).unwrap()
+    }
+
     #[test]
     fn equal_arguments_in_any_order_and_notation_are_one_key() {
         let object = |value: Value| value.as_object().cloned();
-        let a = canonical(
+        let a = canonical_ok(
             object(
                 serde_json::json!({"order": "o-1", "cents": 500, "tags": {"b": 1, "a": [1.0, 2]}}),
             )
             .as_ref(),
         );
-        let b = canonical(object(serde_json::json!({"tags": {"a": [1, 2e0], "b": 1.0}, "cents": 5e2, "order": "o-1"})).as_ref());
+        let b = canonical_ok(object(serde_json::json!({"tags": {"a": [1, 2e0], "b": 1.0}, "cents": 5e2, "order": "o-1"})).as_ref());
         assert_eq!(a, b);
-        let c = canonical(object(serde_json::json!({"order": "o-1", "cents": 501})).as_ref());
+        let c = canonical_ok(object(serde_json::json!({"order": "o-1", "cents": 501})).as_ref());
         assert_ne!(a, c);
         assert_eq!(
-            canonical(None),
-            canonical(object(serde_json::json!({})).as_ref())
+            canonical_ok(None),
+            canonical_ok(object(serde_json::json!({})).as_ref())
+        );
+        // Deeper than the canonical form reads: serde_json's own text, one per value.
+        let deep = |leaf: u64| {
+            let mut value = serde_json::json!(leaf);
+            for _ in 0..200 {
+                value = serde_json::json!([value]);
+            }
+            value
+        };
+        assert_ne!(
+            canonical_of(&deep(1)).unwrap(),
+            canonical_of(&deep(2)).unwrap()
         );
         assert!(well_formed("k-1") && well_formed(&"k".repeat(MAX_KEY_LEN)));
         assert!(
